@@ -1,0 +1,41 @@
+# specd: the README's commands. `make run` and `make test` set up .venv if needed.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export OMP_NUM_THREADS ?= 2
+export PYTHONUNBUFFERED := 1
+
+SHARED ?= ../shared
+HOST ?= 127.0.0.1
+PORT ?= 8765
+
+.PHONY: install run test test-slow bench eval soak proto lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+run: install
+	$(BIN)/specd serve --host $(HOST) --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-slow: install
+	SPECD_SLOW=1 $(BIN)/python -m pytest -q -m slow
+
+bench: install
+	$(BIN)/python eval/bench_decode.py
+
+proto: install
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=specd/server/proto --grpc_python_out=specd/server/proto proto/specd/v1/specd.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,386 @@
+#!/usr/bin/env python3
+"""Train specd's built-in demo model pair (a Llama target and a 1-layer distilled draft) on GSM8K.
+
+Seeded and reproducible (same seed, same thread count, same torch build -> same weights):
+
+    HF_HUB_OFFLINE=1 .venv/bin/python eval/train_demo_pair.py            # ~30 min on 1 CPU thread
+    HF_HUB_OFFLINE=1 .venv/bin/python eval/train_demo_pair.py --target-steps 5 --draft-steps 5 \
+        --out /tmp/demo_smoke                                              # smoke run
+
+Steps:
+  1. read GSM8K train.jsonl (``--data``); example i < N-200 is training data, the last 200
+     (indices N-200..N-1, file order) are the held-out set;
+  2. format each example as a chat (``<|bos|><|user|>Q<|end|><|assistant|>A<|end|>``; ``<<...>>``
+     calculator annotations stripped, the final ``#### N`` line becomes ``The answer is N.``);
+  3. train a byte-level BPE tokenizer on the training chats (special tokens + chat template);
+  4. train the target (LlamaForCausalLM, fp32) on packed sequences of the training chats;
+  5. distil a 1-layer draft from it (KL(target||draft) + CE, ``specd.distill``), embeddings
+     initialised from the target's, decoder layer initialised from the target's first layer;
+  6. evaluate held-out loss and greedy draft/target agreement, save both in HF format (bf16) under
+     ``--out``/target and ``--out``/draft, reload them with transformers and generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from specd.distill import build_draft, greedy_agreement, heldout_loss, lr_at, train_draft  # noqa: E402
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|system|>{{ message['content'] }}<|end|>"
+    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}<|end|>"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}<|end|>"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+HELDOUT = 200
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# data
+# ------------------------------------------------------------------------------------------------
+
+
+def format_answer(answer: str) -> str:
+    """Strip ``<<...>>`` calculator annotations; ``#### N`` -> ``The answer is N.``"""
+    text = re.sub(r"<<[^>]*>>", "", answer)
+    if "####" in text:
+        body, final = text.rsplit("####", 1)
+        body = body.rstrip()
+        final = final.strip()
+        text = (body + "\n" if body else "") + f"The answer is {final}."
+    return text.strip()
+
+
+def load_gsm8k(path: Path) -> list[list[dict]]:
+    chats = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                chats.append([
+                    {"role": "user", "content": r["question"].strip()},
+                    {"role": "assistant", "content": format_answer(r["answer"])},
+                ])
+    return chats
+
+
+def render(chat: list[dict]) -> str:
+    # Same output as the Jinja template above (checked against apply_chat_template at save time).
+    out = "<|bos|>"
+    for m in chat:
+        out += f"<|{m['role']}|>{m['content']}<|end|>"
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# tokenizer
+# ------------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Train on the text without the special-token markers.
+    plain = [re.sub(r"<\|[a-z]+\|>", "\n", t) for t in texts]
+    tok.train_from_iterator(plain, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|bos|>",
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
+        extra_special_tokens=["<|user|>", "<|assistant|>", "<|system|>"],
+        clean_up_tokenization_spaces=False,
+        model_max_length=1024,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+
+
+def pad_batch(seqs: list[list[int]], pad: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    L = min(max(len(s) for s in seqs), max_len)
+    ids = torch.full((len(seqs), L), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        s = s[:L]
+        ids[i, : len(s)] = torch.tensor(s)
+        mask[i, : len(s)] = True
+    return ids, mask
+
+
+def evaluate(target, draft, held_ids, held_mask, asst_mask) -> dict:
+    pair_mask = torch.zeros_like(held_mask)
+    pair_mask[:, :-1] = held_mask[:, :-1] & held_mask[:, 1:]
+    asst_pairs = pair_mask & asst_mask
+    res = {
+        "target_loss": heldout_loss(target, held_ids, mask=held_mask),
+        "draft_loss": heldout_loss(draft, held_ids, mask=held_mask) if draft is not None else float("nan"),
+    }
+    if draft is not None:
+        res["agreement_all"] = greedy_agreement(draft, target, held_ids, mask=pair_mask)
+        res["agreement_assistant"] = greedy_agreement(draft, target, held_ids, mask=asst_pairs)
+    return res
+
+
+def save_model(model, tok, out: Path, end_id: int) -> None:
+    import copy
+
+    from transformers import GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    m = copy.deepcopy(model).to(torch.bfloat16)
+    m.config.dtype = torch.bfloat16
+    m.config.use_cache = True
+    m.save_pretrained(out)
+    tok.save_pretrained(out, save_jinja_files=False)
+    GenerationConfig(
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=[end_id],
+        pad_token_id=tok.pad_token_id,
+        do_sample=False,
+        max_new_tokens=256,
+    ).save_pretrained(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"))
+    ap.add_argument("--out", default=str(REPO / "models" / "demo"))
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--vocab-size", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=688)
+    ap.add_argument("--max-pos", type=int, default=1024)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--target-steps", type=int, default=700)
+    ap.add_argument("--target-lr", type=float, default=2e-3)
+    ap.add_argument("--draft-steps", type=int, default=400)
+    ap.add_argument("--draft-lr", type=float, default=2e-3)
+    ap.add_argument("--kl-weight", type=float, default=1.0)
+    ap.add_argument("--ce-weight", type=float, default=0.1)
+    ap.add_argument("--log-every", type=int, default=50)
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args()
+
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    out = Path(args.out)
+    times: dict[str, float] = {}
+    T0 = time.time()
+    log(f"args: {vars(args)}")
+    log(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+
+    # ---- data + tokenizer
+    t = time.time()
+    chats = load_gsm8k(Path(args.data))
+    n = len(chats)
+    train_chats, held_chats = chats[: n - HELDOUT], chats[n - HELDOUT :]
+    log(f"data: {n} examples; train = [0, {n - HELDOUT}), held-out = [{n - HELDOUT}, {n})")
+    train_texts = [render(c) for c in train_chats]
+    tok = train_tokenizer(train_texts, args.vocab_size)
+    end_id = tok.convert_tokens_to_ids("<|end|>")
+    asst_id = tok.convert_tokens_to_ids("<|assistant|>")
+    assert tok.apply_chat_template(train_chats[0], tokenize=False) == train_texts[0], "chat template mismatch"
+    enc = tok(train_texts, add_special_tokens=False)["input_ids"]
+    stream = torch.tensor([i for s in enc for i in s], dtype=torch.long)
+    held_enc = tok([render(c) for c in held_chats], add_special_tokens=False)["input_ids"]
+    # Evaluate in length order (less padding, same numbers); the set itself is the last 200 lines.
+    held_enc = sorted(held_enc, key=len)
+    held_ids, held_mask = pad_batch(held_enc, tok.pad_token_id, args.max_pos)
+    asst_mask = (torch.cumsum((held_ids == asst_id).long(), dim=1) > 0) & held_mask
+    times["tokenizer_s"] = time.time() - t
+    log(
+        f"tokenizer: vocab {len(tok)}, train tokens {stream.numel()} ({stream.numel() / len(enc):.1f}/example), "
+        f"held-out tokens {int(held_mask.sum())}; {times['tokenizer_s']:.1f}s"
+    )
+
+    # ---- target
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=args.max_pos,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=end_id,
+        pad_token_id=tok.pad_token_id,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(args.seed)
+    target = LlamaForCausalLM(cfg).float()
+    log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.3f}M params, {args.layers} layers, d={args.hidden}")
+
+    L = args.seq_len + 1
+    n_chunks = stream.numel() // L
+    chunks = stream[: n_chunks * L].view(n_chunks, L)
+    steps_per_epoch = max(1, n_chunks // args.batch_size)
+    log(f"target training: {n_chunks} packed chunks of {L} tokens, {steps_per_epoch} steps/epoch, {args.target_steps} steps "
+        f"({args.target_steps / steps_per_epoch:.2f} epochs)")
+    gen = torch.Generator().manual_seed(args.seed)
+    order: list[int] = []
+
+    def target_batch(step: int) -> torch.Tensor:
+        nonlocal order
+        if len(order) < args.batch_size:
+            order = order + torch.randperm(n_chunks, generator=gen).tolist()
+        idx, order = order[: args.batch_size], order[args.batch_size :]
+        return chunks[idx]
+
+    decay = [p for p in target.parameters() if p.dim() >= 2]
+    no_decay = [p for p in target.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.target_lr, betas=(0.9, 0.95))
+    warmup = max(1, min(50, args.target_steps // 10))
+    t = time.time()
+    target.train()
+    bar = tqdm(total=args.target_steps, desc="target", unit="step", disable=args.no_progress, dynamic_ncols=True)
+    ema = None
+    for step in range(args.target_steps):
+        lr = lr_at(step, args.target_steps, args.target_lr, warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        b = target_batch(step)
+        loss = target(input_ids=b[:, :-1], labels=None, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(loss.reshape(-1, loss.shape[-1]), b[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
+        opt.step()
+        lv = loss.item()
+        ema = lv if ema is None else 0.95 * ema + 0.05 * lv
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}")
+        if step % args.log_every == 0 or step == args.target_steps - 1:
+            el = time.time() - t
+            log(f"[target] step {step}/{args.target_steps} loss {lv:.4f} (ema {ema:.4f}) lr {lr:.2e} "
+                f"elapsed {el:.0f}s ({el / (step + 1):.2f}s/step)")
+    bar.close()
+    target.eval()
+    times["target_train_s"] = time.time() - t
+    log(f"target training: {times['target_train_s']:.1f}s")
+
+    # ---- draft
+    draft, info = build_draft(target, layers=1, freeze_embeddings=False, copy_layers=True, seed=args.seed)
+    log(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.3f}M params, 1 layer, d={draft.config.hidden_size}; init {info}")
+    dgen = torch.Generator().manual_seed(args.seed + 1)
+
+    def draft_batch(step: int) -> torch.Tensor:
+        idx = torch.randint(0, n_chunks, (args.batch_size,), generator=dgen)
+        return chunks[idx]
+
+    t = time.time()
+    hist = train_draft(
+        target, draft, draft_batch,
+        steps=args.draft_steps, lr=args.draft_lr, weight_decay=0.0,
+        kl_weight=args.kl_weight, ce_weight=args.ce_weight,
+        progress=not args.no_progress, log_every=args.log_every, log=log, desc="draft",
+    )
+    times["draft_train_s"] = time.time() - t
+    log(f"draft training: {times['draft_train_s']:.1f}s")
+
+    # ---- evaluation
+    t = time.time()
+    ev = evaluate(target, draft, held_ids, held_mask, asst_mask)
+    times["eval_s"] = time.time() - t
+    log(f"held-out ({HELDOUT} examples): target loss {ev['target_loss']:.4f} (ppl {math.exp(ev['target_loss']):.2f}), "
+        f"draft loss {ev['draft_loss']:.4f} (ppl {math.exp(ev['draft_loss']):.2f}); "
+        f"greedy agreement all {ev['agreement_all']:.4f}, assistant {ev['agreement_assistant']:.4f}")
+
+    # ---- save + reload check
+    t = time.time()
+    save_model(target, tok, out / "target", end_id)
+    save_model(draft, tok, out / "draft", end_id)
+    for name in ("target", "draft"):
+        d = out / name
+        m = AutoModelForCausalLM.from_pretrained(d)
+        tk = AutoTokenizer.from_pretrained(d)
+        q = held_chats[0][0]["content"]
+        enc_p = tk.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        o = m.generate(**enc_p, max_new_tokens=96, do_sample=False)
+        txt = tk.decode(o[0, enc_p["input_ids"].shape[1]:], skip_special_tokens=False)
+        log(f"[{name}] reload ok ({m.dtype}); Q: {q[:80]}...\n[{name}] A: {txt!r}")
+    ev_bf16 = evaluate(AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval(),
+                       AutoModelForCausalLM.from_pretrained(out / "draft", dtype=torch.float32).eval(),
+                       held_ids, held_mask, asst_mask)
+    log(f"after bf16 save/reload (fp32 compute): target loss {ev_bf16['target_loss']:.4f}, draft loss {ev_bf16['draft_loss']:.4f}, "
+        f"agreement all {ev_bf16['agreement_all']:.4f}, assistant {ev_bf16['agreement_assistant']:.4f}")
+    times["save_s"] = time.time() - t
+    times["total_s"] = time.time() - T0
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    summary = {
+        "args": vars(args),
+        "n_examples": n,
+        "heldout_range": [n - HELDOUT, n],
+        "train_tokens": int(stream.numel()),
+        "vocab_size": len(tok),
+        "eval_fp32": ev,
+        "eval_bf16_saved": ev_bf16,
+        "times_s": {k: round(v, 1) for k, v in times.items()},
+        "final_target_train_loss_ema": ema,
+        "final_draft_kl": hist[-1]["kl"] if hist else None,
+        "size_bytes": size,
+    }
+    log("SUMMARY " + json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

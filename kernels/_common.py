@@ -1,0 +1,72 @@
+"""Shared helpers for the specd Triton kernels (import-safe without Triton)."""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: the pure-torch references must work without it.
+    import triton  # noqa: F401
+    import triton.language as tl  # noqa: F401
+
+    HAS_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreting() -> bool:
+    """True when the kernels of this package run under the Triton CPU interpreter.
+
+    Triton decides interpreter-vs-compiled when a ``@triton.jit`` function is *decorated*
+    (i.e. when ``specd_kernels`` is imported), from ``TRITON_INTERPRET``; so this looks at a
+    kernel object rather than at the environment variable now.
+    """
+    if not HAS_TRITON:
+        return False
+    from .kv_ops import _write_kv_kernel
+
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except Exception:  # pragma: no cover
+        return False
+    return isinstance(_write_kv_kernel, InterpretedFunction)
+
+
+def next_pow2(x: int) -> int:
+    x = int(x)
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-int(a) // int(b))
+
+
+def check_launchable(*tensors: torch.Tensor, what: str) -> None:
+    """Raise if the kernels cannot run on these tensors (no Triton / wrong device)."""
+    if not HAS_TRITON:
+        raise RuntimeError(f"{what}: triton is not installed; use the *_ref functions")
+    dev = tensors[0].device
+    for t in tensors:
+        if t.device != dev:
+            raise ValueError(f"{what}: all tensors must be on one device, got {dev} and {t.device}")
+    if interpreting():
+        if dev.type != "cpu":
+            raise ValueError(f"{what}: under TRITON_INTERPRET=1 tensors must be on the CPU, got {dev}")
+    elif dev.type != "cuda":
+        raise ValueError(
+            f"{what}: compiled Triton kernels need CUDA tensors (got {dev}); "
+            "set TRITON_INTERPRET=1 before importing triton to run them on the CPU"
+        )
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed, what: str) -> None:
+    if t.dtype not in allowed:
+        raise ValueError(f"{what}: {name} must have dtype in {list(allowed)}, got {t.dtype}")
+
+
+def check_dims(name: str, t: torch.Tensor, ndim: int, what: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{what}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")

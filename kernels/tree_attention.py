@@ -1,0 +1,506 @@
+"""Paged tree / causal attention over a block-table KV cache (prefill, decode, tree verification).
+
+Layout and metadata follow ``docs/architecture.md``:
+
+* ``q``            ``[T, H, D]`` new tokens of ``B`` ragged requests, request ``b`` owning rows
+  ``query_start_loc[b] .. query_start_loc[b+1]``.
+* ``kv_layer``     ``[2, num_blocks, block_size, KVH, D]`` one layer's paged cache, K then V. The new
+  tokens' K/V are already in the cache: request ``b``'s keys are logical positions
+  ``0 .. seq_lens[b]-1`` read through ``block_tables[b]``.
+* ``context_lens`` ``[B]`` int32: every query of request ``b`` sees positions ``< context_lens[b]``.
+* ``tree_mask``    ``[T, max_new]`` bool/uint8 or ``None``. ``None`` = causal among the new tokens
+  (local query ``i`` sees new token ``j`` iff ``j <= i``); otherwise query row ``t`` sees new token
+  ``j`` of its request iff ``tree_mask[t, j]``. The mask is read **dense** (one byte per entry,
+  a ``bool`` tensor is reinterpreted as ``uint8``, nonzero = visible), only for the key tiles that
+  hold new tokens; columns ``>= max_new`` read as invisible. The mask may be any pattern (it is not
+  assumed lower-triangular).
+* GQA: ``H = KVH * group``; query head ``h`` uses KV head ``h // group``.
+
+Kernel design: one program per (request, query block, KV head[, KV split]). The rows of a program
+are ``BLOCK_Q`` query tokens x the ``group`` query heads sharing that KV head, so each K/V tile is
+loaded once per KV head (GQA-friendly, and decode with a single token still fills >= 16 MMA rows).
+Flash-attention online softmax in the exp2 domain, everything upcast to fp32 after loading (the
+Triton CPU interpreter computes bf16 arithmetic wrongly, and it costs nothing on a memory-bound
+GPU kernel), fp32 accumulation, output cast to ``q.dtype``. The key loop runs in two phases:
+the prefix (positions ``< context_len``, no mask but bounds) and the new tokens (tree mask or
+causal; in the causal case the loop stops at the query block's last token). For small batches with
+long contexts the key range is split over ``num_splits`` programs (flash-decoding) whose partial
+(max, sum, acc) are merged by a second small kernel.
+
+A query row with no visible key at all (only possible with an empty prefix and an all-false mask
+row) gets an output of zeros (the reference does the same).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._common import (
+    FLOAT_DTYPES,
+    HAS_TRITON,
+    cdiv,
+    check_dims,
+    check_dtype,
+    check_launchable,
+    interpreting,
+    next_pow2,
+)
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _online_softmax_step(acc, m_i, l_i, q, kt, v, vis, qk_scale, PREC: tl.constexpr):
+        # q [M, D] fp32, kt [D, N] fp32, v [N, D] fp32, vis [M, N] bool; m_i in the log2 domain.
+        s = tl.dot(q, kt, input_precision=PREC) * qk_scale
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # rows that have seen nothing yet keep m = -inf; avoid (-inf) - (-inf) = nan
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+        return acc, m_new, l_i
+
+    @triton.jit
+    def _tree_attention_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr,
+        qsl_ptr, ctx_ptr, seqlen_ptr, bt_ptr, mask_ptr,
+        part_ptr, ml_ptr,
+        stride_qt, stride_qh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        stride_ot, stride_oh,
+        stride_btb, stride_mt,
+        stride_ps, stride_pt, stride_ph,
+        stride_mls, stride_mlt, stride_mlh,
+        max_blocks, mask_cols, split_len,
+        qk_scale,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_P: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HAS_MASK: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+        pid_q = tl.program_id(0)
+        b = tl.program_id(1)
+        pid_hs = tl.program_id(2)
+        kvh = pid_hs // NUM_SPLITS
+        split = pid_hs % NUM_SPLITS
+
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
+        if pid_q * BLOCK_Q >= q_len:
+            return
+        ctx = tl.load(ctx_ptr + b)
+        seq_len = tl.load(seqlen_ptr + b)
+
+        rows = tl.arange(0, BLOCK_M)
+        tok = pid_q * BLOCK_Q + rows // GROUP_P  # local query index within the request
+        g = rows % GROUP_P
+        row_valid = (tok < q_len) & (g < GROUP)
+        head = kvh * GROUP + g
+        t_idx = (q_start + tok).to(tl.int64)
+
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        offs_n = tl.arange(0, BLOCK_N)
+
+        q = tl.load(
+            q_ptr + t_idx[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_valid[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+
+        # key range of this program
+        if NUM_SPLITS == 1:
+            kv_lo = 0
+            kv_hi = seq_len
+        else:
+            kv_lo = split * split_len
+            kv_hi = tl.minimum(seq_len, kv_lo + split_len)
+        if not HAS_MASK:
+            # causal: the last query of this block sees new tokens 0 .. last_tok
+            last_tok = tl.minimum(q_len, (pid_q + 1) * BLOCK_Q)
+            kv_hi = tl.minimum(kv_hi, ctx + last_tok)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+        bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+        k_head = k_ptr + kvh.to(tl.int64) * stride_kh
+        v_head = v_ptr + kvh.to(tl.int64) * stride_vh
+
+        # ---- phase 1: the prefix, positions < ctx (visible to every query) ----
+        pre_hi = tl.minimum(kv_hi, ctx)
+        for start in range(kv_lo, pre_hi, BLOCK_N):
+            pos = start + offs_n
+            valid = pos < pre_hi
+            blk_idx = tl.minimum(pos // BLOCK_SIZE, max_blocks - 1)
+            blk = tl.load(bt_row + blk_idx, mask=valid, other=0).to(tl.int64)
+            off = (pos % BLOCK_SIZE).to(tl.int64)
+            kt = tl.load(
+                k_head + blk[None, :] * stride_kb + off[None, :] * stride_ks + offs_d[:, None],
+                mask=valid[None, :] & d_mask[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            v = tl.load(
+                v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :],
+                mask=valid[:, None] & d_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            vis = valid[None, :] & row_valid[:, None]
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, kt, v, vis, qk_scale, PREC)
+
+        # ---- phase 2: the new tokens, positions ctx .. kv_hi-1 (tree mask or causal) ----
+        new_lo = tl.maximum(kv_lo, ctx)
+        for start in range(new_lo, kv_hi, BLOCK_N):
+            pos = start + offs_n
+            valid = pos < kv_hi
+            j = pos - ctx  # local index of the new token
+            blk_idx = tl.minimum(pos // BLOCK_SIZE, max_blocks - 1)
+            blk = tl.load(bt_row + blk_idx, mask=valid, other=0).to(tl.int64)
+            off = (pos % BLOCK_SIZE).to(tl.int64)
+            kt = tl.load(
+                k_head + blk[None, :] * stride_kb + off[None, :] * stride_ks + offs_d[:, None],
+                mask=valid[None, :] & d_mask[:, None],
+                other=0.0,
+            ).to(tl.float32)
+            v = tl.load(
+                v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :],
+                mask=valid[:, None] & d_mask[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            if HAS_MASK:
+                mvalid = row_valid[:, None] & (valid & (j < mask_cols))[None, :]
+                mv = tl.load(
+                    mask_ptr + t_idx[:, None] * stride_mt + j[None, :],
+                    mask=mvalid,
+                    other=0,
+                )
+                vis = mvalid & (mv != 0)
+            else:
+                vis = row_valid[:, None] & valid[None, :] & (j[None, :] <= tok[:, None])
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, kt, v, vis, qk_scale, PREC)
+
+        if NUM_SPLITS == 1:
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            out = acc / l_safe[:, None]
+            tl.store(
+                o_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                out.to(o_ptr.dtype.element_ty),
+                mask=row_valid[:, None] & d_mask[None, :],
+            )
+        else:
+            tl.store(
+                part_ptr + split * stride_ps + t_idx[:, None] * stride_pt
+                + head[:, None] * stride_ph + offs_d[None, :],
+                acc,
+                mask=row_valid[:, None] & d_mask[None, :],
+            )
+            ml_off = split * stride_mls + t_idx * stride_mlt + head * stride_mlh
+            tl.store(ml_ptr + ml_off, m_i, mask=row_valid)
+            tl.store(ml_ptr + ml_off + 1, l_i, mask=row_valid)
+
+    @triton.jit
+    def _tree_attention_combine_kernel(
+        part_ptr, ml_ptr, o_ptr,
+        stride_ps, stride_pt, stride_ph,
+        stride_mls, stride_mlt, stride_mlh,
+        stride_ot, stride_oh,
+        HEAD_DIM: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_P: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_P)
+        s_mask = offs_s < NUM_SPLITS
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        ml_off = offs_s * stride_mls + t * stride_mlt + h * stride_mlh
+        m = tl.load(ml_ptr + ml_off, mask=s_mask, other=float("-inf"))
+        l = tl.load(ml_ptr + ml_off + 1, mask=s_mask, other=0.0)
+        m_max = tl.max(m, 0)
+        m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp2(m - m_safe) * 0 + 1  # 0 for empty splits (m = -inf)
+        l_tot = tl.sum(w * l, 0)
+        acc = tl.load(
+            part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        out = tl.sum(acc * w[:, None], 0)
+        out = out / tl.where(l_tot == 0.0, 1.0, l_tot)
+        tl.store(o_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=d_mask)
+
+
+_LOG2E = 1.4426950408889634
+_META_DTYPES = (torch.int32,)
+
+
+def _check_args(q, kv_layer, query_start_loc, context_lens, seq_lens, block_tables, tree_mask, out, what):
+    check_dims("q", q, 3, what)
+    check_dims("kv_layer", kv_layer, 5, what)
+    check_dtype("q", q, FLOAT_DTYPES, what)
+    check_dtype("kv_layer", kv_layer, FLOAT_DTYPES, what)
+    T, H, D = q.shape
+    if kv_layer.shape[0] != 2:
+        raise ValueError(f"{what}: kv_layer must be [2, num_blocks, block_size, KVH, D], got {tuple(kv_layer.shape)}")
+    _, NB, BS, KVH, Dk = kv_layer.shape
+    if Dk != D:
+        raise ValueError(f"{what}: head dim of q ({D}) != head dim of kv_layer ({Dk})")
+    if KVH == 0 or H % KVH != 0:
+        raise ValueError(f"{what}: num query heads ({H}) must be a multiple of num kv heads ({KVH})")
+    for name, t in (("query_start_loc", query_start_loc), ("context_lens", context_lens), ("seq_lens", seq_lens)):
+        check_dims(name, t, 1, what)
+        check_dtype(name, t, _META_DTYPES, what)
+        if not t.is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous")
+    B = query_start_loc.shape[0] - 1
+    if B < 0:
+        raise ValueError(f"{what}: query_start_loc must have B+1 >= 1 entries")
+    if context_lens.shape[0] != B or seq_lens.shape[0] != B:
+        raise ValueError(
+            f"{what}: context_lens/seq_lens must have B={B} entries, got "
+            f"{context_lens.shape[0]} and {seq_lens.shape[0]}"
+        )
+    check_dims("block_tables", block_tables, 2, what)
+    check_dtype("block_tables", block_tables, _META_DTYPES, what)
+    if block_tables.shape[0] != B:
+        raise ValueError(f"{what}: block_tables must have B={B} rows, got {block_tables.shape[0]}")
+    if block_tables.shape[1] > 0 and block_tables.stride(1) != 1:
+        raise ValueError(f"{what}: block_tables rows must be contiguous (stride(1) == 1)")
+    if tree_mask is not None:
+        check_dims("tree_mask", tree_mask, 2, what)
+        check_dtype("tree_mask", tree_mask, (torch.bool, torch.uint8), what)
+        if tree_mask.shape[0] != T:
+            raise ValueError(f"{what}: tree_mask must be [T={T}, max_new], got {tuple(tree_mask.shape)}")
+        if tree_mask.shape[1] > 0 and tree_mask.stride(1) != 1:
+            raise ValueError(f"{what}: tree_mask rows must be contiguous (stride(1) == 1)")
+    if q.stride(2) != 1:
+        raise ValueError(f"{what}: q must be contiguous in the head dim (stride(2) == 1)")
+    if kv_layer.stride(4) != 1:
+        raise ValueError(f"{what}: kv_layer must be contiguous in the head dim (stride(4) == 1)")
+    if out is not None:
+        if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+            raise ValueError(
+                f"{what}: out must match q ({tuple(q.shape)}, {q.dtype}), got {tuple(out.shape)}, {out.dtype}"
+            )
+        if out.stride(2) != 1:
+            raise ValueError(f"{what}: out must be contiguous in the head dim (stride(2) == 1)")
+        if out.device != q.device:
+            raise ValueError(f"{what}: out must be on {q.device}, got {out.device}")
+    return T, H, D, NB, BS, KVH, B
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tree_attention(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: Optional[torch.Tensor] = None,
+    *,
+    num_splits: Optional[int] = None,
+    block_n: Optional[int] = None,
+    block_q: Optional[int] = None,
+) -> torch.Tensor:
+    """Triton paged tree/causal attention. Returns ``out`` ``[T, H, D]`` in ``q.dtype``.
+
+    ``max_query_len`` must be >= every request's new-token count and ``max_seq_len`` >= every
+    ``seq_lens[b]`` (python ints, no host sync; they size the grid). Rows of ``q`` beyond
+    ``query_start_loc[B]`` are not written. Keyword-only tuning knobs (tests use them to force
+    code paths): ``num_splits`` (KV splits, default: heuristic, 1 under the interpreter),
+    ``block_n`` (keys per tile), ``block_q`` (query tokens per program).
+    """
+    what = "tree_attention"
+    T, H, D, NB, BS, KVH, B = _check_args(
+        q, kv_layer, query_start_loc, context_lens, seq_lens, block_tables, tree_mask, out, what
+    )
+    others = [kv_layer, query_start_loc, context_lens, seq_lens, block_tables]
+    if tree_mask is not None:
+        others.append(tree_mask)
+    if out is not None:
+        others.append(out)
+    check_launchable(q, *others, what=what)
+    max_query_len = int(max_query_len)
+    max_seq_len = int(max_seq_len)
+    if out is None:
+        out = torch.empty_like(q)
+    if T == 0 or B == 0 or max_query_len <= 0 or max_seq_len <= 0:
+        return out
+    if BS & (BS - 1):
+        raise ValueError(f"{what}: block_size must be a power of two, got {BS}")
+
+    group = H // KVH
+    group_p = next_pow2(group)
+    block_d = max(16, next_pow2(D))
+    interp = interpreting()
+    # query tokens per program: fill >= 16 MMA rows, at most ~64-128 rows
+    if block_q is None:
+        target_m = 128 if (max_query_len * group_p >= 128 and D <= 128 and not interp) else 64
+        block_q = max(1, target_m // group_p)
+        block_q = min(block_q, next_pow2(max_query_len))
+    block_q = max(next_pow2(block_q), cdiv(16, group_p))
+    block_m = block_q * group_p
+    if block_n is None:
+        block_n = 64 if D <= 128 else 32
+    block_n = max(16, next_pow2(block_n))
+    n_qblocks = cdiv(max_query_len, block_q)
+
+    if num_splits is None:
+        if interp or q.device.type != "cuda":
+            num_splits = 1
+        else:
+            base = B * n_qblocks * KVH
+            target = 2 * _num_sms(q.device)
+            num_splits = max(1, min(cdiv(target, base), cdiv(max_seq_len, 512), 32))
+    num_splits = max(1, min(int(num_splits), cdiv(max_seq_len, block_n)))
+    split_len = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
+    if num_splits > 1:
+        num_splits = cdiv(max_seq_len, split_len)
+
+    prec = "ieee" if (q.dtype == torch.float32 and kv_layer.dtype == torch.float32) else "tf32"
+    mask_arg = tree_mask.view(torch.uint8) if tree_mask is not None and tree_mask.dtype == torch.bool else tree_mask
+    has_mask = mask_arg is not None
+    if not has_mask:
+        mask_arg = query_start_loc  # dummy pointer, never read
+    stride_mt = mask_arg.stride(0) if has_mask else 0
+    mask_cols = mask_arg.shape[1] if has_mask else 0
+
+    k_cache = kv_layer[0]
+    v_cache = kv_layer[1]
+    if num_splits > 1:
+        part = torch.empty((num_splits, T, H, D), dtype=torch.float32, device=q.device)
+        ml = torch.empty((num_splits, T, H, 2), dtype=torch.float32, device=q.device)
+        p_strides = (part.stride(0), part.stride(1), part.stride(2))
+        ml_strides = (ml.stride(0), ml.stride(1), ml.stride(2))
+    else:
+        part = out  # dummies, never read
+        ml = out
+        p_strides = (0, 0, 0)
+        ml_strides = (0, 0, 0)
+
+    num_warps = 8 if block_m >= 128 else 4
+    grid = (n_qblocks, B, KVH * num_splits)
+    _tree_attention_kernel[grid](
+        q, k_cache, v_cache, out,
+        query_start_loc, context_lens, seq_lens, block_tables, mask_arg,
+        part, ml,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0), stride_mt,
+        *p_strides, *ml_strides,
+        max(1, block_tables.shape[1]), mask_cols, split_len,
+        float(scale) * _LOG2E,
+        HEAD_DIM=D,
+        BLOCK_SIZE=BS,
+        GROUP=group,
+        GROUP_P=group_p,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        HAS_MASK=has_mask,
+        NUM_SPLITS=num_splits,
+        PREC=prec,
+        num_warps=num_warps,
+    )
+    if num_splits > 1:
+        _tree_attention_combine_kernel[(T, H)](
+            part, ml, out,
+            *p_strides, *ml_strides,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=D,
+            NUM_SPLITS=num_splits,
+            SPLITS_P=next_pow2(num_splits),
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out
+
+
+def tree_attention_ref(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    tree_mask: Optional[torch.Tensor],
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Pure-torch reference of :func:`tree_attention` (any device, fp32 math, one request at a time)."""
+    what = "tree_attention_ref"
+    T, H, D, NB, BS, KVH, B = _check_args(
+        q, kv_layer, query_start_loc, context_lens, seq_lens, block_tables, tree_mask, out, what
+    )
+    if out is None:
+        out = torch.empty_like(q)
+    group = H // KVH
+    qsl = query_start_loc.tolist()
+    ctxs = context_lens.tolist()
+    sls = seq_lens.tolist()
+    for b in range(B):
+        qs, qe, ctx, sl = qsl[b], qsl[b + 1], ctxs[b], sls[b]
+        n = qe - qs
+        if n <= 0:
+            continue
+        dev = q.device
+        pos = torch.arange(sl, device=dev)
+        blocks = block_tables[b].long()[pos // BS]
+        offs = pos % BS
+        k = kv_layer[0][blocks, offs].float()  # [sl, KVH, D]
+        v = kv_layer[1][blocks, offs].float()
+        k = k.repeat_interleave(group, dim=1)  # [sl, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        vis = torch.zeros(n, sl, dtype=torch.bool, device=dev)
+        vis[:, : min(ctx, sl)] = True
+        n_new = sl - ctx
+        if n_new > 0:
+            i = torch.arange(n, device=dev)[:, None]
+            j = torch.arange(n_new, device=dev)[None, :]
+            if tree_mask is None:
+                new_vis = j <= i
+            else:
+                cols = min(n_new, tree_mask.shape[1])
+                new_vis = torch.zeros(n, n_new, dtype=torch.bool, device=dev)
+                new_vis[:, :cols] = tree_mask[qs:qe, :cols] != 0
+            vis[:, ctx:] = new_vis
+        qf = q[qs:qe].float()  # [n, H, D]
+        s = torch.einsum("qhd,khd->hqk", qf, k) * float(scale)
+        s = s.masked_fill(~vis[None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        p = torch.nan_to_num(p, nan=0.0)  # rows with no visible key -> zeros
+        o = torch.einsum("hqk,khd->qhd", p, v)
+        out[qs:qe] = o.to(out.dtype)
+    return out

@@ -1,0 +1,163 @@
+"""Frozen, validated configuration dataclasses. Each component gets only its own sub-config."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder, read from an HF ``config.json``."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: q/k/v carry a bias
+    rope_scaling: Optional[dict] = None  # llama3-style {"rope_type": "llama3", "factor": ...}
+    sliding_window: Optional[int] = None
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple = ()
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_hf(cls, cfg: dict, generation_config: Optional[dict] = None) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                       "mistral": "MistralForCausalLM"}.get(cfg.get("model_type", ""), "?")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r} (model_type {cfg.get('model_type')!r}); "
+                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+            scaling = None
+            if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+                scaling = dict(rope)
+            eos = []
+            for src in (generation_config or {}, cfg):
+                e = src.get("eos_token_id")
+                if e is None:
+                    continue
+                eos.extend(e if isinstance(e, list) else [e])
+                break
+            return cls(
+                architecture=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=theta,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                rope_scaling=scaling,
+                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=tuple(dict.fromkeys(int(x) for x in eos)),
+            )
+        except KeyError as e:
+            raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. ``num_blocks`` wins over ``memory_bytes`` when both are given."""
+
+    block_size: int = 16
+    num_blocks: Optional[int] = None
+    memory_bytes: Optional[int] = None  # budget for target + draft caches together
+    draft_fraction: Optional[float] = None  # share of the budget for the draft (default: by size)
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise ValueError(f"memory_bytes must be positive, got {self.memory_bytes}")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Default speculation settings (requests may narrow them)."""
+
+    mode: str = "tree"  # off | chain | tree (dynamic) | static
+    num_draft_tokens: int = 4  # chain length k
+    tree_budget: int = 16  # dynamic tree: nodes kept (excluding the root)
+    tree_topk: int = 4  # dynamic tree: children per expanded node and nodes expanded per level
+    tree_depth: int = 6  # dynamic tree: max depth
+    static_tree: Optional[tuple] = None  # Medusa-style choices for mode "static"
+    adaptive: bool = True
+
+    def __post_init__(self):
+        if self.mode not in ("off", "chain", "tree", "static"):
+            raise ValueError(f"speculation mode must be off|chain|tree|static, got {self.mode!r}")
+        for name in ("num_draft_tokens", "tree_budget", "tree_topk", "tree_depth"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1 or v > 256:
+                raise ValueError(f"{name} must be an integer in 1..256, got {v!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024  # per-step token budget (prefill chunks + verification trees)
+    prefill_chunk: int = 256
+    max_queue: int = 256
+    batch_starvation_s: float = 2.0  # a batch request waiting this long is served ahead of new interactive work
+    enable_prefix_cache: bool = True
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 16 or self.prefill_chunk < 1:
+            raise ValueError("scheduler limits must be positive (max_num_batched_tokens >= 16)")
+        if not math.isfinite(self.batch_starvation_s) or self.batch_starvation_s <= 0:
+            raise ValueError("batch_starvation_s must be a positive number")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    target: str
+    draft: Optional[str] = None
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"  # auto | torch | triton
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention backend must be auto|torch|triton, got {self.attention_backend!r}")

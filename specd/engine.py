@@ -1,0 +1,434 @@
+"""The engine: ``step()`` = schedule -> draft -> one target forward -> verify -> commit -> emit.
+
+Every decode step is a tree verification: the root is the request's pending token; without
+speculation the tree is just the root, so greedy/sampled plain decoding and speculative decoding
+share one path. A prefill chunk that reaches the pending token is followed, in the same forward, by
+the request's tree, so the first token(s) come out of the step that finishes the prompt.
+
+Thread safety: ``add_request`` and ``abort`` may be called from any thread; they queue work that
+``step()`` (one thread) picks up at its start.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from specd.attention import build_metadata, copy_slots, get_backend
+from specd.config import EngineConfig
+from specd.detokenizer import IncrementalDetokenizer
+from specd.kv_cache import KVCache
+from specd.loader import LoadedModel, LoadError, load_model
+from specd.sampling import SamplingParams, logits_to_probs, make_generator
+from specd.scheduler import Scheduler
+from specd.sequence import Sequence, SpecParams, SpecStats, Status
+from specd.spec.drafter import Drafter
+from specd.spec.tree import DraftTree
+from specd.spec.verify import greedy_verify, sample_verify
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; ``code`` is the protocol error code."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list  # tokens emitted this step
+    text: str  # text completed this step
+    finished: bool
+    finish_reason: Optional[str]
+    seq: Sequence
+
+
+def _cache_blocks(cfg: EngineConfig, target: LoadedModel, draft: Optional[LoadedModel], max_len: int):
+    bs = cfg.cache.block_size
+    tc = target.config
+    per_t = KVCache.bytes_per_block(tc.num_layers, tc.num_kv_heads, tc.head_dim, bs, target.dtype)
+    per_d = 0
+    if draft is not None:
+        dc = draft.config
+        per_d = KVCache.bytes_per_block(dc.num_layers, dc.num_kv_heads, dc.head_dim, bs, draft.dtype)
+    if cfg.cache.num_blocks is not None:
+        return cfg.cache.num_blocks, cfg.cache.num_blocks
+    # enough for every sequence at full length (+ tree room) unless the budget says less
+    want = cfg.scheduler.max_num_seqs * (-(-(max_len + 300) // bs)) + 8
+    budget = cfg.cache.memory_bytes
+    if budget is None:
+        if target.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(target.device)
+            budget = int(free * 0.85)
+        else:
+            budget = 2 << 30
+    n = max(16, min(want, budget // (per_t + per_d)))
+    return n, n
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, target: Optional[LoadedModel] = None,
+                 draft: Optional[LoadedModel] = None, clock=time.monotonic):
+        self.cfg = cfg
+        self.clock = clock
+        if target is None:
+            target = load_model(cfg.target, cfg.device, cfg.dtype)
+        if draft is None and cfg.draft:
+            draft = load_model(cfg.draft, cfg.device, cfg.dtype, with_tokenizer=True)
+        self.target, self.draft = target, draft
+        self.device = target.device
+        self.tokenizer = target.tokenizer
+        tc = target.config
+        self.max_model_len = tc.max_position_embeddings
+        if tc.sliding_window:
+            self.max_model_len = min(self.max_model_len, int(tc.sliding_window))
+        if draft is not None:
+            self._check_draft(target, draft)
+            self.max_model_len = min(self.max_model_len, draft.config.max_position_embeddings)
+        self.backend = get_backend(cfg.attention_backend, self.device)
+        target.model.backend = self.backend
+        nt, nd = _cache_blocks(cfg, target, draft, self.max_model_len)
+        bs = cfg.cache.block_size
+        self.cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, nt, bs, target.dtype, self.device)
+        self.draft_cache = None
+        self.drafter = None
+        if draft is not None:
+            dc = draft.config
+            draft.model.backend = self.backend
+            self.draft_cache = KVCache(dc.num_layers, dc.num_kv_heads, dc.head_dim, nd, bs, draft.dtype, self.device)
+            self.drafter = Drafter(draft.model, self.draft_cache, cfg.spec, self.device, dc.vocab_size)
+        self.scheduler = Scheduler(cfg.scheduler, cfg.spec, self.cache, self.draft_cache, clock=clock,
+                                   has_draft=draft is not None)
+        self.eos_ids = set(tc.eos_token_ids)
+        self.vocab_size = tc.vocab_size
+        self.seqs: dict[str, Sequence] = {}
+        self._inbox: list = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.stats = SpecStats()  # engine-wide totals
+        self.num_steps = 0
+        self.step_hook = None  # tests: called at the start of every step (e.g. to simulate a hang)
+
+    @staticmethod
+    def _check_draft(target: LoadedModel, draft: LoadedModel) -> None:
+        tv, dv = target.config.vocab_size, draft.config.vocab_size
+        if tv != dv:
+            raise LoadError(f"draft vocabulary ({dv} tokens, {draft.path}) does not match the target's "
+                            f"({tv} tokens, {target.path}): the draft must share the target's tokenizer")
+        if target.tokenizer is not None and draft.tokenizer is not None:
+            if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+                raise LoadError(f"draft tokenizer ({draft.path}) differs from the target's ({target.path}): "
+                                f"the draft must share the target's tokenizer")
+
+    # requests ------------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list, params: SamplingParams) -> None:
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError("invalid_request", "prompt is empty")
+        if n + params.max_tokens > self.max_model_len:
+            raise RequestError("too_long", f"prompt ({n}) + max_tokens ({params.max_tokens}) > context "
+                                           f"{self.max_model_len}")
+        bs = self.cache.block_size
+        if -(-(n + params.max_tokens + 1) // bs) > self.cache.pool.num_blocks:
+            raise RequestError("too_long", f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the KV cache "
+                                           f"({self.cache.pool.num_blocks * bs} tokens)")
+        bad = next((t for t in prompt_ids if not (0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise RequestError("invalid_request", f"token id {bad} outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def add_request(self, prompt_ids: list, params: SamplingParams, spec: SpecParams = SpecParams(),
+                    priority: str = "interactive", request_id: Optional[str] = None) -> Sequence:
+        """Queue a request (any thread). Raises RequestError for an invalid one."""
+        self.validate(prompt_ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(rid, prompt_ids, params, spec, priority, arrival=self.clock())
+        seq.generator = make_generator(params.seed)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
+        with self._lock:
+            if rid in self.seqs:
+                raise RequestError("duplicate_id", f"request id {rid!r} is already running")
+            self.seqs[rid] = seq
+            self._inbox.append(("add", seq))
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.append(("abort", request_id))
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._inbox) or self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def _drain_inbox(self) -> list:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        outs = []
+        for op, x in inbox:
+            if op == "add":
+                if not x.finished:
+                    self.scheduler.add(x)
+            else:
+                seq = self.seqs.get(x)
+                if seq is not None and not seq.finished:
+                    self._finish(seq, "cancelled")
+                    outs.append(RequestOutput(seq.request_id, [], "", True, "cancelled", seq))
+        return outs
+
+    # the step ------------------------------------------------------------------------------------
+    def step(self) -> list:
+        if self.step_hook is not None:
+            self.step_hook(self)
+        outputs = self._drain_inbox()
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return outputs
+        proposals = self._draft(sched.scheduled)
+        work, logits = self._target_forward(sched.scheduled, proposals)
+        results = self._verify(work, logits)
+        outputs += self._commit(work, results)
+        self.num_steps += 1
+        return outputs
+
+    def _spec_budget(self, seq: Sequence, budget: int) -> int:
+        room = self.max_model_len - len(seq.tokens) - 1
+        remaining = seq.params.max_tokens - seq.num_output - 1
+        return max(0, min(budget, room, remaining))
+
+    def _draft(self, scheduled) -> dict:
+        if self.drafter is None:
+            return {}
+        catch, spec = [], []
+        for sc in scheduled:
+            seq = sc.seq
+            mode = self.scheduler.mode_of(seq)
+            if sc.final:
+                b = self._spec_budget(seq, sc.spec_budget)
+                shape = self.drafter.shape_for(mode, b) if b > 0 else None
+                if shape is not None:
+                    spec.append((seq, shape))
+            elif mode != "off":
+                catch.append((seq, seq.num_computed + sc.num_tokens))
+        if catch:
+            self.drafter.catch_up(catch)
+        return self.drafter.propose(spec) if spec else {}
+
+    def _target_forward(self, scheduled, proposals):
+        ids, pos, slots, qlens, ctxs, tables, masks = [], [], [], [], [], [], []
+        work, logit_rows = [], []
+        n = 0
+        for sc in scheduled:
+            seq = sc.seq
+            c0 = seq.num_computed
+            if not sc.final:
+                c1 = c0 + sc.num_tokens
+                ids += seq.tokens[c0:c1]
+                pos += range(c0, c1)
+                slots += seq.blocks.slots(c0, c1)
+                qlens.append(c1 - c0)
+                masks.append(None)
+                work.append((sc, None, None, 0))
+            else:
+                L = len(seq.tokens)
+                prop = proposals.get(seq.request_id)
+                tree = prop.tree if prop is not None else DraftTree([seq.tokens[-1]], [-1], validate=False)
+                m = L - 1 - c0  # committed tokens before the root
+                nt = tree.num_nodes
+                if not seq.blocks.reserve(L - 1 + nt):  # the scheduler reserved the budget; trees may be smaller
+                    raise RuntimeError("KV reservation lost")
+                ids += seq.tokens[c0:L - 1]
+                ids += tree.token_list
+                pos += range(c0, L - 1)
+                pos += [L - 1 + d for d in tree.depth_list]
+                slots += seq.blocks.slots(c0, L - 1 + nt)
+                qlens.append(m + nt)
+                if nt > 1:
+                    mk = torch.zeros((m + nt, m + nt), dtype=torch.bool)
+                    mk[:m, :m] = torch.ones((m, m), dtype=torch.bool).tril_()
+                    mk[m:, :m] = True
+                    mk[m:, m:] = tree.ancestor_mask()
+                    masks.append(mk)
+                else:
+                    masks.append(None)
+                work.append((sc, tree, prop, len(logit_rows)))
+                logit_rows += range(n + m, n + m + nt)
+            ctxs.append(c0)
+            tables.append(seq.blocks.blocks)
+            n += qlens[-1]
+        meta = build_metadata(qlens, ctxs, tables, slots, self.cache.block_size, self.device,
+                              tree_masks=masks if any(x is not None for x in masks) else None)
+        dev = self.device
+        model = self.target.model
+        hidden = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache.kv, meta)
+        logits = model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)]) if logit_rows else None
+        return work, logits
+
+    def _verify(self, work, logits) -> list:
+        results = [None] * len(work)
+        if logits is None:
+            return results
+        greedy_idx = [k for k, (sc, tree, _, _) in enumerate(work) if tree is not None and sc.seq.params.greedy]
+        samp_idx = [k for k, (sc, tree, _, _) in enumerate(work) if tree is not None and not sc.seq.params.greedy]
+        if greedy_idx:
+            argmax = logits.argmax(dim=-1).tolist()  # one host transfer for the whole batch
+            for k in greedy_idx:
+                sc, tree, _, r0 = work[k]
+                results[k] = greedy_verify(tree, argmax[r0: r0 + tree.num_nodes])
+        if samp_idx:
+            rows, temp, topk, topp = [], [], [], []
+            for k in samp_idx:
+                sc, tree, _, r0 = work[k]
+                p = sc.seq.params
+                rows += range(r0, r0 + tree.num_nodes)
+                temp += [p.temperature] * tree.num_nodes
+                topk += [p.top_k] * tree.num_nodes
+                topp += [p.top_p] * tree.num_nodes
+            dev = logits.device
+            probs = logits_to_probs(logits[torch.tensor(rows, device=dev)], torch.tensor(temp, device=dev),
+                                    torch.tensor(topk, device=dev), torch.tensor(topp, device=dev))
+            off = 0
+            for k in samp_idx:
+                sc, tree, prop, _ = work[k]
+                nt = tree.num_nodes
+                dp = prop.draft_probs if prop is not None else None
+                if dp is None:
+                    dp = torch.zeros((nt, probs.shape[1]), dtype=probs.dtype, device=dev)
+                results[k] = sample_verify(tree, probs[off: off + nt], dp, sc.seq.generator, "sampled")
+                off += nt
+        return results
+
+    # commit: the one place that does cache bookkeeping after verification ------------------------
+    def _commit(self, work, results) -> list:
+        src, dst = [], []
+        for (sc, tree, _, _), res in zip(work, results):
+            if res is None:
+                continue
+            seq = sc.seq
+            base = len(seq.tokens) - 1  # the root's position
+            for k, node in enumerate(res.accepted, 1):
+                if node != k:
+                    src.append(seq.blocks.slot(base + node))
+                    dst.append(seq.blocks.slot(base + k))
+        if src:
+            copy_slots(self.cache.kv, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device),
+                       self.backend)
+        outs = []
+        now = self.clock()
+        for (sc, tree, prop, _), res in zip(work, results):
+            seq = sc.seq
+            if res is None:  # prefill chunk only
+                seq.num_computed += sc.num_tokens
+                continue
+            L = len(seq.tokens)
+            a = len(res.accepted)
+            seq.num_computed = L + a
+            seq.blocks.truncate(L + a)
+            if seq.draft_blocks is not None:
+                seq.draft_blocks.truncate(seq.draft_computed)
+            depth = prop.depth if prop is not None else 0
+            seq.stats.record(tree.num_nodes - 1, depth, a)
+            self.stats.record(tree.num_nodes - 1, depth, a)
+            if depth:
+                seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (a / depth)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            outs.append(self._emit(seq, res.tokens))
+        return outs
+
+    def _emit(self, seq: Sequence, tokens: list) -> RequestOutput:
+        p = seq.params
+        new, reason = [], None
+        for t in tokens:
+            new.append(t)
+            seq.tokens.append(t)
+            if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                reason = "stop"
+                break
+            if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+                reason = "length"
+                break
+        seq.stats.emitted_tokens += len(new)
+        self.stats.emitted_tokens += len(new)
+        text = ""
+        if seq.detok is not None:
+            text = self._text(seq, new, reason is not None)
+            if seq.finish_reason == "stop" and reason is None:
+                reason = "stop"  # a stop string matched
+        if reason is not None:
+            self._finish(seq, reason)
+        return RequestOutput(seq.request_id, new, text, reason is not None, reason, seq)
+
+    def _text(self, seq: Sequence, new: list, final: bool) -> str:
+        """Text delta, honouring stop strings; holds back a suffix that may start a stop string."""
+        d = seq.detok
+        d.add(new)
+        if final:
+            d.flush()
+        full = d.text
+        sent = getattr(seq, "_sent", 0)
+        stops = seq.params.stop
+        if stops:
+            lo = max(0, sent - max(len(s) for s in stops))
+            hits = [i for i in (full.find(s, lo) for s in stops) if i >= 0]
+            if hits:
+                cut = min(hits)
+                seq.finish_reason = "stop"
+                delta = full[sent:cut] if cut > sent else ""
+                seq._sent = max(sent, cut)
+                seq.stop_text = full[:cut]
+                return delta
+            if not final:
+                hold = 0
+                for s in stops:
+                    for k in range(min(len(s) - 1, len(full)), 0, -1):
+                        if full.endswith(s[:k]):
+                            hold = max(hold, k)
+                            break
+                upto = len(full) - hold
+                delta = full[sent:upto] if upto > sent else ""
+                seq._sent = max(sent, upto)
+                return delta
+        seq._sent = len(full)
+        return full[sent:]
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = self.clock()
+        self.scheduler.finish(seq)
+        with self._lock:
+            self.seqs.pop(seq.request_id, None)
+
+    # convenience ---------------------------------------------------------------------------------
+    def output_text(self, seq: Sequence) -> str:
+        if getattr(seq, "stop_text", None) is not None:
+            return seq.stop_text
+        return seq.detok.text if seq.detok is not None else ""
+
+    def generate(self, prompts: list, params, spec: SpecParams = SpecParams(), priority="interactive") -> list:
+        """Run prompts (token id lists) to completion; returns their Sequences in order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        seqs = [self.add_request(p, sp, spec, priority) for p, sp in zip(prompts, params)]
+        while any(not s.finished for s in seqs):
+            self.step()
+        return seqs
+
+    def kv_blocks_used(self) -> tuple:
+        t = self.cache.pool.num_allocated
+        d = self.draft_cache.pool.num_allocated if self.draft_cache is not None else 0
+        return t, d

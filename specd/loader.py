@@ -1,0 +1,171 @@
+"""HF checkpoint folder (config.json + *.safetensors + tokenizer) -> our model + tokenizer.
+
+Errors are one line that names the problem and what is supported (``LoadError``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from specd.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from specd.models.llama import LlamaModel, hf_layer_names
+
+
+class LoadError(ValueError):
+    """A checkpoint that cannot be loaded; the message is one line."""
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise LoadError(f"device {device!r} requested but CUDA is not available (use --device cpu)")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise LoadError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    config: ModelConfig
+    tokenizer: object  # transformers PreTrainedTokenizerBase
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+    generation_config: dict
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise LoadError(f"{path}: missing (a Hugging Face checkpoint folder needs config.json, "
+                        f"*.safetensors and tokenizer files)") from None
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def read_config(path: Path) -> tuple[ModelConfig, dict]:
+    path = Path(path)
+    if not path.is_dir():
+        raise LoadError(f"{path}: not a directory (expected a Hugging Face checkpoint folder)")
+    cfg = _read_json(path / "config.json")
+    gen = _read_json(path / "generation_config.json") if (path / "generation_config.json").exists() else {}
+    try:
+        return ModelConfig.from_hf(cfg, gen), gen
+    except ValueError as e:
+        raise LoadError(f"{path}: {e}") from None
+
+
+def _safetensor_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        missing = [f for f in files if not (path / f).exists()]
+        if missing:
+            raise LoadError(f"{path}: shard {missing[0]} named in model.safetensors.index.json is missing")
+        return [path / f for f in files]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{path}: no *.safetensors weights (only safetensors checkpoints are supported)")
+    return files
+
+
+def load_weights(model: LlamaModel, cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device,
+                 progress: bool = False) -> None:
+    from safetensors import safe_open
+
+    files = _safetensor_files(path)
+    tensors: dict[str, torch.Tensor] = {}
+    it = files
+    total = sum(f.stat().st_size for f in files)
+    bar = None
+    if progress and total > 64 * 1024 * 1024:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}")
+    for f in it:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                tensors[name] = sf.get_tensor(name)
+        if bar is not None:
+            bar.update(f.stat().st_size)
+    if bar is not None:
+        bar.close()
+
+    def take(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise LoadError(f"{path}: weight {name!r} missing from the checkpoint")
+        return tensors[name]
+
+    ours: dict[str, torch.Tensor] = {"embed.weight": take("model.embed_tokens.weight"),
+                                     "norm.weight": take("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        ours["lm_head.weight"] = take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for k, hf in hf_layer_names(i).items():
+            ours[f"layers.{i}.{k}"] = take(hf)
+        ours[f"layers.{i}.attn.qkv.weight"] = torch.cat(
+            [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
+        if cfg.attention_bias:
+            ours[f"layers.{i}.attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
+        ours[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
+    own = model.state_dict()
+    for name, t in ours.items():
+        if name not in own:
+            continue
+        if tuple(own[name].shape) != tuple(t.shape):
+            raise LoadError(f"{path}: shape mismatch for {name}: checkpoint {tuple(t.shape)} vs config "
+                            f"{tuple(own[name].shape)}")
+    missing = [n for n in own if n not in ours and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing:
+        raise LoadError(f"{path}: weights missing for {missing[0]}")
+    model.load_state_dict(ours, strict=False)
+    model.to(device=device, dtype=dtype)
+    model.rotary.cos = model.rotary.cos.float()
+    model.rotary.sin = model.rotary.sin.float()
+
+
+def load_tokenizer(path: Path):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        raise LoadError(f"{path}: no tokenizer files (tokenizer.json / tokenizer.model)")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - turn any tokenizer failure into one line
+        raise LoadError(f"{path}: tokenizer failed to load: {str(e).splitlines()[0]}") from None
+
+
+def load_model(path, device: str = "auto", dtype: str = "auto", max_positions: Optional[int] = None,
+               with_tokenizer: bool = True, progress: bool = True) -> LoadedModel:
+    path = Path(path)
+    cfg, gen = read_config(path)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    model = LlamaModel(cfg, max_positions=max_positions)
+    load_weights(model, cfg, path, dt, dev, progress=progress)
+    model.eval()
+    tok = load_tokenizer(path) if with_tokenizer else None
+    return LoadedModel(model, cfg, tok, path, dt, dev, gen)
+
+
+__all__ = ["LoadError", "LoadedModel", "load_model", "read_config", "SUPPORTED_ARCHITECTURES"]

@@ -1,0 +1,151 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) over a flat token batch and a paged KV cache.
+
+``forward(input_ids [T], positions [T], kv [L,2,NB,BS,KVH,D], meta) -> hidden [T, d]``: tokens of
+many requests at once (prefill chunks, decode tokens, draft trees); attention goes through the
+backend chosen in ``specd.attention``. q/k/v and gate/up projections are fused at load time.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specd.attention import AttentionMetadata
+from specd.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))  # [D/2]
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    factor = float(sc.get("factor", 1.0))
+    if kind == "linear":
+        return inv / factor
+    if kind == "llama3":
+        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old = float(sc.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(medium, smoothed, out)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        inv = rope_inv_freq(cfg)
+        t = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(t, inv)  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype):
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)  # [T,1,D]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, heads, D]; rotate_half convention (HF Llama)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (self.H + 2 * self.KVH) * self.D, bias=cfg.attention_bias)
+        self.o = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
+        self.scale = self.D ** -0.5
+
+    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata, backend):
+        T = x.shape[0]
+        qkv = self.qkv(x)  # [T, (H + 2 KVH) D]
+        q, k, v = qkv.split([self.H * self.D, self.KVH * self.D, self.KVH * self.D], dim=-1)
+        q = apply_rope(q.view(T, self.H, self.D), cos, sin)
+        k = apply_rope(k.view(T, self.KVH, self.D), cos, sin)
+        backend.write_kv(kv_layer, k, v.view(T, self.KVH, self.D), meta.slot_mapping)
+        o = backend.attention(q, kv_layer, meta, self.scale)  # [T, H, D]
+        return self.o(o.reshape(T, self.H * self.D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        g, u = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(F.silu(g) * u)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, kv_layer, meta, backend):
+        x = x + self.attn(self.input_norm(x), cos, sin, kv_layer, meta, backend)
+        return x + self.mlp(self.post_norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
+        self.backend = None  # set by the engine (specd.attention.get_backend)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed(input_ids)  # [T, d]
+        cos, sin = self.rotary(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv[i], meta, self.backend)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, vocab]
+
+
+# HF parameter names -> ours. Fused projections are assembled in load_state_dict_hf.
+def hf_layer_names(i: int) -> dict:
+    p = f"model.layers.{i}."
+    return {
+        "input_norm.weight": p + "input_layernorm.weight",
+        "post_norm.weight": p + "post_attention_layernorm.weight",
+        "attn.o.weight": p + "self_attn.o_proj.weight",
+        "mlp.down.weight": p + "mlp.down_proj.weight",
+    }

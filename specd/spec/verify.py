@@ -1,0 +1,401 @@
+"""Verification of a draft tree against the target model: pure functions, no cache bookkeeping.
+
+Vocabulary (one decode step of one request; see also ``docs/architecture.md``)
+-------------------------------------------------------------------------------
+- **root**: node 0 of the :class:`~specd.spec.tree.DraftTree`, the request's pending token.
+- **draft tokens**: every other node, proposed by the drafter.
+- **accepted tokens**: the draft tokens the verifier keeps; always a root-to-node path.
+- **correction (recovered) token**: the token the target emits where the walk stops at a node that
+  has children, all of them rejected.
+- **bonus token**: the token the target emits after the accepted path when the walk stops at a
+  leaf (every draft on the path accepted, nothing below it to check).
+- A step emits ``accepted + [next_token]``: ``len(accepted) + 1`` tokens, the last being a
+  correction or a bonus token.
+
+Row ``i`` of the target's output belongs to node ``i``: it is the target's distribution (or its
+argmax) for the token that follows the path root..i.
+
+Greedy verification, worked example
+-----------------------------------
+::
+
+    node:          0    1    2    3    4            tree:        5 (0)
+    token:         5    7    9    3    8                        /     \\
+    parent:       -1    0    0    1    1                     7 (1)   9 (2)
+                                                            /   \\
+                                                         3 (3)  8 (4)
+
+    target argmax per node  [9, 2, 4, 6, 1]
+      root: the target says 9; child node 2 has token 9 -> accept node 2
+      node 2: the target says 4; node 2 is a leaf       -> stop, bonus token 4
+      => accepted = [2], tokens = [9, 4], next_token = 4, bonus = True
+
+    target argmax per node  [7, 6, 4, 6, 1]
+      root: the target says 7 -> accept node 1
+      node 1: the target says 6; its children carry 3 and 8 -> stop, correction token 6
+      => accepted = [1], tokens = [7, 6], next_token = 6, bonus = False
+
+The emitted tokens are exactly what greedy decoding with the target alone produces.
+
+Sampling verification: lossless tree rejection sampling
+-------------------------------------------------------
+Recursive rejection sampling over the children of a node (SpecInfer's multi-draft verification;
+Jeon et al. 2024 for drafts drawn without replacement). At the current node let ``p`` be the target
+distribution (``target_probs[node]``, already processed by temperature/top-k/top-p) and ``q`` the
+draft distribution (``draft_probs[node]``) its children ``x_1 .. x_M`` (in creation order) came
+from. The proposal of the m-th child is
+
+- ``draft_mode="sampled"`` (children drawn from ``q`` without replacement, in this order):
+  ``q_m = q`` with ``x_1 .. x_{m-1}`` zeroed, renormalised;
+- ``draft_mode="deterministic"`` (children chosen deterministically, e.g. draft top-k):
+  ``q_m = onehot(x_m)``.
+
+Then, starting from ``p_1 = p``::
+
+    for m = 1 .. M:
+        accept x_m with probability  min(1, p_m(x_m) / q_m(x_m))
+        if accepted: emit x_m, move to that child, restart with its p and q
+        else:        p_{m+1} = max(p_m - q_m, 0) / sum(max(p_m - q_m, 0))
+    all rejected: emit the correction token ~ p_{M+1}; stop
+    at a leaf (M = 0): emit the bonus token ~ p; stop
+
+Why it is lossless: one round is ordinary rejection sampling. If ``x ~ q_m`` and it is accepted
+w.p. ``min(1, p_m/q_m)`` with ``p_{m+1}`` used on rejection, then
+``P(emit y) = min(p_m(y), q_m(y)) + (1 - sum_x min(p_m, q_m)) * p_{m+1}(y) = p_m(y)``, because
+``1 - sum min(p_m, q_m) = sum max(p_m - q_m, 0)``. Given the earlier rejections, ``x_m`` is
+distributed as ``q_m`` (that is what drawing without replacement means; for deterministic
+children it is a point mass), so by induction from the last round backwards the token emitted at a
+node is distributed as ``p``. The children of an accepted node were drawn independently of the
+acceptance test above it, so the same holds at the next node with ``p = target_probs[child]``, and
+by the chain rule the emitted sequence follows the target. A rejection implies
+``p_m(x_m) < q_m(x_m)``, hence ``p_{m+1}(x_m) = 0``: a rejected token never comes back as the
+correction. In deterministic mode ``q_m`` is a point mass, so ``x_m`` is accepted w.p.
+``p_m(x_m)`` and the residual is ``p_m`` with ``x_m`` removed.
+
+Edge cases: ``q_m(x_m) = 0`` (a draft the drafter claims it could not have drawn) is accepted iff
+``p_m(x_m) > 0`` (the ratio is infinite); if the draft mass left for ``q_m`` is 0 the child is
+treated as deterministic; a sibling repeating an earlier sibling's token is never accepted and
+leaves ``p_m`` unchanged; when the residual mass is ~0 (``p_m == q_m`` up to rounding, where a
+rejection has probability ~0) the next ``p`` is ``p_m`` without ``x_m``.
+
+Implementation: all arithmetic in float64. The per-node tables (acceptance probability of every
+child, the residual after all children) are computed for all internal nodes of all requests at
+once, looping only over the sibling rank; the walk then runs on the host over those numbers with
+one host transfer, and a second transfer returns the sampled correction/bonus tokens. Each request
+draws ``num_nodes + 1`` uniforms from its own generator per step: ``u[j]`` decides node ``j``'s
+acceptance test (each node is tested at most once) and ``u[0]`` samples the final token by
+inverse CDF.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from specd.sampling import draw_uniforms, sample_from_uniform
+from specd.spec.tree import DraftTree
+
+__all__ = ["AcceptResult", "greedy_verify", "sample_verify", "verify_batch", "DRAFT_MODES"]
+
+DRAFT_MODES = ("sampled", "deterministic")
+
+_TINY = torch.finfo(torch.float64).tiny
+# Residual mass below this is treated as 0 (p_m == q_m up to rounding of float32 inputs).
+_RESIDUAL_EPS = 1e-9
+# Cap on the elements of one [rows, vocab] float64 working tensor (chunks over rows beyond it).
+_CHUNK_ELEMS = 1 << 24
+
+
+@dataclass(slots=True)
+class AcceptResult:
+    """Outcome of verifying one request's tree.
+
+    accepted    tree node indices of the accepted drafts, root to deepest (root excluded)
+    tokens      what the step emits: the accepted draft tokens, then ``next_token``
+    next_token  the correction token, or the bonus token when ``bonus``
+    bonus       True when the walk ended at a leaf (every draft on the path was accepted)
+    """
+
+    accepted: list[int]
+    tokens: list[int]
+    next_token: int
+    bonus: bool
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted)
+
+
+# ---------------------------------------------------------------------------------------- greedy
+def greedy_verify(tree: DraftTree, target_argmax: Sequence[int] | torch.Tensor) -> AcceptResult:
+    """Walk the tree along the target's argmax tokens (see the module docstring's example).
+
+    tree: n nodes; target_argmax: [n] ints, the target's argmax token after each node (list, or a
+    tensor, transferred with one ``tolist()``). Pure Python over small lists.
+    """
+    if isinstance(target_argmax, torch.Tensor):
+        target_argmax = target_argmax.tolist()
+    return _greedy_walk(tree.token_list, tree.children, target_argmax, 0)
+
+
+def _greedy_walk(tok: list[int], children: list[list[int]], am: Sequence[int], off: int) -> AcceptResult:
+    node = 0
+    accepted: list[int] = []
+    while True:
+        want = am[off + node]
+        kids = children[node]
+        for c in kids:
+            if tok[c] == want:
+                accepted.append(c)
+                node = c
+                break
+        else:
+            return AcceptResult(accepted, [tok[c] for c in accepted] + [want], want, not kids)
+
+
+# -------------------------------------------------------------------------------------- sampling
+def _node_tables(p: torch.Tensor, q: torch.Tensor | None, kid_tok: torch.Tensor,
+                 kid_ok: torch.Tensor, det: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling tables for a set of tree nodes (one row per node).
+
+    Args:
+      p        [I, V] float64  target distribution at each node (rows normalised)
+      q        [I, V] float64  draft distribution the node's children were drawn from (rows
+                               normalised), or None when every row is deterministic
+      kid_tok  [I, K] int64    token of the node's k-th child (any valid id where absent)
+      kid_ok   [I, K] bool     child k exists and is not a repeat of an earlier sibling's token
+      det      [I]    bool     deterministic children: q_m = onehot(x_m)
+    Returns:
+      accept   [I, K] float64  P(accept child k | children < k rejected); 0 where not kid_ok
+      residual [I, V] float64  p_{M+1}: the correction distribution once every child is rejected
+    """
+    num, k_max = kid_tok.shape
+    accept = p.new_zeros((num, k_max))  # [I, K]
+    r = p  # [I, V] current p_m
+    qc = q  # [I, V] draft mass not yet drawn (un-normalised), sampled rows
+    det_col = det[:, None]  # [I, 1]
+    for k in range(k_max):
+        x = kid_tok[:, k:k + 1]  # [I, 1]
+        ok = kid_ok[:, k:k + 1]  # [I, 1]
+        hit = torch.zeros_like(r, dtype=torch.bool).scatter_(1, x, True)  # [I, V] onehot(x_m)
+        onehot = hit.to(r.dtype)
+        if qc is None:
+            qk = onehot
+        else:
+            s = qc.sum(dim=1, keepdim=True)  # [I, 1]
+            qk = torch.where(det_col | (s <= 0), onehot, qc / s.clamp_min(_TINY))  # [I, V] q_m
+        px = r.gather(1, x)  # [I, 1] p_m(x_m)
+        qx = qk.gather(1, x)  # [I, 1] q_m(x_m)
+        a = torch.where(qx > 0, (px / qx.clamp_min(_TINY)).clamp(max=1.0), (px > 0).to(r.dtype))
+        accept[:, k:k + 1] = torch.where(ok, a, 0.0)
+        res = (r - qk).clamp_min(0.0)  # [I, V]
+        z = res.sum(dim=1, keepdim=True)  # [I, 1]
+        r_wo = r.masked_fill(hit, 0.0)  # fallback when z ~ 0: p_m without x_m
+        z_wo = r_wo.sum(dim=1, keepdim=True)
+        fallback = torch.where(z_wo > 0, r_wo / z_wo.clamp_min(_TINY), r)
+        r_next = torch.where(z > _RESIDUAL_EPS, res / z.clamp_min(_TINY), fallback)
+        r = torch.where(ok, r_next, r)
+        if qc is not None:
+            qc = torch.where(ok, qc.masked_fill(hit, 0.0), qc)
+    return accept, r
+
+
+def _normalised_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    out = x.index_select(0, rows).to(torch.float64)  # [I, V]
+    return out / out.sum(dim=1, keepdim=True).clamp_min(_TINY)
+
+
+def _tables(target: torch.Tensor, draft: torch.Tensor | None, rows: torch.Tensor,
+            kid_tok: torch.Tensor, kid_ok: torch.Tensor, det: torch.Tensor,
+            with_accept: bool) -> torch.Tensor:
+    """Run :func:`_node_tables` over the given rows in memory-bounded chunks; return the accept
+    table [I, K] (``with_accept``) or the residuals [I, V]."""
+    vocab = target.shape[1]
+    step = max(1, _CHUNK_ELEMS // max(1, vocab))
+    outs = []
+    for s in range(0, rows.shape[0], step):
+        sl = slice(s, s + step)
+        rr = rows[sl]
+        dm = det[sl]
+        p = _normalised_rows(target, rr)
+        q = _normalised_rows(draft, rr) if draft is not None else None
+        acc, res = _node_tables(p, q, kid_tok[sl], kid_ok[sl], dm)
+        outs.append(acc if with_accept else res)
+    return torch.cat(outs) if len(outs) != 1 else outs[0]
+
+
+def sample_verify(tree: DraftTree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                  generator: torch.Generator | None, draft_mode: str = "sampled") -> AcceptResult:
+    """Lossless tree rejection sampling for one request (algorithm in the module docstring).
+
+    tree          n nodes; children in the order they were drawn
+    target_probs  [n, V] target distribution of the token after each node (processed by
+                  temperature/top-k/top-p, e.g. by :func:`specd.sampling.logits_to_probs`)
+    draft_probs   [n, V] distribution node i's children were drawn from (row i); may be None in
+                  "deterministic" mode, where it is not used
+    generator     the request's generator (None = global RNG); n + 1 uniforms are drawn from it
+    draft_mode    "sampled" (children drawn without replacement from draft_probs[i], in order) or
+                  "deterministic" (children chosen deterministically, e.g. draft top-k)
+    """
+    return verify_batch([tree], target_probs, greedy=False, draft_probs=draft_probs,
+                        generators=[generator], draft_mode=draft_mode)[0]
+
+
+# ----------------------------------------------------------------------------------------- batch
+def verify_batch(trees: Sequence[DraftTree], target: torch.Tensor,
+                 offsets: Sequence[int] | None = None, *,
+                 greedy: bool | Sequence[bool] = True,
+                 draft_probs: torch.Tensor | None = None,
+                 generators: Sequence[torch.Generator | None] | None = None,
+                 draft_mode: str | Sequence[str] = "sampled") -> list[AcceptResult]:
+    """Verify a batch of requests whose per-node rows are concatenated.
+
+    Args:
+      trees        B draft trees
+      target       [T, V] rows of all requests: request b owns rows ``offsets[b]:offsets[b+1]``,
+                   row ``offsets[b] + i`` for its node i. Target probabilities for sampling
+                   requests; for greedy requests only the argmax is used (logits work too).
+      offsets      [B+1] row offsets (Python ints); default: the trees back to back
+      greedy       one flag for all requests or one per request
+      draft_probs  [T, V] rows aligned with ``target`` (needed by "sampled" requests)
+      generators   B per-request generators (None entries / None = the global RNG)
+      draft_mode   "sampled" / "deterministic", for all requests or one per request
+    Returns:
+      B AcceptResults, in order.
+
+    Greedy requests: one argmax over all rows and one ``tolist()``, then pure-Python walks.
+    Sampling requests: one vectorised pass over all their internal nodes, one host transfer for
+    the walks, one batched inverse-CDF draw (and transfer) for the correction/bonus tokens.
+    """
+    nb = len(trees)
+    if offsets is None:
+        offsets = [0]
+        for t in trees:
+            offsets.append(offsets[-1] + t.num_nodes)
+    else:
+        offsets = [int(o) for o in offsets]
+    if len(offsets) != nb + 1:
+        raise ValueError(f"need B+1 = {nb + 1} offsets, got {len(offsets)}")
+    for b, t in enumerate(trees):
+        if offsets[b + 1] - offsets[b] != t.num_nodes:
+            raise ValueError(f"request {b}: offsets give {offsets[b + 1] - offsets[b]} rows but its "
+                             f"tree has {t.num_nodes} nodes")
+    if target.dim() != 2 or target.shape[0] < offsets[-1]:
+        raise ValueError(f"target must be [T >= {offsets[-1]}, V], got {tuple(target.shape)}")
+    greedy_flags = [bool(greedy)] * nb if isinstance(greedy, bool) else [bool(g) for g in greedy]
+    if len(greedy_flags) != nb:
+        raise ValueError(f"{len(greedy_flags)} greedy flags for {nb} requests")
+
+    results: list[AcceptResult | None] = [None] * nb
+    if any(greedy_flags):
+        am = target.argmax(dim=-1).tolist()  # one host transfer for all rows
+        for b, t in enumerate(trees):
+            if greedy_flags[b]:
+                results[b] = _greedy_walk(t.token_list, t.children, am, offsets[b])
+    samp = [b for b in range(nb) if not greedy_flags[b]]
+    if samp:
+        modes = [draft_mode] * nb if isinstance(draft_mode, str) else list(draft_mode)
+        if len(modes) != nb:
+            raise ValueError(f"{len(modes)} draft modes for {nb} requests")
+        gens = list(generators) if generators is not None else [None] * nb
+        if len(gens) != nb:
+            raise ValueError(f"{len(gens)} generators for {nb} requests")
+        _sample_batch(trees, target, offsets, samp, draft_probs, gens, modes, results)
+    return results  # type: ignore[return-value]
+
+
+def _sample_batch(trees, target, offsets, samp, draft_probs, gens, modes, results) -> None:
+    dev = target.device
+    # Layout of every internal node of the sampling requests: one row each.
+    rows: list[int] = []  # target row of the node
+    kid_lists: list[list[int]] = []  # children's tokens (a repeat -> -1, marked not ok)
+    det_rows: list[bool] = []
+    int_index: list[list[int]] = []  # per sampling request: node -> internal row or -1
+    any_sampled = False
+    for b in samp:
+        mode = modes[b]
+        if mode not in DRAFT_MODES:
+            raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {mode!r}")
+        det = mode == "deterministic"
+        any_sampled |= not det
+        t = trees[b]
+        tok = t.token_list
+        off = offsets[b]
+        idx = [-1] * t.num_nodes
+        for i, kids in enumerate(t.children):
+            if kids:
+                idx[i] = len(rows)
+                rows.append(off + i)
+                kt = [tok[c] for c in kids]
+                if len(kids) > 1 and len(set(kt)) != len(kt):
+                    seen: set[int] = set()
+                    kt = [-1 if (x in seen or seen.add(x)) else x for x in kt]
+                kid_lists.append(kt)
+                det_rows.append(det)
+        int_index.append(idx)
+    if any_sampled and draft_probs is None:
+        raise ValueError('draft_mode "sampled" needs draft_probs')
+
+    # One vectorised pass: acceptance probabilities of every child of every internal node.
+    if rows:
+        k_max = max(len(k) for k in kid_lists)
+        padded = [k + [-1] * (k_max - len(k)) for k in kid_lists]
+        kt_host = torch.tensor(padded, dtype=torch.int64)  # [I, K]
+        kid_ok = (kt_host >= 0).to(dev)
+        kid_tok = kt_host.clamp(min=0).to(dev)
+        det_t = torch.tensor(det_rows, dtype=torch.bool, device=dev)  # [I]
+        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # [I]
+        draft = draft_probs if any_sampled else None
+        accept = _tables(target, draft, rows_t, kid_tok, kid_ok, det_t, True).tolist()
+    counts = [trees[b].num_nodes + 1 for b in samp]
+    u_all = draw_uniforms(counts, [gens[b] for b in samp], "cpu")  # [sum(n_b + 1)]
+    u = u_all.tolist()
+
+    # Host walks.
+    stop_rows: list[int] = []  # target row of the node where each walk stopped
+    stop_int: list[int] = []  # its internal-row index, or -1 for a leaf (bonus)
+    u_final: list[float] = []
+    paths: list[list[int]] = []
+    base = 0
+    for j, b in enumerate(samp):
+        t = trees[b]
+        ch = t.children
+        idx = int_index[j]
+        node = 0
+        path: list[int] = []
+        while True:
+            kids = ch[node]
+            if not kids:
+                stop_int.append(-1)
+                break
+            arow = accept[idx[node]]
+            for k, c in enumerate(kids):
+                if u[base + c] < arow[k]:
+                    path.append(c)
+                    node = c
+                    break
+            else:
+                stop_int.append(idx[node])
+                break
+        stop_rows.append(offsets[b] + node)
+        u_final.append(u[base])
+        paths.append(path)
+        base += t.num_nodes + 1
+
+    # Final tokens: the bonus from the leaf's target row, or the correction from the residual.
+    dist = target.index_select(0, torch.tensor(stop_rows, dtype=torch.int64, device=dev))
+    dist = dist.to(torch.float64)  # [S, V]
+    corr = [j for j, s in enumerate(stop_int) if s >= 0]
+    if corr:
+        sel = torch.tensor([stop_int[j] for j in corr], dtype=torch.int64, device=dev)
+        res = _tables(target, draft_probs if any_sampled else None, rows_t.index_select(0, sel),
+                      kid_tok.index_select(0, sel), kid_ok.index_select(0, sel),
+                      det_t.index_select(0, sel), False)  # [C, V]
+        dist.index_copy_(0, torch.tensor(corr, dtype=torch.int64, device=dev), res)
+    nxt = sample_from_uniform(dist, torch.tensor(u_final, dtype=torch.float64)).tolist()
+
+    for j, b in enumerate(samp):
+        tok = trees[b].token_list
+        path = paths[j]
+        results[b] = AcceptResult(path, [tok[c] for c in path] + [nxt[j]], nxt[j], stop_int[j] < 0)

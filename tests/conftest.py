@@ -1,0 +1,50 @@
+"""Test set-up. TRITON_INTERPRET must be set before anything imports triton."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except Exception:  # pragma: no cover
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = Path(os.environ.get("SPECD_SHARED", ROOT.parent / "shared"))
+TARGET = SHARED / "models" / "stories260K"
+DRAFT = SHARED / "models" / "stories260K-draft-1L64"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="run slow soak/load tests")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow") or os.environ.get("SPECD_SLOW") == "1":
+        return
+    skip = pytest.mark.skip(reason="slow: opt in with --runslow or SPECD_SLOW=1 (make test-slow)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def shared_pair():
+    """(target LoadedModel, draft LoadedModel) for the shared stories260K pair, loaded once."""
+    from specd.loader import load_model
+
+    return load_model(TARGET, "cpu", "float32"), load_model(DRAFT, "cpu", "float32")
+
+
+@pytest.fixture(scope="session")
+def hf_target():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(TARGET)).eval()
