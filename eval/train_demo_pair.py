@@ -172,7 +172,12 @@ def save_model(model, tok, out: Path, end_id: int) -> None:
     m.config.dtype = torch.bfloat16
     m.config.use_cache = True
     m.save_pretrained(out)
-    tok.save_pretrained(out, save_jinja_files=False)
+    tok.save_pretrained(out, save_jinja_files=False)  # chat template goes into tokenizer_config.json
+    # "PreTrainedTokenizerFast" (rather than v5's "TokenizersBackend") also loads in transformers 4.x.
+    tc_path = out / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text())
+    tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc_path.write_text(json.dumps(tc, indent=2, ensure_ascii=False) + "\n")
     GenerationConfig(
         bos_token_id=tok.bos_token_id,
         eos_token_id=[end_id],
@@ -217,6 +222,7 @@ def main() -> int:
     out = Path(args.out)
     times: dict[str, float] = {}
     T0 = time.time()
+    C0 = time.process_time()
     log(f"args: {vars(args)}")
     log(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
 
@@ -289,7 +295,7 @@ def main() -> int:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.target_lr, betas=(0.9, 0.95))
     warmup = max(1, min(50, args.target_steps // 10))
-    t = time.time()
+    t, c = time.time(), time.process_time()
     target.train()
     bar = tqdm(total=args.target_steps, desc="target", unit="step", disable=args.no_progress, dynamic_ncols=True)
     ema = None
@@ -315,7 +321,8 @@ def main() -> int:
     bar.close()
     target.eval()
     times["target_train_s"] = time.time() - t
-    log(f"target training: {times['target_train_s']:.1f}s")
+    times["target_train_cpu_s"] = time.process_time() - c
+    log(f"target training: {times['target_train_s']:.1f}s wall, {times['target_train_cpu_s']:.1f}s CPU")
 
     # ---- draft
     draft, info = build_draft(target, layers=1, freeze_embeddings=False, copy_layers=True, seed=args.seed)
@@ -326,7 +333,7 @@ def main() -> int:
         idx = torch.randint(0, n_chunks, (args.batch_size,), generator=dgen)
         return chunks[idx]
 
-    t = time.time()
+    t, c = time.time(), time.process_time()
     hist = train_draft(
         target, draft, draft_batch,
         steps=args.draft_steps, lr=args.draft_lr, weight_decay=0.0,
@@ -334,7 +341,8 @@ def main() -> int:
         progress=not args.no_progress, log_every=args.log_every, log=log, desc="draft",
     )
     times["draft_train_s"] = time.time() - t
-    log(f"draft training: {times['draft_train_s']:.1f}s")
+    times["draft_train_cpu_s"] = time.process_time() - c
+    log(f"draft training: {times['draft_train_s']:.1f}s wall, {times['draft_train_cpu_s']:.1f}s CPU")
 
     # ---- evaluation
     t = time.time()
@@ -364,6 +372,7 @@ def main() -> int:
         f"agreement all {ev_bf16['agreement_all']:.4f}, assistant {ev_bf16['agreement_assistant']:.4f}")
     times["save_s"] = time.time() - t
     times["total_s"] = time.time() - T0
+    times["total_cpu_s"] = time.process_time() - C0
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     summary = {
         "args": vars(args),

@@ -79,7 +79,7 @@ if HAS_TRITON:
         stride_btb, stride_mt,
         stride_ps, stride_pt, stride_ph,
         stride_mls, stride_mlt, stride_mlh,
-        max_blocks, mask_cols, split_len,
+        max_blocks, mask_cols, split_len, num_splits,
         qk_scale,
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
@@ -89,15 +89,19 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         HAS_MASK: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
+        SPLIT: tl.constexpr,
         PREC: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
         pid_q = tl.program_id(0)
         b = tl.program_id(1)
         pid_hs = tl.program_id(2)
-        kvh = pid_hs // NUM_SPLITS
-        split = pid_hs % NUM_SPLITS
+        if SPLIT:
+            kvh = pid_hs // num_splits
+            split = pid_hs % num_splits
+        else:
+            kvh = pid_hs
+            split = 0
 
         q_start = tl.load(qsl_ptr + b)
         q_len = tl.load(qsl_ptr + b + 1) - q_start
@@ -124,7 +128,7 @@ if HAS_TRITON:
         ).to(tl.float32)
 
         # key range of this program
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             kv_lo = 0
             kv_hi = seq_len
         else:
@@ -195,7 +199,7 @@ if HAS_TRITON:
                 vis = row_valid[:, None] & valid[None, :] & (j[None, :] <= tok[:, None])
             acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, kt, v, vis, qk_scale, PREC)
 
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             out = acc / l_safe[:, None]
             tl.store(
@@ -220,15 +224,15 @@ if HAS_TRITON:
         stride_ps, stride_pt, stride_ph,
         stride_mls, stride_mlt, stride_mlh,
         stride_ot, stride_oh,
+        num_splits,
         HEAD_DIM: tl.constexpr,
-        NUM_SPLITS: tl.constexpr,
         SPLITS_P: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_P)
-        s_mask = offs_s < NUM_SPLITS
+        s_mask = offs_s < num_splits
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
         ml_off = offs_s * stride_mls + t * stride_mlt + h * stride_mlh
@@ -236,7 +240,7 @@ if HAS_TRITON:
         l = tl.load(ml_ptr + ml_off + 1, mask=s_mask, other=0.0)
         m_max = tl.max(m, 0)
         m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-        w = tl.exp2(m - m_safe) * 0 + 1  # 0 for empty splits (m = -inf)
+        w = tl.exp2(m - m_safe)  # 0 for empty splits (m = -inf)
         l_tot = tl.sum(w * l, 0)
         acc = tl.load(
             part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
@@ -249,6 +253,12 @@ if HAS_TRITON:
 
 
 _LOG2E = 1.4426950408889634
+_CONFIG_CACHE: dict = {}
+
+try:
+    from triton.runtime.errors import OutOfResources
+except Exception:  # pragma: no cover
+    OutOfResources = None
 _META_DTYPES = (torch.int32,)
 
 
@@ -354,9 +364,6 @@ def tree_attention(
         out = torch.empty_like(q)
     if T == 0 or B == 0 or max_query_len <= 0 or max_seq_len <= 0:
         return out
-    if BS & (BS - 1):
-        raise ValueError(f"{what}: block_size must be a power of two, got {BS}")
-
     group = H // KVH
     group_p = next_pow2(group)
     block_d = max(16, next_pow2(D))
@@ -367,23 +374,9 @@ def tree_attention(
         block_q = max(1, target_m // group_p)
         block_q = min(block_q, next_pow2(max_query_len))
     block_q = max(next_pow2(block_q), cdiv(16, group_p))
-    block_m = block_q * group_p
     if block_n is None:
         block_n = 64 if D <= 128 else 32
     block_n = max(16, next_pow2(block_n))
-    n_qblocks = cdiv(max_query_len, block_q)
-
-    if num_splits is None:
-        if interp or q.device.type != "cuda":
-            num_splits = 1
-        else:
-            base = B * n_qblocks * KVH
-            target = 2 * _num_sms(q.device)
-            num_splits = max(1, min(cdiv(target, base), cdiv(max_seq_len, 512), 32))
-    num_splits = max(1, min(int(num_splits), cdiv(max_seq_len, block_n)))
-    split_len = cdiv(cdiv(max_seq_len, num_splits), block_n) * block_n
-    if num_splits > 1:
-        num_splits = cdiv(max_seq_len, split_len)
 
     prec = "ieee" if (q.dtype == torch.float32 and kv_layer.dtype == torch.float32) else "tf32"
     mask_arg = tree_mask.view(torch.uint8) if tree_mask is not None and tree_mask.dtype == torch.bool else tree_mask
@@ -392,58 +385,92 @@ def tree_attention(
         mask_arg = query_start_loc  # dummy pointer, never read
     stride_mt = mask_arg.stride(0) if has_mask else 0
     mask_cols = mask_arg.shape[1] if has_mask else 0
-
     k_cache = kv_layer[0]
     v_cache = kv_layer[1]
-    if num_splits > 1:
-        part = torch.empty((num_splits, T, H, D), dtype=torch.float32, device=q.device)
-        ml = torch.empty((num_splits, T, H, 2), dtype=torch.float32, device=q.device)
-        p_strides = (part.stride(0), part.stride(1), part.stride(2))
-        ml_strides = (ml.stride(0), ml.stride(1), ml.stride(2))
-    else:
-        part = out  # dummies, never read
-        ml = out
-        p_strides = (0, 0, 0)
-        ml_strides = (0, 0, 0)
+    min_q = cdiv(16, group_p)
 
-    num_warps = 8 if block_m >= 128 else 4
-    grid = (n_qblocks, B, KVH * num_splits)
-    _tree_attention_kernel[grid](
-        q, k_cache, v_cache, out,
-        query_start_loc, context_lens, seq_lens, block_tables, mask_arg,
-        part, ml,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        block_tables.stride(0), stride_mt,
-        *p_strides, *ml_strides,
-        max(1, block_tables.shape[1]), mask_cols, split_len,
-        float(scale) * _LOG2E,
-        HEAD_DIM=D,
-        BLOCK_SIZE=BS,
-        GROUP=group,
-        GROUP_P=group_p,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        HAS_MASK=has_mask,
-        NUM_SPLITS=num_splits,
-        PREC=prec,
-        num_warps=num_warps,
-    )
-    if num_splits > 1:
-        _tree_attention_combine_kernel[(T, H)](
-            part, ml, out,
-            *p_strides, *ml_strides,
+    def launch(block_q: int, block_n: int, num_stages: Optional[int]) -> None:
+        block_m = block_q * group_p
+        n_qblocks = cdiv(max_query_len, block_q)
+        splits = num_splits
+        if splits is None:
+            if interp or q.device.type != "cuda":
+                splits = 1
+            else:  # flash-decoding: enough programs to fill the GPU when the batch is small
+                base = B * n_qblocks * KVH
+                target = 2 * _num_sms(q.device)
+                splits = max(1, min(cdiv(target, base), cdiv(max_seq_len, 512), 32))
+        splits = max(1, min(int(splits), cdiv(max_seq_len, block_n)))
+        split_len = cdiv(cdiv(max_seq_len, splits), block_n) * block_n
+        if splits > 1:
+            splits = cdiv(max_seq_len, split_len)
+        if splits > 1:
+            part = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
+            ml = torch.empty((splits, T, H, 2), dtype=torch.float32, device=q.device)
+            p_strides = (part.stride(0), part.stride(1), part.stride(2))
+            ml_strides = (ml.stride(0), ml.stride(1), ml.stride(2))
+        else:
+            part = out  # dummies, never read
+            ml = out
+            p_strides = (0, 0, 0)
+            ml_strides = (0, 0, 0)
+        extra = {} if num_stages is None else {"num_stages": num_stages}
+        grid = (n_qblocks, B, KVH * splits)
+        _tree_attention_kernel[grid](
+            q, k_cache, v_cache, out,
+            query_start_loc, context_lens, seq_lens, block_tables, mask_arg,
+            part, ml,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out.stride(0), out.stride(1),
+            block_tables.stride(0), stride_mt,
+            *p_strides, *ml_strides,
+            max(1, block_tables.shape[1]), mask_cols, split_len, splits,
+            float(scale) * _LOG2E,
             HEAD_DIM=D,
-            NUM_SPLITS=num_splits,
-            SPLITS_P=next_pow2(num_splits),
+            BLOCK_SIZE=BS,
+            GROUP=group,
+            GROUP_P=group_p,
+            BLOCK_Q=block_q,
+            BLOCK_N=block_n,
             BLOCK_D=block_d,
-            num_warps=4,
+            HAS_MASK=has_mask,
+            SPLIT=splits > 1,
+            PREC=prec,
+            num_warps=8 if block_m >= 128 else 4,
+            **extra,
         )
-    return out
+        if splits > 1:
+            _tree_attention_combine_kernel[(T, H)](
+                part, ml, out,
+                *p_strides, *ml_strides,
+                out.stride(0), out.stride(1),
+                splits,
+                HEAD_DIM=D,
+                SPLITS_P=next_pow2(splits),
+                BLOCK_D=block_d,
+                num_warps=4,
+            )
+
+    # Compiled kernels: if a configuration needs more shared memory / registers than the GPU has,
+    # fall back to smaller tiles and fewer pipeline stages (remembered per problem class).
+    key = (q.device.type, q.dtype, kv_layer.dtype, D, group_p, block_q, block_n, has_mask)
+    cands = [(block_q, block_n, None), (block_q, block_n, 1), (block_q, min(block_n, 32), 1),
+             (max(min_q, block_q // 2), 16, 1), (min_q, 16, 1)]
+    first = _CONFIG_CACHE.get(key, 0)
+    last_err = None
+    for level in range(first, len(cands)):
+        try:
+            launch(*cands[level])
+        except Exception as err:  # OutOfResources (compile time); anything else is re-raised
+            if OutOfResources is None or not isinstance(err, OutOfResources):
+                raise
+            last_err = err
+            continue
+        _CONFIG_CACHE[key] = level
+        return out
+    raise last_err
 
 
 def tree_attention_ref(

@@ -231,12 +231,13 @@ def test_tree_random(dtype, group):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dt_id)
 def test_mixed_batch(dtype):
-    # one launch: a causal chunk (lower-triangular block), a tree, a decode token, a chain tree
+    # one launch: a causal chunk (lower-triangular block), a tree, a decode token, a chain tree;
+    # block size 6 (not a power of two)
     rng = random.Random(5)
     qlens = [24, 11, 1, 6]
     ctxs = [3, 30, 77, 16]
     masks = [None, ancestor_mask(random_parents(11, rng)), None, ancestor_mask([-1, 0, 1, 2, 3, 4])]
-    args, _ = build_problem(dtype, qlens, ctxs, kvh=2, group=4, d=24, bs=8, new_masks=masks, seed=9)
+    args, _ = build_problem(dtype, qlens, ctxs, kvh=2, group=4, d=24, bs=6, new_masks=masks, seed=9)
     out, ref = run_both(args)
     assert_close(out, ref, dtype, "mixed")
 
@@ -337,6 +338,54 @@ def test_causal_invariant_direct():
         want = direct_attention(q[qs : qs + n], logs["k_log"][b], logs["v_log"][b], args["scale"], 4, ctx)
         assert_close(out[qs : qs + n].cpu(), want, torch.float32, "causal direct")
         assert_close(ref[qs : qs + n].cpu(), want, torch.float32, "ref causal direct")
+
+
+def test_out_of_resources_fallback(monkeypatch):
+    """A config that does not fit the GPU (OutOfResources at compile time) falls back to smaller
+    tiles / fewer stages, and the working level is remembered."""
+    import importlib
+
+    from triton.runtime.errors import OutOfResources
+
+    ta = importlib.import_module("specd_kernels.tree_attention")  # the module, not the function
+    real = ta._tree_attention_kernel
+    calls = []
+    failures = [2]  # the first two launches "do not fit"
+
+    class Flaky:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                calls.append((kw["BLOCK_Q"], kw["BLOCK_N"], kw.get("num_stages")))
+                if failures[0] > 0:
+                    failures[0] -= 1
+                    raise OutOfResources(300000, 232448, "shared memory")
+                return real[grid](*a, **kw)
+
+            return launch
+
+    monkeypatch.setattr(ta, "_tree_attention_kernel", Flaky())
+    monkeypatch.setattr(ta, "_CONFIG_CACHE", {})
+    args, _ = build_problem(torch.float16, [6, 1], [20, 3], seed=5)
+    out, ref = run_both(args, block_n=64)
+    assert_close(out, ref, torch.float16, "fallback")
+    assert calls[0][2] is None and calls[1][2] == 1 and calls[2][1] == 32
+    calls.clear()
+    run_both(args, block_n=64)  # remembered: straight to the working level
+    assert len(calls) == 1 and calls[0][1] == 32
+
+
+def test_gpu_check_dry_run():
+    # eval/gpu_check.py builds its smallest problem and runs it under the interpreter
+    import pathlib
+    import subprocess
+    import sys
+
+    if DEVICE.type == "cuda":
+        pytest.skip("the dry run is for machines without a GPU")
+    script = pathlib.Path(__file__).resolve().parents[1] / "eval" / "gpu_check.py"
+    r = subprocess.run([sys.executable, str(script), "--dry-run"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "dry run OK" in r.stdout
 
 
 def test_tree_attention_validation():
@@ -531,3 +580,55 @@ def test_copy_slots_empty_and_validation():
         copy_slots(kv, e.float(), e.float())
     with pytest.raises(ValueError):
         copy_slots(kv.transpose(2, 3), e, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy tree verification
+# ---------------------------------------------------------------------------------------------
+
+
+def test_greedy_verify_random_trees():
+    from specd_kernels import greedy_verify, greedy_verify_ref
+
+    rng = random.Random(0)
+    sizes = [1, 5, 0, 13, 64, 2, 33, 7]
+    vocab = 4  # small vocab: sibling collisions and long accepted paths happen
+    targets, tokens, parents, offs = [], [], [], [0]
+    for n in sizes:
+        par = random_parents(n, rng) if n else []
+        tok = [rng.randrange(vocab) for _ in range(n)]
+        tgt = [rng.randrange(vocab) for _ in range(n)]
+        # bias towards acceptance: the target often agrees with the first child
+        for i in range(n):
+            kids = [c for c in range(n) if par[c] == i]
+            if kids and rng.random() < 0.9:
+                tgt[i] = tok[kids[rng.randrange(len(kids))]]
+        targets += tgt
+        tokens += tok
+        parents += par
+        offs.append(offs[-1] + n)
+    t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=DEVICE)  # noqa: E731
+    args = (t(targets), t(tokens), t(parents, torch.int32), t(offs, torch.int32), max(sizes))
+    got = greedy_verify(*args)
+    want = greedy_verify_ref(*args)
+    for g_, w_ in zip(got, want):
+        assert torch.equal(g_.cpu(), w_.cpu()), (got, want)
+    assert int(want[0].max()) >= 2  # the test exercises multi-step paths
+
+
+def test_greedy_verify_chain_all_accepted_is_bonus():
+    from specd_kernels import greedy_verify
+
+    n = 6
+    tokens = torch.arange(n, device=DEVICE)  # chain 0-1-2-3-4-5, node i has token i
+    target = torch.arange(1, n + 1, device=DEVICE)  # target after node i is i+1: accept all
+    parents = torch.arange(-1, n - 1, dtype=torch.int32, device=DEVICE)
+    offs = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
+    length, path, nxt, bonus = greedy_verify(target, tokens, parents, offs, n)
+    assert int(length[0]) == n - 1
+    assert path[0].tolist() == [1, 2, 3, 4, 5, -1]
+    assert int(nxt[0]) == n and bool(bonus[0])
+    target[2] = 99  # reject node 3: correction token 99 after node 2
+    length, path, nxt, bonus = greedy_verify(target, tokens, parents, offs, n)
+    assert int(length[0]) == 2 and path[0].tolist()[:3] == [1, 2, -1]
+    assert int(nxt[0]) == 99 and not bool(bonus[0])

@@ -61,6 +61,7 @@ class DraftTree:
     _depths_t: torch.Tensor | None = field(init=False, repr=False, default=None)
     _mask: torch.Tensor | None = field(init=False, repr=False, default=None)
     _paths: list | None = field(init=False, repr=False, default=None)
+    _siblings: tuple | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         if isinstance(self.tokens, torch.Tensor):
@@ -151,6 +152,31 @@ class DraftTree:
 
     def is_leaf(self, i: int) -> bool:
         return not self.children[i]
+
+    def sibling_table(self) -> tuple[list[int], list[list[int]], list[int]]:
+        """Internal nodes and their children's tokens, for the rejection sampler (cached).
+
+        Returns ``(internal, kid_tokens, index)``: ``internal`` the nodes with children in index
+        order; ``kid_tokens[j]`` the tokens of ``internal[j]``'s children in creation order, a
+        token repeating an earlier sibling's replaced by -1; ``index[i]`` the position of node i in
+        ``internal``, or -1 for a leaf.
+        """
+        if self._siblings is None:
+            tok = self._tok
+            internal: list[int] = []
+            kid_tokens: list[list[int]] = []
+            index = [-1] * len(tok)
+            for i, kids in enumerate(self.children):
+                if kids:
+                    index[i] = len(internal)
+                    internal.append(i)
+                    kt = [tok[c] for c in kids]
+                    if len(kt) > 1 and len(set(kt)) != len(kt):
+                        seen: set[int] = set()
+                        kt = [-1 if (x in seen or seen.add(x)) else x for x in kt]
+                    kid_tokens.append(kt)
+            self._siblings = (internal, kid_tokens, index)
+        return self._siblings
 
     # ------------------------------------------------------------------ derived tensors
     def positions(self, context_len: int) -> torch.Tensor:

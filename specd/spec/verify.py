@@ -80,15 +80,18 @@ rejection has probability ~0) the next ``p`` is ``p_m`` without ``x_m``.
 
 Implementation: all arithmetic in float64. The per-node tables (acceptance probability of every
 child, the residual after all children) are computed for all internal nodes of all requests at
-once, looping only over the sibling rank; the walk then runs on the host over those numbers with
-one host transfer, and a second transfer returns the sampled correction/bonus tokens. Each request
-draws ``num_nodes + 1`` uniforms from its own generator per step: ``u[j]`` decides node ``j``'s
-acceptance test (each node is tested at most once) and ``u[0]`` samples the final token by
-inverse CDF.
+once, looping only over the sibling rank; the acceptance tests run there too, and one host
+transfer brings back, per internal node, the rank of its accepted child (or -1). The walks then
+run on the host over those small ints, and a second transfer returns the sampled
+correction/bonus tokens. Each request draws ``num_nodes`` uniforms from its own generator per
+step: the first samples the final token by inverse CDF, the others decide the ``num_nodes - 1``
+children's acceptance tests (each child is tested at most once), taken in (parent, sibling rank)
+order.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Sequence
 
 import torch
@@ -105,6 +108,7 @@ _TINY = torch.finfo(torch.float64).tiny
 _RESIDUAL_EPS = 1e-9
 # Cap on the elements of one [rows, vocab] float64 working tensor (chunks over rows beyond it).
 _CHUNK_ELEMS = 1 << 24
+_PAD = -2  # padding in the [internal nodes, max children] layout (-1 marks a repeated token)
 
 
 @dataclass(slots=True)
@@ -309,9 +313,9 @@ def _sample_batch(trees, target, offsets, samp, draft_probs, gens, modes, result
     dev = target.device
     # Layout of every internal node of the sampling requests: one row each.
     rows: list[int] = []  # target row of the node
-    kid_lists: list[list[int]] = []  # children's tokens (a repeat -> -1, marked not ok)
+    kid_lists: list[list[int]] = []  # children's tokens (a repeated token -> -1, never accepted)
     det_rows: list[bool] = []
-    int_index: list[list[int]] = []  # per sampling request: node -> internal row or -1
+    int_start: list[int] = []  # per sampling request: its first internal row
     any_sampled = False
     for b in samp:
         mode = modes[b]
@@ -319,49 +323,55 @@ def _sample_batch(trees, target, offsets, samp, draft_probs, gens, modes, result
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {mode!r}")
         det = mode == "deterministic"
         any_sampled |= not det
-        t = trees[b]
-        tok = t.token_list
+        internal, kid_tokens, _ = trees[b].sibling_table()
+        start = len(rows)
         off = offsets[b]
-        idx = [-1] * t.num_nodes
-        for i, kids in enumerate(t.children):
-            if kids:
-                idx[i] = len(rows)
-                rows.append(off + i)
-                kt = [tok[c] for c in kids]
-                if len(kids) > 1 and len(set(kt)) != len(kt):
-                    seen: set[int] = set()
-                    kt = [-1 if (x in seen or seen.add(x)) else x for x in kt]
-                kid_lists.append(kt)
-                det_rows.append(det)
-        int_index.append(idx)
+        rows.extend([off + i for i in internal])
+        kid_lists.extend(kid_tokens)
+        det_rows.extend([det] * len(internal))
+        int_start.append(start)
     if any_sampled and draft_probs is None:
         raise ValueError('draft_mode "sampled" needs draft_probs')
 
-    # One vectorised pass: acceptance probabilities of every child of every internal node.
+    # Uniforms: per request n_b (= n_b - 1 children + 1) from its own generator. The first decides
+    # the final token; the others the children, in (internal node, sibling rank) order.
+    sizes = [trees[b].num_nodes for b in samp]
+    u_all = draw_uniforms(sizes, [gens[b] for b in samp], dev)  # [sum(n_b)]
+    first_of = torch.zeros(u_all.shape[0], dtype=torch.bool)
+    first_of[torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0)] = True
+    first_of = first_of.to(dev)
+    u_final = u_all[first_of]  # [S]
+
+    # One vectorised pass over every internal node: which child (sibling rank) is accepted, if any.
+    first_acc: list[int] = []
     if rows:
         k_max = max(len(k) for k in kid_lists)
-        padded = [k + [-1] * (k_max - len(k)) for k in kid_lists]
-        kt_host = torch.tensor(padded, dtype=torch.int64)  # [I, K]
-        kid_ok = (kt_host >= 0).to(dev)
-        kid_tok = kt_host.clamp(min=0).to(dev)
+        if all(len(k) == k_max for k in kid_lists):
+            flat = list(chain.from_iterable(kid_lists))
+        else:
+            flat = list(chain.from_iterable(k + [_PAD] * (k_max - len(k)) for k in kid_lists))
+        kt_host = torch.tensor(flat, dtype=torch.int64).view(-1, k_max)  # [I, K]
+        present = (kt_host != _PAD).to(dev)  # [I, K] a child is there
+        kid_tok = kt_host.clamp(min=0).to(dev)  # [I, K]
+        kid_ok = (kt_host >= 0).to(dev)  # [I, K] a child that may be accepted
         det_t = torch.tensor(det_rows, dtype=torch.bool, device=dev)  # [I]
         rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # [I]
         draft = draft_probs if any_sampled else None
-        accept = _tables(target, draft, rows_t, kid_tok, kid_ok, det_t, True).tolist()
-    counts = [trees[b].num_nodes + 1 for b in samp]
-    u_all = draw_uniforms(counts, [gens[b] for b in samp], "cpu")  # [sum(n_b + 1)]
-    u = u_all.tolist()
+        accept = _tables(target, draft, rows_t, kid_tok, kid_ok, det_t, True)  # [I, K]
+        u_kid = torch.ones_like(accept)
+        u_kid[present] = u_all[~first_of]  # [I, K]
+        hit = (u_kid < accept) & kid_ok  # [I, K]
+        first_acc = torch.where(hit.any(dim=1), hit.to(torch.int8).argmax(dim=1), -1).tolist()
 
     # Host walks.
     stop_rows: list[int] = []  # target row of the node where each walk stopped
     stop_int: list[int] = []  # its internal-row index, or -1 for a leaf (bonus)
-    u_final: list[float] = []
     paths: list[list[int]] = []
-    base = 0
     for j, b in enumerate(samp):
         t = trees[b]
         ch = t.children
-        idx = int_index[j]
+        idx = t.sibling_table()[2]
+        start = int_start[j]
         node = 0
         path: list[int] = []
         while True:
@@ -369,19 +379,14 @@ def _sample_batch(trees, target, offsets, samp, draft_probs, gens, modes, result
             if not kids:
                 stop_int.append(-1)
                 break
-            arow = accept[idx[node]]
-            for k, c in enumerate(kids):
-                if u[base + c] < arow[k]:
-                    path.append(c)
-                    node = c
-                    break
-            else:
-                stop_int.append(idx[node])
+            r = first_acc[start + idx[node]]
+            if r < 0:
+                stop_int.append(start + idx[node])
                 break
+            node = kids[r]
+            path.append(node)
         stop_rows.append(offsets[b] + node)
-        u_final.append(u[base])
         paths.append(path)
-        base += t.num_nodes + 1
 
     # Final tokens: the bonus from the leaf's target row, or the correction from the residual.
     dist = target.index_select(0, torch.tensor(stop_rows, dtype=torch.int64, device=dev))
@@ -393,7 +398,7 @@ def _sample_batch(trees, target, offsets, samp, draft_probs, gens, modes, result
                       kid_tok.index_select(0, sel), kid_ok.index_select(0, sel),
                       det_t.index_select(0, sel), False)  # [C, V]
         dist.index_copy_(0, torch.tensor(corr, dtype=torch.int64, device=dev), res)
-    nxt = sample_from_uniform(dist, torch.tensor(u_final, dtype=torch.float64)).tolist()
+    nxt = sample_from_uniform(dist, u_final).tolist()
 
     for j, b in enumerate(samp):
         tok = trees[b].token_list

@@ -1,0 +1,361 @@
+"""Acceptance-rate evaluation: how many tokens each target forward yields, and what that buys.
+
+    python eval/acceptance.py --target ../shared/models/stories260K \\
+        --draft ../shared/models/stories260K-draft-1L64 \\
+        --prompts ../shared/data/mt_bench/question.jsonl --raw --max-tokens 128 \\
+        --modes off,chain:4,tree:16 --temperature 0,1 --limit 16 --out eval/out/mt_bench
+
+For every prompt (MT-bench / Spec-Bench ``question.jsonl``, or a text file with one prompt per line)
+and every speculation mode, the conversation is run one request at a time (batch 1, the latency
+setting of Spec-Bench); turn 2 sees the model's own turn-1 answer (chat template: as messages; raw:
+the texts joined by blank lines). Modes run back to back per prompt, in an order rotated from prompt
+to prompt, so that load from other processes on a shared machine hits every mode alike. The
+target-only baseline (``off``, an engine without a draft) always runs: speedups are measured against
+it in the same run, on the same prompts.
+
+Reported per category and overall (``report.json``, ``summary.md``, plots):
+
+- mean accepted length: tokens per target forward, counting the bonus/correction token
+- acceptance rate (accepted / drafted), acceptance per depth, conditional alpha per position,
+  the accepted-length distribution
+- tokens/s (output tokens / wall time, prefill included) and the speedup over ``off``
+- theory check (chains): Leviathan et al. (2023) predict E / (k c + 1) with
+  E = (1 - alpha^(k+1)) / (1 - alpha) and c = draft forward time / target-only step time, both
+  measured here; "speculation efficiency" = measured speedup / predicted speedup
+- greedy: how many outputs equal the target-only output token for token (lossless check)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `python eval/acceptance.py`: find common.py
+
+import common as C  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="target checkpoint dir (HF format)")
+    ap.add_argument("--draft", required=True, help="draft checkpoint dir (same tokenizer)")
+    ap.add_argument("--prompts", required=True, help="question.jsonl (turns, category) or text, one prompt a line")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--chat-template", dest="chat_template", action="store_true", default=None,
+                   help="apply the tokenizer's chat template (default when it has one)")
+    g.add_argument("--raw", dest="chat_template", action="store_false", help="raw text prompts (BOS + text)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", default="0", help="comma list, e.g. 0,1 (0 = greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed base (same per prompt for every mode)")
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    ap.add_argument("--modes", default="off,chain:4,tree:16",
+                    help="comma list of off | chain:K | tree:N[:TOPK[:DEPTH]] | static:N (off is always added)")
+    ap.add_argument("--tree-topk", type=int, default=4, help="dynamic tree: children per node / nodes per level")
+    ap.add_argument("--tree-depth", type=int, default=6, help="dynamic tree: max depth")
+    ap.add_argument("--limit", type=int, default=None, help="N prompts in all, round-robin over categories")
+    ap.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
+    ap.add_argument("--categories", default=None, help="comma list of categories to keep")
+    ap.add_argument("--max-turns", type=int, default=None, help="only the first N turns of each prompt")
+    ap.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="left-truncate prompts to this (default: context - max_tokens)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--out", default=None, help="output dir (default eval/out/acceptance-DATE)")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--no-plots", action="store_true")
+    return ap.parse_args(argv)
+
+
+# running ----------------------------------------------------------------------------------------
+def load_pair(target: str, draft: str, device: str = "cpu"):
+    from specd.loader import load_model
+
+    return (load_model(target, device, "float32", progress=False),
+            load_model(draft, device, "float32", progress=False))
+
+
+def run_eval(target, draft, prompts: list, modes: list, *, temperatures=(0.0,), max_tokens: int = 128,
+             chat_template: bool = False, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False,
+             max_prompt_tokens=None, device: str = "cpu", progress: bool = True, warmup: bool = True,
+             desc: str = "eval") -> dict:
+    """Run every prompt under every mode and temperature. Returns the report's ``runs`` and ``requests``.
+
+    ``target``/``draft`` are loaded models (``specd.loader.load_model``); ``modes`` are ``common.Mode``.
+    """
+    from tqdm import tqdm
+
+    from specd.sampling import SamplingParams
+
+    if not any(m.kind == "off" for m in modes):
+        modes = [C.Mode("off", "off")] + list(modes)
+    tok = target.tokenizer
+    bos = target.config.bos_token_id
+    engines = {m.name: C.make_engine(m, target, draft, device) for m in modes}
+    ctx = min(e.max_model_len for e in engines.values())
+    max_prompt = max_prompt_tokens or (ctx - max_tokens - 1)
+    if max_prompt < 1:
+        raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt in a {ctx}-token context")
+    if warmup:
+        w = list(tok("Once upon a time")["input_ids"])
+        for m in modes:
+            engines[m.name].generate([w], SamplingParams(temperature=0.0, max_tokens=8), m.spec_params())
+    timers = {n: C.StepTimer(e) for n, e in engines.items()}
+    requests, runs = [], []
+    for temp in temperatures:
+        for t in timers.values():
+            t.reset()
+        logs = {n: C.StepLog(e) for n, e in engines.items()}  # fresh engine-wide totals per temperature
+        rows = []
+        bar = tqdm(total=len(prompts) * len(modes), desc=f"{desc} T={temp:g}", disable=not progress,
+                   unit="conv", dynamic_ncols=True)
+        for qi, p in enumerate(prompts):
+            order = modes[qi % len(modes):] + modes[:qi % len(modes)]
+            for m in order:
+                eng = engines[m.name]
+                answers = []
+                for ti in range(len(p.turns)):
+                    ids = C.encode_conversation(tok, p.turns[:ti + 1], answers, chat_template)
+                    ids, truncated = C.fit_prompt(ids, max_prompt, bos)
+                    params = SamplingParams(temperature=temp, top_p=top_p, max_tokens=max_tokens,
+                                            seed=seed + 1000 * qi + ti, ignore_eos=ignore_eos)
+                    logs[m.name].take()
+                    t0 = time.perf_counter()
+                    seq = eng.generate([ids], params, m.spec_params())[0]
+                    dt = time.perf_counter() - t0
+                    steps = logs[m.name].take()
+                    text = eng.output_text(seq)
+                    answers.append(text)
+                    st = C.stats_dict(seq.stats, C.tried_per_depth(steps))
+                    rows.append({
+                        "prompt_id": p.id, "category": p.category, "subcategory": p.subcategory, "turn": ti + 1,
+                        "mode": m.name, "temperature": temp, "prompt_tokens": len(ids), "truncated": truncated,
+                        "output_tokens": seq.num_output, "wall_s": round(dt, 6),
+                        "tokens_per_s": round(seq.num_output / dt, 3) if dt > 0 else 0.0,
+                        "finish_reason": seq.finish_reason, "output_ids": list(seq.output_ids), "stats": st,
+                    })
+                bar.update(1)
+        bar.close()
+        runs.append(summarise(rows, modes, temp, timers, engines))
+        for r in rows:
+            r.pop("output_ids", None)  # only needed for the greedy lossless check
+        requests += rows
+    return {"runs": runs, "requests": requests,
+            "prompts": {"count": len(prompts), "turns": sum(len(p.turns) for p in prompts),
+                        "categories": sorted({p.category for p in prompts}),
+                        "truncated": sum(1 for r in requests if r["truncated"] and r["mode"] == "off"
+                                         and r["temperature"] == temperatures[0]),
+                        "max_prompt_tokens": max_prompt, "chat_template": chat_template,
+                        "ids": [p.id for p in prompts]}}
+
+
+# summarising ------------------------------------------------------------------------------------
+def metrics(rows: list) -> dict:
+    """Totals over request rows: merged SpecStats, tokens/s, medians."""
+    st = C.stats_from_dicts([r["stats"] for r in rows])
+    tried = []
+    for r in rows:
+        tried = C.add_lists(tried, r["stats"].get("tried_per_depth", []))
+    wall = sum(r["wall_s"] for r in rows)
+    out_tok = sum(r["output_tokens"] for r in rows)
+    d = {"requests": len(rows), "prompt_tokens": sum(r["prompt_tokens"] for r in rows), "output_tokens": out_tok,
+         "wall_s": round(wall, 4), "tokens_per_s": round(out_tok / wall, 2) if wall > 0 else 0.0,
+         "median_request_tokens_per_s": round(C.median([r["tokens_per_s"] for r in rows]), 2)}
+    d.update(C.stats_dict(st, tried))
+    return d
+
+
+def _speedups(rows: list, base: list) -> dict:
+    key = lambda r: (r["prompt_id"], r["turn"])  # noqa: E731
+    b = {key(r): r for r in base}
+    ratios = [r["tokens_per_s"] / b[key(r)]["tokens_per_s"] for r in rows
+              if key(r) in b and b[key(r)]["tokens_per_s"] > 0 and r["tokens_per_s"] > 0]
+    return {"median_request_speedup": round(C.median(ratios), 4)}
+
+
+def summarise(rows: list, modes: list, temp: float, timers: dict, engines: dict) -> dict:
+    by_mode = {m.name: [r for r in rows if r["mode"] == m.name] for m in modes}
+    base = by_mode["off"]
+    base_m = metrics(base)
+    cats = sorted({r["category"] for r in rows})
+    off_timing = timers["off"].as_dict()
+    greedy = temp == 0
+    out = {"temperature": temp, "modes": []}
+    for m in modes:
+        mr = by_mode[m.name]
+        ov = metrics(mr)
+        ov["speedup"] = round(ov["tokens_per_s"] / base_m["tokens_per_s"], 4) if base_m["tokens_per_s"] else 0.0
+        ov.update(_speedups(mr, base))
+        per_cat = {}
+        for c in cats:
+            cr = [r for r in mr if r["category"] == c]
+            cb = [r for r in base if r["category"] == c]
+            cm = metrics(cr)
+            bm = metrics(cb)
+            cm["speedup"] = round(cm["tokens_per_s"] / bm["tokens_per_s"], 4) if bm["tokens_per_s"] else 0.0
+            cm.update(_speedups(cr, cb))
+            per_cat[c] = cm
+        timing = timers[m.name].as_dict()
+        entry = {"mode": m.describe(), "overall": ov, "per_category": per_cat, "timing": timing,
+                 "engine_stats": C.stats_dict(engines[m.name].stats)}
+        if greedy and m.kind != "off":
+            bo = {(r["prompt_id"], r["turn"]): r["output_ids"] for r in base}
+            same = sum(1 for r in mr if bo.get((r["prompt_id"], r["turn"])) == r["output_ids"])
+            entry["greedy_match"] = {"equal": same, "of": len(mr)}
+        if m.kind != "off":
+            entry["theory"] = theory(m, ov, timing, off_timing)
+        out["modes"].append(entry)
+    return out
+
+
+def theory(m, ov: dict, timing: dict, off_timing: dict) -> dict:
+    """Leviathan et al. (2023) for a chain of k (and the same cost model, generalised, for trees)."""
+    c = timing["draft_forward_ms_mean"] / off_timing["step_ms_mean"] if off_timing["step_ms_mean"] else 0.0
+    c_fwd = (timing["draft_forward_ms_mean"] / off_timing["target_forward_ms_per_step"]
+             if off_timing["target_forward_ms_per_step"] else 0.0)
+    e_meas = ov["mean_accepted_length"]
+    d = {"c": round(c, 4), "c_vs_target_forward_only": round(c_fwd, 4),
+         "draft_forwards_per_step": timing["draft_forwards_per_step"],
+         "verify_cost_ratio": round(timing["target_forward_ms_per_step"] / off_timing["target_forward_ms_per_step"], 4)
+         if off_timing["target_forward_ms_per_step"] else 0.0,
+         "measured_speedup": ov["speedup"]}
+    if m.kind == "chain":
+        k = m.size
+        a = ov.get("alpha_iid", 0.0)
+        e_iid = C.expected_tokens_iid(a, k)
+        e_prod = C.expected_tokens_product(ov.get("conditional_acceptance_per_depth", [])[:k])
+        pred = C.leviathan_speedup(e_iid, k, c)
+        d.update({"model": "leviathan_chain", "k": k, "alpha": a, "expected_tokens_iid": round(e_iid, 4),
+                  "expected_tokens_product": round(e_prod, 4), "measured_tokens_per_step": e_meas,
+                  "predicted_speedup": round(pred, 4),
+                  "predicted_speedup_product": round(C.leviathan_speedup(e_prod, k, c), 4),
+                  "speculation_efficiency": round(ov["speedup"] / pred, 4) if pred else 0.0})
+    else:  # same cost model: one target step + (draft forwards per step) draft forwards
+        f = timing["draft_forwards_per_step"]
+        pred = e_meas / (f * c + 1)
+        d.update({"model": "leviathan_cost_tree", "measured_tokens_per_step": e_meas,
+                  "predicted_speedup": round(pred, 4),
+                  "speculation_efficiency": round(ov["speedup"] / pred, 4) if pred else 0.0})
+    return d
+
+
+# output -----------------------------------------------------------------------------------------
+def markdown(report: dict) -> str:
+    meta = report["meta"]
+    lines = [f"# specd acceptance evaluation", "",
+             f"- command: `{meta['command']}`",
+             f"- date: {meta['date']}; device: {meta['device']} ({meta['cpu']}, {meta['cpu_count']} cores, "
+             f"{meta['torch_threads']} torch threads); versions: "
+             + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + f"; git {meta['git_commit']}",
+             f"- target `{meta['target']}`, draft `{meta['draft']}`; prompts `{meta['prompts_file']}`: "
+             f"{report['prompts']['count']} prompts / {report['prompts']['turns']} turns, categories "
+             f"{', '.join(report['prompts']['categories'])}; max_tokens {meta['max_tokens']}; "
+             f"{'chat template' if report['prompts']['chat_template'] else 'raw prompts'}; "
+             f"{report['prompts']['truncated']} prompts left-truncated to {report['prompts']['max_prompt_tokens']} tokens",
+             ""]
+    for run in report["runs"]:
+        t = run["temperature"]
+        lines += [f"## temperature {t:g} ({'greedy' if t == 0 else 'sampling'})", ""]
+        rows = []
+        for e in run["modes"]:
+            o = e["overall"]
+            gm = e.get("greedy_match")
+            rows.append([e["mode"]["name"], o["mean_accepted_length"], o["acceptance_rate"],
+                         " ".join(f"{x:.2f}" for x in o["acceptance_per_depth"][:8]),
+                         o["tokens_per_s"], o["speedup"], o["median_request_speedup"],
+                         f"{gm['equal']}/{gm['of']}" if gm else "-"])
+        lines += [C.md_table(["mode", "tokens/step", "accept rate", "P(reach depth 1..)", "tok/s", "speedup",
+                              "median speedup", "greedy == off"], rows), ""]
+        cats = list(run["modes"][0]["per_category"])
+        if len(cats) > 1:
+            hdr = ["category"] + [f"{e['mode']['name']} tok/step" for e in run["modes"] if e["mode"]["kind"] != "off"] \
+                + [f"{e['mode']['name']} speedup" for e in run["modes"] if e["mode"]["kind"] != "off"]
+            crow = []
+            for c in cats:
+                spec = [e for e in run["modes"] if e["mode"]["kind"] != "off"]
+                crow.append([c] + [e["per_category"][c]["mean_accepted_length"] for e in spec]
+                            + [e["per_category"][c]["speedup"] for e in spec])
+            lines += ["Per category:", "", C.md_table(hdr, crow), ""]
+        th = [e for e in run["modes"] if "theory" in e]
+        if th:
+            trows = []
+            for e in th:
+                x = e["theory"]
+                trows.append([e["mode"]["name"], x.get("alpha", "-"), x.get("expected_tokens_iid", "-"),
+                              x["measured_tokens_per_step"], x["c"], x["draft_forwards_per_step"],
+                              x["verify_cost_ratio"], x["predicted_speedup"], x["measured_speedup"],
+                              x["speculation_efficiency"]])
+            lines += ["Theory check (Leviathan et al. 2023: speedup = E / (k c + 1); trees: E_measured / "
+                      "(forwards c + 1)):", "",
+                      C.md_table(["mode", "alpha", "E iid", "E measured", "c", "draft fwd/step", "verify cost",
+                                  "predicted", "measured", "efficiency"], trows), ""]
+    return "\n".join(lines)
+
+
+def plots(report: dict, out: Path) -> list:
+    files = []
+    for run in report["runs"]:
+        t = f"T{run['temperature']:g}"
+        spec = [e for e in run["modes"] if e["mode"]["kind"] != "off"]
+        files.append(C.plot_acceptance_per_depth(
+            {e["mode"]["name"]: e["overall"]["acceptance_per_depth"] for e in spec},
+            out / f"acceptance_per_depth_{t}.png", f"acceptance per depth (temperature {run['temperature']:g})"))
+        files.append(C.plot_accept_hist(
+            {e["mode"]["name"]: e["overall"]["accept_len_dist"] for e in run["modes"]},
+            out / f"accept_len_hist_{t}.png", f"accepted draft tokens per step (temperature {run['temperature']:g})"))
+        series = {}
+        for kind, key in (("chain", "k"), ("tree", "budget"), ("static", "budget")):
+            es = sorted((e for e in spec if e["mode"]["kind"] == kind), key=lambda e: e["mode"][key])
+            if es:
+                series[f"{kind} (x = {'k' if kind == 'chain' else 'tree budget N'})"] = (
+                    [e["mode"][key] for e in es], [e["overall"]["speedup"] for e in es])
+        if series:
+            files.append(C.plot_xy(series, out / f"speedup_{t}.png", "draft tokens per step (k or N)",
+                                   "speedup over target-only", f"speedup (temperature {run['temperature']:g})",
+                                   hline=1.0, logx=True))
+    return files
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    C.set_threads(a.threads)
+    temps = [float(x) for x in a.temperature.split(",") if x.strip()]
+    modes = C.parse_modes(a.modes, tree_topk=a.tree_topk, tree_depth=a.tree_depth)
+    if not any(m.kind == "off" for m in modes):
+        modes = [C.Mode("off", "off")] + modes
+    cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
+    prompts = C.load_prompts(a.prompts, a.limit, cats, a.per_category, a.max_turns)
+    if not prompts:
+        print("acceptance: no prompts selected", file=sys.stderr)
+        return 2
+    out = Path(a.out) if a.out else C.default_out("acceptance")
+    t0 = time.perf_counter()
+    target, draft = load_pair(a.target, a.draft, a.device)
+    chat = a.chat_template if a.chat_template is not None else C.has_chat_template(target.tokenizer)
+    if chat and not C.has_chat_template(target.tokenizer):
+        print("acceptance: the tokenizer has no chat template; use --raw", file=sys.stderr)
+        return 2
+    res = run_eval(target, draft, prompts, modes, temperatures=temps, max_tokens=a.max_tokens, chat_template=chat,
+                   top_p=a.top_p, seed=a.seed, ignore_eos=a.ignore_eos, max_prompt_tokens=a.max_prompt_tokens,
+                   device=a.device, progress=not a.no_progress)
+    meta = C.run_meta(argv if argv is not None else sys.argv, a.device)
+    if argv is not None:
+        meta["command"] = "python eval/acceptance.py " + " ".join(argv)
+    meta.update({"target": a.target, "draft": a.draft, "prompts_file": a.prompts, "max_tokens": a.max_tokens,
+                 "temperatures": temps, "top_p": a.top_p, "seed": a.seed, "ignore_eos": a.ignore_eos,
+                 "modes": [m.name for m in modes], "limit": a.limit, "per_category": a.per_category,
+                 "categories": cats, "elapsed_s": round(time.perf_counter() - t0, 2)})
+    report = {"schema": C.SCHEMA, "kind": "acceptance", "meta": meta, **res}
+    C.write_json(out / "report.json", report)
+    md = markdown(report)
+    (out / "summary.md").write_text(md + "\n", encoding="utf-8")
+    if not a.no_plots:
+        plots(report, out)
+    print(md)
+    print(f"\nwrote {out}/report.json, summary.md and plots ({meta['elapsed_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

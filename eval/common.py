@@ -1,0 +1,572 @@
+"""Shared pieces of the evaluation scripts: prompts, speculation modes, timing, reports, plots.
+
+Vocabulary (as in docs/architecture.md): a *step* is one target forward; per step the verifier keeps
+``a`` draft tokens (*accepted*) and emits ``a + 1`` tokens (the +1 is the correction or bonus token).
+
+- mean accepted length (tokens per step) = 1 + accepted / steps   (counts the bonus/correction token)
+- acceptance rate                       = accepted / drafted       (over every drafted node)
+- acceptance per depth d                = P(accepted path reaches depth d | the tree had depth d)
+- conditional acceptance at depth d     = P(reaches d | reached d - 1): alpha_d in the product form
+- accepted-length histogram             = steps that accepted exactly 0, 1, 2, ... draft tokens
+
+Used by ``eval/acceptance.py`` (main entry), ``eval/sweep.py`` and ``eval/peers.py``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import heapq
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python eval/x.py` from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+SCHEMA = "specd.eval/1"
+SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def set_threads(n: int) -> None:
+    """Pin intra-op threads (the machines are shared: 1-2 threads keeps timings steadier)."""
+    os.environ["OMP_NUM_THREADS"] = str(n)
+    import torch
+
+    torch.set_num_threads(n)
+
+
+# prompts ----------------------------------------------------------------------------------------
+@dataclass
+class Prompt:
+    id: str
+    category: str  # reporting category (Spec-Bench: the task; MT-bench: its category)
+    turns: list  # user turns (str)
+    subcategory: Optional[str] = None  # Spec-Bench's mt_bench rows keep their MT-bench category here
+
+
+def load_prompts(path, limit: Optional[int] = None, categories: Optional[list] = None,
+                 per_category: Optional[int] = None, max_turns: Optional[int] = None) -> list:
+    """Read MT-bench / Spec-Bench ``question.jsonl`` (``turns``, ``category``) or plain text.
+
+    Plain text: one prompt per non-empty line, category ``text``. In a Spec-Bench file (one that has
+    the Spec-Bench task categories) the eight MT-bench categories are reported together as
+    ``mt_bench``, the way the Spec-Bench leaderboard does. ``categories`` filters on either name.
+    ``per_category`` keeps the first N of each category; ``limit`` then keeps N in all, taken
+    round-robin over the categories (file order inside each), so a small limit still covers them all.
+    """
+    path = Path(path)
+    rows = []
+    text = path.read_text(encoding="utf-8")
+    if path.suffix in (".jsonl", ".json") or text.lstrip().startswith("{"):
+        for n, line in enumerate(text.splitlines()):
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            turns = r.get("turns") or ([r["prompt"]] if "prompt" in r else None)
+            if not turns:
+                raise ValueError(f"{path}:{n + 1}: no 'turns' (or 'prompt') field")
+            rows.append(Prompt(str(r.get("question_id", n + 1)), str(r.get("category", "default")), list(turns)))
+        cats = {p.category for p in rows}
+        if cats & set(SPEC_BENCH_TASKS):
+            for p in rows:
+                if p.category in MT_BENCH_CATEGORIES:
+                    p.subcategory, p.category = p.category, "mt_bench"
+    else:
+        rows = [Prompt(str(i + 1), "text", [ln]) for i, ln in enumerate(x for x in text.splitlines() if x.strip())]
+    if max_turns is not None:
+        for p in rows:
+            p.turns = p.turns[:max_turns]
+    if categories:
+        want = set(categories)
+        rows = [p for p in rows if p.category in want or p.subcategory in want]
+    by_cat: dict[str, list] = {}
+    for p in rows:
+        by_cat.setdefault(p.category, []).append(p)
+    if per_category is not None:
+        by_cat = {c: ps[:per_category] for c, ps in by_cat.items()}
+    out = []
+    if limit is None:
+        for ps in by_cat.values():
+            out += ps
+        return sorted(out, key=rows.index)
+    queues = [list(ps) for ps in by_cat.values()]
+    while len(out) < limit and any(queues):
+        for q in queues:
+            if q and len(out) < limit:
+                out.append(q.pop(0))
+    return out
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_conversation(tokenizer, turns: list, answers: list, chat_template: bool) -> list:
+    """Token ids for the next turn: user turns[i] answered by answers[i] (the model's own), then turns[-1].
+
+    With a chat template: the messages go through the tokenizer's template (generation prompt on).
+    Raw: the text is the turns and answers joined by blank lines, prefixed by the tokenizer's BOS.
+    """
+    assert len(answers) == len(turns) - 1
+    if chat_template:
+        msgs = []
+        for i, t in enumerate(turns):
+            msgs.append({"role": "user", "content": t})
+            if i < len(answers):
+                msgs.append({"role": "assistant", "content": answers[i]})
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return list(ids)
+    parts = []
+    for i, t in enumerate(turns):
+        parts.append(t)
+        if i < len(answers):
+            parts.append(answers[i])
+    return list(tokenizer("\n\n".join(parts))["input_ids"])
+
+
+def fit_prompt(ids: list, max_prompt: int, bos_id: Optional[int]) -> tuple:
+    """Left-truncate to ``max_prompt`` tokens (keeping a leading BOS). Returns (ids, truncated?)."""
+    if len(ids) <= max_prompt:
+        return ids, False
+    if bos_id is not None and ids and ids[0] == bos_id:
+        return [ids[0]] + ids[len(ids) - (max_prompt - 1):], True
+    return ids[len(ids) - max_prompt:], True
+
+
+# speculation modes ------------------------------------------------------------------------------
+# P(the target's token is the draft's rank-r token), used to shape static trees when nothing
+# measured is given; close to the shared stories260K pair (top-1 agreement ~0.55).
+DEFAULT_RANK_PROBS = (0.55, 0.13, 0.06, 0.035, 0.02, 0.015, 0.01, 0.008)
+
+
+def static_choices(n: int, rank_probs=DEFAULT_RANK_PROBS, max_depth: int = 12) -> tuple:
+    """The ``n``-node static tree that maximises expected accepted length when the draft's rank-r
+    token is right with probability ``rank_probs[r]`` independently at every depth (Sequoia's model).
+
+    Best-first over paths: a path's value is the product of its ranks' probabilities, so a child is
+    never worth more than its parent or its earlier sibling, and the first ``n`` popped paths form a
+    valid (prefix-closed) Medusa choice list.
+
+    >>> static_choices(4, (0.5, 0.2))
+    ((0,), (0, 0), (1,), (0, 0, 0))
+    """
+    probs = [p for p in rank_probs if p > 0]
+    heap = [(-probs[0], (0,))]
+    out = []
+    while heap and len(out) < n:
+        negv, path = heapq.heappop(heap)
+        out.append(path)
+        if len(path) < max_depth:
+            heapq.heappush(heap, (negv * probs[0], path + (0,)))  # first child
+        r = path[-1] + 1
+        if r < len(probs):  # next sibling
+            heapq.heappush(heap, (negv / probs[r - 1] * probs[r], path[:-1] + (r,)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One speculation setting under test, e.g. ``off``, ``chain:4``, ``tree:16``, ``tree:32:4:8``, ``static:16``."""
+
+    name: str
+    kind: str  # off | chain | tree | static
+    size: int = 0  # chain: k; tree/static: node budget (draft tokens, excluding the root)
+    topk: int = 4
+    depth: int = 6
+    choices: Optional[tuple] = None
+
+    @classmethod
+    def parse(cls, s: str, tree_topk: int = 4, tree_depth: int = 6, rank_probs=DEFAULT_RANK_PROBS) -> "Mode":
+        s = s.strip()
+        parts = s.split(":")
+        kind = parts[0]
+        try:
+            if kind == "off":
+                return cls("off", "off")
+            if kind == "chain":
+                return cls(s, "chain", int(parts[1]) if len(parts) > 1 else 4)
+            if kind == "tree":
+                n = int(parts[1]) if len(parts) > 1 else 16
+                k = int(parts[2]) if len(parts) > 2 else tree_topk
+                d = int(parts[3]) if len(parts) > 3 else tree_depth
+                return cls(s, "tree", n, k, d)
+            if kind == "static":
+                n = int(parts[1]) if len(parts) > 1 else 16
+                ch = static_choices(n, rank_probs)
+                return cls(s, "static", n, depth=max(len(c) for c in ch), choices=ch)
+        except (ValueError, IndexError):
+            pass
+        raise ValueError(f"bad mode {s!r}: use off | chain:K | tree:N[:TOPK[:DEPTH]] | static:N")
+
+    def spec_config(self):
+        from specd.config import SpecConfig
+
+        if self.kind == "off":
+            return SpecConfig(mode="off", adaptive=False)
+        if self.kind == "chain":
+            return SpecConfig(mode="chain", num_draft_tokens=self.size, adaptive=False)
+        if self.kind == "tree":
+            return SpecConfig(mode="tree", tree_budget=self.size, tree_topk=self.topk, tree_depth=self.depth,
+                              adaptive=False)
+        return SpecConfig(mode="static", tree_budget=self.size, static_tree=self.choices, adaptive=False)
+
+    def spec_params(self):
+        from specd.sequence import SpecParams
+
+        return SpecParams(mode="off") if self.kind == "off" else SpecParams(mode="auto")
+
+    def describe(self) -> dict:
+        d = {"name": self.name, "kind": self.kind}
+        if self.kind == "chain":
+            d["k"] = self.size
+        elif self.kind == "tree":
+            d.update(budget=self.size, topk=self.topk, depth=self.depth)
+        elif self.kind == "static":
+            d.update(budget=self.size, depth=self.depth, choices=[list(c) for c in self.choices])
+        return d
+
+
+def parse_modes(spec: str, **kw) -> list:
+    modes = [Mode.parse(s, **kw) for s in spec.split(",") if s.strip()]
+    names = [m.name for m in modes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate modes in {spec!r}")
+    return modes
+
+
+def make_engine(mode: Mode, target, draft, device: str = "cpu"):
+    """One Engine per mode, sharing the loaded models (``off`` gets no draft at all)."""
+    from specd.config import CacheConfig, EngineConfig, SchedulerConfig
+    from specd.engine import Engine
+
+    use_draft = draft if mode.kind != "off" else None
+    cfg = EngineConfig(target=str(target.path), draft=str(draft.path) if use_draft is not None else None,
+                       device=device, spec=mode.spec_config(),
+                       scheduler=SchedulerConfig(max_num_seqs=4),
+                       cache=CacheConfig(memory_bytes=256 << 20))
+    return Engine(cfg, target=target, draft=use_draft)
+
+
+# timing -----------------------------------------------------------------------------------------
+class StepTimer:
+    """Wraps one engine's step phases (on the instance, not the class) with perf_counter timers."""
+
+    PHASES = ("step", "_draft", "_target_forward", "_verify", "_commit")
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.t = {p: 0.0 for p in self.PHASES}
+        self.t["draft_forward"] = 0.0
+        self.n = {p: 0 for p in self.t}
+        for p in self.PHASES:
+            self._wrap(engine, p, p)
+        if engine.drafter is not None:
+            self._wrap(engine.drafter, "_forward", "draft_forward")
+
+    def _wrap(self, obj, attr, key):
+        fn = getattr(obj, attr)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[key] += time.perf_counter() - t0
+                self.n[key] += 1
+
+        setattr(obj, attr, timed)
+
+    def reset(self):
+        for k in self.t:
+            self.t[k] = 0.0
+            self.n[k] = 0
+
+    def as_dict(self) -> dict:
+        n_steps = max(1, self.n["step"])
+        d = {"steps": self.n["step"], "step_s": self.t["step"], "draft_forwards": self.n["draft_forward"],
+             "draft_forward_s": self.t["draft_forward"]}
+        for p in ("_draft", "_target_forward", "_verify", "_commit"):
+            d[p.strip("_") + "_s"] = self.t[p]
+        d["step_ms_mean"] = 1e3 * self.t["step"] / n_steps
+        d["draft_ms_per_step"] = 1e3 * self.t["_draft"] / n_steps
+        d["target_forward_ms_per_step"] = 1e3 * self.t["_target_forward"] / n_steps
+        d["draft_forward_ms_mean"] = (1e3 * self.t["draft_forward"] / self.n["draft_forward"]
+                                      if self.n["draft_forward"] else 0.0)
+        d["draft_forwards_per_step"] = self.n["draft_forward"] / n_steps
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+# stats ------------------------------------------------------------------------------------------
+def stats_from_dicts(ds: list):
+    """Merge per-request ``SpecStats`` (as objects or ``as_dict()``-style dicts) into one SpecStats."""
+    from specd.sequence import SpecStats
+
+    tot = SpecStats()
+    for d in ds:
+        if isinstance(d, SpecStats):
+            tot.merge(d)
+            continue
+        s = SpecStats(steps=d["steps"], draft_tokens=d["draft_tokens"], accepted_tokens=d["accepted_tokens"],
+                      emitted_tokens=d.get("emitted_tokens", 0),
+                      accepted_per_depth=list(d["accepted_per_depth"]),
+                      drafted_per_depth=list(d["drafted_per_depth"]), accept_len_hist=list(d["accept_len_hist"]))
+        tot.merge(s)
+    return tot
+
+
+class StepLog:
+    """Replaces ``engine.stats`` (engine-wide totals) with a SpecStats that also logs every step's
+    (drafted depth, accepted) pair, so the per-position acceptance is exact even when the tree depth
+    varies from step to step (dynamic trees, the last steps of a request). ``take()`` returns and
+    clears the steps logged since the last call (one request at a time in these scripts)."""
+
+    def __init__(self, engine):
+        from specd.sequence import SpecStats
+
+        log = self.steps = []
+
+        class _Tracing(SpecStats):
+            def record(self, num_drafted, depth, accepted):
+                super().record(num_drafted, depth, accepted)
+                log.append((depth, accepted))
+
+        engine.stats = _Tracing()
+        self.engine = engine
+
+    def take(self) -> list:
+        out = list(self.steps)
+        self.steps.clear()
+        return out
+
+
+def tried_per_depth(steps: list) -> list:
+    """[d-1] = steps that verified a draft at depth d: the tree had depth >= d and the accepted path
+    reached d-1 (a step of depth D that accepted a tried depths 1..min(D, a + 1))."""
+    out = []
+    for depth, a in steps:
+        n = min(depth, a + 1)
+        while len(out) < n:
+            out.append(0)
+        for d in range(n):
+            out[d] += 1
+    return out
+
+
+def add_lists(a: list, b: list) -> list:
+    out = list(a) + [0] * max(0, len(b) - len(a))
+    for i, v in enumerate(b):
+        out[i] += v
+    return out
+
+
+def stats_dict(st, tried: Optional[list] = None) -> dict:
+    """``SpecStats.as_dict()`` plus raw per-depth counts, the normalised accepted-length histogram and,
+    given ``tried`` (see :func:`tried_per_depth`), the conditional per-position acceptance alpha_d and
+    the i.i.d. alpha (accepted / positions tried; Leviathan et al.'s alpha)."""
+    d = st.as_dict()
+    d["emitted_tokens"] = st.emitted_tokens
+    d["drafted_per_depth"] = list(st.drafted_per_depth)
+    h = st.accept_len_hist
+    tot = sum(h)
+    d["accept_len_dist"] = [round(x / tot, 4) for x in h] if tot else []
+    if tried is not None:
+        d["tried_per_depth"] = list(tried)
+        acc = st.accepted_per_depth
+        d["conditional_acceptance_per_depth"] = [round((acc[i] if i < len(acc) else 0) / t, 4) if t else 0.0
+                                                 for i, t in enumerate(tried)]
+        d["alpha_iid"] = round(sum(acc) / sum(tried), 4) if sum(tried) else 0.0
+    return d
+
+
+def expected_tokens_iid(alpha: float, k: int) -> float:
+    """Leviathan et al. (2023), eq. 1: E[tokens per step] = (1 - alpha^(k+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def expected_tokens_product(alphas: list) -> float:
+    """Product form with per-position alphas: 1 + sum_d prod_{j<=d} alpha_j."""
+    e, p = 1.0, 1.0
+    for a in alphas:
+        p *= a
+        e += p
+    return e
+
+
+def leviathan_speedup(expected: float, k: int, c: float) -> float:
+    """Predicted walltime improvement E / (k c + 1), c = draft forward time / target step time."""
+    return expected / (k * c + 1)
+
+
+# reports ----------------------------------------------------------------------------------------
+def versions() -> dict:
+    import torch
+    import transformers
+
+    try:
+        from importlib.metadata import version
+
+        specd_v = version("specd")
+    except Exception:
+        specd_v = "unknown"
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "specd": specd_v}
+
+
+def git_commit() -> Optional[str]:
+    try:
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=5)
+        return r.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if r.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def cpu_name() -> str:
+    try:
+        for ln in Path("/proc/cpuinfo").read_text().splitlines():
+            if ln.startswith("model name"):
+                return ln.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def run_meta(argv=None, device: str = "cpu") -> dict:
+    import torch
+
+    argv = sys.argv if argv is None else argv
+    dev = device
+    if device.startswith("cuda") and torch.cuda.is_available():
+        dev = f"{device} ({torch.cuda.get_device_name()})"
+    return {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name] + list(argv)),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        "git_commit": git_commit(),
+        "device": dev,
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "host": platform.node(),
+        "platform": platform.platform(),
+    }
+
+
+def write_json(path, obj) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+def md_table(headers: list, rows: list) -> str:
+    def cell(x):
+        if isinstance(x, float):
+            return f"{x:.3f}" if abs(x) < 100 else f"{x:.1f}"
+        return str(x)
+
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def median(xs: list) -> float:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return 0.0
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+# plots ------------------------------------------------------------------------------------------
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_acceptance_per_depth(series: dict, path, title: str = "acceptance per depth") -> Path:
+    """series: {label: [P(reach depth d) for d = 1..]} -> line plot."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, ys in series.items():
+        if ys:
+            ax.plot(range(1, len(ys) + 1), ys, marker="o", label=label)
+    ax.set_xlabel("depth d")
+    ax.set_ylabel("P(accepted path reaches depth d)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_accept_hist(series: dict, path, title: str = "accepted draft tokens per step") -> Path:
+    """series: {label: normalised histogram (index = accepted draft tokens)} -> grouped bars."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    series = {k: v for k, v in series.items() if v}
+    n = max((len(v) for v in series.values()), default=1)
+    w = 0.8 / max(1, len(series))
+    for i, (label, ys) in enumerate(series.items()):
+        ax.bar([x + i * w for x in range(len(ys))], ys, width=w, label=label)
+    ax.set_xticks([x + 0.4 - w / 2 for x in range(n)])
+    ax.set_xticklabels([str(x) for x in range(n)])
+    ax.set_xlabel("accepted draft tokens in a step (tokens emitted = this + 1)")
+    ax.set_ylabel("fraction of steps")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_xy(series: dict, path, xlabel: str, ylabel: str, title: str, hline: Optional[float] = None,
+            logx: bool = False) -> Path:
+    """series: {label: (xs, ys)} -> line plot (speedup vs k / tree budget, accepted length, ...)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, (xs, ys) in series.items():
+        if xs:
+            ax.plot(xs, ys, marker="o", label=label)
+    if hline is not None:
+        ax.axhline(hline, color="gray", lw=0.8, ls="--")
+    if logx:
+        ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def default_out(name: str) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return ROOT / "eval" / "out" / f"{name}-{stamp}"

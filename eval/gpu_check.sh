@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# GPU check of the specd Triton kernels: kernel tests on the real GPU (compiled, no interpreter),
+# then the timing table of eval/gpu_check.py. Meant to finish within ~10 minutes on an H200.
+#
+#   eval/gpu_check.sh [extra args for gpu_check.py]
+#
+# Python: $PY if set, else the first of .venv/bin/python, python3 whose torch sees a CUDA device
+# and which has triton. If none does, a .venv is created / installed from pyproject.toml (needs
+# network). specd_kernels is imported from this checkout (a symlink on PYTHONPATH when the package
+# is not installed), so no install is needed when torch+triton+pytest are present.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${GPU_CHECK_OUT:-eval/out}
+mkdir -p "$OUT"
+unset TRITON_INTERPRET
+
+has_cuda_stack() {
+    "$1" -c 'import torch, triton, pytest; assert torch.cuda.is_available()' >/dev/null 2>&1
+}
+
+PYBIN=""
+for cand in ${PY:-} .venv/bin/python python3 python; do
+    if command -v "$cand" >/dev/null 2>&1 && has_cuda_stack "$cand"; then PYBIN=$cand; break; fi
+done
+if [ -z "$PYBIN" ]; then
+    echo "== no python with CUDA torch + triton + pytest found; creating/installing .venv"
+    test -x .venv/bin/python || python3 -m venv .venv || exit 1
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -e '.[dev]' || exit 1
+    PYBIN=.venv/bin/python
+    has_cuda_stack "$PYBIN" || { echo "torch in .venv does not see a CUDA device"; exit 1; }
+fi
+echo "== python: $PYBIN ($("$PYBIN" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'))"
+
+if ! "$PYBIN" -c 'import specd_kernels' >/dev/null 2>&1; then
+    mkdir -p "$OUT/pypath"
+    ln -sfn "$ROOT/kernels" "$OUT/pypath/specd_kernels"
+    export PYTHONPATH="$ROOT/$OUT/pypath:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+status=0
+echo "== pytest tests/test_kernels*.py (compiled Triton on the GPU)"
+timeout 240 "$PYBIN" -m pytest -q -p no:cacheprovider tests/test_kernels*.py 2>&1 | tee "$OUT/gpu_pytest.log"
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] || { echo "pytest failed (rc=$rc)"; status=1; }
+
+echo "== timing"
+timeout 330 "$PYBIN" eval/gpu_check.py --budget-s 240 "$@" 2>&1 | tee "$OUT/gpu_timing.md"
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] || { echo "gpu_check.py failed (rc=$rc)"; status=1; }
+exit $status

@@ -1,0 +1,254 @@
+"""``specd serve | generate | chat | bench | distill``.
+
+Every serve flag also reads a ``SPECD_*`` environment variable (``--max-queue`` <- ``SPECD_MAX_QUEUE``)
+and a TOML config file (``--config specd.toml``, keys = flag names with underscores); flags win.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_TARGET = ROOT / "models" / "demo" / "target"
+DEMO_DRAFT = ROOT / "models" / "demo" / "draft"
+SHARED_TARGET = ROOT.parent / "shared" / "models" / "stories260K"
+SHARED_DRAFT = ROOT.parent / "shared" / "models" / "stories260K-draft-1L64"
+
+
+def default_pair() -> tuple:
+    """The built-in demo pair, else the shared stories260K pair; (None, None) when neither exists."""
+    for t, d in ((DEMO_TARGET, DEMO_DRAFT), (SHARED_TARGET, SHARED_DRAFT)):
+        if (t / "config.json").exists():
+            return str(t), (str(d) if (d / "config.json").exists() else None)
+    return None, None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="target model: a Hugging Face checkpoint folder")
+    p.add_argument("--draft", help="draft model folder (same tokenizer as the target)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per cache (default: from memory)")
+    p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache budget in GiB (both caches)")
+    p.add_argument("--spec-mode", default="tree", help="default speculation: off | chain | tree | static")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="chain length k")
+    p.add_argument("--tree-budget", type=int, default=16, help="dynamic tree: draft nodes kept")
+    p.add_argument("--tree-topk", type=int, default=4)
+    p.add_argument("--tree-depth", type=int, default=6)
+    p.add_argument("--no-adaptive", action="store_true", help="fixed speculation sizes")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-batched-tokens", type=int, default=1024)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--no-prefix-cache", action="store_true")
+
+
+def engine_config(a):
+    from specd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+
+    return EngineConfig(
+        target=a.target, draft=a.draft, device=a.device, dtype=a.dtype, attention_backend=a.attention_backend,
+        cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks,
+                          memory_bytes=int(a.kv_memory_gb * (1 << 30)) if a.kv_memory_gb else None),
+        spec=SpecConfig(mode=a.spec_mode, num_draft_tokens=a.num_draft_tokens, tree_budget=a.tree_budget,
+                        tree_topk=a.tree_topk, tree_depth=a.tree_depth, adaptive=not a.no_adaptive),
+        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_batched_tokens,
+                                  prefill_chunk=a.prefill_chunk, max_queue=a.max_queue,
+                                  enable_prefix_cache=not a.no_prefix_cache),
+    )
+
+
+def apply_env_and_toml(p: argparse.ArgumentParser, argv: list, cmd: str) -> argparse.Namespace:
+    """Defaults <- TOML file <- SPECD_* environment <- flags."""
+    a = p.parse_args(argv)
+    toml_path = getattr(a, "config", None) or os.environ.get("SPECD_CONFIG")
+    values = {}
+    if toml_path:
+        import tomllib
+
+        try:
+            with open(toml_path, "rb") as f:
+                values.update({k.replace("-", "_"): v for k, v in tomllib.load(f).items()})
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            p.error(f"config file {toml_path}: {e}")
+    for action in p._actions:
+        if not action.option_strings or action.dest in ("help", "config"):
+            continue
+        env = "SPECD_" + action.dest.upper()
+        if env in os.environ:
+            values[action.dest] = os.environ[env]
+    explicit = set()
+    for tok in argv:
+        if tok.startswith("--"):
+            explicit.add(tok[2:].split("=", 1)[0].replace("-", "_"))
+    for action in p._actions:
+        d = action.dest
+        if d in values and d not in explicit:
+            v = values[d]
+            if isinstance(action, (argparse._StoreTrueAction,)):
+                v = v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
+            elif action.type is not None and not isinstance(v, bool):
+                try:
+                    v = action.type(v)
+                except (TypeError, ValueError):
+                    p.error(f"invalid value {v!r} for {d} (from SPECD_{d.upper()} or the config file)")
+            setattr(a, d, v)
+    return a
+
+
+def fill_default_models(a) -> None:
+    if a.target is None:
+        t, d = default_pair()
+        if t is None:
+            sys.exit("specd: no --target given and no built-in model found (models/demo/ or ../shared/models/"
+                     "stories260K); pass --target DIR [--draft DIR]")
+        a.target = t
+        if a.draft is None:
+            a.draft = d
+
+
+# generate ----------------------------------------------------------------------------------------
+def cmd_generate(a) -> int:
+    from specd.engine import Engine, RequestError
+    from specd.loader import LoadError
+    from specd.sampling import SamplingParams
+    from specd.sequence import SpecParams
+
+    fill_default_models(a)
+    if a.spec == "off":
+        a.draft_used = None
+    spec_mode = a.spec
+    try:
+        eng = Engine(engine_config(a))
+    except (LoadError, ValueError) as e:
+        print(f"specd: {e}", file=sys.stderr)
+        return 2
+    if spec_mode != "off" and eng.drafter is None:
+        print("specd: --spec chain|tree needs --draft DIR", file=sys.stderr)
+        return 2
+    tok = eng.tokenizer
+    prompts = a.prompt or [sys.stdin.read()]
+    try:
+        params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                                max_tokens=a.max_tokens, stop=tuple(a.stop or ()), ignore_eos=a.ignore_eos)
+    except ValueError as e:
+        print(f"specd: {e}", file=sys.stderr)
+        return 2
+    for text in prompts:
+        if a.raw or not getattr(tok, "chat_template", None):
+            ids = tok(text)["input_ids"]
+        else:
+            ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+            if isinstance(ids, dict):
+                ids = ids["input_ids"]
+        t0 = time.perf_counter()
+        try:
+            seq = eng.generate([list(ids)], params, SpecParams(mode=spec_mode))[0]
+        except RequestError as e:
+            print(f"specd: {e.code}: {e}", file=sys.stderr)
+            return 2
+        dt = time.perf_counter() - t0
+        st = seq.stats
+        stats = {"steps": st.steps, "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
+                 "mean_accepted_length": round(st.mean_accepted_length, 4),
+                 "acceptance_per_depth": st.as_dict()["acceptance_per_depth"],
+                 "tokens_per_second": round(seq.num_output / dt, 2) if dt > 0 else 0.0,
+                 "finish_reason": seq.finish_reason}
+        out = eng.output_text(seq)
+        if a.json:
+            print(json.dumps({"text": out, "token_ids": seq.output_ids, "stats": stats}, ensure_ascii=False))
+        else:
+            print(out)
+            print(f"-- {seq.num_output} tokens, {stats['tokens_per_second']} tok/s, steps {st.steps}, "
+                  f"mean accepted length {stats['mean_accepted_length']}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specd", description="speculative-decoding chat serving daemon")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate from prompts in process and print the result")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="prompt text (repeatable; default: stdin)")
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--spec", default="tree", choices=["off", "chain", "tree"])
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+
+    s = sub.add_parser("serve", help="serve websocket + HTTP (+ gRPC)")
+    add_engine_args(s)
+    s.add_argument("--config", help="TOML config file (SPECD_CONFIG)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8765)
+    s.add_argument("--grpc-port", type=int, default=8766, help="0 = no gRPC")
+    s.add_argument("--api-key", default=None, help="require this bearer key (SPECD_API_KEY)")
+    s.add_argument("--allowed-origins", default="", help="comma-separated browser origins ('' = same host only)")
+    s.add_argument("--max-connections", type=int, default=256)
+    s.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    s.add_argument("--log-level", default="info")
+
+    c = sub.add_parser("chat", help="terminal chat client")
+    c.add_argument("url", nargs="?", default="ws://127.0.0.1:8765/ws")
+    c.add_argument("--api-key", default=os.environ.get("SPECD_API_KEY"))
+    c.add_argument("--max-tokens", type=int, default=256)
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--raw", action="store_true")
+    c.add_argument("--once", help="send one message, print the reply, exit")
+
+    d = sub.add_parser("distill", help="distil a small draft model for a target")
+    try:
+        from specd.distill import add_distill_args
+
+        add_distill_args(d)
+    except ImportError:  # pragma: no cover
+        pass
+    return p
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = build_parser()
+    if not argv:
+        p.print_help()
+        return 2
+    cmd = argv[0]
+    sub = p._subparsers._group_actions[0].choices.get(cmd)
+    if cmd == "serve":
+        a = apply_env_and_toml(sub, argv[1:], cmd)
+        fill_default_models(a)
+        from specd.server.app import run_serve
+
+        return run_serve(a) or 0
+    a = p.parse_args(argv)
+    if cmd == "generate":
+        return cmd_generate(a)
+    if cmd == "chat":
+        from specd.server.chat_client import run_chat
+
+        return run_chat(a) or 0
+    if cmd == "distill":
+        from specd.distill import run_distill
+
+        return run_distill(a) or 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

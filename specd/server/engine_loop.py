@@ -1,0 +1,267 @@
+"""``AsyncEngine``: the engine stepping in its own thread, streaming outputs to asyncio consumers.
+
+The websocket and gRPC servers share one ``AsyncEngine``. ``Engine.step()`` runs in a dedicated thread
+(a step is a blocking model forward; it must never run on the event loop). After each step the outputs
+are handed to the event loop in ONE ``loop.call_soon_threadsafe`` call and fanned out to per-request
+``asyncio.Queue``s; each ``generate()`` stream drains its own queue.
+
+Usage (inside the event loop that called ``start()``)::
+
+    ae = AsyncEngine(engine, max_queue=256)
+    await ae.start()
+    try:
+        async for out in ae.generate(prompt_ids, SamplingParams(...), SpecParams(), "interactive", "r1"):
+            ...  # out: RequestOutput (token_ids / text of ONE engine step; out.finished on the last)
+    except RequestError as e:  # raised on the first iteration, before any compute:
+        ...  # e.code: overloaded | shutting_down | too_long | invalid_request | duplicate_id | internal
+    await ae.drain(30.0)  # SIGTERM: refuse new requests, let running ones finish, abort the rest
+    await ae.stop()
+
+A consumer that stops iterating (``break``, ``aclose()``, task cancelled because the client went away)
+aborts its request in the engine; the engine frees its KV blocks on its next step.
+
+An exception inside ``Engine.step()`` does not kill the thread: it is logged, the requests that were
+running fail with ``RequestError("internal")`` (raised from their ``generate()`` iterators) and are
+aborted in the engine, and the loop keeps going (with a short back-off while steps keep failing).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from typing import AsyncIterator, Callable, Optional
+
+from specd.engine import Engine, RequestError, RequestOutput
+from specd.sampling import SamplingParams
+from specd.sequence import SpecParams
+
+log = logging.getLogger("specd.engine_loop")
+
+__all__ = ["AsyncEngine", "RequestError", "RequestOutput"]
+
+_IDLE_WAIT_S = 0.5  # the idle thread wakes this often to refresh last_step_time (no busy-wait)
+_FAIL_ALL_AFTER = 3  # consecutive failed steps after which every live request is failed
+
+
+class AsyncEngine:
+    """Thread-stepped engine with asyncio streams. Create, ``start()``, ``stop()`` on ONE event loop.
+
+    ``max_queue``: admitted requests (waiting + running, not yet finished) at most; the next one is
+    refused at once with ``RequestError("overloaded")``.
+    ``watchdog_timeout_s``: ``watchdog_ok()`` turns false once one step has run longer than this.
+    ``listeners``: callables ``f(outputs: list[RequestOutput], step_seconds: float)`` run in the engine
+    thread after every step that produced outputs (metrics, request logs); exceptions are logged.
+    """
+
+    def __init__(self, engine: Engine, max_queue: int = 256, watchdog_timeout_s: float = 30.0):
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self.listeners: list[Callable[[list, float], None]] = []
+        self._streams: dict[str, asyncio.Queue] = {}  # event-loop thread only
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._draining = False
+        self._step_started: Optional[float] = None  # monotonic start of the step in progress
+        self.last_step_time = time.monotonic()
+        self.num_step_errors = 0
+
+    # lifecycle -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self.last_step_time = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="specd-engine", daemon=True)
+        self._thread.start()
+
+    async def drain(self, deadline_s: float) -> None:
+        """Refuse new requests (``shutting_down``); wait up to ``deadline_s`` for the admitted ones to
+        finish, then abort the rest (their streams end with finish_reason ``cancelled``)."""
+        self._draining = True
+        end = time.monotonic() + max(0.0, deadline_s)
+        while self._streams and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        if self._streams:
+            log.warning("drain deadline reached: cancelling %d request(s)", len(self._streams))
+            for rid in list(self._streams):
+                self.abort(rid)
+            end = time.monotonic() + 5.0  # let the cancellations reach their consumers
+            while self._streams and time.monotonic() < end and self._alive():
+                await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        """Stop the engine thread; any stream still open fails with ``shutting_down``."""
+        self._draining = True
+        self._stopping = True
+        self._wake.set()
+        t = self._thread
+        if t is not None and t.is_alive():
+            await asyncio.get_running_loop().run_in_executor(None, t.join, 10.0)
+        for rid, q in list(self._streams.items()):
+            q.put_nowait(RequestError("shutting_down", "the server is shutting down"))
+        self._streams.clear()
+
+    # state ---------------------------------------------------------------------------------------
+    def _alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def ready(self) -> bool:
+        """Models loaded, engine thread running, not draining."""
+        return self._alive() and not self._draining and not self._stopping
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def num_requests(self) -> int:
+        """Admitted requests not finished yet (waiting + running)."""
+        return len(self._streams)
+
+    def watchdog_ok(self) -> bool:
+        """The engine thread is alive and not stuck: no step has been running longer than
+        ``watchdog_timeout_s`` and the loop completed a step or idled within that time."""
+        if not self._alive():
+            return False
+        now = time.monotonic()
+        started = self._step_started
+        if started is not None:
+            return now - started <= self.watchdog_timeout_s
+        return now - self.last_step_time <= self.watchdog_timeout_s + _IDLE_WAIT_S
+
+    # requests ------------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list, params: SamplingParams, spec: SpecParams = SpecParams(),
+                       priority: str = "interactive", request_id: Optional[str] = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream one request: one ``RequestOutput`` per engine step that emitted for it; the last has
+        ``finished`` set (finish_reason stop | length | cancelled). Raises ``RequestError`` on the first
+        iteration when the request is refused, or later with code ``internal`` if the engine failed."""
+        if self._stopping or self._draining:
+            raise RequestError("shutting_down", "the server is shutting down")
+        if not self._alive() or self._loop is None:
+            raise RequestError("shutting_down", "the engine is not running")
+        if len(self._streams) >= self.max_queue:
+            raise RequestError("overloaded", f"server busy: {len(self._streams)} requests queued or running "
+                                             f"(max {self.max_queue}); retry later")
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if rid in self._streams:
+            raise RequestError("duplicate_id", f"request id {rid!r} is already running")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = q  # before add_request: the engine may emit before we get back here
+        try:
+            self.engine.add_request(list(prompt_ids), params, spec, priority, rid)
+        except RequestError:
+            self._streams.pop(rid, None)
+            raise
+        except ValueError as e:  # e.g. a bad priority
+            self._streams.pop(rid, None)
+            raise RequestError("invalid_request", str(e)) from None
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # consumer went away (break / aclose / cancelled): free the KV
+                self.abort(rid)
+            if self._streams.get(rid) is q:
+                del self._streams[rid]
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (any thread); its stream ends with finish_reason ``cancelled``."""
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    # the engine thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        eng = self.engine
+        failures = 0
+        while not self._stopping:
+            if not eng.has_work():
+                self.last_step_time = time.monotonic()
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            t0 = time.monotonic()
+            self._step_started = t0
+            try:
+                outs = eng.step()
+            except Exception as e:  # noqa: BLE001 - the daemon must survive a failing step
+                self._step_started = None
+                failures += 1
+                self.num_step_errors += 1
+                log.exception("engine step failed (%d in a row)", failures)
+                self._fail_requests(e, everything=failures >= _FAIL_ALL_AFTER)
+                self.last_step_time = time.monotonic()
+                self._wake.wait(min(1.0, 0.01 * 2 ** failures))
+                self._wake.clear()
+                continue
+            failures = 0
+            now = time.monotonic()
+            self._step_started = None
+            self.last_step_time = now
+            if outs:
+                for f in self.listeners:
+                    try:
+                        f(outs, now - t0)
+                    except Exception:  # noqa: BLE001
+                        log.exception("step listener failed")
+                self._post(self._dispatch, outs)
+
+    def _post(self, fn, arg) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:  # the loop is closed (shutdown)
+            pass
+
+    def _fail_requests(self, exc: Exception, everything: bool) -> None:
+        """After a failed step: fail (and abort in the engine) the running requests, or all of them."""
+        eng = self.engine
+        try:
+            if everything:
+                with eng._lock:
+                    rids = list(eng.seqs)
+            else:
+                rids = [s.request_id for s in list(eng.scheduler.running)]
+                if not rids:
+                    return  # nothing scheduled yet: retry (after _FAIL_ALL_AFTER failures, fail all)
+        except Exception:  # noqa: BLE001
+            log.exception("cannot list the engine's requests")
+            return
+        for rid in rids:
+            eng.abort(rid)
+        msg = f"engine step failed: {type(exc).__name__}: {exc}"
+        self._post(self._fail, (rids, msg))
+
+    # event-loop side -----------------------------------------------------------------------------
+    def _dispatch(self, outs: list) -> None:
+        streams = self._streams
+        for out in outs:
+            q = streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+                if out.finished:  # accounting must not wait for the consumer to resume
+                    del streams[out.request_id]
+
+    def _fail(self, arg) -> None:
+        rids, msg = arg
+        for rid in rids:
+            q = self._streams.pop(rid, None)
+            if q is not None:
+                q.put_nowait(RequestError("internal", msg))
