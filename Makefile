@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
-export OMP_NUM_THREADS ?= 2
+export OMP_NUM_THREADS ?= 1
 export PYTHONUNBUFFERED := 1
 
 SHARED ?= ../shared
@@ -35,7 +35,8 @@ bench: install
 	$(BIN)/python eval/bench_decode.py
 
 proto: install
-	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=specd/server/proto --grpc_python_out=specd/server/proto proto/specd/v1/specd.proto
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=specd/server/proto --pyi_out=specd/server/proto --grpc_python_out=specd/server/proto proto/specd/v1/specd.proto
+	perl -pi -e 's/^from specd\.v1 import/from specd.server.proto.specd.v1 import/' specd/server/proto/specd/v1/specd_pb2_grpc.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -94,7 +94,10 @@ def run_eval(target, draft, prompts: list, modes: list, *, temperatures=(0.0,), 
     bos = target.config.bos_token_id
     engines = {m.name: C.make_engine(m, target, draft, device) for m in modes}
     ctx = min(e.max_model_len for e in engines.values())
-    max_prompt = max_prompt_tokens or (ctx - max_tokens - 1)
+    # room for the deepest draft: the engine caps chains and dynamic trees at the context end, but a
+    # static tree is drafted whole (its draft positions would run past the context)
+    margin = max((m.depth for m in modes if m.kind == "static"), default=0)
+    max_prompt = max_prompt_tokens or (ctx - max_tokens - 1 - margin)
     if max_prompt < 1:
         raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt in a {ctx}-token context")
     if warmup:
@@ -121,9 +124,9 @@ def run_eval(target, draft, prompts: list, modes: list, *, temperatures=(0.0,), 
                     params = SamplingParams(temperature=temp, top_p=top_p, max_tokens=max_tokens,
                                             seed=seed + 1000 * qi + ti, ignore_eos=ignore_eos)
                     logs[m.name].take()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     seq = eng.generate([ids], params, m.spec_params())[0]
-                    dt = time.perf_counter() - t0
+                    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
                     steps = logs[m.name].take()
                     text = eng.output_text(seq)
                     answers.append(text)
@@ -131,7 +134,7 @@ def run_eval(target, draft, prompts: list, modes: list, *, temperatures=(0.0,), 
                     rows.append({
                         "prompt_id": p.id, "category": p.category, "subcategory": p.subcategory, "turn": ti + 1,
                         "mode": m.name, "temperature": temp, "prompt_tokens": len(ids), "truncated": truncated,
-                        "output_tokens": seq.num_output, "wall_s": round(dt, 6),
+                        "output_tokens": seq.num_output, "wall_s": round(dt, 6), "cpu_s": round(cpu, 6),
                         "tokens_per_s": round(seq.num_output / dt, 3) if dt > 0 else 0.0,
                         "finish_reason": seq.finish_reason, "output_ids": list(seq.output_ids), "stats": st,
                     })
@@ -158,9 +161,12 @@ def metrics(rows: list) -> dict:
     for r in rows:
         tried = C.add_lists(tried, r["stats"].get("tried_per_depth", []))
     wall = sum(r["wall_s"] for r in rows)
+    cpu = sum(r["cpu_s"] for r in rows)
     out_tok = sum(r["output_tokens"] for r in rows)
     d = {"requests": len(rows), "prompt_tokens": sum(r["prompt_tokens"] for r in rows), "output_tokens": out_tok,
-         "wall_s": round(wall, 4), "tokens_per_s": round(out_tok / wall, 2) if wall > 0 else 0.0,
+         "wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
+         "tokens_per_s": round(out_tok / wall, 2) if wall > 0 else 0.0,
+         "tokens_per_cpu_s": round(out_tok / cpu, 2) if cpu > 0 else 0.0,
          "median_request_tokens_per_s": round(C.median([r["tokens_per_s"] for r in rows]), 2)}
     d.update(C.stats_dict(st, tried))
     return d
@@ -186,6 +192,8 @@ def summarise(rows: list, modes: list, temp: float, timers: dict, engines: dict)
         mr = by_mode[m.name]
         ov = metrics(mr)
         ov["speedup"] = round(ov["tokens_per_s"] / base_m["tokens_per_s"], 4) if base_m["tokens_per_s"] else 0.0
+        ov["speedup_cpu"] = (round(ov["tokens_per_cpu_s"] / base_m["tokens_per_cpu_s"], 4)
+                             if base_m["tokens_per_cpu_s"] else 0.0)
         ov.update(_speedups(mr, base))
         per_cat = {}
         for c in cats:
@@ -210,33 +218,42 @@ def summarise(rows: list, modes: list, temp: float, timers: dict, engines: dict)
 
 
 def theory(m, ov: dict, timing: dict, off_timing: dict) -> dict:
-    """Leviathan et al. (2023) for a chain of k (and the same cost model, generalised, for trees)."""
-    c = timing["draft_forward_ms_mean"] / off_timing["step_ms_mean"] if off_timing["step_ms_mean"] else 0.0
-    c_fwd = (timing["draft_forward_ms_mean"] / off_timing["target_forward_ms_per_step"]
-             if off_timing["target_forward_ms_per_step"] else 0.0)
+    """Leviathan et al. (2023) for a chain of k (and the same cost model, generalised, for trees).
+
+    c = (mean draft forward time) / (mean target-only step time), both measured in this run. The
+    CPU-time version (``*_cpu``) is the steadier one on a shared machine; the wall-clock version
+    compares with the tokens/s speedup.
+    """
+    def ratio(x, y):
+        return x / y if y else 0.0
+
     e_meas = ov["mean_accepted_length"]
-    d = {"c": round(c, 4), "c_vs_target_forward_only": round(c_fwd, 4),
-         "draft_forwards_per_step": timing["draft_forwards_per_step"],
-         "verify_cost_ratio": round(timing["target_forward_ms_per_step"] / off_timing["target_forward_ms_per_step"], 4)
-         if off_timing["target_forward_ms_per_step"] else 0.0,
-         "measured_speedup": ov["speedup"]}
+    f = timing["draft_forwards_per_step"]
+    d = {"draft_forwards_per_step": f, "measured_tokens_per_step": e_meas}
     if m.kind == "chain":
         k = m.size
         a = ov.get("alpha_iid", 0.0)
         e_iid = C.expected_tokens_iid(a, k)
         e_prod = C.expected_tokens_product(ov.get("conditional_acceptance_per_depth", [])[:k])
-        pred = C.leviathan_speedup(e_iid, k, c)
         d.update({"model": "leviathan_chain", "k": k, "alpha": a, "expected_tokens_iid": round(e_iid, 4),
-                  "expected_tokens_product": round(e_prod, 4), "measured_tokens_per_step": e_meas,
-                  "predicted_speedup": round(pred, 4),
-                  "predicted_speedup_product": round(C.leviathan_speedup(e_prod, k, c), 4),
-                  "speculation_efficiency": round(ov["speedup"] / pred, 4) if pred else 0.0})
+                  "expected_tokens_product": round(e_prod, 4)})
     else:  # same cost model: one target step + (draft forwards per step) draft forwards
-        f = timing["draft_forwards_per_step"]
-        pred = e_meas / (f * c + 1)
-        d.update({"model": "leviathan_cost_tree", "measured_tokens_per_step": e_meas,
-                  "predicted_speedup": round(pred, 4),
-                  "speculation_efficiency": round(ov["speedup"] / pred, 4) if pred else 0.0})
+        e_iid = e_prod = None
+        d["model"] = "leviathan_cost_tree"
+    for clock, sp in (("", "speedup"), ("cpu_", "speedup_cpu")):
+        sfx = "_cpu" if clock else ""
+        c = ratio(timing[f"{clock}draft_forward_ms_mean"], off_timing[f"{clock}step_ms_mean"])
+        d[f"c{sfx}"] = round(c, 4)
+        d[f"verify_cost_ratio{sfx}"] = round(ratio(timing[f"{clock}target_forward_ms_per_step"],
+                                                   off_timing[f"{clock}target_forward_ms_per_step"]), 4)
+        if m.kind == "chain":
+            pred = C.leviathan_speedup(e_iid, m.size, c)
+            d[f"predicted_speedup_product{sfx}"] = round(C.leviathan_speedup(e_prod, m.size, c), 4)
+        else:
+            pred = e_meas / (f * c + 1)
+        d[f"predicted_speedup{sfx}"] = round(pred, 4)
+        d[f"measured_speedup{sfx}"] = ov[sp]
+        d[f"speculation_efficiency{sfx}"] = round(ratio(ov[sp], pred), 4)
     return d
 
 
@@ -263,10 +280,10 @@ def markdown(report: dict) -> str:
             gm = e.get("greedy_match")
             rows.append([e["mode"]["name"], o["mean_accepted_length"], o["acceptance_rate"],
                          " ".join(f"{x:.2f}" for x in o["acceptance_per_depth"][:8]),
-                         o["tokens_per_s"], o["speedup"], o["median_request_speedup"],
+                         o["tokens_per_s"], o["speedup"], o["median_request_speedup"], o["speedup_cpu"],
                          f"{gm['equal']}/{gm['of']}" if gm else "-"])
         lines += [C.md_table(["mode", "tokens/step", "accept rate", "P(reach depth 1..)", "tok/s", "speedup",
-                              "median speedup", "greedy == off"], rows), ""]
+                              "median speedup", "CPU-time speedup", "greedy == off"], rows), ""]
         cats = list(run["modes"][0]["per_category"])
         if len(cats) > 1:
             hdr = ["category"] + [f"{e['mode']['name']} tok/step" for e in run["modes"] if e["mode"]["kind"] != "off"] \
@@ -283,13 +300,16 @@ def markdown(report: dict) -> str:
             for e in th:
                 x = e["theory"]
                 trows.append([e["mode"]["name"], x.get("alpha", "-"), x.get("expected_tokens_iid", "-"),
-                              x["measured_tokens_per_step"], x["c"], x["draft_forwards_per_step"],
-                              x["verify_cost_ratio"], x["predicted_speedup"], x["measured_speedup"],
-                              x["speculation_efficiency"]])
-            lines += ["Theory check (Leviathan et al. 2023: speedup = E / (k c + 1); trees: E_measured / "
-                      "(forwards c + 1)):", "",
-                      C.md_table(["mode", "alpha", "E iid", "E measured", "c", "draft fwd/step", "verify cost",
-                                  "predicted", "measured", "efficiency"], trows), ""]
+                              x["measured_tokens_per_step"], x["draft_forwards_per_step"],
+                              x["c"], x["verify_cost_ratio"], x["predicted_speedup"], x["measured_speedup"],
+                              x["speculation_efficiency"], x["c_cpu"], x["predicted_speedup_cpu"],
+                              x["measured_speedup_cpu"], x["speculation_efficiency_cpu"]])
+            lines += ["Theory check (Leviathan et al. 2023: E = (1 - alpha^(k+1)) / (1 - alpha), speedup = "
+                      "E / (k c + 1), c = draft forward / target-only step; trees: E_measured / (forwards c + 1); "
+                      "efficiency = measured / predicted; wall clock, then CPU time):", "",
+                      C.md_table(["mode", "alpha", "E iid", "E measured", "draft fwd/step", "c", "verify cost",
+                                  "predicted", "measured", "efficiency", "c (cpu)", "predicted (cpu)",
+                                  "measured (cpu)", "efficiency (cpu)"], trows), ""]
     return "\n".join(lines)
 
 
@@ -302,7 +322,7 @@ def plots(report: dict, out: Path) -> list:
             {e["mode"]["name"]: e["overall"]["acceptance_per_depth"] for e in spec},
             out / f"acceptance_per_depth_{t}.png", f"acceptance per depth (temperature {run['temperature']:g})"))
         files.append(C.plot_accept_hist(
-            {e["mode"]["name"]: e["overall"]["accept_len_dist"] for e in run["modes"]},
+            {e["mode"]["name"]: e["overall"]["accept_len_dist"] for e in spec},
             out / f"accept_len_hist_{t}.png", f"accepted draft tokens per step (temperature {run['temperature']:g})"))
         series = {}
         for kind, key in (("chain", "k"), ("tree", "budget"), ("static", "budget")):

@@ -43,6 +43,17 @@ def set_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+def quiet_transformers() -> None:
+    """No weight-loading progress bars or deprecation chatter in the reports' console output."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:
+        pass
+
+
 # prompts ----------------------------------------------------------------------------------------
 @dataclass
 class Prompt:
@@ -59,8 +70,9 @@ def load_prompts(path, limit: Optional[int] = None, categories: Optional[list] =
     Plain text: one prompt per non-empty line, category ``text``. In a Spec-Bench file (one that has
     the Spec-Bench task categories) the eight MT-bench categories are reported together as
     ``mt_bench``, the way the Spec-Bench leaderboard does. ``categories`` filters on either name.
-    ``per_category`` keeps the first N of each category; ``limit`` then keeps N in all, taken
-    round-robin over the categories (file order inside each), so a small limit still covers them all.
+    ``per_category`` keeps the first N of each category (Spec-Bench's mt_bench: round-robin over
+    its eight subcategories); ``limit`` then keeps N in all, taken round-robin over the categories
+    (file order inside each), so a small limit still covers them all.
     """
     path = Path(path)
     rows = []
@@ -90,19 +102,30 @@ def load_prompts(path, limit: Optional[int] = None, categories: Optional[list] =
     by_cat: dict[str, list] = {}
     for p in rows:
         by_cat.setdefault(p.category, []).append(p)
+    for c, ps in by_cat.items():  # Spec-Bench's mt_bench: interleave its subcategories
+        if any(p.subcategory for p in ps):
+            subs: dict = {}
+            for p in ps:
+                subs.setdefault(p.subcategory, []).append(p)
+            by_cat[c] = [p for grp in _zip_longest(list(subs.values())) for p in grp]
     if per_category is not None:
         by_cat = {c: ps[:per_category] for c, ps in by_cat.items()}
     out = []
     if limit is None:
         for ps in by_cat.values():
             out += ps
-        return sorted(out, key=rows.index)
+        return sorted(out, key=rows.index) if per_category is None else out
     queues = [list(ps) for ps in by_cat.values()]
     while len(out) < limit and any(queues):
         for q in queues:
             if q and len(out) < limit:
                 out.append(q.pop(0))
     return out
+
+
+def _zip_longest(lists: list) -> list:
+    """[[a1, a2], [b1]] -> [[a1, b1], [a2]] (round-robin rows)."""
+    return [[lst[i] for lst in lists if i < len(lst)] for i in range(max((len(x) for x in lists), default=0))]
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -259,15 +282,16 @@ def make_engine(mode: Mode, target, draft, device: str = "cpu"):
 
 # timing -----------------------------------------------------------------------------------------
 class StepTimer:
-    """Wraps one engine's step phases (on the instance, not the class) with perf_counter timers."""
+    """Wraps one engine's step phases (on the instance, not the class) with timers: wall time
+    (perf_counter) and this process's CPU time (process_time; with one torch thread it excludes the
+    time spent waiting for a core on a shared machine)."""
 
     PHASES = ("step", "_draft", "_target_forward", "_verify", "_commit")
 
     def __init__(self, engine):
         self.engine = engine
-        self.t = {p: 0.0 for p in self.PHASES}
-        self.t["draft_forward"] = 0.0
-        self.n = {p: 0 for p in self.t}
+        self.keys = self.PHASES + ("draft_forward",)
+        self.reset()
         for p in self.PHASES:
             self._wrap(engine, p, p)
         if engine.drafter is not None:
@@ -277,32 +301,35 @@ class StepTimer:
         fn = getattr(obj, attr)
 
         def timed(*a, **k):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 return fn(*a, **k)
             finally:
                 self.t[key] += time.perf_counter() - t0
+                self.c[key] += time.process_time() - c0
                 self.n[key] += 1
 
         setattr(obj, attr, timed)
 
     def reset(self):
-        for k in self.t:
-            self.t[k] = 0.0
-            self.n[k] = 0
+        self.t = {k: 0.0 for k in self.keys}
+        self.c = {k: 0.0 for k in self.keys}
+        self.n = {k: 0 for k in self.keys}
 
     def as_dict(self) -> dict:
         n_steps = max(1, self.n["step"])
-        d = {"steps": self.n["step"], "step_s": self.t["step"], "draft_forwards": self.n["draft_forward"],
-             "draft_forward_s": self.t["draft_forward"]}
-        for p in ("_draft", "_target_forward", "_verify", "_commit"):
-            d[p.strip("_") + "_s"] = self.t[p]
-        d["step_ms_mean"] = 1e3 * self.t["step"] / n_steps
-        d["draft_ms_per_step"] = 1e3 * self.t["_draft"] / n_steps
-        d["target_forward_ms_per_step"] = 1e3 * self.t["_target_forward"] / n_steps
-        d["draft_forward_ms_mean"] = (1e3 * self.t["draft_forward"] / self.n["draft_forward"]
-                                      if self.n["draft_forward"] else 0.0)
-        d["draft_forwards_per_step"] = self.n["draft_forward"] / n_steps
+        nd = self.n["draft_forward"]
+        d = {"steps": self.n["step"], "draft_forwards": nd,
+             "draft_forwards_per_step": nd / n_steps}
+        for clock, src in (("", self.t), ("cpu_", self.c)):
+            d[f"{clock}step_s"] = src["step"]
+            for p in ("_draft", "_target_forward", "_verify", "_commit"):
+                d[f"{clock}{p.strip('_')}_s"] = src[p]
+            d[f"{clock}draft_forward_s"] = src["draft_forward"]
+            d[f"{clock}step_ms_mean"] = 1e3 * src["step"] / n_steps
+            d[f"{clock}draft_ms_per_step"] = 1e3 * src["_draft"] / n_steps
+            d[f"{clock}target_forward_ms_per_step"] = 1e3 * src["_target_forward"] / n_steps
+            d[f"{clock}draft_forward_ms_mean"] = 1e3 * src["draft_forward"] / nd if nd else 0.0
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in d.items()}
 
 
@@ -540,14 +567,25 @@ def plot_xy(series: dict, path, xlabel: str, ylabel: str, title: str, hline: Opt
             logx: bool = False) -> Path:
     """series: {label: (xs, ys)} -> line plot (speedup vs k / tree budget, accepted length, ...)."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    from matplotlib.ticker import ScalarFormatter
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    colors, ticks = {}, set()
     for label, (xs, ys) in series.items():
-        if xs:
-            ax.plot(xs, ys, marker="o", label=label)
+        if not xs:
+            continue
+        base, _, variant = label.partition(", ")  # "X, CPU time" is drawn dashed in X's colour
+        kw = {"color": colors[base], "ls": "--", "marker": "x"} if base in colors and variant else {"marker": "o"}
+        (line,) = ax.plot(xs, ys, label=label, **kw)
+        colors.setdefault(base, line.get_color())
+        ticks.update(xs)
     if hline is not None:
         ax.axhline(hline, color="gray", lw=0.8, ls="--")
     if logx:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(ticks))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

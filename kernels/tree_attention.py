@@ -9,7 +9,9 @@ Layout and metadata follow ``docs/architecture.md``:
   ``0 .. seq_lens[b]-1`` read through ``block_tables[b]``.
 * ``context_lens`` ``[B]`` int32: every query of request ``b`` sees positions ``< context_lens[b]``.
 * ``tree_mask``    ``[T, max_new]`` bool/uint8 or ``None``. ``None`` = causal among the new tokens
-  (local query ``i`` sees new token ``j`` iff ``j <= i``); otherwise query row ``t`` sees new token
+  (local query ``i`` sees new token ``j`` iff ``j <= i``; in general, when a request has fewer
+  queries than new tokens ``seq_lens - context_lens``, bottom-right aligned: ``j <= i + (seq_lens[b]
+  - context_lens[b] - q_len_b)``, as the torch backend of ``specd.attention`` does); otherwise query row ``t`` sees new token
   ``j`` of its request iff ``tree_mask[t, j]``. The mask is read **dense** (one byte per entry,
   a ``bool`` tensor is reinterpreted as ``uint8``, nonzero = visible), only for the key tiles that
   hold new tokens; columns ``>= max_new`` read as invisible. The mask may be any pattern (it is not
@@ -33,7 +35,7 @@ row) gets an output of zeros (the reference does the same).
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Optional
 
 import torch
@@ -134,10 +136,12 @@ if HAS_TRITON:
         else:
             kv_lo = split * split_len
             kv_hi = tl.minimum(seq_len, kv_lo + split_len)
+        # causal (no mask), bottom-right aligned: query i sees new token j iff j <= c_off + i
+        c_off = seq_len - ctx - q_len  # 0 when the queries are exactly the new tokens
         if not HAS_MASK:
-            # causal: the last query of this block sees new tokens 0 .. last_tok
+            # the last query of this block sees new tokens up to c_off + last_tok - 1
             last_tok = tl.minimum(q_len, (pid_q + 1) * BLOCK_Q)
-            kv_hi = tl.minimum(kv_hi, ctx + last_tok)
+            kv_hi = tl.minimum(kv_hi, ctx + c_off + last_tok)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -196,7 +200,7 @@ if HAS_TRITON:
                 )
                 vis = mvalid & (mv != 0)
             else:
-                vis = row_valid[:, None] & valid[None, :] & (j[None, :] <= tok[:, None])
+                vis = row_valid[:, None] & valid[None, :] & (j[None, :] <= (c_off + tok)[:, None])
             acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, kt, v, vis, qk_scale, PREC)
 
         if not SPLIT:
@@ -317,10 +321,15 @@ def _check_args(q, kv_layer, query_start_loc, context_lens, seq_lens, block_tabl
     return T, H, D, NB, BS, KVH, B
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tree_attention(
@@ -399,7 +408,7 @@ def tree_attention(
             else:  # flash-decoding: enough programs to fill the GPU when the batch is small
                 base = B * n_qblocks * KVH
                 target = 2 * _num_sms(q.device)
-                splits = max(1, min(cdiv(target, base), cdiv(max_seq_len, 512), 32))
+                splits = max(1, min(cdiv(target, base), cdiv(max_seq_len, 256), 32))
         splits = max(1, min(int(splits), cdiv(max_seq_len, block_n)))
         split_len = cdiv(cdiv(max_seq_len, splits), block_n) * block_n
         if splits > 1:
@@ -517,7 +526,7 @@ def tree_attention_ref(
             i = torch.arange(n, device=dev)[:, None]
             j = torch.arange(n_new, device=dev)[None, :]
             if tree_mask is None:
-                new_vis = j <= i
+                new_vis = j <= i + (n_new - n)  # bottom-right aligned causal
             else:
                 cols = min(n_new, tree_mask.shape[1])
                 new_vis = torch.zeros(n, n_new, dtype=torch.bool, device=dev)

@@ -93,7 +93,8 @@ class Engine:
             self._check_draft(target, draft)
             self.max_model_len = min(self.max_model_len, draft.config.max_position_embeddings)
         self.backend = get_backend(cfg.attention_backend, self.device)
-        target.model.backend = self.backend
+        if target.model.backend is None:
+            target.model.backend = self.backend
         nt, nd = _cache_blocks(cfg, target, draft, self.max_model_len)
         bs = cfg.cache.block_size
         self.cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, nt, bs, target.dtype, self.device)
@@ -101,9 +102,8 @@ class Engine:
         self.drafter = None
         if draft is not None:
             dc = draft.config
-            draft.model.backend = self.backend
             self.draft_cache = KVCache(dc.num_layers, dc.num_kv_heads, dc.head_dim, nd, bs, draft.dtype, self.device)
-            self.drafter = Drafter(draft.model, self.draft_cache, cfg.spec, self.device, dc.vocab_size)
+            self.drafter = Drafter(draft.model, self.draft_cache, cfg.spec, self.device, dc.vocab_size, self.backend)
         self.scheduler = Scheduler(cfg.scheduler, cfg.spec, self.cache, self.draft_cache, clock=clock,
                                    has_draft=draft is not None)
         self.eos_ids = set(tc.eos_token_ids)
@@ -273,7 +273,7 @@ class Engine:
                               tree_masks=masks if any(x is not None for x in masks) else None)
         dev = self.device
         model = self.target.model
-        hidden = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache.kv, meta)
+        hidden = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache.kv, meta, self.backend)
         logits = model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)]) if logit_rows else None
         return work, logits
 

@@ -138,12 +138,17 @@ def logits_to_probs(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Te
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
     n, v = logits.shape
     dev = logits.device
-    t_h = torch.as_tensor(temperature, dtype=torch.float32).reshape(-1) if _on_host(temperature) else None
-    k_h = torch.as_tensor(top_k, dtype=torch.int64).reshape(-1) if _on_host(top_k) else None
-    p_h = torch.as_tensor(top_p, dtype=torch.float32).reshape(-1) if _on_host(top_p) else None
-    temp = (t_h if t_h is not None else temperature).to(dev, torch.float32).reshape(-1)  # [N]
-    k = (k_h if k_h is not None else top_k).to(dev, torch.int64).reshape(-1)  # [N]
-    p = (p_h if p_h is not None else top_p).to(dev, torch.float32).reshape(-1)  # [N]
+
+    def param(x, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(host copy or None, [N] tensor on the logits' device)."""
+        if _on_host(x):
+            h = torch.as_tensor(x, dtype=dtype).reshape(-1)
+            return h, h.to(dev, non_blocking=True)
+        return None, x.to(dev, dtype).reshape(-1)
+
+    t_h, temp = param(temperature, torch.float32)  # [N]
+    k_h, k = param(top_k, torch.int64)  # [N]
+    p_h, p = param(top_p, torch.float32)  # [N]
     if not temp.shape[0] == k.shape[0] == p.shape[0] == n:
         raise ValueError(f"need one temperature/top_k/top_p per row ({n}), got "
                          f"{temp.shape[0]}/{k.shape[0]}/{p.shape[0]}")
@@ -175,7 +180,8 @@ def logits_to_probs(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Te
         if use_p:
             cum = sorted_probs.double().cumsum(dim=-1)  # [N, V]
             before = torch.cat([cum.new_zeros((n, 1)), cum[:, :-1]], dim=1)  # mass ranked above
-            sorted_probs = sorted_probs.masked_fill(before >= p.double()[:, None], 0.0)
+            drop = (before >= p.double()[:, None]) & (p < 1)[:, None]  # p == 1: keep all
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
         probs = torch.empty_like(sorted_probs).scatter_(1, order, sorted_probs)  # [N, V]
     if onehot is not None:
@@ -201,31 +207,29 @@ def draw_uniforms(counts: Sequence[int], generators: Sequence[torch.Generator | 
                   device: str | torch.device = "cpu") -> torch.Tensor:
     """Concatenated float64 uniforms in [0, 1): ``counts[b]`` from ``generators[b]``.
 
-    Rows without a generator share one draw from the global RNG (of ``device``). Returns
-    [sum(counts)] float64 on ``device``.
+    Each generator draws on its own device; rows without one share a single draw from the global
+    CPU RNG. The parts are joined on the host and moved to ``device`` in one copy (a CUDA
+    generator costs a sync here: prefer CPU generators). Returns [sum(counts)] float64.
     """
     if len(counts) != len(generators):
         raise ValueError(f"{len(counts)} counts but {len(generators)} generators")
-    total = sum(counts)
-    dev = torch.device(device)
     if all(g is None for g in generators):
-        return torch.rand(total, dtype=torch.float64, device=dev)
-    parts: list[torch.Tensor] = []
+        return torch.rand(sum(counts), dtype=torch.float64).to(device, non_blocking=True)
+    parts: list[torch.Tensor | None] = []
     none_idx: list[int] = []
     for b, (c, g) in enumerate(zip(counts, generators)):
         if g is None:
             none_idx.append(b)
-            parts.append(None)  # type: ignore[arg-type]
+            parts.append(None)
         else:
-            parts.append(torch.rand(c, dtype=torch.float64, generator=g, device=g.device))
+            parts.append(torch.rand(c, dtype=torch.float64, generator=g, device=g.device).cpu())
     if none_idx:
-        shared = torch.rand(sum(counts[b] for b in none_idx), dtype=torch.float64, device=dev)
+        shared = torch.rand(sum(counts[b] for b in none_idx), dtype=torch.float64)
         off = 0
         for b in none_idx:
             parts[b] = shared[off: off + counts[b]]
             off += counts[b]
-    parts = [x.to(dev, non_blocking=True) if x.device != dev else x for x in parts]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float64, device=dev)
+    return torch.cat(parts).to(device, non_blocking=True)  # type: ignore[arg-type]
 
 
 def sample_from_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

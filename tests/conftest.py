@@ -3,9 +3,12 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "2")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 try:
     import torch as _torch
+
+    # tiny models: one thread avoids pool contention (2 threads were 10-30x slower on a busy 2-core box)
+    _torch.set_num_threads(1)
 
     if not _torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")

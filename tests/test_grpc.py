@@ -7,6 +7,7 @@ import asyncio
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -14,7 +15,6 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from conftest import SHARED, TARGET
 from specd.config import CacheConfig, EngineConfig
 from specd.engine import Engine, RequestError
 from specd.sampling import SamplingParams
@@ -35,6 +35,13 @@ def make_engine(pair) -> Engine:
     cfg = EngineConfig(target=str(t.path), draft=str(d.path), device="cpu", dtype="float32",
                        cache=CacheConfig(block_size=16, num_blocks=96))
     return Engine(cfg, target=t, draft=d)
+
+
+def off_main_thread(fn, *args):
+    """Run ``fn`` on a worker thread, as the daemon runs its engine. (On a loaded 2-core box, torch's
+    OpenMP pool makes CPU forwards on the main thread many times slower than on a worker thread.)"""
+    with ThreadPoolExecutor(1) as ex:
+        return ex.submit(fn, *args).result(120)
 
 
 class Daemon:
@@ -86,6 +93,12 @@ def daemon(shared_pair):
 
 
 @pytest.fixture(scope="module")
+def ref_engine(shared_pair):
+    """An in-process engine for reference outputs (not the daemon's: step() belongs to one thread)."""
+    return make_engine(shared_pair)
+
+
+@pytest.fixture(scope="module")
 def stub(daemon):
     with daemon.channel() as ch:
         yield specd_pb2_grpc.SpecdStub(ch)
@@ -112,15 +125,13 @@ def rpc_error(fn) -> grpc.RpcError:
 # --- streaming -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", [pb.SPECULATION_MODE_UNSPECIFIED, pb.SPECULATION_MODE_CHAIN,
-                                  pb.SPECULATION_MODE_OFF])
-def test_greedy_stream_matches_engine_generate(shared_pair, daemon, stub, mode):
-    ref_engine = make_engine(shared_pair)
+                                  pb.SPECULATION_MODE_OFF], ids=["auto", "chain", "off"])
+def test_greedy_stream_matches_engine_generate(ref_engine, daemon, stub, mode):
     ids = ref_engine.tokenizer(PROMPT)["input_ids"]
     spec = {pb.SPECULATION_MODE_UNSPECIFIED: "auto", pb.SPECULATION_MODE_CHAIN: "chain",
             pb.SPECULATION_MODE_OFF: "off"}[mode]
-    ref = ref_engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=60),
-                              build_request(ref_engine.tokenizer, prompt=PROMPT,
-                                            speculation={"mode": spec}).spec)[0]
+    ref = off_main_thread(ref_engine.generate, [ids], SamplingParams(temperature=0.0, max_tokens=60),
+                          build_request(ref_engine.tokenizer, prompt=PROMPT, speculation={"mode": spec}).spec)[0]
 
     req = pb.GenerateRequest(id="r1", prompt=PROMPT, max_tokens=60, temperature=0.0,
                              speculation=pb.Speculation(mode=mode))
@@ -167,6 +178,23 @@ def test_chat_messages_and_stop_strings(daemon, stub):
     assert "".join(d.text for d in deltas) == text[:text.index(stop)]
 
 
+def test_defaults_stop_token_ids_ignore_eos(daemon, stub):
+    n_prompt = len(daemon.engine.tokenizer(PROMPT)["input_ids"])
+    # unset max_tokens: min(256, context - prompt), as on the websocket
+    deltas, done = collect(stub.Generate(pb.GenerateRequest(prompt=PROMPT, temperature=0.0, ignore_eos=True),
+                                         timeout=DEADLINE))
+    assert done.finish_reason == "length"
+    assert done.usage.completion_tokens == min(256, daemon.engine.max_model_len - n_prompt)
+    out = [t for d in deltas for t in d.token_ids]
+    # stop_token_ids: generation ends with the first occurrence of the stop token
+    stop_id = out[5]
+    deltas, done = collect(stub.Generate(pb.GenerateRequest(prompt=PROMPT, temperature=0.0, ignore_eos=True,
+                                                            max_tokens=40, stop_token_ids=[stop_id]),
+                                         timeout=DEADLINE))
+    assert done.finish_reason == "stop"
+    assert [t for d in deltas for t in d.token_ids] == out[:out.index(stop_id) + 1]
+
+
 def test_seeded_sampling_is_reproducible(daemon, stub):
     req = pb.GenerateRequest(prompt=PROMPT, max_tokens=24, temperature=0.8, top_p=0.9, top_k=40, seed=7,
                              priority=pb.PRIORITY_BATCH,
@@ -187,7 +215,8 @@ def test_cancel_mid_stream_frees_kv(daemon, how):
     try:
         ch = daemon.channel()
         stub = specd_pb2_grpc.SpecdStub(ch)
-        call = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=400, temperature=0.0), timeout=DEADLINE)
+        call = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=400, temperature=0.0, ignore_eos=True),
+                             timeout=DEADLINE)
         first = next(call)
         assert first.HasField("delta")
         assert eng.kv_blocks_used()[0] > 0
@@ -229,6 +258,9 @@ def test_cancel_mid_stream_frees_kv(daemon, how):
     (dict(prompt=PROMPT, speculation=pb.Speculation(max_draft_tokens=1000)),
      grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
     (dict(prompt=PROMPT, priority=7), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+    (dict(prompt=PROMPT, stop=["a"] * 17), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+    (dict(prompt=PROMPT, id="x" * 257), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+    (dict(prompt=PROMPT * 40), grpc.StatusCode.OUT_OF_RANGE, "too_long"),
     (dict(prompt=PROMPT, max_tokens=600), grpc.StatusCode.OUT_OF_RANGE, "too_long"),
     (dict(prompt=PROMPT * 40, max_tokens=8), grpc.StatusCode.OUT_OF_RANGE, "too_long"),
 ])
@@ -272,6 +304,11 @@ def test_api_key(daemon):
         # probes need no key
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE)
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_port_in_use_raises(daemon):
+    with pytest.raises(RuntimeError, match="cannot bind"):
+        daemon.call(start_grpc_server(daemon.ae, "127.0.0.1", daemon.server.port))
 
 
 # --- health, reflection ----------------------------------------------------------------------------
@@ -348,27 +385,35 @@ def test_set_serving_hook(daemon):
 
 # --- the shared request builder --------------------------------------------------------------------
 
-def test_request_build_chat_template():
-    path = SHARED / "tokenizers" / "mistral7b"
-    if not path.exists():
-        pytest.skip("no shared mistral7b tokenizer")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(path))
-    if not getattr(tok, "chat_template", None):
-        pytest.skip("tokenizer has no chat template")
-    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-            {"role": "user", "content": "How are you?"}]
-    want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert prompt_ids_from(tok, messages=msgs) == list(want)
-    with pytest.raises(RequestError) as ei:  # the template's own checks become invalid_request
-        prompt_ids_from(tok, messages=[{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]
-                        * 2)
-    assert ei.value.code == "invalid_request"
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                 "{{ raise_exception('system message must come first') }}{% endif %}"
+                 "{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-def test_request_build_validation(shared_pair):
-    eng = make_engine(shared_pair)  # not the daemon's: Engine.step() belongs to one thread
+def test_chat_template_end_to_end(daemon, stub):
+    """Messages go through the tokenizer's chat template with add_generation_prompt=True."""
+    tok = daemon.engine.tokenizer
+    assert not getattr(tok, "chat_template", None)
+    msgs = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "A cat"}]
+    tok.chat_template = CHAT_TEMPLATE
+    try:
+        want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        assert want == tok("system: Tell a story.\nuser: A cat\nassistant:", add_special_tokens=False)["input_ids"]
+        assert prompt_ids_from(tok, messages=msgs) == want
+        _, done = collect(stub.Generate(pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in msgs], max_tokens=3, temperature=0.0), timeout=DEADLINE))
+        assert done.usage.prompt_tokens == len(want)
+        # the template's own errors are the client's: invalid_request
+        e = rpc_error(lambda: list(stub.Generate(pb.GenerateRequest(
+            messages=[pb.ChatMessage(**m) for m in msgs[::-1]], max_tokens=3), timeout=DEADLINE)))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "system message must come first" in e.details()
+    finally:
+        tok.chat_template = None
+
+
+def test_request_build_validation(ref_engine):
+    eng = ref_engine
     tok = eng.tokenizer
     r = build_request(tok, prompt=PROMPT, temperature=0.5, seed=3, stop="x", priority="batch",
                       speculation={"mode": "chain", "max_draft_tokens": 4})
@@ -382,7 +427,7 @@ def test_request_build_validation(shared_pair):
         with pytest.raises(RequestError) as ei:
             build_request(tok, **bad)
         assert ei.value.code == "invalid_request", bad
-    seq = eng.generate([r.prompt_ids], SamplingParams(temperature=0.0, max_tokens=5))[0]
+    seq = off_main_thread(eng.generate, [r.prompt_ids], SamplingParams(temperature=0.0, max_tokens=5))[0]
     s = summarize(seq)
     assert s["usage"] == {"prompt_tokens": len(r.prompt_ids), "completion_tokens": 5}
     assert set(s["spec"]) == {"steps", "draft_tokens", "accepted_tokens", "mean_accepted_length"}

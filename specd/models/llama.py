@@ -124,15 +124,16 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
-        self.backend = None  # set by the engine (specd.attention.get_backend)
+        self.backend = None  # default backend when forward() is not given one
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, backend=None) -> torch.Tensor:
+        backend = backend if backend is not None else self.backend
         x = self.embed(input_ids)  # [T, d]
         cos, sin = self.rotary(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv[i], meta, self.backend)
+            x = layer(x, cos, sin, kv[i], meta, backend)
         return self.norm(x)
 
     @torch.inference_mode()

@@ -41,6 +41,12 @@ log = logging.getLogger("specd.engine_loop")
 
 __all__ = ["AsyncEngine", "RequestError", "RequestOutput"]
 
+def _admitted(e: RequestError) -> RequestError:
+    """Mark an error raised after the request was admitted (mid-stream) rather than refused."""
+    e.admitted = True
+    return e
+
+
 _IDLE_WAIT_S = 0.5  # the idle thread wakes this often to refresh last_step_time (no busy-wait)
 _FAIL_ALL_AFTER = 3  # consecutive failed steps after which every live request is failed
 
@@ -105,7 +111,7 @@ class AsyncEngine:
         if t is not None and t.is_alive():
             await asyncio.get_running_loop().run_in_executor(None, t.join, 10.0)
         for rid, q in list(self._streams.items()):
-            q.put_nowait(RequestError("shutting_down", "the server is shutting down"))
+            q.put_nowait(_admitted(RequestError("shutting_down", "the server is shutting down")))
         self._streams.clear()
 
     # state ---------------------------------------------------------------------------------------
@@ -143,7 +149,8 @@ class AsyncEngine:
                        ) -> AsyncIterator[RequestOutput]:
         """Stream one request: one ``RequestOutput`` per engine step that emitted for it; the last has
         ``finished`` set (finish_reason stop | length | cancelled). Raises ``RequestError`` on the first
-        iteration when the request is refused, or later with code ``internal`` if the engine failed."""
+        iteration when the request is refused, or later (``internal`` if the engine failed, ``shutting_down``
+        on ``stop()``); such mid-stream errors carry ``admitted = True``."""
         if self._stopping or self._draining:
             raise RequestError("shutting_down", "the server is shutting down")
         if not self._alive() or self._loop is None:
@@ -264,4 +271,4 @@ class AsyncEngine:
         for rid in rids:
             q = self._streams.pop(rid, None)
             if q is not None:
-                q.put_nowait(RequestError("internal", msg))
+                q.put_nowait(_admitted(RequestError("internal", msg)))

@@ -36,7 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specd.engine import RequestError
 from specd.server.proto.specd.v1 import specd_pb2 as pb
-from specd.server.request_build import build_request, summarize
+from specd.server.request_build import MAX_ID_CHARS, build_request_async, summarize
 
 log = logging.getLogger("specd.grpc")
 
@@ -67,8 +67,8 @@ def _opt(msg, field: str):
 
 def _to_engine_args(req: pb.GenerateRequest) -> dict:
     """Proto request -> ``build_request`` keyword arguments (unset optional fields -> None)."""
-    if req.messages and req.HasField("prompt"):
-        raise RequestError("invalid_request", "give exactly one of 'messages' and 'prompt'")
+    if len(req.id) > MAX_ID_CHARS:
+        raise RequestError("invalid_request", f"id is longer than {MAX_ID_CHARS} characters")
     if req.priority not in _PRIORITY:
         raise RequestError("invalid_request", f"unknown priority {req.priority}")
     sp = req.speculation
@@ -84,6 +84,7 @@ def _to_engine_args(req: pb.GenerateRequest) -> dict:
         prompt=_opt(req, "prompt"),
         max_tokens=_opt(req, "max_tokens"), temperature=_opt(req, "temperature"), top_p=_opt(req, "top_p"),
         top_k=_opt(req, "top_k"), seed=_opt(req, "seed"), stop=list(req.stop) if req.stop else None,
+        stop_token_ids=list(req.stop_token_ids) if req.stop_token_ids else None, ignore_eos=req.ignore_eos,
         priority=_PRIORITY[req.priority], speculation=speculation)
 
 
@@ -132,7 +133,9 @@ class SpecdServicer:
         client_id = req.id
         rid = f"grpc-{_INSTANCE}-{next(_ids)}" + (f":{client_id[:64]}" if client_id else "")
         try:
-            built = build_request(self.ae.engine.tokenizer, **_to_engine_args(req))
+            eng = self.ae.engine
+            built = await build_request_async(eng.tokenizer, max_model_len=eng.max_model_len,
+                                              **_to_engine_args(req))
         except RequestError as e:
             await self._fail(context, e.code, str(e))
         stream = self.ae.generate(built.prompt_ids, built.params, built.spec, built.priority, rid)
@@ -204,7 +207,7 @@ class _Health:
 
 
 async def start_grpc_server(async_engine, host: str, port: int, api_key: Optional[str] = None,
-                            max_message_bytes: int = 16 << 20) -> grpc.aio.Server:
+                            max_message_bytes: int = 4 << 20) -> grpc.aio.Server:
     """Start the gRPC server on ``host:port`` (0 = any free port, see ``server.port``) and return it.
 
     Raises RuntimeError if the address cannot be bound. The caller owns shutdown:

@@ -11,12 +11,20 @@ messages the same way and report the same numbers. Everything raises
         ...
     done = summarize(out.seq)  # {"usage": {...}, "spec": {...}, "timing": {...}}
 
+On the event loop use ``await build_request_async(...)``: same thing, run on one shared tokenizer
+thread, so that a long prompt (a megabyte of text takes seconds to tokenize) never stalls the loop
+that streams everyone else's tokens.
+
 Chat messages go through the tokenizer's own chat template with ``add_generation_prompt=True``. A
 tokenizer without a chat template (base models such as the tiny stories pair) gets the messages'
 contents joined by newlines as raw text, the way ``specd generate`` falls back to the raw prompt.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -24,10 +32,13 @@ from specd.engine import RequestError
 from specd.sampling import SamplingParams
 from specd.sequence import PRIORITIES, SpecParams
 
-__all__ = ["BuiltRequest", "build_request", "prompt_ids_from", "sampling_params", "spec_params",
+__all__ = ["MAX_ID_CHARS", "BuiltRequest", "build_request", "build_request_async", "prompt_ids_from", "sampling_params", "spec_params",
            "check_priority", "summarize"]
 
 MAX_MESSAGES = 1024
+MAX_STOP = 16
+MAX_ID_CHARS = 256
+DEFAULT_MAX_TOKENS = 256  # cap of the default max_tokens: min(256, context - prompt)
 
 
 def _bad(msg: str) -> RequestError:
@@ -94,16 +105,22 @@ def _check_messages(messages) -> list:
 
 
 def sampling_params(max_tokens=None, temperature=None, top_p=None, top_k=None, seed=None,
-                    stop=None) -> SamplingParams:
+                    stop=None, stop_token_ids=None, ignore_eos=None) -> SamplingParams:
     """``SamplingParams`` from optional fields (None = the default); ValueError -> invalid_request."""
     kw = {k: v for k, v in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                            ("top_k", top_k), ("seed", seed)) if v is not None}
+                            ("top_k", top_k), ("seed", seed), ("ignore_eos", ignore_eos)) if v is not None}
     if stop is not None:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, Sequence) or isinstance(stop, (bytes, Mapping)):
             raise _bad("'stop' must be a string or a list of strings")
+        if len(stop) > MAX_STOP:
+            raise _bad(f"at most {MAX_STOP} stop strings, got {len(stop)}")
         kw["stop"] = tuple(stop)
+    if stop_token_ids is not None:
+        if isinstance(stop_token_ids, (str, bytes, Mapping)) or not isinstance(stop_token_ids, Sequence):
+            raise _bad("'stop_token_ids' must be a list of integers")
+        kw["stop_token_ids"] = tuple(stop_token_ids)
     try:
         return SamplingParams(**kw)
     except (TypeError, ValueError) as e:
@@ -126,10 +143,16 @@ def check_priority(priority=None) -> str:
 
 
 def build_request(tokenizer, *, messages=None, prompt=None, max_tokens=None, temperature=None,
-                  top_p=None, top_k=None, seed=None, stop=None, priority=None,
-                  speculation: Optional[Mapping[str, Any]] = None) -> BuiltRequest:
-    """Validate everything cheap first, then tokenize. ``speculation``: {mode, max_draft_tokens}."""
-    params = sampling_params(max_tokens, temperature, top_p, top_k, seed, stop)
+                  top_p=None, top_k=None, seed=None, stop=None, stop_token_ids=None, ignore_eos=None,
+                  priority=None, speculation: Optional[Mapping[str, Any]] = None,
+                  max_model_len: Optional[int] = None) -> BuiltRequest:
+    """Validate everything cheap first, then tokenize. ``speculation``: {mode, max_draft_tokens}.
+
+    ``max_tokens`` None: ``min(DEFAULT_MAX_TOKENS, max_model_len - prompt tokens)`` (``too_long``
+    when the prompt leaves no room), or ``DEFAULT_MAX_TOKENS`` without ``max_model_len``.
+    """
+    params = sampling_params(max_tokens if max_tokens is not None else 1, temperature, top_p, top_k, seed,
+                             stop, stop_token_ids, ignore_eos)
     if speculation is None:
         speculation = {}
     if not isinstance(speculation, Mapping):
@@ -140,7 +163,22 @@ def build_request(tokenizer, *, messages=None, prompt=None, max_tokens=None, tem
     spec = spec_params(speculation.get("mode"), speculation.get("max_draft_tokens"))
     prio = check_priority(priority)
     ids = prompt_ids_from(tokenizer, messages, prompt)
+    if max_tokens is None:
+        room = DEFAULT_MAX_TOKENS if max_model_len is None else max_model_len - len(ids)
+        if room < 1:
+            raise RequestError("too_long", f"prompt ({len(ids)} tokens) fills the context ({max_model_len})")
+        params = dataclasses.replace(params, max_tokens=min(DEFAULT_MAX_TOKENS, room))
     return BuiltRequest(ids, params, spec, prio)
+
+
+_TOKENIZER_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-tokenize")
+
+
+async def build_request_async(tokenizer, **kw) -> BuiltRequest:
+    """``build_request`` off the event loop, on the one shared tokenizer thread (requests are
+    tokenized one at a time, in arrival order)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_TOKENIZER_POOL, functools.partial(build_request, tokenizer, **kw))
 
 
 def _ms(t0: Optional[float], t1: Optional[float]) -> float:

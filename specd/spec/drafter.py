@@ -91,8 +91,9 @@ class _Build:
 
 
 class Drafter:
-    def __init__(self, model, cache: KVCache, spec_cfg, device: torch.device, vocab_size: int):
+    def __init__(self, model, cache: KVCache, spec_cfg, device: torch.device, vocab_size: int, backend):
         self.model = model
+        self.backend = backend
         self.cache = cache
         self.cfg = spec_cfg
         self.device = device
@@ -129,7 +130,7 @@ class Drafter:
         meta = build_metadata(qlens, ctxs, tables, slots, self.cache.block_size, self.device,
                               tree_masks=masks if any(m is not None for m in masks) else None, seq_lens=slens)
         dev = self.device
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache.kv, meta)
+        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache.kv, meta, self.backend)
         self.forwards += 1
         if not need_logits:
             return None

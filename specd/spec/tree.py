@@ -28,60 +28,69 @@ lazily, caching the result.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
 import torch
 
-__all__ = ["DraftTree", "TreeChoices", "static_tree_choices"]
+__all__ = ["DraftTree", "SiblingTable", "TreeChoices", "static_tree_choices"]
 
 
-@dataclass(eq=False)
 class DraftTree:
-    """A token tree rooted at the pending token.
+    """A token tree rooted at the pending token (a light, slotted dataclass-like container).
 
-    Fields (tensors live on the CPU; move what you need to the device):
+    Attributes (tensors on the CPU, created on first access and cached; treat them as read-only):
       tokens   [n] int64   token id of each node; tokens[0] is the pending (root) token
       parents  [n] int64   parent node index; parents[0] == -1, 0 <= parents[i] < i for i >= 1
 
-    Either field may be given as a tensor or a Python sequence of ints. Use
-    :meth:`from_parents` (validating) or :meth:`chain`; the plain constructor validates too unless
-    ``validate=False`` (for callers that build parents correctly by construction).
+    ``DraftTree(tokens, parents)`` takes tensors or Python sequences of ints and validates the
+    parents unless ``validate=False`` (for callers that build them correctly by construction, e.g.
+    :meth:`chain`). The tree keeps Python lists (:attr:`token_list`, :attr:`parent_list`) and
+    derives everything else lazily, so building one from lists costs a few microseconds.
     """
 
-    tokens: torch.Tensor  # [n] int64
-    parents: torch.Tensor  # [n] int64
-    validate: bool = field(default=True, repr=False)
+    __slots__ = ("_tok", "_par", "_tokens_t", "_parents_t", "_children", "_depths", "_depths_t",
+                 "_mask", "_paths", "_siblings")
 
-    # Python mirrors of the fields and lazily derived data (not part of the constructor).
-    _tok: list = field(init=False, repr=False)
-    _par: list = field(init=False, repr=False)
-    _children: list | None = field(init=False, repr=False, default=None)
-    _depths: list | None = field(init=False, repr=False, default=None)
-    _depths_t: torch.Tensor | None = field(init=False, repr=False, default=None)
-    _mask: torch.Tensor | None = field(init=False, repr=False, default=None)
-    _paths: list | None = field(init=False, repr=False, default=None)
-    _siblings: tuple | None = field(init=False, repr=False, default=None)
-
-    def __post_init__(self):
-        if isinstance(self.tokens, torch.Tensor):
-            if self.tokens.dim() != 1:
-                raise ValueError(f"tokens must be 1-D, got shape {tuple(self.tokens.shape)}")
-            self._tok = self.tokens.tolist()
-            self.tokens = self.tokens.to(dtype=torch.int64, device="cpu")
-        else:
-            self._tok = [int(t) for t in self.tokens]
-            self.tokens = torch.tensor(self._tok, dtype=torch.int64)
-        if isinstance(self.parents, torch.Tensor):
-            if self.parents.dim() != 1:
-                raise ValueError(f"parents must be 1-D, got shape {tuple(self.parents.shape)}")
-            self._par = self.parents.tolist()
-            self.parents = self.parents.to(dtype=torch.int64, device="cpu")
-        else:
-            self._par = [int(p) for p in self.parents]
-            self.parents = torch.tensor(self._par, dtype=torch.int64)
-        if self.validate:
+    def __init__(self, tokens: Sequence[int] | torch.Tensor, parents: Sequence[int] | torch.Tensor,
+                 validate: bool = True):
+        self._tokens_t = self._parents_t = None
+        if isinstance(tokens, torch.Tensor):
+            if tokens.dim() != 1:
+                raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+            self._tokens_t = tokens.to(dtype=torch.int64, device="cpu")
+            tokens = tokens.tolist()
+        elif validate:
+            tokens = [int(t) for t in tokens]
+        if isinstance(parents, torch.Tensor):
+            if parents.dim() != 1:
+                raise ValueError(f"parents must be 1-D, got shape {tuple(parents.shape)}")
+            self._parents_t = parents.to(dtype=torch.int64, device="cpu")
+            parents = parents.tolist()
+        elif validate:
+            parents = [int(p) for p in parents]
+        self._tok: list[int] = list(tokens) if not validate else tokens
+        self._par: list[int] = list(parents) if not validate else parents
+        self._children = self._depths = self._depths_t = self._mask = self._paths = None
+        self._siblings = None
+        if validate:
             _check_parents(self._par, len(self._tok))
+
+    def __repr__(self) -> str:
+        return f"DraftTree(tokens={self._tok}, parents={self._par})"
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[n] int64 token ids (cached)."""
+        if self._tokens_t is None:
+            self._tokens_t = torch.tensor(self._tok, dtype=torch.int64)
+        return self._tokens_t
+
+    @property
+    def parents(self) -> torch.Tensor:
+        """[n] int64 parent indices, parents[0] = -1 (cached)."""
+        if self._parents_t is None:
+            self._parents_t = torch.tensor(self._par, dtype=torch.int64)
+        return self._parents_t
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -89,7 +98,7 @@ class DraftTree:
         """A linear tree: root -> draft_tokens[0] -> draft_tokens[1] -> ..."""
         if isinstance(draft_tokens, torch.Tensor):
             draft_tokens = draft_tokens.tolist()
-        toks = [int(root_token), *draft_tokens]
+        toks = [int(root_token), *map(int, draft_tokens)]
         return cls(toks, list(range(-1, len(toks) - 1)), validate=False)
 
     @classmethod
@@ -153,29 +162,26 @@ class DraftTree:
     def is_leaf(self, i: int) -> bool:
         return not self.children[i]
 
-    def sibling_table(self) -> tuple[list[int], list[list[int]], list[int]]:
-        """Internal nodes and their children's tokens, for the rejection sampler (cached).
-
-        Returns ``(internal, kid_tokens, index)``: ``internal`` the nodes with children in index
-        order; ``kid_tokens[j]`` the tokens of ``internal[j]``'s children in creation order, a
-        token repeating an earlier sibling's replaced by -1; ``index[i]`` the position of node i in
-        ``internal``, or -1 for a leaf.
-        """
+    def sibling_table(self) -> "SiblingTable":
+        """Internal nodes and their children's tokens, for the rejection sampler (cached)."""
         if self._siblings is None:
             tok = self._tok
             internal: list[int] = []
             kid_tokens: list[list[int]] = []
             index = [-1] * len(tok)
+            lo, hi = len(tok), 0
             for i, kids in enumerate(self.children):
                 if kids:
                     index[i] = len(internal)
                     internal.append(i)
                     kt = [tok[c] for c in kids]
-                    if len(kt) > 1 and len(set(kt)) != len(kt):
+                    m = len(kt)
+                    if m > 1 and len(set(kt)) != m:
                         seen: set[int] = set()
                         kt = [-1 if (x in seen or seen.add(x)) else x for x in kt]
                     kid_tokens.append(kt)
-            self._siblings = (internal, kid_tokens, index)
+                    lo, hi = min(lo, m), max(hi, m)
+            self._siblings = SiblingTable(internal, kid_tokens, index, hi, min(lo, hi))
         return self._siblings
 
     # ------------------------------------------------------------------ derived tensors
@@ -222,6 +228,24 @@ def _check_parents(par: list[int], n: int) -> None:
         if not 0 <= p < i:
             raise ValueError(f"parents[{i}] = {p}: every parent must be an earlier node "
                              f"(0 <= parents[i] < i)")
+
+
+class SiblingTable(NamedTuple):
+    """Per-tree layout for the rejection sampler (see :meth:`DraftTree.sibling_table`).
+
+    internal      nodes that have children, in index order
+    kid_tokens    kid_tokens[j]: tokens of internal[j]'s children in creation order; a token that
+                  repeats an earlier sibling's is replaced by -1 (it can never be accepted)
+    index         index[i]: position of node i in ``internal``, or -1 for a leaf
+    max_children  most children of any node (0 for a root-only tree)
+    min_children  fewest children of any internal node (0 for a root-only tree)
+    """
+
+    internal: list[int]
+    kid_tokens: list[list[int]]
+    index: list[int]
+    max_children: int
+    min_children: int
 
 
 class TreeChoices(NamedTuple):

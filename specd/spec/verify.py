@@ -59,6 +59,16 @@ Then, starting from ``p_1 = p``::
     all rejected: emit the correction token ~ p_{M+1}; stop
     at a leaf (M = 0): emit the bonus token ~ p; stop
 
+Worked example (vocabulary {0, 1, 2}, "sampled", the drafter drew x_1 = 1 then x_2 = 2)::
+
+    p = [0.5, 0.3, 0.2]      q = [0.2, 0.6, 0.2]
+    m = 1: q_1 = q;               accept 1 w.p. min(1, 0.3 / 0.6) = 0.5
+           rejected: p_2 = normalise(max(p - q_1, 0)) = normalise([0.3, 0, 0]) = [1, 0, 0]
+    m = 2: q_2 = [0.5, 0, 0.5];   accept 2 w.p. min(1, 0 / 0.5) = 0
+           rejected: p_3 = normalise(max(p_2 - q_2, 0)) = [1, 0, 0]
+    correction token ~ p_3: 0.   (Emits 1 w.p. 0.5, else 0; averaged over the drafter's draws
+    the emitted token is distributed exactly as p.)
+
 Why it is lossless: one round is ordinary rejection sampling. If ``x ~ q_m`` and it is accepted
 w.p. ``min(1, p_m/q_m)`` with ``p_{m+1}`` used on rejection, then
 ``P(emit y) = min(p_m(y), q_m(y)) + (1 - sum_x min(p_m, q_m)) * p_{m+1}(y) = p_m(y)``, because
@@ -205,6 +215,11 @@ def _node_tables(p: torch.Tensor, q: torch.Tensor | None, kid_tok: torch.Tensor,
     return accept, r
 
 
+def _host_tensor(data, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A small tensor built on the host and copied without waiting for the device queue."""
+    return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True)
+
+
 def _normalised_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     out = x.index_select(0, rows).to(torch.float64)  # [I, V]
     return out / out.sum(dim=1, keepdim=True).clamp_min(_TINY)
@@ -238,7 +253,7 @@ def sample_verify(tree: DraftTree, target_probs: torch.Tensor, draft_probs: torc
                   temperature/top-k/top-p, e.g. by :func:`specd.sampling.logits_to_probs`)
     draft_probs   [n, V] distribution node i's children were drawn from (row i); may be None in
                   "deterministic" mode, where it is not used
-    generator     the request's generator (None = global RNG); n + 1 uniforms are drawn from it
+    generator     the request's generator (None = the global CPU RNG); n uniforms are drawn from it
     draft_mode    "sampled" (children drawn without replacement from draft_probs[i], in order) or
                   "deterministic" (children chosen deterministically, e.g. draft top-k)
     """
@@ -263,7 +278,8 @@ def verify_batch(trees: Sequence[DraftTree], target: torch.Tensor,
       offsets      [B+1] row offsets (Python ints); default: the trees back to back
       greedy       one flag for all requests or one per request
       draft_probs  [T, V] rows aligned with ``target`` (needed by "sampled" requests)
-      generators   B per-request generators (None entries / None = the global RNG)
+      generators   B per-request generators (None entries / None = the global CPU RNG); a
+                   sampling request with n nodes draws n uniforms from its generator
       draft_mode   "sampled" / "deterministic", for all requests or one per request
     Returns:
       B AcceptResults, in order.
@@ -316,61 +332,67 @@ def _sample_batch(trees, target, offsets, samp, draft_probs, gens, modes, result
     kid_lists: list[list[int]] = []  # children's tokens (a repeated token -> -1, never accepted)
     det_rows: list[bool] = []
     int_start: list[int] = []  # per sampling request: its first internal row
+    node_index: list[list[int]] = []  # per sampling request: node -> its internal position or -1
+    sizes: list[int] = []  # per sampling request: number of nodes
     any_sampled = False
+    k_max, k_min = 0, 1 << 30  # most / fewest children of any internal node
     for b in samp:
         mode = modes[b]
         if mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {mode!r}")
         det = mode == "deterministic"
         any_sampled |= not det
-        internal, kid_tokens, _ = trees[b].sibling_table()
-        start = len(rows)
+        t = trees[b]
+        internal, kid_tokens, index, most, fewest = t.sibling_table()
+        if internal:
+            k_max, k_min = max(k_max, most), min(k_min, fewest)
+        int_start.append(len(rows))
+        node_index.append(index)
+        sizes.append(len(index))
         off = offsets[b]
         rows.extend([off + i for i in internal])
         kid_lists.extend(kid_tokens)
         det_rows.extend([det] * len(internal))
-        int_start.append(start)
     if any_sampled and draft_probs is None:
         raise ValueError('draft_mode "sampled" needs draft_probs')
 
     # Uniforms: per request n_b (= n_b - 1 children + 1) from its own generator. The first decides
     # the final token; the others the children, in (internal node, sibling rank) order.
-    sizes = [trees[b].num_nodes for b in samp]
-    u_all = draw_uniforms(sizes, [gens[b] for b in samp], dev)  # [sum(n_b)]
+    # Split on the host (boolean indexing on a device would sync), then copy.
+    u_all = draw_uniforms(sizes, [gens[b] for b in samp], "cpu")  # [sum(n_b)]
     first_of = torch.zeros(u_all.shape[0], dtype=torch.bool)
     first_of[torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0)] = True
-    first_of = first_of.to(dev)
-    u_final = u_all[first_of]  # [S]
+    u_final = u_all[first_of].to(dev, non_blocking=True)  # [S]
 
     # One vectorised pass over every internal node: which child (sibling rank) is accepted, if any.
     first_acc: list[int] = []
     if rows:
-        k_max = max(len(k) for k in kid_lists)
-        if all(len(k) == k_max for k in kid_lists):
+        if k_min == k_max:  # no padding needed
             flat = list(chain.from_iterable(kid_lists))
         else:
             flat = list(chain.from_iterable(k + [_PAD] * (k_max - len(k)) for k in kid_lists))
         kt_host = torch.tensor(flat, dtype=torch.int64).view(-1, k_max)  # [I, K]
-        present = (kt_host != _PAD).to(dev)  # [I, K] a child is there
-        kid_tok = kt_host.clamp(min=0).to(dev)  # [I, K]
-        kid_ok = (kt_host >= 0).to(dev)  # [I, K] a child that may be accepted
-        det_t = torch.tensor(det_rows, dtype=torch.bool, device=dev)  # [I]
-        rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)  # [I]
+        kid_tok = kt_host.clamp(min=0).to(dev, non_blocking=True)  # [I, K]
+        kid_ok = (kt_host >= 0).to(dev, non_blocking=True)  # [I, K] a child that may be accepted
+        det_t = _host_tensor(det_rows, torch.bool, dev)  # [I]
+        rows_t = _host_tensor(rows, torch.int64, dev)  # [I]
         draft = draft_probs if any_sampled else None
         accept = _tables(target, draft, rows_t, kid_tok, kid_ok, det_t, True)  # [I, K]
-        u_kid = torch.ones_like(accept)
-        u_kid[present] = u_all[~first_of]  # [I, K]
+        u_kid = torch.ones(kt_host.shape, dtype=torch.float64)  # [I, K]
+        u_kid[kt_host != _PAD] = u_all[~first_of]  # one uniform per child, in layout order
+        u_kid = u_kid.to(dev, non_blocking=True)
         hit = (u_kid < accept) & kid_ok  # [I, K]
-        first_acc = torch.where(hit.any(dim=1), hit.to(torch.int8).argmax(dim=1), -1).tolist()
+        rank = torch.arange(k_max, device=dev).expand_as(hit)
+        first = torch.where(hit, rank, k_max).amin(dim=1)  # [I] first accepted rank, K if none
+        first_acc = torch.where(first < k_max, first, -1).tolist()
 
     # Host walks.
     stop_rows: list[int] = []  # target row of the node where each walk stopped
     stop_int: list[int] = []  # its internal-row index, or -1 for a leaf (bonus)
     paths: list[list[int]] = []
     for j, b in enumerate(samp):
-        t = trees[b]
-        ch = t.children
-        idx = t.sibling_table()[2]
+        ch = trees[b].children
+        idx = node_index[j]
         start = int_start[j]
         node = 0
         path: list[int] = []
@@ -389,15 +411,15 @@ def _sample_batch(trees, target, offsets, samp, draft_probs, gens, modes, result
         paths.append(path)
 
     # Final tokens: the bonus from the leaf's target row, or the correction from the residual.
-    dist = target.index_select(0, torch.tensor(stop_rows, dtype=torch.int64, device=dev))
+    dist = target.index_select(0, _host_tensor(stop_rows, torch.int64, dev))
     dist = dist.to(torch.float64)  # [S, V]
     corr = [j for j, s in enumerate(stop_int) if s >= 0]
     if corr:
-        sel = torch.tensor([stop_int[j] for j in corr], dtype=torch.int64, device=dev)
+        sel = _host_tensor([stop_int[j] for j in corr], torch.int64, dev)
         res = _tables(target, draft_probs if any_sampled else None, rows_t.index_select(0, sel),
                       kid_tok.index_select(0, sel), kid_ok.index_select(0, sel),
                       det_t.index_select(0, sel), False)  # [C, V]
-        dist.index_copy_(0, torch.tensor(corr, dtype=torch.int64, device=dev), res)
+        dist.index_copy_(0, _host_tensor(corr, torch.int64, dev), res)
     nxt = sample_from_uniform(dist, u_final).tolist()
 
     for j, b in enumerate(samp):

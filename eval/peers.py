@@ -1,0 +1,268 @@
+"""specd against other engines, same models, same prompts, same machine, in one run.
+
+    python eval/peers.py --target ../shared/models/stories260K \\
+        --draft ../shared/models/stories260K-draft-1L64 \\
+        --prompts ../shared/data/mt_bench/question.jsonl --raw --limit 16 --max-tokens 128 \\
+        --out eval/out/peers
+
+Systems (greedy, batch 1, first turn of each prompt, stop on the model's EOS ids):
+
+- ``specd:off``, ``specd:chain:4``, ``specd:tree:16`` (``--modes``): the specd engine in process
+- ``hf:generate``: transformers ``model.generate`` on the target alone
+- ``hf:assisted``: transformers assisted generation, ``generate(assistant_model=draft)``, with its
+  default (heuristic, adaptive) number of draft tokens
+- ``hf:assisted:kK``: the same with a constant ``num_assistant_tokens=K`` (``--hf-assist-k``), the
+  counterpart of specd's chain of K
+- ``ct2:generate``: CTranslate2 (``pip install ctranslate2``), the target converted from the HF
+  checkpoint with its own converter; skipped when ctranslate2 is not importable. It has no
+  draft-model speculative decoding, so it is a target-only peer.
+
+Per prompt every system runs back to back, in an order rotated from prompt to prompt, so load from
+other processes hits them alike. Reported: per-system median tokens/s over prompts (wall clock and
+CPU time), aggregate tokens/s, the greedy outputs' agreement with ``specd:off`` token for token, and
+ratios as medians over prompts of per-prompt ratios (e.g. specd:chain:4 / hf:assisted:k4).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as C  # noqa: E402
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--prompts", required=True)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--chat-template", dest="chat_template", action="store_true", default=None)
+    g.add_argument("--raw", dest="chat_template", action="store_false")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--modes", default="off,chain:4,tree:16", help="specd modes (see eval/acceptance.py)")
+    ap.add_argument("--hf-assist-k", default="4", help="constant-schedule assisted generation runs (comma list)")
+    ap.add_argument("--no-ct2", action="store_true", help="skip CTranslate2 even when installed")
+    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--per-category", type=int, default=None)
+    ap.add_argument("--categories", default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+# systems: callables ids -> output ids ------------------------------------------------------------
+class Specd:
+    def __init__(self, mode, target, draft, device, max_tokens):
+        from specd.sampling import SamplingParams
+
+        self.name = f"specd:{mode.name}"
+        self.mode = mode
+        self.engine = C.make_engine(mode, target, draft, device)
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        self.stats = None
+
+    def __call__(self, ids):
+        seq = self.engine.generate([ids], self.params, self.mode.spec_params())[0]
+        self.stats = seq.stats
+        return list(seq.output_ids)
+
+
+class HF:
+    def __init__(self, name, model, max_tokens, eos, assistant=None, assist_k=None):
+        self.name, self.model, self.assistant = name, model, assistant
+        self.kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        if assistant is not None:
+            self.kw["assistant_model"] = assistant
+            if assist_k is not None:
+                assistant.generation_config.num_assistant_tokens = assist_k
+                assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        self.stats = None
+
+    def __call__(self, ids):
+        import torch
+
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = self.model.generate(x, attention_mask=torch.ones_like(x), **self.kw)
+        return out[0, len(ids):].tolist()
+
+
+class CT2:
+    name = "ct2:generate"
+
+    def __init__(self, target_dir, out_dir, tokenizer, max_tokens, eos, threads):
+        import ctranslate2
+        from ctranslate2.converters import TransformersConverter
+
+        self.version = ctranslate2.__version__
+        path = Path(out_dir) / "ct2_target"
+        TransformersConverter(str(target_dir)).convert(str(path), force=True)
+        self.gen = ctranslate2.Generator(str(path), device="cpu", intra_threads=threads, inter_threads=1)
+        self.tok = tokenizer
+        self.max_tokens = max_tokens
+        self.end = [tokenizer.convert_ids_to_tokens(i) for i in eos]
+        self.stats = None
+
+    def __call__(self, ids):
+        r = self.gen.generate_batch([self.tok.convert_ids_to_tokens(ids)], max_length=self.max_tokens,
+                                    sampling_topk=1, beam_size=1, include_prompt_in_result=False,
+                                    end_token=self.end, return_end_token=True)
+        return list(r[0].sequences_ids[0])
+
+
+# run --------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    C.set_threads(a.threads)
+    C.quiet_transformers()
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    from specd.loader import load_model
+
+    t_start = time.perf_counter()
+    cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
+    prompts = C.load_prompts(a.prompts, a.limit, cats, a.per_category, max_turns=1)
+    out = Path(a.out) if a.out else C.default_out("peers")
+    out.mkdir(parents=True, exist_ok=True)
+    target = load_model(a.target, a.device, "float32", progress=False)
+    draft = load_model(a.draft, a.device, "float32", progress=False)
+    tok = target.tokenizer
+    chat = a.chat_template if a.chat_template is not None else C.has_chat_template(tok)
+    eos = list(target.config.eos_token_ids)
+    max_prompt = target.config.max_position_embeddings - a.max_tokens - 1
+    ids_list = [C.fit_prompt(C.encode_conversation(tok, p.turns[:1], [], chat), max_prompt,
+                             target.config.bos_token_id)[0] for p in prompts]
+
+    systems = [Specd(m, target, draft, a.device, a.max_tokens) for m in C.parse_modes(a.modes)]
+    hf_t = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).eval()
+    hf_d = AutoModelForCausalLM.from_pretrained(a.draft, dtype=torch.float32).eval()
+    systems.append(HF("hf:generate", hf_t, a.max_tokens, eos))
+    systems.append(HF("hf:assisted", hf_t, a.max_tokens, eos, assistant=hf_d))
+    for k in [int(x) for x in a.hf_assist_k.split(",") if x.strip()]:
+        d_k = AutoModelForCausalLM.from_pretrained(a.draft, dtype=torch.float32).eval()  # own generation_config
+        systems.append(HF(f"hf:assisted:k{k}", hf_t, a.max_tokens, eos, assistant=d_k, assist_k=k))
+    notes = {}
+    if not a.no_ct2:
+        try:
+            systems.append(CT2(a.target, out, tok, a.max_tokens, eos, a.threads))
+            notes["ctranslate2"] = systems[-1].version
+        except ImportError:
+            notes["ctranslate2"] = "not installed (pip install ctranslate2)"
+        except Exception as e:  # a converter/architecture failure is a result, not a crash
+            notes["ctranslate2"] = f"failed: {type(e).__name__}: {e}"
+    warm = list(tok("Once upon a time")["input_ids"])
+    for s in systems:
+        s(warm)
+
+    rows = []
+    for qi, (p, ids) in enumerate(tqdm(list(zip(prompts, ids_list)), desc="peers", disable=a.no_progress)):
+        order = systems[qi % len(systems):] + systems[:qi % len(systems)]
+        for s in order:
+            t0, c0 = time.perf_counter(), time.process_time()
+            o = s(ids)
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+            r = {"prompt_id": p.id, "category": p.category, "system": s.name, "prompt_tokens": len(ids),
+                 "output_tokens": len(o), "wall_s": round(dt, 6), "cpu_s": round(cpu, 6),
+                 "tokens_per_s": round(len(o) / dt, 3) if dt > 0 else 0.0,
+                 "tokens_per_cpu_s": round(len(o) / cpu, 3) if cpu > 0 else 0.0, "output_ids": o}
+            if s.stats is not None:
+                r["mean_accepted_length"] = round(s.stats.mean_accepted_length, 4)
+            rows.append(r)
+
+    names = [s.name for s in systems]
+    by = {n: {r["prompt_id"]: r for r in rows if r["system"] == n} for n in names}
+    ref = by["specd:off"] if "specd:off" in by else by[names[0]]
+    summary = {}
+    for n in names:
+        rs = list(by[n].values())
+        wall = sum(r["wall_s"] for r in rs)
+        cpu = sum(r["cpu_s"] for r in rs)
+        toks = sum(r["output_tokens"] for r in rs)
+        summary[n] = {"prompts": len(rs), "output_tokens": toks,
+                      "median_tokens_per_s": round(C.median([r["tokens_per_s"] for r in rs]), 2),
+                      "median_tokens_per_cpu_s": round(C.median([r["tokens_per_cpu_s"] for r in rs]), 2),
+                      "tokens_per_s": round(toks / wall, 2) if wall else 0.0,
+                      "tokens_per_cpu_s": round(toks / cpu, 2) if cpu else 0.0,
+                      "greedy_equal_to_specd_off": sum(1 for pid, r in by[n].items()
+                                                       if ref.get(pid, {}).get("output_ids") == r["output_ids"])}
+        if any("mean_accepted_length" in r for r in rs):
+            summary[n]["mean_accepted_length"] = round(C.median([r.get("mean_accepted_length") for r in rs]), 3)
+
+    def ratio(a_, b_, key="tokens_per_s"):
+        xs = [by[a_][pid][key] / by[b_][pid][key] for pid in by[a_]
+              if pid in by[b_] and by[b_][pid][key] > 0]
+        return round(C.median(xs), 4) if xs else None
+
+    pairs = []
+    spec_names = [n for n in names if n.startswith("specd:") and n != "specd:off"]
+    assisted = [n for n in names if n.startswith("hf:assisted")]
+    for x in spec_names:
+        for y in assisted:
+            pairs.append((x, y))
+    for x, y in (("specd:off", "hf:generate"), ("specd:off", "ct2:generate"), ("hf:generate", "ct2:generate")):
+        if x in by and y in by:
+            pairs.append((x, y))
+    for x in spec_names + assisted:
+        base = "specd:off" if x.startswith("specd:") else "hf:generate"
+        if base in by:
+            pairs.append((x, base))
+    ratios = [{"a": x, "b": y, "median_ratio": ratio(x, y), "median_ratio_cpu": ratio(x, y, "tokens_per_cpu_s")}
+              for x, y in pairs]
+    for r in rows:
+        r.pop("output_ids")
+    meta = C.run_meta(argv if argv is not None else sys.argv, a.device)
+    if argv is not None:
+        meta["command"] = "python eval/peers.py " + " ".join(argv)
+    meta.update({"target": a.target, "draft": a.draft, "prompts_file": a.prompts, "max_tokens": a.max_tokens,
+                 "prompts": len(prompts), "categories": sorted({p.category for p in prompts}),
+                 "chat_template": chat, "peers": notes, "elapsed_s": round(time.perf_counter() - t_start, 2)})
+    report = {"schema": C.SCHEMA, "kind": "peers", "meta": meta, "systems": summary, "ratios": ratios,
+              "requests": rows}
+    C.write_json(out / "report.json", report)
+    md = [f"# specd vs peers", "", f"- command: `{meta['command']}`",
+          f"- date {meta['date']}; {meta['device']} ({meta['cpu']}, {meta['cpu_count']} cores, "
+          f"{meta['torch_threads']} torch threads); " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
+          + "".join(f", {k} {v}" for k, v in notes.items()),
+          f"- {len(prompts)} prompts (first turn), greedy, max_tokens {a.max_tokens}, batch 1", "",
+          C.md_table(["system", "median tok/s", "median tok/CPU-s", "aggregate tok/s", "tokens/step",
+                      "greedy == specd:off"],
+                     [[n, s["median_tokens_per_s"], s["median_tokens_per_cpu_s"], s["tokens_per_s"],
+                       s.get("mean_accepted_length", "-"), f"{s['greedy_equal_to_specd_off']}/{s['prompts']}"]
+                      for n, s in summary.items()]), "",
+          "Ratios (median over prompts of per-prompt tokens/s ratios):", "",
+          C.md_table(["a / b", "wall clock", "CPU time"],
+                     [[f"{r['a']} / {r['b']}", r["median_ratio"], r["median_ratio_cpu"]] for r in ratios])]
+    md = "\n".join(md)
+    (out / "summary.md").write_text(md + "\n", encoding="utf-8")
+    _bar(summary, out / "peers_tokens_per_s.png")
+    print(md)
+    print(f"\nwrote {out} ({meta['elapsed_s']} s)")
+    return 0
+
+
+def _bar(summary: dict, path):
+    plt = C._plt()
+    names = list(summary)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    w = 0.4
+    xs = range(len(names))
+    ax.bar([x - w / 2 for x in xs], [summary[n]["median_tokens_per_s"] for n in names], w, label="wall clock")
+    ax.bar([x + w / 2 for x in xs], [summary[n]["median_tokens_per_cpu_s"] for n in names], w, label="CPU time")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("median tokens/s over prompts")
+    ax.set_title("specd vs peers (same models, prompts, machine)")
+    ax.legend(fontsize=8)
+    return C._save(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""``specd serve``: load the models, serve websocket + HTTP (+ gRPC), drain on SIGTERM, exit 0.
+
+Order of events:
+
+1. listen on ``--host:--port`` (``/healthz`` 200, ``/readyz`` 503 "loading");
+2. load target + draft and run a short warm-up generation (in a worker thread);
+3. start the engine thread (``AsyncEngine``) and gRPC (``--grpc-port``, when ``specd.server.grpc_server``
+   is importable); ``/readyz`` turns 200; systemd gets ``READY=1``;
+4. SIGTERM / SIGINT: ``STOPPING=1``, ``/readyz`` 503 at once, new requests get ``shutting_down``,
+   running ones get ``--drain-timeout`` seconds to finish and are then cancelled; connections close
+   with 1001; exit status 0. A second signal cuts the drain short.
+
+systemd watchdog: with ``WATCHDOG_USEC`` set, ``WATCHDOG=1`` goes out every ``WATCHDOG_USEC / 2``
+while ``AsyncEngine.watchdog_ok()`` (no engine step running longer than that half-interval), so a
+hung engine gets restarted. Logs are JSON lines on stderr, one per finished request with its
+speculation stats.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from typing import Optional
+
+import orjson
+
+from specd.server import notify
+from specd.server.engine_loop import AsyncEngine
+from specd.server.metrics import Metrics
+from specd.server.ws import WSServer
+
+log = logging.getLogger("specd.serve")
+reqlog = logging.getLogger("specd.request")
+
+DEFAULT_WATCHDOG_TIMEOUT_S = 120.0  # engine step "stuck" threshold without systemd (for /healthz)
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, r: logging.LogRecord) -> str:
+        d = {"ts": round(r.created, 3), "level": r.levelname.lower(), "logger": r.name, "msg": r.getMessage()}
+        fields = getattr(r, "fields", None)
+        if fields:
+            d.update(fields)
+        if r.exc_info:
+            d["exc"] = self.formatException(r.exc_info)
+        return orjson.dumps(d, default=str).decode()
+
+
+def setup_logging(level: str = "info") -> None:
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [h]
+    root.setLevel(getattr(logging, str(level).upper(), logging.INFO))
+    logging.getLogger("websockets").setLevel(logging.WARNING)
+
+
+def _ms(a, b):
+    return None if a is None or b is None else round((b - a) * 1000.0, 3)
+
+
+def log_request(out) -> None:
+    """One JSON line per finished request (engine thread)."""
+    if not reqlog.isEnabledFor(logging.INFO):
+        return
+    s = out.seq
+    st = s.stats
+    reqlog.info("request", extra={"fields": {
+        "id": out.request_id, "finish_reason": out.finish_reason, "priority": s.priority,
+        "prompt_tokens": s.num_prompt, "completion_tokens": s.num_output,
+        "spec": {"mode": s.spec.mode, "steps": st.steps, "draft_tokens": st.draft_tokens,
+                 "accepted_tokens": st.accepted_tokens, "mean_accepted_length": round(st.mean_accepted_length, 4),
+                 "acceptance_rate": round(st.acceptance_rate, 4)},
+        "timing": {"queue_ms": _ms(s.arrival, s.scheduled_time), "ttft_ms": _ms(s.arrival, s.first_token_time),
+                   "total_ms": _ms(s.arrival, s.finish_time)},
+        "preemptions": s.num_preemptions}})
+
+
+def warm_up(engine) -> None:
+    """A short greedy and a sampled generation: first-call costs (allocations, kernel compilation)
+    are paid before the server reports ready. Speculation totals are reset afterwards."""
+    from specd.sampling import SamplingParams
+    from specd.sequence import SpecStats
+
+    tok = engine.tokenizer
+    ids = list(tok("Hello")["input_ids"]) if tok is not None else [0]
+    ids = ids or [0]
+    engine.generate([ids, ids], [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                                 SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=0)])
+    engine.stats = SpecStats()
+    engine.num_steps = 0
+
+
+class App:
+    """The daemon. ``engine``: an already built Engine (tests); else built from ``args``."""
+
+    def __init__(self, args, engine=None):
+        self.args = args
+        self._engine = engine
+        self.ae: Optional[AsyncEngine] = None
+        self.grpc = None
+        self.metrics = Metrics(lambda: self.ae.engine if self.ae else None,
+                               ready_getter=lambda: self.ws.ready,
+                               connections_getter=lambda: len(self.ws.conns), log_request=log_request)
+        self.ws = WSServer(api_key=getattr(args, "api_key", None), allowed_origins=getattr(args, "allowed_origins", ""),
+                           max_connections=getattr(args, "max_connections", 256),
+                           max_message_bytes=getattr(args, "max_message_bytes", 1 << 20), metrics=self.metrics)
+        self.stop_requested: Optional[asyncio.Event] = None
+        self.force: Optional[asyncio.Event] = None
+        self._watchdog_task: Optional[asyncio.Task] = None
+        self.port: Optional[int] = None
+        self._shut_down = False
+
+    # start ----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        a = self.args
+        if self.stop_requested is None:
+            self.stop_requested = asyncio.Event()
+            self.force = asyncio.Event()
+        await self.ws.listen(a.host, a.port)
+        self.port = self.ws.port
+        log.info("listening", extra={"fields": {"host": a.host, "port": self.port, "ws": f"ws://{a.host}:{self.port}/ws"}})
+        wd = notify.watchdog_interval()
+        if wd is not None:
+            self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog(wd))
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        engine = self._engine
+        if engine is None:
+            engine = await loop.run_in_executor(None, self._load)
+        ae = AsyncEngine(engine, max_queue=getattr(a, "max_queue", 256),
+                         watchdog_timeout_s=wd / 2 if wd else DEFAULT_WATCHDOG_TIMEOUT_S)
+        ae.listeners.append(self.metrics.on_step)
+        await ae.start()
+        self.ae = ae
+        self.ws.ae = ae
+        grpc_port = getattr(a, "grpc_port", 0)
+        if grpc_port:
+            try:
+                from specd.server.grpc_server import start_grpc_server
+            except ImportError as e:
+                log.warning("gRPC disabled: %s", e)
+            else:
+                self.grpc = await start_grpc_server(ae, a.host, grpc_port)
+                log.info("grpc listening", extra={"fields": {"host": a.host, "port": grpc_port}})
+        log.info("ready", extra={"fields": {"load_s": round(time.monotonic() - t0, 3),
+                                            "max_model_len": engine.max_model_len,
+                                            "kv_blocks": engine.cache.pool.num_blocks,
+                                            "draft": engine.drafter is not None}})
+        notify.notify("READY=1\nSTATUS=serving")
+
+    def _load(self):
+        from specd.cli import engine_config
+        from specd.engine import Engine
+
+        a = self.args
+        log.info("loading models", extra={"fields": {"target": a.target, "draft": a.draft}})
+        engine = Engine(engine_config(a))
+        warm_up(engine)
+        return engine
+
+    async def _watchdog(self, interval: float) -> None:
+        """WATCHDOG=1 every interval/2 while loading (bounded by systemd's start timeout) or while the
+        engine loop is healthy; a stuck engine step stops the pings and systemd restarts us."""
+        while True:
+            if self.ae is None or self.ae.watchdog_ok():
+                notify.notify("WATCHDOG=1")
+            else:
+                log.error("engine loop stuck: withholding the systemd watchdog ping")
+            await asyncio.sleep(interval / 2)
+
+    # stop -----------------------------------------------------------------------------------------
+    def request_stop(self, force: bool = False) -> None:
+        """Thread-unsafe (call on the loop); a second call (or force) cuts the drain short."""
+        if self.stop_requested.is_set() or force:
+            self.force.set()
+        self.stop_requested.set()
+        self.ws.draining = True
+
+    async def shutdown(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        notify.notify("STOPPING=1\nSTATUS=draining")
+        self.ws.draining = True
+        ae = self.ae
+        if ae is not None:
+            timeout = float(getattr(self.args, "drain_timeout", 30.0))
+            log.info("draining", extra={"fields": {"requests": ae.num_requests, "timeout_s": timeout}})
+            drain = asyncio.ensure_future(ae.drain(timeout))
+            force = asyncio.ensure_future(self.force.wait())
+            await asyncio.wait([drain, force], return_when=asyncio.FIRST_COMPLETED)
+            if not drain.done():
+                await ae.drain(0.0)
+                drain.cancel()
+            force.cancel()
+            await asyncio.gather(drain, force, return_exceptions=True)
+        if self.grpc is not None:
+            try:
+                await self.grpc.stop(1.0)
+            except Exception:  # noqa: BLE001
+                log.exception("gRPC stop failed")
+        await self.ws.close()
+        if ae is not None:
+            await ae.stop()
+        if self._watchdog_task is not None:
+            self._watchdog_task.cancel()
+        log.info("stopped")
+
+    async def main(self) -> int:
+        loop = asyncio.get_running_loop()
+        self.stop_requested = asyncio.Event()
+        self.force = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        starter = asyncio.ensure_future(self.start())
+        stopper = asyncio.ensure_future(self.stop_requested.wait())
+        await asyncio.wait([starter, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if starter.done() and starter.exception() is not None:
+            e = starter.exception()
+            log.error("startup failed: %s", e, exc_info=e if not isinstance(e, (OSError, ValueError)) else None)
+            stopper.cancel()
+            await self.ws.close()
+            return 1
+        if not starter.done():  # signal while loading: finish loading (threads can't be interrupted)
+            try:
+                await starter
+            except Exception as e:  # noqa: BLE001
+                log.error("startup failed: %s", e)
+                await self.ws.close()
+                return 1
+        await stopper
+        await self.shutdown()
+        return 0
+
+    def _on_signal(self, sig) -> None:
+        log.info("signal", extra={"fields": {"signal": signal.Signals(sig).name}})
+        self.request_stop()
+
+
+def run_serve(args) -> int:
+    setup_logging(getattr(args, "log_level", "info"))
+    app = App(args)
+    try:
+        import uvloop
+
+        return uvloop.run(app.main())
+    except ImportError:  # pragma: no cover
+        return asyncio.run(app.main())
+
+
+class ServerThread:
+    """Run an ``App`` on its own event loop in a background thread (tests, benchmarks).
+
+    ``ServerThread(args, engine).start()`` returns once the server is ready; ``.port``, ``.app``,
+    ``.call(coro_fn)`` (run a coroutine function on the server loop), ``.stop()`` drains and stops.
+    """
+
+    def __init__(self, args, engine=None):
+        import threading
+
+        self.app = App(args, engine)
+        self.loop = None
+        self._ready = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="specd-server", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            import uvloop
+
+            self.loop = uvloop.new_event_loop()
+        except ImportError:  # pragma: no cover
+            self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.app.start())
+        except BaseException as e:  # noqa: BLE001
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+    def start(self, timeout: float = 120.0) -> "ServerThread":
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("server did not start")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.app.port
+
+    def call(self, fn, timeout: float = 60.0):
+        """Run ``fn()`` (a coroutine function or a plain function) on the server loop; its result."""
+        async def wrap():
+            r = fn()
+            if asyncio.iscoroutine(r):
+                r = await r
+            return r
+
+        return asyncio.run_coroutine_threadsafe(wrap(), self.loop).result(timeout)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if not self._thread.is_alive():
+            return
+        self.call(self.app.shutdown, timeout)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)

@@ -1,0 +1,364 @@
+"""Websocket server (``/ws``, also ``/`` with an Upgrade) and the HTTP routes on the same port.
+
+HTTP (answered in websockets' ``process_request`` hook, before any upgrade):
+``/healthz`` 200 while the process and the engine loop are alive (503 when the engine thread died or
+one step has been stuck longer than the watchdog timeout); ``/readyz`` 200 when serving, 503 while
+loading or draining; ``/metrics`` Prometheus text (needs the API key when one is set); ``/`` and
+``/index.html`` the web chat page. Other paths: 404.
+
+One ``Conn`` per websocket connection multiplexes requests by their client ``id``; every request runs
+in its own task that streams ``delta`` frames and ends with exactly one ``done`` (or an ``error`` when
+the request is refused before it starts). Protocol: ``docs/protocol.md``.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import http
+import itertools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+from urllib.parse import urlsplit
+
+import orjson
+from websockets.asyncio.server import ServerConnection, serve
+from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
+
+from specd.engine import RequestError
+from specd.server import protocol as P
+from specd.server.engine_loop import AsyncEngine
+from specd.server.metrics import Metrics
+
+log = logging.getLogger("specd.ws")
+
+STATIC = Path(__file__).with_name("static")
+WS_PATHS = ("/ws", "/")
+MAX_AUTH_FAILURES = 5  # failed auth messages before the connection is closed (1008)
+HARD_LIMIT_FACTOR = 4  # frames above max_message_bytes * this are refused by closing with 1009
+
+
+class WSServer:
+    """The websocket + HTTP front end. ``ae`` is set once the engine is loaded (None while loading)."""
+
+    def __init__(self, *, api_key: Optional[str] = None, allowed_origins: str = "", max_connections: int = 256,
+                 max_message_bytes: int = 1 << 20, metrics: Optional[Metrics] = None):
+        self.api_key = api_key or None
+        origins = [o.strip().rstrip("/") for o in (allowed_origins or "").split(",") if o.strip()]
+        self.any_origin = "*" in origins
+        self.origins = set(origins) - {"*"}
+        self.max_connections = max_connections
+        self.max_message_bytes = max_message_bytes
+        self.ae: Optional[AsyncEngine] = None
+        self.draining = False
+        self.conns: set = set()
+        self.metrics = metrics or Metrics(lambda: self.ae.engine if self.ae else None)
+        self._serial = itertools.count()
+        self._page: Optional[bytes] = None
+        # one thread for all tokenization: HF fast tokenizers must not be called concurrently
+        self.tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-tokenize")
+        self.server = None
+        self._tcp: set = set()
+
+    # lifecycle -----------------------------------------------------------------------------------
+    async def listen(self, host: str, port: int):
+        hard = self.max_message_bytes * HARD_LIMIT_FACTOR + 65536
+        tcp = self._tcp
+
+        class Tracked(ServerConnection):  # every TCP connection, handshaking ones included
+            def connection_made(self, transport):
+                super().connection_made(transport)
+                tcp.add(self)
+
+            def connection_lost(self, exc):
+                super().connection_lost(exc)
+                tcp.discard(self)
+
+        self.server = await serve(self.handler, host, port, process_request=self.process_request,
+                                  compression=None, max_size=hard, server_header="specd",
+                                  ping_interval=20, ping_timeout=20, create_connection=Tracked)
+        return self.server
+
+    @property
+    def port(self) -> int:
+        return self.server.sockets[0].getsockname()[1]
+
+    @property
+    def ready(self) -> bool:
+        return self.ae is not None and self.ae.ready and not self.draining
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()  # closes open connections with 1001 (going away)
+            for c in list(self._tcp):
+                if c.protocol.state is State.CONNECTING and c.transport is not None:
+                    c.transport.abort()  # idle pre-connected sockets (browsers) would hold us open_timeout
+            await self.server.wait_closed()
+        self.tok_pool.shutdown(wait=False)
+
+    # HTTP ----------------------------------------------------------------------------------------
+    def _key_ok(self, key: Optional[str]) -> bool:
+        if self.api_key is None:
+            return True
+        return key is not None and hmac.compare_digest(key.encode(), self.api_key.encode())
+
+    @staticmethod
+    def _bearer(request) -> Optional[str]:
+        h = request.headers.get("Authorization")
+        if h is None:
+            return None
+        scheme, _, token = h.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else ""
+
+    def _origin_ok(self, request) -> bool:
+        origin = request.headers.get("Origin")
+        if origin is None or self.any_origin:
+            return True  # not a browser (browsers always send Origin on websockets)
+        origin = origin.rstrip("/")
+        if origin in self.origins:
+            return True
+        if self.origins:
+            return False
+        # default: same host only (the page this server serves)
+        try:
+            u = urlsplit(origin)
+        except ValueError:
+            return False
+        host = (request.headers.get("Host") or "").lower()
+        net = (u.netloc or "").lower()
+        default = {"http": ":80", "https": ":443"}.get(u.scheme, "")
+        return bool(net) and (net == host or net + default == host or net == host + default)
+
+    def _respond(self, conn: ServerConnection, status: int, body: bytes, ctype: str = "text/plain; charset=utf-8",
+                 extra: Optional[dict] = None):
+        r = conn.respond(status, "")
+        r.body = body
+        h = r.headers  # websockets' Headers: item assignment appends, so delete first
+        for k, v in {"Content-Length": str(len(body)), "Content-Type": ctype, "Cache-Control": "no-store",
+                     "X-Content-Type-Options": "nosniff", **(extra or {})}.items():
+            if k in h:
+                del h[k]
+            h[k] = v
+        return r
+
+    def process_request(self, conn: ServerConnection, request):
+        path = request.path.split("?", 1)[0]
+        upgrade = "websocket" in request.headers.get("Upgrade", "").lower()
+        if upgrade and path in WS_PATHS:
+            return self._check_upgrade(conn, request)
+        if path == "/healthz":
+            if self.ae is not None and not self.ae.watchdog_ok():
+                return self._respond(conn, 503, b"engine loop stuck or dead\n")
+            return self._respond(conn, 200, b"ok\n")
+        if path == "/readyz":
+            if self.ready:
+                return self._respond(conn, 200, b"ready\n")
+            why = b"draining\n" if (self.draining or (self.ae is not None and self.ae.draining)) else b"loading\n"
+            return self._respond(conn, 503, why)
+        if path == "/metrics":
+            if not self._key_ok(self._bearer(request)):
+                return self._respond(conn, 401, b"unauthorized\n", extra={"WWW-Authenticate": "Bearer"})
+            return self._respond(conn, 200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
+        if path in ("/", "/index.html"):
+            return self._respond(conn, 200, self.page(), "text/html; charset=utf-8", extra={
+                "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src "
+                                           "'unsafe-inline'; connect-src 'self' ws: wss:; img-src data:",
+                "Referrer-Policy": "no-referrer"})
+        if upgrade:
+            return self._respond(conn, 404, b"websocket endpoint is /ws\n")
+        return self._respond(conn, 404, b"not found\n")
+
+    def _check_upgrade(self, conn: ServerConnection, request):
+        if not self._origin_ok(request):
+            self.metrics.count_error("forbidden_origin")
+            return self._respond(conn, 403, b"origin not allowed (see --allowed-origins)\n")
+        key = self._bearer(request)
+        if key is not None and not self._key_ok(key):
+            self.metrics.count_error("unauthorized")
+            return self._respond(conn, 401, b"unauthorized\n", extra={"WWW-Authenticate": "Bearer"})
+        if len(self.conns) >= self.max_connections:
+            self.metrics.count_error("too_many_connections")
+            return self._respond(conn, 503, b"too many connections\n", extra={"Retry-After": "1"})
+        conn.specd_authed = self.api_key is None or key is not None
+        return None
+
+    def page(self) -> bytes:
+        if self._page is None:
+            self._page = (STATIC / "index.html").read_bytes()
+        return self._page
+
+    # websocket -----------------------------------------------------------------------------------
+    async def handler(self, ws: ServerConnection) -> None:
+        if len(self.conns) >= self.max_connections:  # lost the race with another handshake
+            await ws.close(1013, "too many connections")
+            return
+        c = Conn(self, ws, getattr(ws, "specd_authed", self.api_key is None), next(self._serial))
+        self.conns.add(c)
+        try:
+            await c.run()
+        finally:
+            self.conns.discard(c)
+            await c.cancel_all()
+
+
+class _Req:
+    __slots__ = ("id", "engine_id", "task", "cancelled")
+
+    def __init__(self, rid: str, engine_id: str):
+        self.id, self.engine_id = rid, engine_id
+        self.task: Optional[asyncio.Task] = None
+        self.cancelled = False
+
+
+class Conn:
+    """One websocket connection: its auth state and its live requests by client id."""
+
+    def __init__(self, srv: WSServer, ws: ServerConnection, authed: bool, serial: int):
+        self.srv, self.ws, self.authed, self.serial = srv, ws, authed, serial
+        self.live: dict = {}
+        self.auth_failures = 0
+
+    async def send(self, data: bytes) -> None:
+        await self.ws.send(data, text=True)
+
+    async def error(self, rid: Optional[str], code: str, message: str) -> None:
+        self.srv.metrics.count_error(code)
+        await self.send(P.error(rid, code, message))
+
+    async def run(self) -> None:
+        try:
+            async for frame in self.ws:
+                await self.on_frame(frame)
+        except ConnectionClosed:
+            pass
+
+    def _too_large(self, frame) -> bool:
+        limit = self.srv.max_message_bytes
+        n = len(frame)
+        if n > limit:
+            return True
+        if isinstance(frame, str) and n * 4 > limit:
+            return len(frame.encode()) > limit
+        return False
+
+    async def on_frame(self, frame) -> None:
+        if self._too_large(frame):
+            await self.error(None, "message_too_large", f"message larger than {self.srv.max_message_bytes} bytes")
+            return
+        try:
+            msg = P.decode(frame)
+        except P.ProtocolError as e:
+            await self.error(None, e.code, str(e))
+            return
+        t = msg["type"]
+        if t == "auth":
+            await self.on_auth(msg)
+            return
+        if not self.authed:
+            await self.error(P.message_id(msg), "unauthorized", "send {\"type\":\"auth\",\"key\":...} first "
+                                                                "(or an Authorization: Bearer header)")
+            return
+        if t == "generate":
+            await self.on_generate(msg)
+        elif t == "cancel":
+            try:
+                rid = P.parse_id(msg)
+            except P.ProtocolError as e:
+                await self.error(None, e.code, str(e))
+                return
+            r = self.live.get(rid)
+            if r is not None and not r.cancelled:  # unknown / finished ids: ignored (races are normal)
+                r.cancelled = True
+                if self.srv.ae is not None:
+                    self.srv.ae.abort(r.engine_id)
+        else:
+            await self.error(P.message_id(msg), "unknown_type", f"unknown message type {t!r} "
+                                                                f"(generate | cancel | auth)")
+
+    async def on_auth(self, msg: dict) -> None:
+        key = msg.get("key")
+        if not isinstance(key, str) or not self.srv._key_ok(key):
+            self.auth_failures += 1
+            await self.error(None, "unauthorized", "wrong API key")
+            if self.auth_failures >= MAX_AUTH_FAILURES:
+                await self.ws.close(1008, "too many failed auth attempts")
+            return
+        self.authed = True
+        await self.send(b'{"type":"auth_ok"}')
+
+    async def on_generate(self, msg: dict) -> None:
+        try:
+            req = P.parse_generate(msg)
+        except P.ProtocolError as e:
+            await self.error(P.message_id(msg), e.code, str(e))
+            return
+        if req.id in self.live:
+            await self.error(req.id, "duplicate_id", f"request {req.id!r} is still running on this connection")
+            return
+        ae = self.srv.ae
+        if self.srv.draining or (ae is not None and ae.draining):
+            await self.error(req.id, "shutting_down", "the server is shutting down")
+            return
+        if ae is None or not ae.ready:
+            await self.error(req.id, "overloaded", "the server is not ready yet (models loading); retry later")
+            return
+        r = _Req(req.id, f"ws{self.serial}:{req.id}")
+        self.live[req.id] = r
+        r.task = asyncio.get_running_loop().create_task(self._serve(r, req, ae))
+
+    async def _serve(self, r: _Req, req: P.GenerateRequest, ae: AsyncEngine) -> None:
+        last = None
+        try:
+            eng = ae.engine
+            loop = asyncio.get_running_loop()
+            try:
+                ids = await loop.run_in_executor(self.srv.tok_pool, P.encode_prompt, eng.tokenizer, req)
+            except RuntimeError as e:  # the pool is shut down (server closing)
+                raise RequestError("shutting_down", str(e)) from None
+            if r.cancelled:
+                await self.send(P.done_empty(r.id, "cancelled", len(ids)))
+                return
+            room = eng.max_model_len - len(ids)
+            max_tokens = req.max_tokens if req.max_tokens is not None else min(P.DEFAULT_MAX_TOKENS, room)
+            if max_tokens < 1:
+                raise RequestError("too_long", f"prompt ({len(ids)} tokens) fills the context "
+                                               f"({eng.max_model_len})")
+            params = P.sampling_params(req.sampling, max_tokens)
+            n = 0
+            async for out in ae.generate(ids, params, req.spec, req.priority, r.engine_id):
+                last = out
+                if out.token_ids or out.text:
+                    await self.send(P.delta(r.id, n, out.text, out.token_ids))
+                    n += 1
+                if out.finished:
+                    await self.send(P.done(r.id, out.seq, out.finish_reason))
+        except RequestError as e:
+            if getattr(e, "admitted", False):  # failed mid-stream: end it with done(error)
+                self.srv.metrics.count_error(e.code)
+                err = (e.code, str(e))
+                await self.send(P.done(r.id, last.seq, "error", err) if last is not None
+                                else P.done_empty(r.id, "error", err=err))
+            else:
+                await self.error(r.id, e.code, str(e))
+        except ConnectionClosed:
+            pass
+        except Exception as e:  # noqa: BLE001 - never let one request take the connection down
+            log.exception("request %s failed", r.engine_id)
+            try:
+                await self.error(r.id, "internal", f"{type(e).__name__}: {e}")
+            except ConnectionClosed:
+                pass
+        finally:
+            if self.live.get(r.id) is r:
+                del self.live[r.id]
+
+    async def cancel_all(self) -> None:
+        """Client went away: cancel its requests (each aborts in the engine, freeing its KV)."""
+        tasks = [r.task for r in self.live.values() if r.task is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self.live.clear()

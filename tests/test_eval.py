@@ -1,0 +1,157 @@
+"""eval/: acceptance numbers at the two extremes, report totals, plots (fast: a few seconds each).
+
+- the target as its own draft: every draft token is accepted, so a chain of k yields exactly k + 1
+  tokens per step (max_tokens is a multiple of k + 1 and EOS is ignored, so no step is cut short);
+- a randomly initialised draft: acceptance near 0, about one token per step;
+- the JSON report's totals equal the sum of the per-request stats and the engine-wide stats;
+- the plots are written and non-empty.
+"""
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import DRAFT, ROOT, TARGET
+
+sys.path.insert(0, str(ROOT / "eval"))
+
+import acceptance  # noqa: E402
+import common as C  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not TARGET.exists(), reason="shared models missing")
+
+PROMPTS = ["Once upon a time, there was a little", "Tom and Lily went to the park", "The cat sat"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    C.set_threads(1)
+
+
+@pytest.fixture(scope="module")
+def target_lm():
+    from specd.loader import load_model
+
+    return load_model(TARGET, "cpu", "float32", progress=False)
+
+
+def _prompts():
+    return [C.Prompt(str(i), "text", [p]) for i, p in enumerate(PROMPTS)]
+
+
+def _overall(res, temp, name):
+    run = next(r for r in res["runs"] if r["temperature"] == temp)
+    return next(e for e in run["modes"] if e["mode"]["name"] == name)
+
+
+def test_self_draft_accepts_everything(target_lm):
+    k = 4
+    modes = [C.Mode.parse(f"chain:{k}"), C.Mode.parse("tree:8:2:4")]
+    res = acceptance.run_eval(target_lm, target_lm, _prompts(), modes, temperatures=(0.0,),
+                              max_tokens=6 * (k + 1), ignore_eos=True, progress=False)
+    chain = _overall(res, 0.0, f"chain:{k}")
+    o = chain["overall"]
+    assert o["acceptance_rate"] == 1.0
+    assert o["mean_accepted_length"] == k + 1
+    assert o["steps"] == 6 * len(PROMPTS)
+    assert o["accept_len_hist"] == [0] * k + [o["steps"]]
+    assert o["acceptance_per_depth"] == [1.0] * k
+    assert o["conditional_acceptance_per_depth"] == [1.0] * k
+    assert o["alpha_iid"] == 1.0
+    th = chain["theory"]
+    assert th["expected_tokens_iid"] == k + 1
+    assert chain["greedy_match"] == {"equal": len(PROMPTS), "of": len(PROMPTS)}
+    # a tree's best path is accepted to its full depth every step (the other branches are not)
+    t = _overall(res, 0.0, "tree:8:2:4")["overall"]
+    assert t["acceptance_per_depth"][0] == 1.0
+    assert t["mean_accepted_length"] > 3.0
+    for r in res["requests"]:
+        assert r["output_tokens"] == 6 * (k + 1)
+
+
+def test_random_draft_accepts_almost_nothing(target_lm, tmp_path):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specd.loader import load_model
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig.from_pretrained(str(TARGET))
+    LlamaForCausalLM(cfg).save_pretrained(str(tmp_path))
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (TARGET / f).exists():
+            shutil.copy(TARGET / f, tmp_path / f)
+    rnd = load_model(tmp_path, "cpu", "float32", progress=False)
+    res = acceptance.run_eval(target_lm, rnd, _prompts(), [C.Mode.parse("chain:4")], temperatures=(0.0, 1.0),
+                              max_tokens=40, ignore_eos=True, progress=False)
+    for temp in (0.0, 1.0):
+        o = _overall(res, temp, "chain:4")["overall"]
+        assert o["steps"] > 0 and o["draft_tokens"] > 0
+        assert o["acceptance_rate"] < 0.1, o
+        assert o["mean_accepted_length"] < 1.25, o
+    # greedy speculation is lossless even with a useless draft
+    assert _overall(res, 0.0, "chain:4")["greedy_match"]["equal"] == len(PROMPTS)
+
+
+def test_report_totals_and_plots(tmp_path):
+    pf = tmp_path / "prompts.txt"
+    pf.write_text("\n".join(PROMPTS) + "\n")
+    out = tmp_path / "out"
+    rc = acceptance.main(["--target", str(TARGET), "--draft", str(DRAFT), "--prompts", str(pf), "--raw",
+                          "--max-tokens", "24", "--modes", "chain:3,tree:8,static:6", "--temperature", "0,0.8",
+                          "--out", str(out), "--no-progress"])
+    assert rc == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["schema"] == C.SCHEMA and rep["kind"] == "acceptance"
+    for key in ("command", "date", "versions", "device"):
+        assert rep["meta"][key]
+    assert set(rep["meta"]["versions"]) >= {"torch", "transformers", "specd"}
+    assert rep["prompts"]["count"] == len(PROMPTS)
+    for run in rep["runs"]:
+        for e in run["modes"]:
+            name = e["mode"]["name"]
+            rows = [r for r in rep["requests"] if r["mode"] == name and r["temperature"] == run["temperature"]]
+            assert len(rows) == len(PROMPTS)
+            o = e["overall"]
+            for key in ("steps", "draft_tokens", "accepted_tokens"):
+                assert o[key] == sum(r["stats"][key] for r in rows) == e["engine_stats"][key], (name, key)
+            assert o["output_tokens"] == sum(r["output_tokens"] for r in rows)
+            assert o["accept_len_hist"] == e["engine_stats"]["accept_len_hist"]
+            assert sum(o["accept_len_hist"]) == o["steps"]
+            if o["steps"]:
+                assert o["mean_accepted_length"] == pytest.approx(1 + o["accepted_tokens"] / o["steps"], abs=1e-4)
+            assert sum(c["steps"] for c in e["per_category"].values()) == o["steps"]
+            assert e["timing"]["steps"] == o["steps"]  # one engine step per verification step at batch 1
+            if name == "off":
+                assert o["speedup"] == 1.0 and o["draft_tokens"] == 0
+            else:
+                assert e["theory"]["predicted_speedup"] > 0
+    md = (out / "summary.md").read_text()
+    assert "chain:3" in md and "tree:8" in md and "static:6" in md
+    pngs = sorted(out.glob("*.png"))
+    assert {p.name for p in pngs} >= {"acceptance_per_depth_T0.png", "accept_len_hist_T0.png", "speedup_T0.png",
+                                      "acceptance_per_depth_T0.8.png"}
+    for p in pngs:
+        assert p.stat().st_size > 1000 and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_prompt_loading(tmp_path):
+    mt = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+    sb = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
+    if mt.exists():
+        ps = C.load_prompts(mt, limit=8)
+        assert len({p.category for p in ps}) == 8 and all(len(p.turns) == 2 for p in ps)
+    if sb.exists():
+        ps = C.load_prompts(sb, per_category=2)
+        assert {p.category for p in ps} == {"mt_bench", *C.SPEC_BENCH_TASKS}
+        assert all(p.subcategory for p in ps if p.category == "mt_bench")
+    pf = tmp_path / "p.txt"
+    pf.write_text("a\n\nb\n")
+    assert [p.turns for p in C.load_prompts(pf)] == [["a"], ["b"]]
+    assert C.fit_prompt([1, 5, 6, 7], 3, 1) == ([1, 6, 7], True)
+    ch = C.static_choices(10)
+    assert len(ch) == 10 and all(c[:-1] in ch or len(c) == 1 for c in ch)
+    assert C.expected_tokens_iid(0.0, 4) == 1.0 and C.expected_tokens_iid(1.0, 4) == 5.0
+    assert C.tried_per_depth([(4, 0), (4, 4), (2, 1)]) == [3, 2, 1, 1]
