@@ -7,7 +7,8 @@ In one run: the same greedy requests go (a) straight to an in-process ``Engine``
 ``step()`` loop, timestamps from the engine's own clock) and (b) over a websocket to ``specd serve``
 started as a subprocess with the same engine settings (the client measures from sending ``generate``
 to the first ``delta`` / the ``done``). Concurrency c = c requests submitted at once; tokens/s = all
-generated tokens / wall time of the batch. Each (mode, concurrency) cell alternates in-process and
+generated tokens / wall time of the batch; CPU ms/token compares the work done (the server's engine
+thread + event loop vs the bare engine), which other load on the machine does not distort. Each (mode, concurrency) cell alternates in-process and
 websocket runs ``--repeats`` times and reports the medians. Prints a Markdown table and the command.
 The target is websocket tokens/s >= 95% of in-process.
 """
@@ -42,19 +43,37 @@ def engine_args(a) -> list:
             "--spec-mode", a.spec, "--num-blocks", str(a.num_blocks)]
 
 
+def proc_cpu(pid) -> float:
+    """CPU seconds (user + system) of a process, from /proc (Linux); 0 elsewhere."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def in_process(engine, prompts, max_tokens, spec_mode):
     from specd.sampling import SamplingParams
     from specd.sequence import SpecParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    c0 = time.process_time()
     t0 = time.monotonic()
     seqs = [engine.add_request(p, params, SpecParams(mode=spec_mode)) for p in prompts]
     while any(not s.finished for s in seqs):
         engine.step()
     wall = time.monotonic() - t0
+    cpu = time.process_time() - c0
     toks = sum(s.num_output for s in seqs)
     ttft = [(s.first_token_time - t0) * 1000 for s in seqs]
-    return toks / wall, statistics.mean(ttft), [s.output_ids for s in seqs]
+    return toks / wall, statistics.mean(ttft), [s.output_ids for s in seqs], cpu / toks * 1000
+
+
+async def over_ws_cpu(url, prompts_text, max_tokens, spec_mode, ws, pid):
+    s0 = proc_cpu(pid)
+    tps, ttft, toks = await over_ws(url, prompts_text, max_tokens, spec_mode, ws)
+    n = sum(len(t) for t in toks)
+    return tps, ttft, toks, (proc_cpu(pid) - s0) / n * 1000
 
 
 async def over_ws(url, prompts_text, max_tokens, spec_mode, ws):
@@ -147,12 +166,13 @@ def main(argv=None) -> int:
                     ip, wsr = [], []
                     for _ in range(a.repeats):
                         ip.append(in_process(engine, ids, a.max_tokens, mode))
-                        wsr.append(await over_ws(url, texts, a.max_tokens, mode, ws))
+                        wsr.append(await over_ws_cpu(url, texts, a.max_tokens, mode, ws, proc.pid))
                     same = all(x[2] == y[2] for x, y in zip(ip, wsr))
                     tps_ip = statistics.median(x[0] for x in ip)
                     tps_ws = statistics.median(x[0] for x in wsr)
                     rows.append((mode, c, tps_ip, tps_ws, statistics.median(x[1] for x in ip),
-                                 statistics.median(x[1] for x in wsr), same))
+                                 statistics.median(x[1] for x in wsr), same, statistics.median(x[3] for x in ip),
+                                 statistics.median(x[3] for x in wsr)))
 
     try:
         asyncio.run(run_all())
@@ -161,14 +181,18 @@ def main(argv=None) -> int:
         proc.wait(60)
     dev = str(engine.device)
     print(f"\n`OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} {' '.join([sys.executable.split('/')[-1], *sys.argv])}`\n")
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     print(f"target `{Path(a.target).name}`, draft `{Path(a.draft).name if a.draft else '-'}`, device {dev}, "
-          f"greedy, {a.max_tokens} tokens per request (ignore_eos), medians of {a.repeats} runs\n")
+          f"greedy, {a.max_tokens} tokens per request (ignore_eos), medians of {a.repeats} runs, "
+          f"{os.cpu_count()} CPUs, load average {load}\n")
     print("| spec | concurrency | in-process tok/s | websocket tok/s | ws / in-process | in-process TTFT ms | "
-          "websocket TTFT ms | same tokens |")
-    print("|---|---|---|---|---|---|---|---|")
-    for mode, c, a1, a2, t1, t2, same in rows:
-        print(f"| {mode} | {c} | {a1:.0f} | {a2:.0f} | {100 * a2 / a1:.1f}% | {t1:.1f} | {t2:.1f} | "
-              f"{'yes' if same else 'NO'} |")
+          "websocket TTFT ms | in-process CPU ms/token | server CPU ms/token | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for mode, c, a1, a2, t1, t2, same, c1, c2 in rows:
+        print(f"| {mode} | {c} | {a1:.0f} | {a2:.0f} | {100 * a2 / a1:.1f}% | {t1:.1f} | {t2:.1f} | {c1:.2f} | "
+              f"{c2:.2f} | {'yes' if same else 'NO'} |")
+    print("\nCPU ms/token: CPU time of the process doing the work (the server process for websocket: engine "
+          "thread + event loop), per generated token; robust to other load on the machine, unlike tok/s.")
     return 0
 
 

@@ -104,8 +104,10 @@ class TorchAttention:
     def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
         # kv_layer [2, NB, BS, KVH, D]; k, v [T, KVH, D]
         flat = kv_layer.view(2, -1, kv_layer.shape[-2], kv_layer.shape[-1])
-        flat[0].index_copy_(0, slot_mapping, k.to(flat.dtype))
-        flat[1].index_copy_(0, slot_mapping, v.to(flat.dtype))
+        if k.dtype != flat.dtype:
+            k, v = k.to(flat.dtype), v.to(flat.dtype)
+        flat[0].index_copy_(0, slot_mapping, k)
+        flat[1].index_copy_(0, slot_mapping, v)
 
     @staticmethod
     def _plan(meta: AttentionMetadata, device: torch.device):
@@ -153,9 +155,11 @@ class TorchAttention:
         KVH = kv_layer.shape[-2]
         key_slots, q_index, flat_pos, mask = cls._plan(meta, q.device)
         B, Q = q_index.shape
-        flat = kv_layer.view(2, -1, KVH, D)
-        k = flat[0][key_slots].to(q.dtype).transpose(1, 2)  # [B, KVH, L, D]
-        v = flat[1][key_slots].to(q.dtype).transpose(1, 2)
+        kvg = kv_layer.view(2, -1, KVH, D)[:, key_slots]  # [2, B, L, KVH, D], one gather for K and V
+        if kvg.dtype != q.dtype:
+            kvg = kvg.to(q.dtype)
+        k = kvg[0].transpose(1, 2)  # [B, KVH, L, D]
+        v = kvg[1].transpose(1, 2)
         if B == 1 and Q == T:
             qp = q.unsqueeze(0).transpose(1, 2)  # [1, H, T, D]
         else:

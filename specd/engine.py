@@ -93,8 +93,6 @@ class Engine:
             self._check_draft(target, draft)
             self.max_model_len = min(self.max_model_len, draft.config.max_position_embeddings)
         self.backend = get_backend(cfg.attention_backend, self.device)
-        if target.model.backend is None:
-            target.model.backend = self.backend
         nt, nd = _cache_blocks(cfg, target, draft, self.max_model_len)
         bs = cfg.cache.block_size
         self.cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, nt, bs, target.dtype, self.device)
@@ -256,7 +254,7 @@ class Engine:
                 pos += [L - 1 + d for d in tree.depth_list]
                 slots += seq.blocks.slots(c0, L - 1 + nt)
                 qlens.append(m + nt)
-                if nt > 1:
+                if nt > 1 and tree.max_depth < nt - 1:  # a chain is plain causal: no mask needed
                     mk = torch.zeros((m + nt, m + nt), dtype=torch.bool)
                     mk[:m, :m] = torch.ones((m, m), dtype=torch.bool).tril_()
                     mk[m:, :m] = True

@@ -533,3 +533,18 @@ def test_drain_deadline_cancels(make_server, engine):
         finally:
             engine.step_hook = None
     assert engine.kv_blocks_used() == (0, 0)
+
+
+def test_chat_client_once(server, reference, capsys):
+    from argparse import Namespace
+
+    from specd.server.chat_client import run_chat
+
+    args = Namespace(url=url(server), api_key=None, max_tokens=N_TOK, temperature=0.0, raw=True, once=PROMPTS[2])
+    assert run_chat(args) == 0
+    out = capsys.readouterr()
+    assert out.out == reference[PROMPTS[2], "tree"][1] + "\n"
+    assert "tokens" in out.err and "TTFT" in out.err
+    bad = Namespace(url=f"ws://127.0.0.1:{server.port}/nope", api_key=None, max_tokens=4, temperature=0.0,
+                    raw=True, once="x")
+    assert run_chat(bad) == 2

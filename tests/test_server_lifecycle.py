@@ -49,6 +49,9 @@ def test_notify_abstract_and_path(tmp_path, monkeypatch):
     monkeypatch.setenv("NOTIFY_SOCKET", p)
     assert notify("WATCHDOG=1")
     assert _drain(s2) == ["WATCHDOG=1"]
+    t0 = time.monotonic()  # nobody reads: the queue fills up, notify must not block
+    sent = [notify("WATCHDOG=1") for _ in range(200)]
+    assert time.monotonic() - t0 < 2 and sent[0] and not all(sent)
     monkeypatch.delenv("NOTIFY_SOCKET")
     assert notify("READY=1") is False
     monkeypatch.setenv("WATCHDOG_USEC", "2000000")

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specd.attention import AttentionMetadata
+from specd.attention import AttentionMetadata, TorchAttention
 from specd.config import ModelConfig
 
 
@@ -57,6 +57,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _rms(x, w, eps):
+    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -124,17 +128,61 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
-        self.backend = None  # default backend when forward() is not given one
+        self.backend = TorchAttention()  # default backend when forward() is not given one
+
+    def _flat_weights(self):
+        """Plain tuples of weights for the lean forward (no nn.Module dispatch per op)."""
+        w = getattr(self, "_flat", None)
+        if w is None or w[0] is not self.embed.weight:
+            layers = []
+            for b in self.layers:
+                layers.append((b.input_norm.weight, b.attn.qkv.weight, b.attn.qkv.bias, b.attn.o.weight,
+                               b.post_norm.weight, b.mlp.gate_up.weight, b.mlp.down.weight))
+            D = self.cfg.head_dim
+            rot = torch.zeros((D, D), dtype=self.embed.weight.dtype, device=self.embed.weight.device)
+            h = D // 2
+            idx = torch.arange(h)
+            rot[idx + h, idx] = -1.0  # rotate_half(x) = x @ rot: out[:h] = -x[h:], out[h:] = x[:h]
+            rot[idx, idx + h] = 1.0
+            w = (self.embed.weight, layers, self.norm.weight, rot)
+            self._flat = w
+        return w
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, backend=None) -> torch.Tensor:
+        """Lean functional forward over the same weights as the modules (fewer dispatched ops)."""
         backend = backend if backend is not None else self.backend
-        x = self.embed(input_ids)  # [T, d]
-        cos, sin = self.rotary(positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv[i], meta, backend)
-        return self.norm(x)
+        cfg = self.cfg
+        H, KVH, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        inter = cfg.intermediate_size
+        emb, layers, norm_w, rot = self._flat_weights()
+        x = F.embedding(input_ids, emb)  # [T, d]
+        T = x.shape[0]
+        dt = x.dtype
+        cos = self.rotary.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.rotary.sin[positions].unsqueeze(1)
+        if cos.dtype != dt:
+            cos, sin = cos.to(dt), sin.to(dt)
+        nq = H * D
+        nqk = (H + KVH) * D
+        fp32 = dt == torch.float32
+        for i, (w_in, w_qkv, b_qkv, w_o, w_post, w_gu, w_down) in enumerate(layers):
+            h = F.rms_norm(x, (x.shape[-1],), w_in, eps) if fp32 else _rms(x, w_in, eps)
+            qkv = F.linear(h, w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
+            qk = qkv[:, :nqk].reshape(T, H + KVH, D)
+            qk = qk * cos + (qk @ rot) * sin  # RoPE on q and k heads at once
+            q = qk[:, :H]
+            k = qk[:, H:]
+            v = qkv[:, nqk:].view(T, KVH, D)
+            kvl = kv[i]
+            backend.write_kv(kvl, k, v, meta.slot_mapping)
+            o = backend.attention(q, kvl, meta, D ** -0.5)  # [T, H, D]
+            x = x + F.linear(o.reshape(T, nq), w_o)
+            h = F.rms_norm(x, (x.shape[-1],), w_post, eps) if fp32 else _rms(x, w_post, eps)
+            gu = F.linear(h, w_gu)
+            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
+        return F.rms_norm(x, (x.shape[-1],), norm_w, eps) if fp32 else _rms(x, norm_w, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

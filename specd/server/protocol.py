@@ -174,6 +174,12 @@ def sampling_params(sampling: dict, max_tokens: int) -> SamplingParams:
         raise _bad(str(e)) from None
 
 
+def prompt_chars(req: GenerateRequest) -> int:
+    if req.prompt is not None:
+        return len(req.prompt)
+    return sum(len(m["content"]) for m in req.messages)
+
+
 def messages_to_text(messages: list) -> str:
     """Chat messages for a model without a chat template: contents joined by newlines."""
     return "\n".join(m["content"] for m in messages)

@@ -37,6 +37,7 @@ log = logging.getLogger("specd.ws")
 STATIC = Path(__file__).with_name("static")
 WS_PATHS = ("/ws", "/")
 MAX_AUTH_FAILURES = 5  # failed auth messages before the connection is closed (1008)
+INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized in a worker thread
 HARD_LIMIT_FACTOR = 4  # frames above max_message_bytes * this are refused by closing with 1009
 
 
@@ -57,7 +58,7 @@ class WSServer:
         self.metrics = metrics or Metrics(lambda: self.ae.engine if self.ae else None)
         self._serial = itertools.count()
         self._page: Optional[bytes] = None
-        # one thread for all tokenization: HF fast tokenizers must not be called concurrently
+        # long prompts are tokenized in this one worker thread (the loop tokenizes short ones itself)
         self.tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-tokenize")
         self.server = None
         self._tcp: set = set()
@@ -313,10 +314,13 @@ class Conn:
         try:
             eng = ae.engine
             loop = asyncio.get_running_loop()
-            try:
-                ids = await loop.run_in_executor(self.srv.tok_pool, P.encode_prompt, eng.tokenizer, req)
-            except RuntimeError as e:  # the pool is shut down (server closing)
-                raise RequestError("shutting_down", str(e)) from None
+            if P.prompt_chars(req) <= INLINE_TOKENIZE_CHARS:  # cheap: no thread hand-off
+                ids = P.encode_prompt(eng.tokenizer, req)
+            else:  # long prompts must not stall the event loop
+                try:
+                    ids = await loop.run_in_executor(self.srv.tok_pool, P.encode_prompt, eng.tokenizer, req)
+                except RuntimeError as e:  # the pool is shut down (server closing)
+                    raise RequestError("shutting_down", str(e)) from None
             if r.cancelled:
                 await self.send(P.done_empty(r.id, "cancelled", len(ids)))
                 return

@@ -178,8 +178,6 @@ class Drafter:
             if not feed:
                 break
             rows, need = [], []
-            for k, (b, i) in enumerate(feed):
-                pass
             # group fed nodes by request (one row group per request)
             groups: dict[int, list] = {}
             order: list[_Build] = []
@@ -194,10 +192,14 @@ class Drafter:
                 nodes = groups[id(b)]
                 b.fed_max = max(b.fed_max, max(nodes))
                 region = b.fed_max  # node j (>= 1) sits at region column j - 1
-                m = torch.zeros((len(nodes), region), dtype=torch.bool)
-                for r, i in enumerate(nodes):
-                    a = [j - 1 for j in b.anc[i] if j > 0]
-                    m[r, a] = True
+                rows_m = None if b.shape.kind == "chain" else []  # a chain's region is all ancestors: causal
+                for i in (nodes if rows_m is not None else ()):
+                    row = [False] * region
+                    for j in b.anc[i]:
+                        if j > 0:
+                            row[j - 1] = True
+                    rows_m.append(row)
+                m = torch.tensor(rows_m, dtype=torch.bool) if rows_m is not None else None
                 Lb = b.L
                 rows.append((b.seq, [b.tokens[i] for i in nodes], [Lb - 1 + b.depths[i] for i in nodes],
                              [b.seq.draft_blocks.slot(Lb - 1 + i) for i in nodes], Lb, Lb + region, m))
@@ -213,23 +215,30 @@ class Drafter:
         """Create children for every frontier node; return the (build, node) pairs to feed next."""
         seqs = [b.seq for b, _, _ in frontier]
         logits = torch.stack([lg for _, _, lg in frontier])  # [F, V]
-        greedy = torch.tensor([s.params.greedy for s in seqs])
-        temp = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs])
-        topk = torch.tensor([0 if s.params.greedy else s.params.top_k for s in seqs])
-        topp = torch.tensor([1.0 if s.params.greedy else s.params.top_p for s in seqs])
-        probs = logits_to_probs(logits, temp.to(logits.device), topk.to(logits.device), topp.to(logits.device))
+        all_greedy = not any(b.sampled for b, _, _ in frontier)
+        if all_greedy:  # fast path: confidence = softmax at temperature 1, children = top-k
+            probs = None
+            logq = torch.log_softmax(logits.float(), dim=-1)
+        else:
+            temp = torch.tensor([1.0 if s.params.greedy else s.params.temperature for s in seqs])
+            topk = torch.tensor([0 if s.params.greedy else s.params.top_k for s in seqs])
+            topp = torch.tensor([1.0 if s.params.greedy else s.params.top_p for s in seqs])
+            dev = logits.device
+            probs = logits_to_probs(logits, temp.to(dev), topk.to(dev), topp.to(dev))
+            logq = torch.log(probs)
         kmax = max(self._num_children(b, i) for b, i, _ in frontier)
         if kmax == 0:
             return []
-        keys = torch.log(probs)
-        if not bool(greedy.all()):
+        keys = logq
+        if not all_greedy:
+            keys = logq.clone()
             for r, (b, _, _) in enumerate(frontier):
                 if b.sampled:
-                    u = torch.rand(probs.shape[1], generator=b.seq.generator, device="cpu").to(probs.device)
+                    u = torch.rand(logq.shape[1], generator=b.seq.generator, device="cpu").to(logq.device)
                     keys[r] = keys[r] - torch.log(-torch.log(u.clamp_min(1e-20)))  # Gumbel-top-k
         top = torch.topk(keys, kmax, dim=-1)
         cand = top.indices.tolist()
-        logp = torch.log(probs.gather(1, top.indices)).tolist()
+        logp = logq.gather(1, top.indices).tolist()
         fed_next = []
         new_by_build: dict[int, list] = {}
         for r, (b, i, _) in enumerate(frontier):

@@ -1,0 +1,133 @@
+"""Decode benchmark, one run: specd (target-only / chain / tree) vs transformers generate and assisted generation.
+
+Same machine, same models, same prompts, greedy; medians over prompts (batch 1) and over repeats
+(batch 8). Prints a Markdown table and the exact command; ``--json`` writes the figures.
+
+    OMP_NUM_THREADS=1 python eval/bench_decode.py --target ../shared/models/stories260K \
+        --draft ../shared/models/stories260K-draft-1L64 --prompts 8 --max-tokens 128
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from specd.config import EngineConfig, SpecConfig  # noqa: E402
+from specd.engine import Engine  # noqa: E402
+from specd.sampling import SamplingParams  # noqa: E402
+from specd.sequence import SpecParams  # noqa: E402
+
+STORY_PROMPTS = ["Once upon a time, there was a little", "Tom had a big red ball. One day", "The cat and the dog",
+                 "Lily went to the park with her mom. She saw", "Sam was sad because", "It was a sunny day and",
+                 "The little bird wanted to fly", "Anna found a shiny key under the"]
+
+
+def load_prompts(tok, n, path=None):
+    texts = []
+    if path:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                texts.append(json.loads(line)["turns"][0] if line.lstrip().startswith("{") else line)
+    texts = (texts or STORY_PROMPTS) * (1 + n // max(1, len(texts or STORY_PROMPTS)))
+    return [tok(t)["input_ids"][:48] for t in texts[:n]]
+
+
+def time_specd(eng, prompts, max_tokens, mode, batch):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    eng.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), SpecParams(mode=mode))  # warm-up
+    rates, outs, mals = [], [], []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        t0 = time.perf_counter()
+        seqs = eng.generate(chunk, params, SpecParams(mode=mode))
+        dt = time.perf_counter() - t0
+        rates.append(sum(s.num_output for s in seqs) / dt)
+        outs += [s.output_ids for s in seqs]
+        mals += [s.stats.mean_accepted_length for s in seqs]
+    return statistics.median(rates), outs, statistics.median(mals)
+
+
+def time_hf(model, prompts, max_tokens, batch, assistant=None):
+    rates, outs = [], []
+    kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    if assistant is not None:
+        kw["assistant_model"] = assistant
+    with torch.no_grad():
+        model.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i:i + batch]
+            L = max(len(p) for p in chunk)
+            ids = torch.tensor([[0] * (L - len(p)) + p for p in chunk])
+            att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk])
+            t0 = time.perf_counter()
+            out = model.generate(ids, attention_mask=att, **kw)
+            dt = time.perf_counter() - t0
+            rates.append(len(chunk) * max_tokens / dt)
+            outs += out[:, L:].tolist()
+    return statistics.median(rates), outs
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(ROOT.parent / "shared/models/stories260K"))
+    ap.add_argument("--draft", default=str(ROOT.parent / "shared/models/stories260K-draft-1L64"))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-file", default=None)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from transformers import AutoModelForCausalLM
+
+    import transformers
+
+    eng = Engine(EngineConfig(target=a.target, draft=a.draft, spec=SpecConfig(adaptive=False)))
+    prompts = load_prompts(eng.tokenizer, a.prompts, a.prompt_file)
+    hf = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(a.draft, dtype=torch.float32).eval()
+    rows, res = [], {}
+    for batch in (1, 8):
+        r_hf, o_hf = time_hf(hf, prompts, a.max_tokens, batch)
+        res[f"hf_generate_b{batch}"] = r_hf
+        for mode in ("off", "chain", "tree"):
+            r, o, mal = time_specd(eng, prompts, a.max_tokens, mode, batch)
+            res[f"specd_{mode}_b{batch}"] = r
+            res[f"specd_{mode}_b{batch}_mal"] = mal
+            same = sum(x == y for x, y in zip(o, o_hf))
+            rows.append((batch, f"specd {mode}", r, r / r_hf, mal, f"{same}/{len(o)}"))
+        rows.append((batch, "transformers generate", r_hf, 1.0, 1.0, "-"))
+        if batch == 1:  # assisted generation supports batch 1 only
+            r_as, o_as = time_hf(hf, prompts, a.max_tokens, 1, assistant=hf_draft)
+            res["hf_assisted_b1"] = r_as
+            rows.append((1, "transformers assisted", r_as, r_as / r_hf, float("nan"), "-"))
+    cmd = "OMP_NUM_THREADS=%s python %s" % (os.environ.get("OMP_NUM_THREADS"), " ".join(sys.argv))
+    print(f"\n{time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()} {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, transformers {transformers.__version__}\n`{cmd}`\n")
+    print("| batch | engine | tokens/s (median) | vs transformers generate | mean accepted length | same tokens as HF |")
+    print("|---|---|---|---|---|---|")
+    for b, name, r, ratio, mal, same in rows:
+        print(f"| {b} | {name} | {r:.1f} | {ratio:.2f}x | {mal:.2f} | {same} |")
+    for b in (1, 8):
+        print(f"\nbatch {b}: specd target-only / transformers generate = "
+              f"{res[f'specd_off_b{b}'] / res[f'hf_generate_b{b}']:.2f}x")
+    best = max(res["specd_chain_b1"], res["specd_tree_b1"])
+    print(f"batch 1: specd speculative (best of chain/tree) / transformers assisted = {best / res['hf_assisted_b1']:.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"command": cmd, "results": res}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

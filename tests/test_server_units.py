@@ -1,0 +1,259 @@
+"""Unit tests of the serving pieces without sockets: message validation, metrics text, AsyncEngine."""
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+
+import orjson
+import pytest
+
+from specd.server import protocol as P
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def gen(**kw):
+    return {"type": "generate", "id": "r", "prompt": "hi", **kw}
+
+
+def test_parse_generate_defaults_and_fields():
+    r = P.parse_generate(gen())
+    assert (r.id, r.prompt, r.messages, r.max_tokens, r.priority) == ("r", "hi", None, None, "interactive")
+    assert r.sampling["temperature"] == 1.0 and r.spec.mode == "auto"
+    r = P.parse_generate({"type": "generate", "id": "x", "messages": [{"role": "user", "content": "a", "name": "n"}],
+                          "max_tokens": 5, "temperature": 0, "top_p": 0.5, "top_k": 3, "seed": 9, "stop": "\n",
+                          "stop_token_ids": [2], "ignore_eos": True, "priority": "batch",
+                          "speculation": {"mode": "chain", "max_draft_tokens": 4}, "future_field": 1})
+    assert r.messages == [{"role": "user", "content": "a"}] and r.max_tokens == 5
+    assert r.sampling == dict(temperature=0.0, top_p=0.5, top_k=3, seed=9, stop=("\n",), stop_token_ids=(2,),
+                              ignore_eos=True)
+    assert (r.spec.mode, r.spec.max_draft_tokens, r.priority) == ("chain", 4, "batch")
+    p = P.sampling_params(r.sampling, r.max_tokens)
+    assert p.max_tokens == 5 and p.stop == ("\n",)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(temperature=math.inf), dict(temperature=True), dict(top_p=1.5), dict(max_tokens=0), dict(seed=1.0),
+    dict(stop=["a"] * 17), dict(stop_token_ids=[1, "2"]), dict(ignore_eos="yes"), dict(priority=None or 3),
+    dict(speculation={"mode": "tree", "max_draft_tokens": 1000}), dict(id=""), dict(id="x" * 257),
+    dict(prompt=""), dict(prompt=None),
+])
+def test_parse_generate_rejects(bad):
+    with pytest.raises(P.ProtocolError) as ei:
+        P.parse_generate(gen(**bad))
+    assert ei.value.code == "invalid_request"
+
+
+def test_decode_errors():
+    for frame, code in (("{", "invalid_json"), ("3", "invalid_json"), ('{"type": 1}', "invalid_request"),
+                        (b"{}", "invalid_request")):
+        with pytest.raises(P.ProtocolError) as ei:
+            P.decode(frame)
+        assert ei.value.code == code
+    assert P.decode('{"type": "cancel", "id": "a"}') == {"type": "cancel", "id": "a"}
+    assert set(P.ERROR_CODES) == {"invalid_json", "invalid_request", "unknown_type", "too_long", "overloaded",
+                                  "shutting_down", "unauthorized", "duplicate_id", "message_too_large", "internal"}
+
+
+def test_error_codes_are_documented():
+    from conftest import ROOT
+
+    doc = (ROOT / "docs" / "protocol.md").read_text()
+    for code in P.ERROR_CODES:
+        assert f"`{code}`" in doc, code
+
+
+class _Tok:
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": [1] + [ord(c) % 50 + 3 for c in text]}
+
+
+def test_encode_prompt_without_chat_template_joins_contents():
+    tok = _Tok()
+    r = P.parse_generate({"type": "generate", "id": "a",
+                          "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "yz"}]})
+    assert P.encode_prompt(tok, r) == tok("x\nyz")["input_ids"]
+
+
+def test_histogram_and_render_parse():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specd.server.metrics import Histogram, Metrics
+
+    h = Histogram((0.1, 1.0))
+    h.observe(0.05)
+    h.observe(0.5, 3)
+    h.observe(5.0)
+    assert h.counts == [1, 3, 1] and h.count == 5 and h.sum == pytest.approx(6.55)
+    m = Metrics(lambda: None)
+    m.count_error("overloaded")
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    assert fams["specd_request_errors"].samples[0].labels == {"code": "overloaded"}
+    assert fams["specd_time_to_first_token_seconds"].type == "histogram"
+
+
+# AsyncEngine over a fake engine ----------------------------------------------------------------------
+class FakeOut:
+    def __init__(self, rid, toks, finished, reason=None):
+        self.request_id, self.token_ids, self.text = rid, toks, "x" * len(toks)
+        self.finished, self.finish_reason, self.seq = finished, reason, None
+
+
+class FakeEngine:
+    """Emits one token per step per request, ``n`` tokens each; abort -> a cancelled output."""
+
+    def __init__(self, n=5, fail_at=None):
+        self.n, self.fail_at = n, fail_at
+        self.reqs, self.inbox, self.lock = {}, [], threading.Lock()
+        self.steps = 0
+        self.scheduler = type("S", (), {"running": []})()
+        self.seqs = self.reqs
+        self._lock = self.lock
+
+    def add_request(self, prompt, params, spec, priority, rid):
+        from specd.engine import RequestError
+
+        if not prompt:
+            raise RequestError("invalid_request", "prompt is empty")
+        with self.lock:
+            self.inbox.append(("add", rid))
+
+    def abort(self, rid):
+        with self.lock:
+            self.inbox.append(("abort", rid))
+
+    def has_work(self):
+        with self.lock:
+            return bool(self.inbox or self.reqs)
+
+    def step(self):
+        self.steps += 1
+        with self.lock:
+            inbox, self.inbox = self.inbox, []
+        outs = []
+        for op, rid in inbox:
+            if op == "add":
+                self.reqs[rid] = 0
+            elif rid in self.reqs:
+                del self.reqs[rid]
+                outs.append(FakeOut(rid, [], True, "cancelled"))
+        self.scheduler.running = [type("Q", (), {"request_id": r})() for r in self.reqs]
+        if self.fail_at is not None and self.steps == self.fail_at:
+            raise RuntimeError("boom")
+        for rid in list(self.reqs):
+            self.reqs[rid] += 1
+            done = self.reqs[rid] >= self.n
+            outs.append(FakeOut(rid, [7], done, "length" if done else None))
+            if done:
+                del self.reqs[rid]
+        time.sleep(0.001)
+        return outs
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_async_engine_streams_overload_and_abort():
+    from specd.engine import RequestError
+    from specd.server.engine_loop import AsyncEngine
+
+    async def main():
+        fe = FakeEngine(n=5)
+        ae = AsyncEngine(fe, max_queue=2)
+        await ae.start()
+        assert ae.ready and ae.watchdog_ok()
+        outs = [o async for o in ae.generate([1], None, None, "interactive", "a")]
+        assert [len(o.token_ids) for o in outs] == [1] * 5 and outs[-1].finished and ae.num_requests == 0
+        # overloaded at once
+        g1, g2 = ae.generate([1], None, None, "interactive", "b"), ae.generate([1], None, None, "interactive", "c")
+        await g1.__anext__()
+        await g2.__anext__()
+        with pytest.raises(RequestError) as ei:
+            await ae.generate([1], None, None, "interactive", "d").__anext__()
+        assert ei.value.code == "overloaded"
+        # engine validation error passes through
+        await g1.aclose()  # consumer leaves: the request is aborted in the engine
+        with pytest.raises(RequestError) as ei:
+            await ae.generate([], None, None, "interactive", "e").__anext__()
+        assert ei.value.code == "invalid_request"
+        rest = [o async for o in g2]
+        assert rest[-1].finish_reason == "length"
+        for _ in range(100):
+            if not fe.has_work():
+                break
+            await asyncio.sleep(0.01)
+        assert not fe.reqs
+        # cancellation of the consuming task aborts too
+        async def consume():
+            async for _ in ae.generate([1], None, None, "interactive", "f"):
+                await asyncio.sleep(10)
+        t = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+        for _ in range(100):
+            if not fe.has_work():
+                break
+            await asyncio.sleep(0.01)
+        assert not fe.reqs and ae.num_requests == 0
+        await ae.drain(1.0)
+        assert not ae.ready
+        with pytest.raises(RequestError) as ei:
+            await ae.generate([1], None, None, "interactive", "g").__anext__()
+        assert ei.value.code == "shutting_down"
+        await ae.stop()
+
+    run(main())
+
+
+def test_async_engine_step_exception_fails_running_requests():
+    from specd.engine import RequestError
+    from specd.server.engine_loop import AsyncEngine
+
+    async def main():
+        fe = FakeEngine(n=50, fail_at=3)
+        ae = AsyncEngine(fe, max_queue=8)
+        await ae.start()
+        got = []
+        with pytest.raises(RequestError) as ei:
+            async for o in ae.generate([1], None, None, "interactive", "a"):
+                got.append(o)
+        assert ei.value.code == "internal" and getattr(ei.value, "admitted", False) and "boom" in str(ei.value)
+        assert len(got) == 2
+        outs = [o async for o in ae.generate([1], None, None, "interactive", "b")]
+        assert outs[-1].finish_reason == "length" and ae.num_step_errors == 1
+        await ae.stop()
+
+    run(main())
+
+
+def test_async_engine_drain_deadline_aborts_and_idle_thread_sleeps():
+    from specd.server.engine_loop import AsyncEngine
+
+    async def main():
+        fe = FakeEngine(n=10_000)
+        ae = AsyncEngine(fe, max_queue=8)
+        await ae.start()
+        await asyncio.sleep(0.2)
+        idle_steps = fe.steps
+        await asyncio.sleep(0.3)
+        assert fe.steps == idle_steps == 0  # no busy stepping while idle
+        outs = []
+
+        async def consume():
+            async for o in ae.generate([1], None, None, "interactive", "a"):
+                outs.append(o)
+
+        t = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.05)
+        await ae.drain(0.1)
+        await t
+        assert outs[-1].finish_reason == "cancelled"
+        await ae.stop()
+
+    run(main())
