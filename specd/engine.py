@@ -22,7 +22,7 @@ import torch
 from specd.attention import build_metadata, copy_slots, get_backend
 from specd.config import EngineConfig
 from specd.detokenizer import IncrementalDetokenizer
-from specd.kv_cache import KVCache
+from specd.kv_cache import KVCache, PrefixCache
 from specd.loader import LoadedModel, LoadError, load_model
 from specd.sampling import SamplingParams, logits_to_probs, make_generator
 from specd.scheduler import Scheduler
@@ -102,8 +102,11 @@ class Engine:
             dc = draft.config
             self.draft_cache = KVCache(dc.num_layers, dc.num_kv_heads, dc.head_dim, nd, bs, draft.dtype, self.device)
             self.drafter = Drafter(draft.model, self.draft_cache, cfg.spec, self.device, dc.vocab_size, self.backend)
+        self.prefix_cache = PrefixCache(self.cache.pool, bs)
+        self.draft_prefix_cache = PrefixCache(self.draft_cache.pool, bs) if self.draft_cache is not None else None
         self.scheduler = Scheduler(cfg.scheduler, cfg.spec, self.cache, self.draft_cache, clock=clock,
-                                   has_draft=draft is not None)
+                                   has_draft=draft is not None, prefix_cache=self.prefix_cache,
+                                   draft_prefix_cache=self.draft_prefix_cache)
         self.eos_ids = set(tc.eos_token_ids)
         self.vocab_size = tc.vocab_size
         self.seqs: dict[str, Sequence] = {}
@@ -330,6 +333,7 @@ class Engine:
             seq = sc.seq
             if res is None:  # prefill chunk only
                 seq.num_computed += sc.num_tokens
+                self.scheduler.register_prefix(seq)
                 continue
             L = len(seq.tokens)
             a = len(res.accepted)
@@ -345,6 +349,8 @@ class Engine:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             outs.append(self._emit(seq, res.tokens))
+            if not seq.finished:
+                self.scheduler.register_prefix(seq)
         return outs
 
     def _emit(self, seq: Sequence, tokens: list) -> RequestOutput:

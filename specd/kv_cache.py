@@ -161,3 +161,58 @@ class KVCache:
 
     def new_seq(self) -> SeqBlocks:
         return SeqBlocks(self.pool, self.block_size)
+
+
+class PrefixCache:
+    """Hash-chained full blocks shared across requests (multi-turn chat, common system prompts).
+
+    Block i of a token sequence is keyed by (key of block i-1, its exact tokens), so equal keys mean
+    equal prefixes (the dict compares the tokens; the chained int is only the parent's identity).
+    A block is registered once its KV is fully computed; it is never written again (writes happen
+    past the computed prefix), and when its last owner frees it, it waits in the pool's LRU of
+    evictable blocks until reused or evicted.
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int):
+        self.pool = pool
+        self.block_size = block_size
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+
+    def _keys(self, tokens, n_blocks: int, start_key: int = 0, start: int = 0):
+        bs = self.block_size
+        key = start_key
+        for i in range(start, n_blocks):
+            key = hash((key, tuple(tokens[i * bs:(i + 1) * bs])))
+            yield i, key
+
+    def match(self, tokens, max_tokens: int) -> list:
+        """Cached blocks covering a prefix of ``tokens`` (at most ``max_tokens`` tokens); increfs them."""
+        n = max_tokens // self.block_size
+        out = []
+        for _, key in self._keys(tokens, n):
+            b = self.pool.lookup(key)
+            if b is None:
+                break
+            self.pool.incref(b)
+            out.append(b)
+        self.queried_tokens += max_tokens
+        self.hit_tokens += len(out) * self.block_size
+        return out
+
+    def register(self, blocks: "SeqBlocks", tokens, computed: int, state: list) -> None:
+        """Register the blocks of ``blocks`` fully covered by the first ``computed`` tokens.
+
+        ``state`` = [blocks registered so far, chained key of the last one], kept per sequence.
+        """
+        n = min(min(computed, len(tokens)) // self.block_size, len(blocks.blocks))
+        if n <= state[0]:
+            return
+        key = state[1]
+        for i, key in self._keys(tokens, n, state[1], state[0]):
+            self.pool.cache_block(blocks.blocks[i], key)
+        state[0], state[1] = n, key
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

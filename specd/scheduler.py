@@ -48,7 +48,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, spec: SpecConfig, target_cache, draft_cache=None,
                  clock: Callable[[], float] = time.monotonic, max_verify_tokens: int = 256,
-                 on_free: Optional[Callable[[Sequence], None]] = None, has_draft: bool = True):
+                 on_free: Optional[Callable[[Sequence], None]] = None, has_draft: bool = True,
+                 prefix_cache=None, draft_prefix_cache=None):
         self.cfg = cfg
         self.spec = spec
         self.cache = target_cache
@@ -61,6 +62,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.on_free = on_free  # hook (prefix cache) called before a sequence's blocks are freed
         self.last_spec_budget = 0
+        self.prefix_cache = prefix_cache if cfg.enable_prefix_cache else None
+        self.draft_prefix_cache = draft_prefix_cache if cfg.enable_prefix_cache else None
 
     # queue ---------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -74,6 +77,7 @@ class Scheduler:
         self.free_blocks(seq)
 
     def free_blocks(self, seq: Sequence) -> None:
+        self.register_prefix(seq)  # finished/preempted requests leave their full blocks reusable
         if self.on_free is not None:
             self.on_free(seq)
         if seq.blocks is not None:
@@ -82,6 +86,8 @@ class Scheduler:
             seq.draft_blocks.free()
         seq.num_computed = 0
         seq.draft_computed = 0
+        seq.pc_state = [0, 0]
+        seq.pc_draft_state = [0, 0]
 
     @property
     def num_waiting(self) -> int:
@@ -157,6 +163,8 @@ class Scheduler:
                 seq.blocks = self.cache.new_seq()
                 if self.draft_cache is not None:
                     seq.draft_blocks = self.draft_cache.new_seq()
+            if waiting and seq.num_computed == 0 and not seq.blocks.blocks:
+                self._match_prefix(seq)
             need = len(seq.tokens) - seq.num_computed
             chunk = min(need, self.cfg.prefill_chunk, budget) if need > 1 else 1
             final = chunk == need
@@ -192,6 +200,35 @@ class Scheduler:
         self.last_spec_budget = sum(s.spec_budget for s in scheduled)
         _ = bs
         return SchedulerOutput(scheduled, preempted)
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Reuse cached full blocks of the committed tokens (the pending token is always recomputed)."""
+        limit = len(seq.tokens) - 1
+        if self.prefix_cache is not None:
+            hit = self.prefix_cache.match(seq.tokens, limit)
+            seq.blocks.blocks.extend(hit)
+            seq.num_computed = len(hit) * self.cache.block_size
+            seq.pc_state = [len(hit), 0]
+            if hit:
+                seq.pc_state[1] = self._chain_key(seq.tokens, len(hit))
+            seq.cached_prefix_tokens = max(seq.cached_prefix_tokens, seq.num_computed)
+        if self.draft_prefix_cache is not None and seq.draft_blocks is not None:
+            hit = self.draft_prefix_cache.match(seq.tokens, limit)
+            seq.draft_blocks.blocks.extend(hit)
+            seq.draft_computed = len(hit) * self.cache.block_size
+            seq.pc_draft_state = [len(hit), self._chain_key(seq.tokens, len(hit)) if hit else 0]
+
+    def _chain_key(self, tokens, n: int) -> int:
+        key = 0
+        for _, key in self.prefix_cache._keys(tokens, n):
+            pass
+        return key
+
+    def register_prefix(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None and seq.blocks is not None:
+            self.prefix_cache.register(seq.blocks, seq.tokens, seq.num_computed, seq.pc_state)
+        if self.draft_prefix_cache is not None and seq.draft_blocks is not None:
+            self.draft_prefix_cache.register(seq.draft_blocks, seq.tokens, seq.draft_computed, seq.pc_draft_state)
 
     def _pick_victim(self, scheduled: list, requester: Sequence, now: float) -> Optional[Sequence]:
         """Lowest-ranked running sequence ranked below the requester (batch first, latest first)."""

@@ -123,6 +123,8 @@ class Sequence:
         self.recent_accept: float = 1.0  # EMA of acceptance rate (adaptive speculation)
         self.spec_budget: int = 0  # draft tokens granted this step
         self.cached_prefix_tokens = 0  # prompt tokens served from the prefix cache
+        self.pc_state = [0, 0]  # prefix cache: [target blocks registered, chained key]
+        self.pc_draft_state = [0, 0]
 
     @property
     def num_prompt(self) -> int:

@@ -181,8 +181,17 @@ def _stream(port, prompt, max_tokens, seconds):
     return tokens
 
 
-def test_ready_watchdog_stopping(tmp_path):
-    sd = FakeSystemd(tmp_path)
+@pytest.fixture(scope="module")
+def daemons(tmp_path_factory):
+    """Both daemons start at once (their start-up, mostly imports, overlaps): {"plain": ..., "hang": ...}."""
+    d = {name: FakeSystemd(tmp_path_factory.mktemp(name), hang=name == "hang") for name in ("plain", "hang")}
+    yield d
+    for sd in d.values():
+        sd.close()
+
+
+def test_ready_watchdog_stopping(daemons):
+    sd = daemons["plain"]
     polls: list = []  # (monotonic time, /readyz status) before READY=1
 
     def poll_readyz():
@@ -209,14 +218,14 @@ def test_ready_watchdog_stopping(tmp_path):
         interval = WATCHDOG_USEC / 1e6
         # idle
         t0 = time.monotonic()
-        time.sleep(3.5)
+        time.sleep(2.5)
         t1 = time.monotonic()
         idle_pings = sd.times("WATCHDOG=1", t0, t1)
         assert len(idle_pings) >= 2, sd.states()
         assert _max_gap(idle_pings, t0, t1) < interval, idle_pings
         # streaming
         t0 = time.monotonic()
-        tokens = _stream(sd.port, "Once upon a time", 200, seconds=3.5)
+        tokens = _stream(sd.port, "Once upon a time", 200, seconds=2.5)
         t1 = time.monotonic()
         busy_pings = sd.times("WATCHDOG=1", t0, t1)
         assert tokens >= 200 and len(busy_pings) >= 2, (tokens, sd.states())
@@ -234,8 +243,8 @@ def test_ready_watchdog_stopping(tmp_path):
         sd.close()
 
 
-def test_engine_hang_stops_watchdog(tmp_path):
-    sd = FakeSystemd(tmp_path, hang=True)
+def test_engine_hang_stops_watchdog(daemons):
+    sd = daemons["hang"]
     try:
         sd.wait_state("READY=1", 120)
         assert sd.ready_readyz == 200
