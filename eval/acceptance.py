@@ -202,6 +202,8 @@ def summarise(rows: list, modes: list, temp: float, timers: dict, engines: dict)
             cm = metrics(cr)
             bm = metrics(cb)
             cm["speedup"] = round(cm["tokens_per_s"] / bm["tokens_per_s"], 4) if bm["tokens_per_s"] else 0.0
+            cm["speedup_cpu"] = (round(cm["tokens_per_cpu_s"] / bm["tokens_per_cpu_s"], 4)
+                                 if bm["tokens_per_cpu_s"] else 0.0)
             cm.update(_speedups(cr, cb))
             per_cat[c] = cm
         timing = timers[m.name].as_dict()

@@ -198,10 +198,16 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
+        t0 = time.perf_counter()
         proposals = self._draft(sched.scheduled)
+        t1 = time.perf_counter()
         work, logits = self._target_forward(sched.scheduled, proposals)
         results = self._verify(work, logits)
         outputs += self._commit(work, results)
+        t2 = time.perf_counter()
+        if logits is not None:  # decode steps feed the adaptive speculation cost model
+            levels = self.drafter.levels if (self.drafter is not None and proposals) else 0
+            self.scheduler.observe(t2 - t1, (t1 - t0) / levels if levels else None, sched.num_tokens)
         self.num_steps += 1
         return outputs
 
@@ -219,7 +225,7 @@ class Engine:
             mode = self.scheduler.mode_of(seq)
             if sc.final:
                 b = self._spec_budget(seq, sc.spec_budget)
-                shape = self.drafter.shape_for(mode, b) if b > 0 else None
+                shape = self.drafter.shape_for(mode, b, sc.spec_depth) if b > 0 else None
                 if shape is not None:
                     spec.append((seq, shape))
             elif mode != "off":
@@ -299,8 +305,9 @@ class Engine:
                 topk += [p.top_k] * tree.num_nodes
                 topp += [p.top_p] * tree.num_nodes
             dev = logits.device
-            probs = logits_to_probs(logits[torch.tensor(rows, device=dev)], torch.tensor(temp, device=dev),
-                                    torch.tensor(topk, device=dev), torch.tensor(topp, device=dev))
+            # params stay on the host: logits_to_probs picks its fast path without a device sync
+            probs = logits_to_probs(logits[torch.tensor(rows, device=dev)], torch.tensor(temp), torch.tensor(topk),
+                                    torch.tensor(topp))
             off = 0
             for k in samp_idx:
                 sc, tree, prop, _ = work[k]

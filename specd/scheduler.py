@@ -11,11 +11,16 @@ Policy (knobs in ``SchedulerConfig`` / ``SpecConfig``):
 - KV exhaustion: the lowest-ranked running sequence (batch before interactive, latest arrival
   first) is preempted - its blocks freed, its tokens kept - and recomputed later (prefix-cache hits
   make that cheap). A sequence that cannot get blocks even then waits.
-- Speculation budget (adaptive): a request's tree size follows the EMA of its acceptance rate
-  (>= 0.6 full size, halves below, down to a single-token probe below 0.15), capped by the request;
-  and the step's total draft tokens are capped at ``max(0, max_verify_tokens - batch)`` split evenly,
-  so at high batch speculation shrinks to nothing rather than costing throughput, and grows back
-  when the batch drains.
+- Speculation budget (adaptive, requests in ``auto`` mode): the scheduler keeps EMAs of the measured
+  target step time ``t_t`` and draft forward time ``t_d`` and, per request, of the per-position
+  acceptance ``a_i`` (accepted / drafted depth). Each step it picks the draft depth D (0..tree_depth)
+  that maximises the expected tokens per second of the whole step,
+  ``sum_i E(a_i, D) / (t_t + D * t_d)`` with ``E(a, D) = (1 - a^(D+1)) / (1 - a)`` (Leviathan et al.
+  2023). D = 0 turns speculation off - at high batch the target step grows and D shrinks; when the
+  batch drains it grows back. While D = 0, every ``probe_every``-th step drafts one token so the
+  acceptance estimates stay current. Chains use k = D; trees keep min(tree_budget, D * tree_topk)
+  nodes up to depth D. Requests that name a mode (chain/tree) get that fixed size (capped by their
+  max_draft_tokens); the step's draft tokens are also capped at ``max_verify_tokens - batch``.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ class Scheduled:
     num_tokens: int  # committed tokens processed this step (prefill chunk; 1 = the pending token)
     final: bool  # the chunk reaches the pending token: logits are computed and tokens emitted
     spec_budget: int  # draft tokens allowed (0 = no speculation this step)
+    spec_depth: int = 0  # tree depth allowed (0 = the configured depth)
 
 
 @dataclass
@@ -62,6 +68,13 @@ class Scheduler:
         self.num_preemptions = 0
         self.on_free = on_free  # hook (prefix cache) called before a sequence's blocks are freed
         self.last_spec_budget = 0
+        self.last_depth = 0
+        self.t_target: Optional[float] = None  # EMA seconds of a target step (forward + verify + commit)
+        self.t_per_token = 0.0  # marginal seconds per target token (least squares over recent steps)
+        self._obs: list = []  # recent (tokens, seconds) of target steps
+        self.t_draft: Optional[float] = None  # EMA seconds of one draft forward (one tree level)
+        self.probe_every = 16
+        self._steps = 0
         self.prefix_cache = prefix_cache if cfg.enable_prefix_cache else None
         self.draft_prefix_cache = draft_prefix_cache if cfg.enable_prefix_cache else None
 
@@ -127,15 +140,58 @@ class Scheduler:
             base = min(base, seq.spec.max_draft_tokens)
         if base <= 0:
             return 0
-        if self.spec.adaptive and seq.spec.mode == "auto":
-            a = seq.recent_accept
-            if a < 0.15:
-                base = 1
-            elif a < 0.3:
-                base = max(1, base // 4)
-            elif a < 0.6:
-                base = max(1, base // 2)
         return base
+
+    def observe(self, t_target: float, t_draft_level: Optional[float], tokens: int = 0) -> None:
+        """Feed measured step costs (the engine calls this after each step).
+
+        The target's cost is modelled as ``t_fixed + t_per_token * tokens`` (least squares over the
+        last 64 steps); ``t_target`` keeps the fixed part (or the EMA when token counts never varied).
+        """
+        a = 0.2
+        self._obs.append((tokens, t_target))
+        del self._obs[:-64]
+        n = len(self._obs)
+        mx = sum(x for x, _ in self._obs) / n
+        my = sum(y for _, y in self._obs) / n
+        vx = sum((x - mx) ** 2 for x, _ in self._obs)
+        if n >= 8 and vx > 0:
+            b = max(0.0, sum((x - mx) * (y - my) for x, y in self._obs) / vx)
+            self.t_per_token = b
+            self.t_target = max(my - b * mx, 1e-6)
+            return
+        self.t_target = t_target if self.t_target is None else (1 - a) * self.t_target + a * t_target
+        if t_draft_level is not None:
+            self.t_draft = t_draft_level if self.t_draft is None else (1 - a) * self.t_draft + a * t_draft_level
+
+    @staticmethod
+    def expected_tokens(alpha: float, depth: int) -> float:
+        alpha = min(max(alpha, 0.0), 0.999)
+        return (1 - alpha ** (depth + 1)) / (1 - alpha)
+
+    def nodes_for_depth(self, d: int) -> int:
+        return d if self.spec.mode == "chain" else min(self.spec.tree_budget, d * self.spec.tree_topk)
+
+    def choose_depth(self, alphas: list) -> int:
+        """Draft depth maximising expected tokens/s of the step (0 = no speculation)."""
+        dmax = max(self.spec.tree_depth, self.spec.num_draft_tokens)
+        if not alphas:
+            return 0
+        if self.t_target is None or self.t_draft is None:
+            return min(dmax, 4)  # no measurements yet: start speculating, measure
+        B = len(alphas)
+
+        def step_time(d):
+            return self.t_target + self.t_per_token * B * (1 + self.nodes_for_depth(d)) + d * self.t_draft
+
+        best, best_d = B / step_time(0), 0
+        for d in range(1, dmax + 1):
+            rate = sum(self.expected_tokens(a, d) for a in alphas) / step_time(d)
+            if rate > best * 1.02:  # a clear win only
+                best, best_d = rate, d
+        if best_d == 0 and self._steps % self.probe_every == 0:
+            return 1  # probe: keep the acceptance estimates fresh
+        return best_d
 
     def step_spec_cap(self, batch: int) -> int:
         """Per-sequence cap on draft tokens so the step's verification tokens stay bounded."""
@@ -150,6 +206,13 @@ class Scheduler:
         cands = sorted(self.running + self.waiting, key=lambda s: self._rank(s, now))
         est_batch = min(len(cands), self.cfg.max_num_seqs)
         cap = self.step_spec_cap(est_batch) if self.spec.adaptive else 1 << 30
+        self._steps += 1
+        auto_depth = None
+        if self.spec.adaptive and self.has_draft:
+            alphas = [s.recent_accept for s in cands[:self.cfg.max_num_seqs]
+                      if s.spec.mode == "auto" and self.mode_of(s) != "off"]
+            auto_depth = self.choose_depth(alphas)
+            self.last_depth = auto_depth
         scheduled: list[Scheduled] = []
         preempted: list[Sequence] = []
         bs = self.cache.block_size
@@ -169,8 +232,16 @@ class Scheduler:
             chunk = min(need, self.cfg.prefill_chunk, budget) if need > 1 else 1
             final = chunk == need
             spec = 0
+            depth = 0
             if final:
-                spec = min(self.desired_budget(seq), cap, max(0, budget - chunk))
+                want = self.desired_budget(seq)
+                if auto_depth is not None and seq.spec.mode == "auto" and want > 0:
+                    depth = auto_depth
+                    mode = self.mode_of(seq)
+                    want = depth if mode == "chain" else min(self.spec.tree_budget, depth * self.spec.tree_topk)
+                    if seq.spec.max_draft_tokens is not None:
+                        want = min(want, seq.spec.max_draft_tokens)
+                spec = min(want, cap, max(0, budget - chunk))
             total = seq.num_computed + chunk + spec
             while not seq.blocks.reserve(total):
                 victim = self._pick_victim(scheduled, seq, now)
@@ -195,7 +266,7 @@ class Scheduler:
                 seq.status = Status.RUNNING
                 if seq.scheduled_time is None:
                     seq.scheduled_time = now
-            scheduled.append(Scheduled(seq, chunk, final, spec))
+            scheduled.append(Scheduled(seq, chunk, final, spec, depth))
             budget -= chunk + spec
         self.last_spec_budget = sum(s.spec_budget for s in scheduled)
         _ = bs

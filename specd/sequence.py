@@ -120,7 +120,7 @@ class Sequence:
         self.scheduled_time: Optional[float] = None
         self.finish_time: Optional[float] = None
         self.num_preemptions = 0
-        self.recent_accept: float = 1.0  # EMA of acceptance rate (adaptive speculation)
+        self.recent_accept: float = 0.6  # EMA of per-position acceptance (adaptive speculation prior)
         self.spec_budget: int = 0  # draft tokens granted this step
         self.cached_prefix_tokens = 0  # prompt tokens served from the prefix cache
         self.pc_state = [0, 0]  # prefix cache: [target blocks registered, chained key]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -112,6 +113,7 @@ class App:
         self._watchdog_task: Optional[asyncio.Task] = None
         self.port: Optional[int] = None
         self._shut_down = False
+        self.stopped_while_loading = False
 
     # start ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -129,7 +131,7 @@ class App:
         t0 = time.monotonic()
         engine = self._engine
         if engine is None:
-            engine = await loop.run_in_executor(None, self._load)
+            engine = await self._load_in_thread()
         ae = AsyncEngine(engine, max_queue=getattr(a, "max_queue", 256),
                          watchdog_timeout_s=wd / 2 if wd else DEFAULT_WATCHDOG_TIMEOUT_S)
         ae.listeners.append(self.metrics.on_step)
@@ -143,13 +145,39 @@ class App:
             except ImportError as e:
                 log.warning("gRPC disabled: %s", e)
             else:
-                self.grpc = await start_grpc_server(ae, a.host, grpc_port)
+                import inspect
+
+                kw = {}
+                params = inspect.signature(start_grpc_server).parameters
+                if "api_key" in params:
+                    kw["api_key"] = getattr(a, "api_key", None)
+                if "max_message_bytes" in params:
+                    kw["max_message_bytes"] = getattr(a, "max_message_bytes", 1 << 20)
+                self.grpc = await start_grpc_server(ae, a.host, grpc_port, **kw)
                 log.info("grpc listening", extra={"fields": {"host": a.host, "port": grpc_port}})
         log.info("ready", extra={"fields": {"load_s": round(time.monotonic() - t0, 3),
                                             "max_model_len": engine.max_model_len,
                                             "kv_blocks": engine.cache.pool.num_blocks,
                                             "draft": engine.drafter is not None}})
         notify.notify("READY=1\nSTATUS=serving")
+
+    async def _load_in_thread(self):
+        """``_load`` in a daemon thread: a signal during a long load can exit without waiting for it."""
+        import threading
+
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def work():
+            try:
+                r = self._load()
+            except BaseException as e:  # noqa: BLE001
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+            else:
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
+
+        threading.Thread(target=work, name="specd-load", daemon=True).start()
+        return await fut
 
     def _load(self):
         from specd.cli import engine_config
@@ -218,19 +246,22 @@ class App:
         starter = asyncio.ensure_future(self.start())
         stopper = asyncio.ensure_future(self.stop_requested.wait())
         await asyncio.wait([starter, stopper], return_when=asyncio.FIRST_COMPLETED)
-        if starter.done() and starter.exception() is not None:
+        if not starter.done():  # signal while loading: nothing to drain; the loader is a daemon thread
+            starter.cancel()
+            await asyncio.gather(starter, return_exceptions=True)
+            notify.notify("STOPPING=1")
+            await self.ws.close()
+            if self.ae is not None:
+                await self.ae.stop()
+            log.info("stopped while loading")
+            self.stopped_while_loading = True
+            return 0
+        if starter.exception() is not None:
             e = starter.exception()
             log.error("startup failed: %s", e, exc_info=e if not isinstance(e, (OSError, ValueError)) else None)
             stopper.cancel()
             await self.ws.close()
             return 1
-        if not starter.done():  # signal while loading: finish loading (threads can't be interrupted)
-            try:
-                await starter
-            except Exception as e:  # noqa: BLE001
-                log.error("startup failed: %s", e)
-                await self.ws.close()
-                return 1
         await stopper
         await self.shutdown()
         return 0
@@ -246,9 +277,14 @@ def run_serve(args) -> int:
     try:
         import uvloop
 
-        return uvloop.run(app.main())
+        rc = uvloop.run(app.main())
     except ImportError:  # pragma: no cover
-        return asyncio.run(app.main())
+        rc = asyncio.run(app.main())
+    if app.stopped_while_loading:  # don't wait for the loader thread (interpreter exit would)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(rc)
+    return rc
 
 
 class ServerThread:

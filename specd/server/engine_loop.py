@@ -197,6 +197,14 @@ class AsyncEngine:
 
     # the engine thread ---------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except BaseException as e:  # noqa: BLE001 - the thread is dying: fail everyone, don't hang them
+            log.critical("engine thread died", exc_info=True)
+            self._post(self._fail_all, f"engine thread died: {type(e).__name__}: {e}")
+            raise
+
+    def _loop_forever(self) -> None:
         eng = self.engine
         failures = 0
         while not self._stopping:
@@ -265,6 +273,10 @@ class AsyncEngine:
                 q.put_nowait(out)
                 if out.finished:  # accounting must not wait for the consumer to resume
                     del streams[out.request_id]
+
+    def _fail_all(self, msg: str) -> None:
+        for rid in list(self._streams):
+            self._streams.pop(rid).put_nowait(_admitted(RequestError("internal", msg)))
 
     def _fail(self, arg) -> None:
         rids, msg = arg

@@ -15,8 +15,10 @@ draft forward, all requests together:
 Greedy requests take the top-ranked draft tokens. Sampling requests (temperature > 0) draw children
 WITHOUT replacement from the draft distribution processed with the request's temperature/top-k/top-p
 (Gumbel-top-k), in draw order; any pruning keeps a prefix of each node's children so the verifier's
-without-replacement residuals stay exact. ``draft_probs[i]`` is the distribution node i's children
-were drawn from.
+without-replacement residuals stay exact. Sampled trees are never pruned after drawing (keeping a
+child because of its own draft probability would bias the verifier's proposal): they meet the node
+budget by construction, drawing children only while budget is left. ``draft_probs[i]`` is the
+distribution node i's children were drawn from.
 
 Draft tree nodes are written to the draft cache past the committed tokens (node i at logical
 position L-1+i, L = committed length); after verification the draft cache is truncated back to the
@@ -100,8 +102,9 @@ class Drafter:
         self.vocab = vocab_size
         self.static = static_tree_choices(spec_cfg.static_tree) if spec_cfg.static_tree else None
         self.forwards = 0
+        self.levels = 0  # tree-level draft forwards of the last propose()
 
-    def shape_for(self, mode: str, budget: int) -> Optional[Shape]:
+    def shape_for(self, mode: str, budget: int, depth: int = 0) -> Optional[Shape]:
         if budget <= 0 or mode == "off":
             return None
         if mode == "chain":
@@ -109,7 +112,7 @@ class Drafter:
         if mode == "static" and self.static is not None:
             return Shape("static", budget, choices=self.static, depth=max(len(p) for p in self.static.paths))
         topk = min(self.cfg.tree_topk, budget)
-        depth = min(self.cfg.tree_depth, budget)
+        depth = min(depth or self.cfg.tree_depth, budget)
         if topk <= 1:
             return Shape("chain", budget, 1, budget)
         return Shape("tree", budget, topk, depth)
@@ -170,6 +173,7 @@ class Drafter:
         if not builds:
             return {}
         logits = self._forward(rows, need)  # [B, V]
+        self.levels = 1
         for b in builds:
             b.seq.draft_computed = b.L
         frontier = [(b, 0, logits[i]) for i, b in enumerate(builds)]
@@ -208,6 +212,7 @@ class Drafter:
                     need.append(n_rows)
                     n_rows += 1
             logits = self._forward(rows, need)
+            self.levels += 1
             frontier = [(b, i, logits[k]) for k, (b, i) in enumerate(flat)]
         return {b.seq.request_id: self._finish(b) for b in builds}
 
@@ -269,7 +274,11 @@ class Drafter:
         if sh.kind == "chain":
             return 1 if b.depths[i] < sh.depth else 0
         if sh.kind == "tree":
-            return sh.topk if b.depths[i] < sh.depth else 0
+            if b.depths[i] >= sh.depth:
+                return 0
+            if b.sampled:  # sampled trees meet the budget by construction: drawn children are never pruned
+                return max(0, min(sh.topk, sh.budget - (len(b.tokens) - 1)))
+            return sh.topk
         # static: count child choices under node i's path
         path = self._static_path(b, i)
         return sum(1 for p in sh.choices.paths if len(p) == len(path) + 1 and p[:-1] == path)
@@ -287,7 +296,7 @@ class Drafter:
         n = len(b.tokens)
         keep = list(range(n))
         sh = b.shape
-        if n - 1 > sh.budget:
+        if n - 1 > sh.budget and not b.sampled:  # greedy trees: keep the N best (verification is exact)
             best = sorted(range(1, n), key=lambda j: (-b.scores[j], j))[: sh.budget]
             keep_set = {0} | set(best)
         else:

@@ -1,0 +1,147 @@
+"""Scheduler policy with a fake clock and no model (deterministic)."""
+import torch
+
+from specd.config import SchedulerConfig, SpecConfig
+from specd.kv_cache import KVCache
+from specd.sampling import SamplingParams
+from specd.scheduler import Scheduler
+from specd.sequence import Sequence, SpecParams, Status
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _sched(num_blocks=64, block_size=4, spec=None, **cfg):
+    clock = Clock()
+    cache = KVCache(1, 1, 1, num_blocks, block_size, torch.float32, torch.device("cpu"))
+    dcache = KVCache(1, 1, 1, num_blocks, block_size, torch.float32, torch.device("cpu"))
+    s = Scheduler(SchedulerConfig(**cfg), spec or SpecConfig(adaptive=False), cache, dcache, clock=clock)
+    return s, clock
+
+
+def _seq(clock, rid, n=10, prio="interactive", mode="off", max_tokens=50):
+    return Sequence(rid, list(range(3, 3 + n)), SamplingParams(max_tokens=max_tokens), SpecParams(mode=mode), prio,
+                    arrival=clock())
+
+
+def _run(s, out):
+    """Pretend the engine ran the step: advance computed tokens, emit one token per final chunk."""
+    for sc in out.scheduled:
+        seq = sc.seq
+        if sc.final:
+            seq.num_computed = len(seq.tokens)
+            seq.tokens.append(7)
+            seq.blocks.truncate(seq.num_computed)
+        else:
+            seq.num_computed += sc.num_tokens
+
+
+def test_interactive_before_batch_then_arrival_order():
+    s, clock = _sched(max_num_seqs=2)
+    seqs = []
+    for rid, prio in (("b1", "batch"), ("i1", "interactive"), ("b2", "batch"), ("i2", "interactive")):
+        seqs.append(_seq(clock, rid, prio=prio))
+        s.add(seqs[-1])
+        clock.t += 0.01
+    out = s.schedule()
+    assert [sc.seq.request_id for sc in out.scheduled] == ["i1", "i2"]
+    _run(s, out)
+    # running interactive requests keep their place; batch waits
+    assert [sc.seq.request_id for sc in s.schedule().scheduled] == ["i1", "i2"]
+
+
+def test_starvation_guard_promotes_old_batch_work():
+    s, clock = _sched(max_num_seqs=1, batch_starvation_s=2.0)
+    b = _seq(clock, "b", prio="batch")
+    s.add(b)
+    clock.t = 1.0
+    i = _seq(clock, "i")
+    s.add(i)
+    assert s.schedule().scheduled[0].seq is i  # batch has waited 1 s < 2 s
+    s.finish(i)
+    s.add(i2 := _seq(clock, "i2"))
+    clock.t = 2.5  # batch has now waited 2.5 s: served ahead of newer interactive work
+    assert s.schedule().scheduled[0].seq is b
+    assert i2.status is Status.WAITING
+
+
+def test_chunked_prefill_bounds_and_decodes_never_wait():
+    s, clock = _sched(max_num_batched_tokens=64, prefill_chunk=32, num_blocks=256)
+    running = [_seq(clock, f"r{k}", n=5) for k in range(3)]
+    for r in running:
+        s.add(r)
+    _run(s, s.schedule())  # the three short prompts prefill in one step
+    long = _seq(clock, "long", n=300)
+    s.add(long)
+    for _ in range(12):
+        out = s.schedule()
+        ids = {sc.seq.request_id: sc for sc in out.scheduled}
+        assert all(f"r{k}" in ids and ids[f"r{k}"].final for k in range(3)), "a running decode waited"
+        assert out.num_tokens <= 64
+        if "long" in ids and not ids["long"].final:
+            assert ids["long"].num_tokens <= 32
+        _run(s, out)
+    assert long.num_computed >= 300  # the long prompt finished prefilling in chunks
+
+
+def test_preemption_picks_lowest_priority_latest_arrival():
+    s, clock = _sched(num_blocks=12, block_size=4, max_num_seqs=8)
+    a = _seq(clock, "i-old", n=14)
+    clock.t += 1
+    b = _seq(clock, "b-old", n=14, prio="batch")
+    clock.t += 1
+    c = _seq(clock, "b-new", n=14, prio="batch")
+    for q in (a, b, c):
+        s.add(q)
+    _run(s, s.schedule())  # 3 x 4 blocks = the whole pool
+    assert s.cache.pool.num_free == 0
+    clock.t += 1
+    d = _seq(clock, "i-new", n=14)
+    s.add(d)
+    out = s.schedule()
+    assert c in out.preempted and c.status is Status.WAITING and not c.blocks.blocks
+    assert b not in out.preempted and a not in out.preempted
+    assert d in [sc.seq for sc in out.scheduled]
+    assert s.num_preemptions >= 1
+    s.cache.pool.check()
+
+
+def test_budget_counts_verification_tokens():
+    s, clock = _sched(max_num_batched_tokens=40, spec=SpecConfig(mode="tree", tree_budget=16, adaptive=False))
+    seqs = [_seq(clock, f"s{k}", n=3, mode="tree") for k in range(4)]
+    for q in seqs:
+        s.add(q)
+    _run(s, s.schedule())
+    out = s.schedule()
+    assert out.num_tokens <= 40
+    assert sum(1 + sc.spec_budget for sc in out.scheduled if sc.final) <= 40
+    assert any(sc.spec_budget == 16 for sc in out.scheduled)
+
+
+def test_adaptive_depth_follows_acceptance_and_step_costs():
+    s, _ = _sched(spec=SpecConfig(mode="tree", tree_depth=6, adaptive=True))
+    s.observe(t_target=0.010, t_draft_level=0.001)  # a cheap draft
+    hi = s.choose_depth([0.8])
+    lo = s.choose_depth([0.2])
+    assert hi > lo >= 0 and hi >= 4
+    s.t_target, s.t_draft = 0.010, 0.009  # draft nearly as expensive as the target
+    s._steps = 1
+    assert s.choose_depth([0.3]) == 0  # speculation would cost throughput: off
+    s._steps = s.probe_every
+    assert s.choose_depth([0.3]) == 1  # ...but it keeps probing
+    s._steps = 1
+    s.t_target, s.t_draft, s.t_per_token = 0.002, 0.0005, 0.00002  # verification tokens cost compute
+    small, big = s.choose_depth([0.7]), s.choose_depth([0.7] * 64)
+    assert big < small and small >= 3  # big batches: smaller trees
+    assert s.choose_depth([0.7] * 256) == 0  # at high batch speculation turns off...
+    assert s.choose_depth([0.7] * 2) >= 3  # ...and grows back when the batch drains
+    # the fit: step times that grow with tokens give a positive marginal cost
+    s2, _ = _sched(spec=SpecConfig(adaptive=True))
+    for k in range(16):
+        s2.observe(0.001 + 0.0001 * (10 + k), 0.0005, tokens=10 + k)
+    assert abs(s2.t_per_token - 0.0001) < 1e-9 and abs(s2.t_target - 0.001) < 1e-9
