@@ -12,7 +12,7 @@ SHARED ?= ../shared
 HOST ?= 127.0.0.1
 PORT ?= 8765
 
-.PHONY: install run test test-slow bench eval soak proto lint clean
+.PHONY: install run test test-slow bench eval soak proto sysdeps clean
 
 install: $(STAMP)
 
@@ -25,14 +25,27 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/specd serve --host $(HOST) --port $(PORT)
 
-test: install
+test: install sysdeps
 	$(BIN)/python -m pytest -q
 
 test-slow: install
 	SPECD_SLOW=1 $(BIN)/python -m pytest -q -m slow
 
 bench: install
-	$(BIN)/python eval/bench_decode.py
+	$(BIN)/python eval/bench_decode.py --target $(SHARED)/models/stories260K --draft $(SHARED)/models/stories260K-draft-1L64
+
+eval: install
+	$(BIN)/python eval/acceptance.py --target $(SHARED)/models/stories260K --draft $(SHARED)/models/stories260K-draft-1L64 \
+		--prompts $(SHARED)/data/mt_bench/question.jsonl --raw --limit 16 --max-tokens 96 --out eval/out/mt_bench
+
+soak: install
+	$(BIN)/python eval/soak.py --clients 16 --minutes 10
+
+# system packages the tests drive (headless Chromium for the web page, systemd-analyze for the unit)
+sysdeps:
+	@command -v chromium >/dev/null && command -v systemd-analyze >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium systemd >/dev/null) || \
+		echo "warning: could not install chromium/systemd (need root): the web-page and unit tests will fail"
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=specd/server/proto --pyi_out=specd/server/proto --grpc_python_out=specd/server/proto proto/specd/v1/specd.proto
