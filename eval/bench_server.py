@@ -182,7 +182,16 @@ def main(argv=None) -> int:
     dev = str(engine.device)
     print(f"\n`OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} {' '.join([sys.executable.split('/')[-1], *sys.argv])}`\n")
     load = " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
-    print(f"target `{Path(a.target).name}`, draft `{Path(a.draft).name if a.draft else '-'}`, device {dev}, "
+    def short(x):
+        if not x:
+            return "-"
+        x = Path(x).resolve()
+        for base in (ROOT, ROOT.parent):
+            if x.is_relative_to(base):
+                return str(x.relative_to(base))
+        return str(x)
+
+    print(f"target `{short(a.target)}`, draft `{short(a.draft)}`, device {dev}, "
           f"greedy, {a.max_tokens} tokens per request (ignore_eos), medians of {a.repeats} runs, "
           f"{os.cpu_count()} CPUs, load average {load}\n")
     print("| spec | concurrency | in-process tok/s | websocket tok/s | ws / in-process | in-process TTFT ms | "

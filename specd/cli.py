@@ -41,6 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int, default=16, help="dynamic tree: draft nodes kept")
     p.add_argument("--tree-topk", type=int, default=4)
     p.add_argument("--tree-depth", type=int, default=6)
+    p.add_argument("--static-tree", default=None,
+                   help='Medusa-style choices for --spec-mode static, JSON: "[[0],[1],[0,0],[0,1],[1,0]]"')
     p.add_argument("--no-adaptive", action="store_true", help="fixed speculation sizes")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=1024)
@@ -57,11 +59,21 @@ def engine_config(a):
         cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks,
                           memory_bytes=int(a.kv_memory_gb * (1 << 30)) if a.kv_memory_gb else None),
         spec=SpecConfig(mode=a.spec_mode, num_draft_tokens=a.num_draft_tokens, tree_budget=a.tree_budget,
-                        tree_topk=a.tree_topk, tree_depth=a.tree_depth, adaptive=not a.no_adaptive),
+                        tree_topk=a.tree_topk, tree_depth=a.tree_depth, adaptive=not a.no_adaptive,
+                        static_tree=_static_tree(a.static_tree)),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_batched_tokens,
                                   prefill_chunk=a.prefill_chunk, max_queue=a.max_queue,
                                   enable_prefix_cache=not a.no_prefix_cache),
     )
+
+
+def _static_tree(text):
+    if not text:
+        return None
+    try:
+        return tuple(tuple(int(r) for r in c) for c in json.loads(text))
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"specd: --static-tree must be a JSON list of rank lists: {e}")
 
 
 def apply_env_and_toml(p: argparse.ArgumentParser, argv: list, cmd: str) -> argparse.Namespace:

@@ -125,6 +125,12 @@ class SpecConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1 or v > 256:
                 raise ValueError(f"{name} must be an integer in 1..256, got {v!r}")
+        if self.mode == "static":
+            if not self.static_tree:
+                raise ValueError("speculation mode 'static' needs static_tree choices")
+            from specd.spec.tree import static_tree_choices
+
+            static_tree_choices(self.static_tree)  # validates (every prefix present, ranks >= 0)
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,20 @@ def test_mixed_batches_of_1_to_8_are_lossless(spec_engine, references):
     assert spec_engine.kv_blocks_used() == (0, 0)
 
 
+def test_static_tree_is_lossless(shared_pair, references):
+    t, d = shared_pair
+    choices = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0))
+    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT),
+                              spec=SpecConfig(mode="static", static_tree=choices, adaptive=False)), target=t, draft=d)
+    prompts, off, _ = references
+    seqs = eng.generate(prompts[:8], GREEDY, SpecParams(mode="auto"))
+    assert [s.output_ids for s in seqs] == off[:8]
+    assert max(len(s.stats.drafted_per_depth) for s in seqs) == 4
+    assert eng.stats.mean_accepted_length > 1.8
+    with pytest.raises(ValueError, match="no parent choice"):
+        SpecConfig(mode="static", static_tree=((0, 0),))
+
+
 def _random_draft(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
