@@ -353,6 +353,7 @@ def main(argv=None) -> int:
         return 2
     out = Path(a.out) if a.out else C.default_out("acceptance")
     t0 = time.perf_counter()
+    meta = C.run_meta(argv if argv is not None else sys.argv, a.device)  # at the start: the code that runs
     target, draft = load_pair(a.target, a.draft, a.device)
     chat = a.chat_template if a.chat_template is not None else C.has_chat_template(target.tokenizer)
     if chat and not C.has_chat_template(target.tokenizer):
@@ -361,7 +362,6 @@ def main(argv=None) -> int:
     res = run_eval(target, draft, prompts, modes, temperatures=temps, max_tokens=a.max_tokens, chat_template=chat,
                    top_p=a.top_p, seed=a.seed, ignore_eos=a.ignore_eos, max_prompt_tokens=a.max_prompt_tokens,
                    device=a.device, progress=not a.no_progress)
-    meta = C.run_meta(argv if argv is not None else sys.argv, a.device)
     if argv is not None:
         meta["command"] = "python eval/acceptance.py " + " ".join(argv)
     meta.update({"target": a.target, "draft": a.draft, "prompts_file": a.prompts, "max_tokens": a.max_tokens,

@@ -128,6 +128,7 @@ def main(argv=None) -> int:
     from specd.loader import load_model
 
     t_start = time.perf_counter()
+    meta = C.run_meta(argv if argv is not None else sys.argv, a.device)  # at the start: the code that runs
     cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
     prompts = C.load_prompts(a.prompts, a.limit, cats, a.per_category, max_turns=1)
     out = Path(a.out) if a.out else C.default_out("peers")
@@ -218,7 +219,6 @@ def main(argv=None) -> int:
               for x, y in pairs]
     for r in rows:
         r.pop("output_ids")
-    meta = C.run_meta(argv if argv is not None else sys.argv, a.device)
     if argv is not None:
         meta["command"] = "python eval/peers.py " + " ".join(argv)
     meta.update({"target": a.target, "draft": a.draft, "prompts_file": a.prompts, "max_tokens": a.max_tokens,

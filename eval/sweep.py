@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     C.set_threads(a.threads)
     C.quiet_transformers()
     t0 = time.perf_counter()
+    meta = C.run_meta(argv if argv is not None else sys.argv, a.device)  # at the start: the code that runs
     cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
     prompts = C.load_prompts(a.prompts, a.limit, cats, a.per_category, a.max_turns)
     if not prompts:
@@ -132,7 +133,6 @@ def main(argv=None) -> int:
     best = max(table, key=lambda r: r["speedup"])
     best_cpu = max(table, key=lambda r: r["speedup_cpu"])
     best_len = max(table, key=lambda r: r["mean_accepted_length"])
-    meta = C.run_meta(argv if argv is not None else sys.argv, a.device)
     if argv is not None:
         meta["command"] = "python eval/sweep.py " + " ".join(argv)
     meta.update({"target": a.target, "draft": a.draft, "prompts_file": a.prompts, "max_tokens": a.max_tokens,

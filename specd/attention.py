@@ -144,7 +144,9 @@ class TorchAttention:
         mask = mask & q_valid.unsqueeze(2)
         # fully masked padding rows would give NaN: let them see key 0 (their output is dropped)
         mask[..., 0] |= ~q_valid
-        plan = (key_slots, q_index, flat_pos, mask.unsqueeze(1))
+        # additive bias [B, 1, 1, Q, L]: broadcasts over (kv head, query heads of the group)
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill_(~mask, float("-inf"))
+        plan = (key_slots, q_index, flat_pos, bias.view(B, 1, 1, Q, L))
         meta.cache["torch_plan"] = plan
         return plan
 
@@ -153,22 +155,24 @@ class TorchAttention:
         # q [T, H, D] -> [T, H, D]
         T, H, D = q.shape
         KVH = kv_layer.shape[-2]
-        key_slots, q_index, flat_pos, mask = cls._plan(meta, q.device)
+        G = H // KVH
+        key_slots, q_index, flat_pos, bias = cls._plan(meta, q.device)
         B, Q = q_index.shape
+        L = key_slots.shape[1]
         kvg = kv_layer.view(2, -1, KVH, D)[:, key_slots]  # [2, B, L, KVH, D], one gather for K and V
-        if kvg.dtype != q.dtype:
-            kvg = kvg.to(q.dtype)
-        k = kvg[0].transpose(1, 2)  # [B, KVH, L, D]
-        v = kvg[1].transpose(1, 2)
-        if B == 1 and Q == T:
-            qp = q.unsqueeze(0).transpose(1, 2)  # [1, H, T, D]
-        else:
-            qp = q[q_index].transpose(1, 2)  # [B, H, Q, D]
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale, enable_gqa=KVH != H)
-        o = o.transpose(1, 2).reshape(B * Q, H, D)  # [B*Q, H, D]
-        if B == 1 and Q == T:
-            return o
-        return o[flat_pos]
+        if kvg.dtype != torch.float32:
+            kvg = kvg.float()
+        k = kvg[0].permute(0, 2, 3, 1)  # [B, KVH, D, L]
+        v = kvg[1].transpose(1, 2)  # [B, KVH, L, D]
+        single = B == 1 and Q == T
+        qp = q if single else q[q_index.view(-1)]  # [B*Q, H, D]
+        # query heads grouped under their KV head: [B, KVH, G*Q, D] (head h uses KV head h // G)
+        qg = qp.float().view(B, Q, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * Q, D)
+        scores = torch.matmul(qg, k).view(B, KVH, G, Q, L).mul_(scale).add_(bias)  # [B, KVH, G, Q, L]
+        probs = torch.softmax(scores, dim=-1).view(B, KVH, G * Q, L)
+        o = torch.matmul(probs, v).view(B, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B * Q, H, D)
+        o = o.to(q.dtype)
+        return o if single else o[flat_pos]
 
 
 class TritonAttention:

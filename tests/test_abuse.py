@@ -142,8 +142,13 @@ async def _cycle(port: int, rng: random.Random, stats: dict) -> None:
         # several requests: cancel some, read a random number of frames, then leave
         for rid in ids[: rng.randint(0, n_req)]:
             await ws.send(orjson.dumps({"type": "cancel", "id": rid}).decode())
+        open_ids = set(ids)
         for _ in range(rng.randint(0, 6)):
-            await asyncio.wait_for(ws.recv(), 30)
+            if not open_ids:
+                break
+            m = orjson.loads(await asyncio.wait_for(ws.recv(), 30))
+            if m["type"] != "delta":
+                open_ids.discard(m["id"])
         if action == 8:
             ws.transport.abort()
     except ConnectionClosed:

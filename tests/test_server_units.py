@@ -6,7 +6,6 @@ import math
 import threading
 import time
 
-import orjson
 import pytest
 
 from specd.server import protocol as P

@@ -191,7 +191,7 @@ def test_page_api_key(browser, page_server):
     browser.js("document.getElementById('apikey').value = 'k3y'; "
                "document.getElementById('apikey').dispatchEvent(new Event('change')); true")
     browser.wait("document.getElementById('status').textContent === 'connected (key ok)'")
-    browser.js(f"document.getElementById('maxtokens').value = '8'; true")
+    browser.js("document.getElementById('maxtokens').value = '8'; true")
     browser.type("#input", PROMPTS[1])
     browser.click("#send")
     browser.wait("document.querySelectorAll('.msg.assistant').length === 1 && "

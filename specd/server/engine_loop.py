@@ -18,7 +18,9 @@ Usage (inside the event loop that called ``start()``)::
     await ae.stop()
 
 A consumer that stops iterating (``break``, ``aclose()``, task cancelled because the client went away)
-aborts its request in the engine; the engine frees its KV blocks on its next step.
+aborts its request in the engine; the engine frees its KV blocks on its next step. Wrap the stream in
+``contextlib.aclosing(...)`` so that leaving the loop early (an exception in the body) closes it at
+once rather than when the generator is garbage-collected.
 
 An exception inside ``Engine.step()`` does not kill the thread: it is logged, the requests that were
 running fail with ``RequestError("internal")`` (raised from their ``generate()`` iterators) and are

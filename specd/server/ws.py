@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import http
 import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlsplit
 
-import orjson
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
@@ -331,13 +330,15 @@ class Conn:
                                                f"({eng.max_model_len})")
             params = P.sampling_params(req.sampling, max_tokens)
             n = 0
-            async for out in ae.generate(ids, params, req.spec, req.priority, r.engine_id):
-                last = out
-                if out.token_ids or out.text:
-                    await self.send(P.delta(r.id, n, out.text, out.token_ids))
-                    n += 1
-                if out.finished:
-                    await self.send(P.done(r.id, out.seq, out.finish_reason))
+            # aclosing: if a send fails (client gone) the stream is closed now, which aborts the request
+            async with aclosing(ae.generate(ids, params, req.spec, req.priority, r.engine_id)) as stream:
+                async for out in stream:
+                    last = out
+                    if out.token_ids or out.text:
+                        await self.send(P.delta(r.id, n, out.text, out.token_ids))
+                        n += 1
+                    if out.finished:
+                        await self.send(P.done(r.id, out.seq, out.finish_reason))
         except RequestError as e:
             if getattr(e, "admitted", False):  # failed mid-stream: end it with done(error)
                 self.srv.metrics.count_error(e.code)
