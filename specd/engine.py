@@ -439,6 +439,11 @@ class Engine:
             self.step()
         return seqs
 
+    def prefix_cache_stats(self) -> dict:
+        pc = self.prefix_cache
+        return {"query_tokens": pc.queried_tokens, "hit_tokens": pc.hit_tokens, "hit_rate": pc.hit_rate,
+                "evictions": self.cache.pool.evictions}
+
     def kv_blocks_used(self) -> tuple:
         t = self.cache.pool.num_allocated
         d = self.draft_cache.pool.num_allocated if self.draft_cache is not None else 0

@@ -355,7 +355,8 @@ def test_metrics_parse(server):
                  "specd_inter_token_latency_seconds", "specd_kv_blocks_used", "specd_kv_blocks_total",
                  "specd_spec_decode_num_drafts", "specd_spec_decode_num_draft_tokens",
                  "specd_spec_decode_num_accepted_tokens", "specd_spec_decode_num_accepted_tokens_per_pos",
-                 "specd_preemptions", "specd_spec_budget", "specd_requests", "specd_request_errors"):
+                 "specd_preemptions", "specd_spec_budget", "specd_requests", "specd_request_errors",
+                 "specd_prefix_cache_hit_rate", "specd_spec_depth"):
         assert name in fams, name
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
     assert samples[("specd_kv_blocks_total", (("cache", "target"),))] == 512
@@ -365,6 +366,8 @@ def test_metrics_parse(server):
     assert samples[("specd_requests_total", (("finish_reason", "length"),))] >= 1
     assert samples[("specd_request_errors_total", (("code", "unknown_type"),))] >= 1
     assert ("specd_spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),)) in samples
+    assert ("specd_requests_waiting", (("priority", "batch"),)) in samples  # queue length per class
+    assert 0.0 <= samples[("specd_prefix_cache_hit_rate", ())] <= 1.0
     assert fams["specd_time_to_first_token_seconds"].type == "histogram"
     for s in fams["specd_inter_token_latency_seconds"].samples:
         assert not math.isnan(s.value)

@@ -174,6 +174,8 @@ class Metrics:
                    [({}, sch.num_preemptions)])
             metric("specd_spec_budget", "gauge", "draft tokens granted in the last step (all requests)",
                    [({}, sch.last_spec_budget)])
+            metric("specd_spec_depth", "gauge", "draft depth the adaptive policy chose for the last step",
+                   [({}, getattr(sch, "last_depth", 0))])
             rate = _prefix_hit_rate(eng)
             if rate is not None:
                 metric("specd_prefix_cache_hit_rate", "gauge", "prompt tokens served from the prefix cache / "
