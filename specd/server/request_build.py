@@ -1,7 +1,10 @@
 """Turn a client's generate request into engine inputs, and a finished sequence into its summary.
 
-Shared by the websocket and gRPC front ends so that both validate the same way, render chat
-messages the same way and report the same numbers. Everything raises
+The one owner of the transport-independent request logic, shared by the websocket
+(``specd.server.protocol``) and gRPC front ends so that both validate the same way, render chat
+messages the same way and report the same numbers: prompt encoding, ``SamplingParams`` /
+``SpecParams`` construction, priority, the default ``max_tokens``, the id / stop limits and the
+``done`` summary. The front ends only check their own wire types first. Everything raises
 ``RequestError("invalid_request", ...)`` (a ``ValueError``) for bad input; ``too_long`` and
 ``overloaded`` come later, from the engine.
 
@@ -32,13 +35,16 @@ from specd.engine import RequestError
 from specd.sampling import SamplingParams
 from specd.sequence import PRIORITIES, SpecParams
 
-__all__ = ["MAX_ID_CHARS", "BuiltRequest", "build_request", "build_request_async", "prompt_ids_from", "sampling_params", "spec_params",
-           "check_priority", "summarize"]
+__all__ = ["MAX_ID_CHARS", "MAX_STOP", "DEFAULT_MAX_TOKENS", "BuiltRequest", "build_request",
+           "build_request_async", "prompt_ids_from", "encode_prompt", "sampling_params", "spec_params",
+           "speculation_params", "check_priority", "check_id", "default_max_tokens", "summarize",
+           "summarize_unstarted"]
 
 MAX_MESSAGES = 1024
 MAX_STOP = 16
 MAX_ID_CHARS = 256
 DEFAULT_MAX_TOKENS = 256  # cap of the default max_tokens: min(256, context - prompt)
+SPECULATION_FIELDS = ("mode", "max_draft_tokens")
 
 
 def _bad(msg: str) -> RequestError:
@@ -53,32 +59,50 @@ class BuiltRequest:
     priority: str
 
 
+def check_id(rid: str) -> str:
+    """A client request id within ``MAX_ID_CHARS`` (the front ends check its type)."""
+    if len(rid) > MAX_ID_CHARS:
+        raise _bad(f"id is longer than {MAX_ID_CHARS} characters")
+    return rid
+
+
+def _require_tokenizer(tokenizer) -> None:
+    if tokenizer is None:
+        raise RequestError("internal", "the model has no tokenizer")
+
+
+def encode_prompt(tokenizer, messages: Optional[list] = None, prompt: Optional[str] = None) -> list:
+    """Token ids of already-checked ``messages`` (chat template, or their contents joined by newlines
+    for a tokenizer without one) or else ``prompt`` (raw text)."""
+    _require_tokenizer(tokenizer)
+    if messages is not None and getattr(tokenizer, "chat_template", None):
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+        except Exception as e:  # noqa: BLE001 - jinja errors: roles out of order, unsupported role, ...
+            raise _bad(f"chat template rejected the messages: {e}") from None
+        if hasattr(ids, "keys"):  # a dict / BatchEncoding
+            ids = ids["input_ids"]
+    else:
+        text = prompt if messages is None else "\n".join(m["content"] for m in messages)
+        ids = tokenizer(text)["input_ids"]
+    return [int(t) for t in ids]
+
+
 def prompt_ids_from(tokenizer, messages: Optional[Sequence[Mapping[str, Any]]] = None,
                     prompt: Optional[str] = None) -> list:
     """Token ids of exactly one of ``messages`` (chat template) or ``prompt`` (raw text)."""
     if (messages is None) == (prompt is None):
         raise _bad("give exactly one of 'messages' and 'prompt'")
-    if tokenizer is None:
-        raise RequestError("internal", "the model has no tokenizer")
+    _require_tokenizer(tokenizer)
     if prompt is not None:
         if not isinstance(prompt, str):
             raise _bad(f"'prompt' must be a string, got {type(prompt).__name__}")
         if not prompt:
             raise _bad("prompt is empty")
-        ids = tokenizer(prompt)["input_ids"]
     else:
-        msgs = _check_messages(messages)
-        if getattr(tokenizer, "chat_template", None):
-            try:
-                ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False)
-            except Exception as e:  # jinja errors: roles out of order, unsupported role, ...
-                raise _bad(f"chat template rejected the messages: {e}") from None
-            if isinstance(ids, Mapping):
-                ids = ids["input_ids"]
-        else:
-            ids = tokenizer("\n".join(m["content"] for m in msgs))["input_ids"]
-    ids = [int(t) for t in ids]
+        messages = _check_messages(messages)
+    ids = encode_prompt(tokenizer, messages, prompt)
     if not ids:
         raise _bad("prompt is empty")
     return ids
@@ -127,19 +151,36 @@ def sampling_params(max_tokens=None, temperature=None, top_p=None, top_k=None, s
         raise _bad(str(e)) from None
 
 
-def spec_params(mode=None, max_draft_tokens=None) -> SpecParams:
+def spec_params(mode="auto", max_draft_tokens=None) -> SpecParams:
+    """``SpecParams``; ValueError (e.g. an unknown ``mode``) -> invalid_request."""
     try:
-        return SpecParams(mode="auto" if mode is None else mode, max_draft_tokens=max_draft_tokens)
+        return SpecParams(mode=mode, max_draft_tokens=max_draft_tokens)
     except (TypeError, ValueError) as e:
         raise _bad(str(e)) from None
 
 
-def check_priority(priority=None) -> str:
-    if priority is None:
-        return "interactive"
+def speculation_params(speculation: Optional[Mapping[str, Any]] = None) -> SpecParams:
+    """``SpecParams`` from a ``{mode, max_draft_tokens}`` object (None or a missing field = the default)."""
+    if speculation is None:
+        speculation = {}
+    if not isinstance(speculation, Mapping):
+        raise _bad("speculation must be an object {mode, max_draft_tokens}")
+    return spec_params(speculation.get("mode", "auto"), speculation.get("max_draft_tokens"))
+
+
+def check_priority(priority="interactive") -> str:
     if priority not in PRIORITIES:
-        raise _bad(f"priority must be one of {'|'.join(PRIORITIES)}, got {priority!r}")
+        raise _bad(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
     return priority
+
+
+def default_max_tokens(prompt_tokens: int, max_model_len: Optional[int] = None) -> int:
+    """``min(DEFAULT_MAX_TOKENS, max_model_len - prompt_tokens)`` (``DEFAULT_MAX_TOKENS`` without
+    ``max_model_len``); ``too_long`` when the prompt leaves no room."""
+    room = DEFAULT_MAX_TOKENS if max_model_len is None else max_model_len - prompt_tokens
+    if room < 1:
+        raise RequestError("too_long", f"prompt ({prompt_tokens} tokens) fills the context ({max_model_len})")
+    return min(DEFAULT_MAX_TOKENS, room)
 
 
 def build_request(tokenizer, *, messages=None, prompt=None, max_tokens=None, temperature=None,
@@ -148,26 +189,18 @@ def build_request(tokenizer, *, messages=None, prompt=None, max_tokens=None, tem
                   max_model_len: Optional[int] = None) -> BuiltRequest:
     """Validate everything cheap first, then tokenize. ``speculation``: {mode, max_draft_tokens}.
 
-    ``max_tokens`` None: ``min(DEFAULT_MAX_TOKENS, max_model_len - prompt tokens)`` (``too_long``
-    when the prompt leaves no room), or ``DEFAULT_MAX_TOKENS`` without ``max_model_len``.
+    ``max_tokens`` None: ``default_max_tokens(prompt tokens, max_model_len)``.
     """
     params = sampling_params(max_tokens if max_tokens is not None else 1, temperature, top_p, top_k, seed,
                              stop, stop_token_ids, ignore_eos)
-    if speculation is None:
-        speculation = {}
-    if not isinstance(speculation, Mapping):
-        raise _bad("'speculation' must be an object {mode, max_draft_tokens}")
-    unknown = set(speculation) - {"mode", "max_draft_tokens"}
+    unknown = set(speculation) - set(SPECULATION_FIELDS) if isinstance(speculation, Mapping) else ()
     if unknown:
         raise _bad(f"unknown speculation field(s): {', '.join(sorted(unknown))}")
-    spec = spec_params(speculation.get("mode"), speculation.get("max_draft_tokens"))
-    prio = check_priority(priority)
+    spec = speculation_params(speculation)
+    prio = check_priority("interactive" if priority is None else priority)
     ids = prompt_ids_from(tokenizer, messages, prompt)
     if max_tokens is None:
-        room = DEFAULT_MAX_TOKENS if max_model_len is None else max_model_len - len(ids)
-        if room < 1:
-            raise RequestError("too_long", f"prompt ({len(ids)} tokens) fills the context ({max_model_len})")
-        params = dataclasses.replace(params, max_tokens=min(DEFAULT_MAX_TOKENS, room))
+        params = dataclasses.replace(params, max_tokens=default_max_tokens(len(ids), max_model_len))
     return BuiltRequest(ids, params, spec, prio)
 
 
@@ -181,18 +214,27 @@ async def build_request_async(tokenizer, **kw) -> BuiltRequest:
     return await loop.run_in_executor(_TOKENIZER_POOL, functools.partial(build_request, tokenizer, **kw))
 
 
-def _ms(t0: Optional[float], t1: Optional[float]) -> float:
-    return round(max(0.0, (t1 - t0) * 1000.0), 3) if t0 is not None and t1 is not None else 0.0
+def _ms(t0: Optional[float], t1: Optional[float]) -> Optional[float]:
+    return None if t0 is None or t1 is None else round((t1 - t0) * 1000.0, 3)
 
 
 def summarize(seq) -> dict:
     """The ``done`` message's usage / spec / timing of a finished ``Sequence`` (milliseconds from the
-    request's arrival in the engine; 0 for an event that never happened, e.g. cancelled in queue)."""
-    st = seq.stats.as_dict()
+    request's arrival in the engine; None for an event that never happened, e.g. cancelled in queue)."""
+    st = seq.stats
     return {
         "usage": {"prompt_tokens": seq.num_prompt, "completion_tokens": seq.num_output},
-        "spec": {k: st[k] for k in ("steps", "draft_tokens", "accepted_tokens", "mean_accepted_length")},
+        "spec": {"steps": st.steps, "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
+                 "mean_accepted_length": round(st.mean_accepted_length, 4)},
         "timing": {"queue_ms": _ms(seq.arrival, seq.scheduled_time),
                    "ttft_ms": _ms(seq.arrival, seq.first_token_time),
                    "total_ms": _ms(seq.arrival, seq.finish_time)},
     }
+
+
+def summarize_unstarted(prompt_tokens: int = 0) -> dict:
+    """``summarize``'s shape for a request that never reached the engine (e.g. cancelled while being
+    tokenized): nothing generated, no timings."""
+    return {"usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0},
+            "spec": {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "mean_accepted_length": 0.0},
+            "timing": {"queue_ms": None, "ttft_ms": None, "total_ms": None}}
