@@ -9,6 +9,7 @@ import time
 import pytest
 
 from specd.server import protocol as P
+from specd.server import request_build as RB
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,13 +30,13 @@ def test_parse_generate_defaults_and_fields():
     assert r.sampling == dict(temperature=0.0, top_p=0.5, top_k=3, seed=9, stop=("\n",), stop_token_ids=(2,),
                               ignore_eos=True)
     assert (r.spec.mode, r.spec.max_draft_tokens, r.priority) == ("chain", 4, "batch")
-    p = P.sampling_params(r.sampling, r.max_tokens)
+    p = RB.sampling_params(r.max_tokens, **r.sampling)
     assert p.max_tokens == 5 and p.stop == ("\n",)
 
 
 @pytest.mark.parametrize("bad", [
     dict(temperature=math.inf), dict(temperature=True), dict(top_p=1.5), dict(max_tokens=0), dict(seed=1.0),
-    dict(stop=["a"] * 17), dict(stop_token_ids=[1, "2"]), dict(ignore_eos="yes"), dict(priority=None or 3),
+    dict(stop=["a"] * 17), dict(stop_token_ids=[1, "2"]), dict(ignore_eos="yes"), dict(priority=None or 3), dict(priority=[]), dict(priority={}),
     dict(speculation={"mode": "tree", "max_draft_tokens": 1000}), dict(id=""), dict(id="x" * 257),
     dict(prompt=""), dict(prompt=None),
 ])
@@ -75,7 +76,7 @@ def test_encode_prompt_without_chat_template_joins_contents():
     tok = _Tok()
     r = P.parse_generate({"type": "generate", "id": "a",
                           "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "yz"}]})
-    assert P.encode_prompt(tok, r) == tok("x\nyz")["input_ids"]
+    assert RB.encode_prompt(tok, r.messages, r.prompt) == tok("x\nyz")["input_ids"]
 
 
 def test_histogram_and_render_parse():

@@ -36,7 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specd.engine import RequestError
 from specd.server.proto.specd.v1 import specd_pb2 as pb
-from specd.server.request_build import MAX_ID_CHARS, build_request_async, summarize
+from specd.server.request_build import build_request_async, check_id, summarize
 
 log = logging.getLogger("specd.grpc")
 
@@ -67,8 +67,7 @@ def _opt(msg, field: str):
 
 def _to_engine_args(req: pb.GenerateRequest) -> dict:
     """Proto request -> ``build_request`` keyword arguments (unset optional fields -> None)."""
-    if len(req.id) > MAX_ID_CHARS:
-        raise RequestError("invalid_request", f"id is longer than {MAX_ID_CHARS} characters")
+    check_id(req.id)
     if req.priority not in _PRIORITY:
         raise RequestError("invalid_request", f"unknown priority {req.priority}")
     sp = req.speculation
@@ -90,8 +89,10 @@ def _to_engine_args(req: pb.GenerateRequest) -> dict:
 
 def _done(seq, finish_reason: str) -> pb.Done:
     s = summarize(seq)
+    # proto floats have no null: an event that never happened (None) is 0, as is a negative span
+    timing = {k: 0.0 if v is None else max(0.0, v) for k, v in s["timing"].items()}
     return pb.Done(finish_reason=finish_reason or "", usage=pb.Usage(**s["usage"]),
-                   spec=pb.SpecStats(**s["spec"]), timing=pb.Timing(**s["timing"]))
+                   spec=pb.SpecStats(**s["spec"]), timing=pb.Timing(**timing))
 
 
 class SpecdServicer:

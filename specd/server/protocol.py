@@ -1,19 +1,23 @@
 """The websocket protocol's messages: parsing/validation of client messages, building server frames.
 
 Pure functions (no I/O) so they are easy to test; the full protocol is in ``docs/protocol.md``.
+Only the JSON side lives here (decoding frames, the JSON fields' types, the server frames); what a
+request means (sampling / speculation params, priority, limits, prompt encoding, the ``done``
+numbers) is ``specd.server.request_build``'s, shared with the gRPC front end.
 Every refusal is a ``ProtocolError(code, message)``; ``code`` is one of ``ERROR_CODES``.
 """
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import orjson
 
 from specd.engine import RequestError
-from specd.sampling import SamplingParams
-from specd.sequence import PRIORITIES, SpecParams
+from specd.sequence import SpecParams
+from specd.server import request_build as RB
 
 ERROR_CODES = {
     "invalid_json": "the frame is not a JSON object",
@@ -28,10 +32,6 @@ ERROR_CODES = {
     "internal": "the engine failed while running the request",
 }
 
-MAX_ID_CHARS = 256
-MAX_STOP = 16
-DEFAULT_MAX_TOKENS = 256
-
 
 class ProtocolError(RequestError):
     """A refused client message; ``code`` is one of ``ERROR_CODES``."""
@@ -42,14 +42,23 @@ class GenerateRequest:
     id: str
     messages: Optional[list]  # [{"role": str, "content": str}] or None
     prompt: Optional[str]
-    max_tokens: Optional[int]  # None: min(256, context - prompt)
-    sampling: dict  # SamplingParams kwargs except max_tokens
+    max_tokens: Optional[int]  # None: RB.default_max_tokens, min(256, context - prompt)
+    sampling: dict  # RB.sampling_params kwargs except max_tokens
     spec: SpecParams
     priority: str
 
 
 def _bad(msg: str) -> ProtocolError:
     return ProtocolError("invalid_request", msg)
+
+
+@contextmanager
+def _refused():
+    """``request_build``'s refusals as ``ProtocolError`` (same code and message)."""
+    try:
+        yield
+    except RequestError as e:
+        raise ProtocolError(e.code, str(e)) from None
 
 
 def _is_int(v: Any) -> bool:
@@ -93,16 +102,15 @@ def decode(frame) -> dict:
 def message_id(msg: dict) -> Optional[str]:
     """The message's ``id`` when it is a valid one (for error frames), else None."""
     i = msg.get("id")
-    return i if isinstance(i, str) and 0 < len(i) <= MAX_ID_CHARS else None
+    return i if isinstance(i, str) and 0 < len(i) <= RB.MAX_ID_CHARS else None
 
 
 def parse_id(msg: dict) -> str:
     i = msg.get("id")
     if not isinstance(i, str) or not i:
         raise _bad(f"id must be a non-empty string, got {i!r}")
-    if len(i) > MAX_ID_CHARS:
-        raise _bad(f"id is longer than {MAX_ID_CHARS} characters")
-    return i
+    with _refused():
+        return RB.check_id(i)
 
 
 def parse_generate(msg: dict) -> GenerateRequest:
@@ -134,8 +142,8 @@ def parse_generate(msg: dict) -> GenerateRequest:
         stop = tuple(stop)
     else:
         raise _bad("stop must be a string or a list of strings")
-    if len(stop) > MAX_STOP or any(not s for s in stop):
-        raise _bad(f"stop: at most {MAX_STOP} non-empty strings")
+    if len(stop) > RB.MAX_STOP or any(not s for s in stop):
+        raise _bad(f"stop: at most {RB.MAX_STOP} non-empty strings")
     stop_ids = msg.get("stop_token_ids")
     if stop_ids is None:
         stop_ids = ()
@@ -150,57 +158,18 @@ def parse_generate(msg: dict) -> GenerateRequest:
     sampling = dict(temperature=_number(msg, "temperature", 1.0), top_p=_number(msg, "top_p", 1.0),
                     top_k=_integer(msg, "top_k", 0), seed=seed, stop=stop, stop_token_ids=stop_ids,
                     ignore_eos=ignore_eos)
-    priority = msg.get("priority", "interactive")
-    if priority not in PRIORITIES:
-        raise _bad(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
-    sp = msg.get("speculation")
-    if sp is None:
-        sp = {}
-    if not isinstance(sp, dict):
-        raise _bad("speculation must be an object {mode, max_draft_tokens}")
-    try:
-        spec = SpecParams(mode=sp.get("mode", "auto"), max_draft_tokens=sp.get("max_draft_tokens"))
-    except (ValueError, TypeError) as e:
-        raise _bad(str(e)) from None
-    # validate the sampling fields now (max_tokens is settled once the prompt length is known)
-    sampling_params(sampling, max_tokens or 1)
+    with _refused():
+        priority = RB.check_priority(msg.get("priority", "interactive"))
+        spec = RB.speculation_params(msg.get("speculation"))
+        # validate the sampling fields now (max_tokens is settled once the prompt length is known)
+        RB.sampling_params(max_tokens or 1, **sampling)
     return GenerateRequest(rid, messages, prompt, max_tokens, sampling, spec, priority)
-
-
-def sampling_params(sampling: dict, max_tokens: int) -> SamplingParams:
-    try:
-        return SamplingParams(max_tokens=max_tokens, **sampling)
-    except (ValueError, TypeError) as e:
-        raise _bad(str(e)) from None
 
 
 def prompt_chars(req: GenerateRequest) -> int:
     if req.prompt is not None:
         return len(req.prompt)
     return sum(len(m["content"]) for m in req.messages)
-
-
-def messages_to_text(messages: list) -> str:
-    """Chat messages for a model without a chat template: contents joined by newlines."""
-    return "\n".join(m["content"] for m in messages)
-
-
-def encode_prompt(tokenizer, req: GenerateRequest) -> list:
-    """Token ids of the request's prompt: ``messages`` through the tokenizer's chat template
-    (``add_generation_prompt=True``), or, for a ``prompt`` or a model without a template, the raw text."""
-    if tokenizer is None:
-        raise ProtocolError("internal", "the model has no tokenizer")
-    if req.messages is not None and getattr(tokenizer, "chat_template", None):
-        try:
-            ids = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False)
-        except Exception as e:  # noqa: BLE001 - templates raise for e.g. bad role order
-            raise _bad(f"chat template failed: {e}") from None
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
-    text = req.prompt if req.prompt is not None else messages_to_text(req.messages)
-    return list(tokenizer(text)["input_ids"])
 
 
 # server frames ---------------------------------------------------------------------------------
@@ -215,33 +184,18 @@ def error(rid: Optional[str], code: str, message: str) -> bytes:
     return orjson.dumps(m)
 
 
-def _ms(a, b) -> Optional[float]:
-    return None if a is None or b is None else round((b - a) * 1000.0, 3)
+def _done(rid: str, finish_reason: str, summary: dict, err: Optional[tuple]) -> bytes:
+    m = {"type": "done", "id": rid, "finish_reason": finish_reason, **summary}
+    if err is not None:
+        m["error"] = {"code": err[0], "message": err[1]}
+    return orjson.dumps(m)
 
 
 def done(rid: str, seq_obj, finish_reason: str, err: Optional[tuple] = None) -> bytes:
     """The final frame of a request from its engine Sequence (stats and timestamps)."""
-    st = seq_obj.stats
-    m = {
-        "type": "done", "id": rid, "finish_reason": finish_reason,
-        "usage": {"prompt_tokens": seq_obj.num_prompt, "completion_tokens": seq_obj.num_output},
-        "spec": {"steps": st.steps, "draft_tokens": st.draft_tokens, "accepted_tokens": st.accepted_tokens,
-                 "mean_accepted_length": round(st.mean_accepted_length, 4)},
-        "timing": {"queue_ms": _ms(seq_obj.arrival, seq_obj.scheduled_time),
-                   "ttft_ms": _ms(seq_obj.arrival, seq_obj.first_token_time),
-                   "total_ms": _ms(seq_obj.arrival, seq_obj.finish_time)},
-    }
-    if err is not None:
-        m["error"] = {"code": err[0], "message": err[1]}
-    return orjson.dumps(m)
+    return _done(rid, finish_reason, RB.summarize(seq_obj), err)
 
 
 def done_empty(rid: str, finish_reason: str, prompt_tokens: int = 0, err: Optional[tuple] = None) -> bytes:
     """A ``done`` for a request that never reached the engine (cancelled while being tokenized)."""
-    m = {"type": "done", "id": rid, "finish_reason": finish_reason,
-         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0},
-         "spec": {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "mean_accepted_length": 0.0},
-         "timing": {"queue_ms": None, "ttft_ms": None, "total_ms": None}}
-    if err is not None:
-        m["error"] = {"code": err[0], "message": err[1]}
-    return orjson.dumps(m)
+    return _done(rid, finish_reason, RB.summarize_unstarted(prompt_tokens), err)

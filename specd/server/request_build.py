@@ -169,7 +169,7 @@ def speculation_params(speculation: Optional[Mapping[str, Any]] = None) -> SpecP
 
 
 def check_priority(priority="interactive") -> str:
-    if priority not in PRIORITIES:
+    if not isinstance(priority, str) or priority not in PRIORITIES:  # unhashable values must not raise TypeError
         raise _bad(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
     return priority
 
@@ -193,9 +193,11 @@ def build_request(tokenizer, *, messages=None, prompt=None, max_tokens=None, tem
     """
     params = sampling_params(max_tokens if max_tokens is not None else 1, temperature, top_p, top_k, seed,
                              stop, stop_token_ids, ignore_eos)
-    unknown = set(speculation) - set(SPECULATION_FIELDS) if isinstance(speculation, Mapping) else ()
-    if unknown:
-        raise _bad(f"unknown speculation field(s): {', '.join(sorted(unknown))}")
+    if isinstance(speculation, Mapping):
+        unknown = set(speculation) - set(SPECULATION_FIELDS)
+        if unknown:
+            raise _bad(f"unknown speculation field(s): {', '.join(sorted(unknown))}")
+        speculation = {k: v for k, v in speculation.items() if v is not None}  # None = the default
     spec = speculation_params(speculation)
     prio = check_priority("interactive" if priority is None else priority)
     ids = prompt_ids_from(tokenizer, messages, prompt)

@@ -28,6 +28,7 @@ from websockets.protocol import State
 
 from specd.engine import RequestError
 from specd.server import protocol as P
+from specd.server import request_build as RB
 from specd.server.engine_loop import AsyncEngine
 from specd.server.metrics import Metrics
 
@@ -314,21 +315,19 @@ class Conn:
             eng = ae.engine
             loop = asyncio.get_running_loop()
             if P.prompt_chars(req) <= INLINE_TOKENIZE_CHARS:  # cheap: no thread hand-off
-                ids = P.encode_prompt(eng.tokenizer, req)
+                ids = RB.encode_prompt(eng.tokenizer, req.messages, req.prompt)
             else:  # long prompts must not stall the event loop
                 try:
-                    ids = await loop.run_in_executor(self.srv.tok_pool, P.encode_prompt, eng.tokenizer, req)
+                    ids = await loop.run_in_executor(self.srv.tok_pool, RB.encode_prompt, eng.tokenizer,
+                                                     req.messages, req.prompt)
                 except RuntimeError as e:  # the pool is shut down (server closing)
                     raise RequestError("shutting_down", str(e)) from None
             if r.cancelled:
                 await self.send(P.done_empty(r.id, "cancelled", len(ids)))
                 return
-            room = eng.max_model_len - len(ids)
-            max_tokens = req.max_tokens if req.max_tokens is not None else min(P.DEFAULT_MAX_TOKENS, room)
-            if max_tokens < 1:
-                raise RequestError("too_long", f"prompt ({len(ids)} tokens) fills the context "
-                                               f"({eng.max_model_len})")
-            params = P.sampling_params(req.sampling, max_tokens)
+            max_tokens = (req.max_tokens if req.max_tokens is not None
+                          else RB.default_max_tokens(len(ids), eng.max_model_len))
+            params = RB.sampling_params(max_tokens, **req.sampling)
             n = 0
             # aclosing: if a send fails (client gone) the stream is closed now, which aborts the request
             async with aclosing(ae.generate(ids, params, req.spec, req.priority, r.engine_id)) as stream:

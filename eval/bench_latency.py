@@ -1,0 +1,714 @@
+#!/usr/bin/env python3
+"""Latency benchmark of the latency-priority scheduler, over loopback websockets to in-process servers.
+
+    OMP_NUM_THREADS=1 .venv/bin/python eval/bench_latency.py [--json PATH] [--parts 1,2,3]
+        [--p1-requests 10] [--p1-tokens 128] [--p1-batch 8] [--p1-batch-tokens 768]
+        [--mt-questions 20] [--p3-pairs shared,demo] [--p3-concurrency 1,4,16] [--p3-repeats 5]
+
+Every figure comes from websocket clients (``websockets`` asyncio, one connection per stream) talking
+to a real ``specd`` server (``specd.server.app.ServerThread``: the daemon's ``App`` on its own event
+loop thread, the engine on its own thread) started in this process with the ``specd serve`` defaults
+(``--spec-mode tree``, adaptive speculation on, requests ``speculation: auto`` unless stated), greedy.
+Client and server share one Python process (and its GIL) on purpose: the numbers include event-loop
+and GIL contention, as a co-located client would see them.
+
+1. **Interactive latency under batch load** (demo pair). ``--p1-requests`` interactive requests, one
+   after the other, alone ("idle") and then with ``--p1-batch`` concurrent batch-priority streams
+   running (closed loop: each resubmits as soon as it ends; long ``max_tokens``), and once more with
+   those streams sent as interactive (no priority). Client-side time to first token (``generate``
+   sent -> first ``delta``) and inter-token latency from delta arrival times: per-token ITL (the gap
+   between a delta and the previous one divided by the tokens in the delta, one sample per token:
+   what ``specd_inter_token_latency_seconds`` records server-side) and the raw per-delta gaps.
+   Optionally (``--p1-saturate N``) the same on a server with ``--max-num-seqs N`` = the batch
+   streams, where priority decides who gets a slot at all. Target: p99 per-token ITL under batch
+   load <= 1.5x idle.
+2. **MT-bench turn-2 time to first token, prefix cache on vs off** (demo pair, chat template).
+   Per question: turn 1 as chat messages, then turn 2 = [user turn 1, assistant answer 1, user turn 2].
+   Two servers (one started with ``--no-prefix-cache``) alive at once, questions alternating between
+   them so that machine load drifts hit both alike. Reports ``specd_prefix_cache_hit_rate`` from
+   ``/metrics`` and the turn-2-only hit rate (engine prefix-cache counters around the turn-2 requests).
+3. **Aggregate tokens/s vs concurrency**: adaptive (``auto``) vs fixed (``tree``: the configured tree,
+   16 nodes) vs none (``off``), greedy, same prompts, ``ignore_eos``; c requests submitted at once
+   on c connections, tokens/s = generated tokens / (last ``done`` - first send). Modes interleave,
+   their order rotating every repeat; medians of ``--p3-repeats``. Both pairs: the shared tiny
+   stories260K pair (raw prompts) and the demo pair (GSM8K chat prompts). Target: adaptive >= the best
+   of the other two at every concurrency (within noise). Greedy outputs must be identical across modes
+   (speculation is lossless): the "same tokens" column checks it.
+
+Prints Markdown (tables, the exact command, date, machine, versions) to stdout, progress to stderr,
+and writes everything (with per-repeat values) to ``--json PATH``.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import datetime as dt  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import shlex  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import urllib.request  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
+
+import orjson  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+DEMO = (ROOT / "models" / "demo" / "target", ROOT / "models" / "demo" / "draft")
+SHARED = (ROOT.parent / "shared" / "models" / "stories260K", ROOT.parent / "shared" / "models" / "stories260K-draft-1L64")
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+STORY_PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bird",
+                 "There was a girl named Sue", "The sun was hot and", "Tim had a red ball", "Mom said to Ben",
+                 "The cat sat on the mat", "Ben wanted to play", "It was a rainy day", "Sam found a box",
+                 "The old tree was", "Anna liked to draw", "A small fish swam", "The boy saw a big truck"]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# statistics -------------------------------------------------------------------------------------
+def pct(xs: list, q: float) -> Optional[float]:
+    """Percentile with linear interpolation (numpy's default); None for no samples."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def f1(x, nd=1) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+# models and servers -----------------------------------------------------------------------------
+@dataclass
+class Pair:
+    name: str  # "demo" | "shared"
+    target: Path
+    draft: Path
+    loaded: tuple = ()  # (LoadedModel target, LoadedModel draft)
+    chat: bool = False
+    max_len: int = 0
+
+    def short(self) -> str:
+        def rel(p):
+            p = Path(p).resolve()
+            for base in (ROOT, ROOT.parent):
+                if p.is_relative_to(base):
+                    return str(p.relative_to(base))
+            return str(p)
+        return f"`{rel(self.target)}` + `{rel(self.draft)}`"
+
+
+def load_pair(name: str, paths: tuple, device: str, dtype: str) -> Pair:
+    from specd.loader import load_model
+
+    t = load_model(paths[0], device, dtype, progress=False)
+    d = load_model(paths[1], device, dtype, progress=False)
+    chat = bool(getattr(t.tokenizer, "chat_template", None))
+    return Pair(name, Path(paths[0]), Path(paths[1]), (t, d), chat, t.config.max_position_embeddings)
+
+
+def serve_args(pair: Pair, a, extra: list):
+    from specd.cli import build_parser
+
+    return build_parser().parse_args(
+        ["serve", "--target", str(pair.target), "--draft", str(pair.draft), "--device", a.device,
+         "--dtype", a.dtype, "--num-blocks", str(a.num_blocks), "--port", "0", "--grpc-port", "0",
+         "--log-level", "warning", "--max-queue", "1024", *extra])
+
+
+def start_server(pair: Pair, a, extra: list = ()):
+    """A fresh Engine (sharing the loaded weights) with ``specd serve`` flags + ``extra``, warmed up,
+    served by a ServerThread. Returns (server, engine, serve flags)."""
+    from specd.cli import engine_config
+    from specd.engine import Engine
+    from specd.server.app import ServerThread, warm_up
+
+    sa = serve_args(pair, a, list(extra))
+    eng = Engine(engine_config(sa), target=pair.loaded[0], draft=pair.loaded[1])
+    warm_up(eng)
+    srv = ServerThread(sa, eng).start()
+    return srv, eng, list(extra)
+
+
+def http_get(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+        return r.read().decode()
+
+
+def metric_value(text: str, name: str) -> Optional[float]:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+# prompts ----------------------------------------------------------------------------------------
+def gsm8k_questions(n: int, offset: int = 0) -> list:
+    """Held-out GSM8K questions (the last 200 of train.jsonl, which the demo pair never trained on)."""
+    lines = [ln for ln in GSM8K.read_text(encoding="utf-8").splitlines() if ln.strip()][-200:]
+    qs = [json.loads(ln)["question"] for ln in lines]
+    return [qs[(offset + i) % len(qs)] for i in range(n)]
+
+
+def prompt_fields(pair: Pair, text: str) -> dict:
+    return {"messages": [{"role": "user", "content": text}]} if pair.chat else {"prompt": text}
+
+
+def prompts_for(pair: Pair, n: int, offset: int = 0) -> list:
+    if pair.name == "demo":
+        return [prompt_fields(pair, q) for q in gsm8k_questions(n, offset)]
+    return [{"prompt": STORY_PROMPTS[(offset + i) % len(STORY_PROMPTS)]} for i in range(n)]
+
+
+# the client -------------------------------------------------------------------------------------
+@dataclass
+class Result:
+    t_send: float
+    arrivals: list = field(default_factory=list)  # (perf_counter, tokens in the delta)
+    token_ids: list = field(default_factory=list)
+    text: str = ""
+    done: Optional[dict] = None
+
+    @property
+    def ttft_ms(self) -> Optional[float]:
+        return (self.arrivals[0][0] - self.t_send) * 1000 if self.arrivals else None
+
+    @property
+    def t_end(self) -> float:
+        return self.arrivals[-1][0] if self.arrivals else self.t_send
+
+    def itl_token_ms(self) -> list:
+        """One sample per token after the first delta: gap to the previous delta / tokens in this delta."""
+        out = []
+        for (t0, _), (t1, n) in zip(self.arrivals, self.arrivals[1:]):
+            if n:
+                out += [(t1 - t0) * 1000 / n] * n
+        return out
+
+    def itl_delta_ms(self) -> list:
+        return [(t1 - t0) * 1000 for (t0, _), (t1, _) in zip(self.arrivals, self.arrivals[1:])]
+
+
+def connect(port: int):
+    from websockets.asyncio.client import connect as ws_connect
+
+    return ws_connect(f"ws://127.0.0.1:{port}/ws", compression=None, max_size=None, ping_interval=None)
+
+
+async def request(ws, rid: str, body: dict, on_first=None) -> Result:
+    """One request on a connection that runs nothing else; returns when its ``done`` arrives."""
+    msg = orjson.dumps({"type": "generate", "id": rid, "temperature": 0, **body}).decode()
+    r = Result(time.perf_counter())
+    await ws.send(msg)
+    while True:
+        m = orjson.loads(await ws.recv())
+        now = time.perf_counter()
+        if m.get("id") != rid:
+            continue
+        typ = m["type"]
+        if typ == "delta":
+            r.arrivals.append((now, len(m["token_ids"])))
+            r.token_ids += m["token_ids"]
+            r.text += m["text"]
+            if on_first is not None and len(r.arrivals) == 1:
+                on_first()
+        elif typ == "done":
+            r.done = m
+            return r
+        else:
+            raise RuntimeError(f"request {rid}: {m}")
+
+
+async def wait_idle(eng, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while eng.has_work() and time.monotonic() < end:
+        await asyncio.sleep(0.02)
+
+
+def new_loop():
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop()
+    except ImportError:  # pragma: no cover
+        return asyncio.new_event_loop()
+
+
+def run_async(coro):
+    loop = new_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+# part 1: interactive latency under batch load ---------------------------------------------------
+async def batch_load(port: int, bodies: list, priority: str, started: list, stop: asyncio.Event, stats: dict):
+    """Closed-loop streams (one connection each) until ``stop``; closing the connection cancels."""
+    async def worker(k: int, body: dict):
+        async with connect(port) as ws:
+            i = 0
+            first = asyncio.Event()
+            started.append(first)
+            while not stop.is_set():
+                try:
+                    r = await request(ws, f"b{k}-{i}", {**body, "priority": priority}, on_first=first.set)
+                except Exception:  # noqa: BLE001 - the connection closed under us at stop
+                    if stop.is_set():
+                        return
+                    raise
+                stats["batch_tokens"] += len(r.token_ids)
+                stats["batch_requests"] += 1
+                i += 1
+
+    return [asyncio.ensure_future(worker(k, b)) for k, b in enumerate(bodies)]
+
+
+async def p1_condition(srv, eng, a, pair: Pair, load: Optional[str]) -> dict:
+    """Interactive requests one after the other; ``load`` None (idle) or the batch streams' priority."""
+    port = srv.port
+    inter = prompts_for(pair, a.p1_requests, offset=0)
+    bodies = [{**b, "max_tokens": a.p1_batch_tokens, "ignore_eos": True}
+              for b in prompts_for(pair, a.p1_batch, offset=100)]
+    stop = asyncio.Event()
+    started: list = []
+    stats = {"batch_tokens": 0, "batch_requests": 0}
+    tasks = []
+    m = srv.app.metrics
+    if load is not None:
+        tasks = await batch_load(port, bodies, load, started, stop, stats)
+        while len(started) < len(bodies):
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
+        await asyncio.sleep(0.5)  # steady state
+    s0, c0 = m.step_time.sum, m.step_time.count
+    tb0 = stats["batch_tokens"]
+    results = []
+    t0 = time.perf_counter()
+    async with connect(port) as ws:
+        for i, body in enumerate(inter):
+            r = await request(ws, f"i{i}", {**body, "max_tokens": a.p1_tokens, "ignore_eos": True,
+                                            "priority": "interactive"})
+            results.append(r)
+            await asyncio.sleep(0.05)
+    wall = time.perf_counter() - t0
+    s1, c1 = m.step_time.sum, m.step_time.count
+    if load is not None:
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await wait_idle(eng)
+    itl_tok = [x for r in results for x in r.itl_token_ms()]
+    itl_del = [x for r in results for x in r.itl_delta_ms()]
+    ttft = [r.ttft_ms for r in results]
+    sttft = [r.done["timing"]["ttft_ms"] for r in results]
+    spec = [r.done["spec"] for r in results]
+    steps = sum(s["steps"] for s in spec)
+    toks = sum(len(r.token_ids) for r in results)
+    return {
+        "load": load, "requests": len(results), "tokens": toks,
+        "ttft_ms": {"p50": pct(ttft, 50), "p99": pct(ttft, 99), "max": max(ttft), "samples": ttft},
+        "server_ttft_ms": {"p50": pct(sttft, 50), "max": max(sttft)},
+        "itl_token_ms": {"p50": pct(itl_tok, 50), "p90": pct(itl_tok, 90), "p99": pct(itl_tok, 99),
+                         "max": max(itl_tok), "mean": statistics.mean(itl_tok), "n": len(itl_tok)},
+        "itl_delta_ms": {"p50": pct(itl_del, 50), "p99": pct(itl_del, 99), "max": max(itl_del), "n": len(itl_del)},
+        "tokens_per_delta": toks / sum(len(r.arrivals) for r in results),
+        "draft_tokens_per_step": sum(s["draft_tokens"] for s in spec) / steps if steps else 0.0,
+        "mean_accepted_length": toks / steps if steps else None,
+        "engine_step_ms_mean": (s1 - s0) / (c1 - c0) * 1000 if c1 > c0 else None,
+        "batch_tokens_per_s": (stats["batch_tokens"] - tb0) / wall if load else None,
+        "batch_requests_finished": stats["batch_requests"],
+    }
+
+
+def part1(a, pair: Pair) -> dict:
+    out = {"pair": pair.name, "servers": []}
+    configs = [("default", [])]
+    if a.p1_saturate:
+        configs.append((f"max_num_seqs={a.p1_saturate}", ["--max-num-seqs", str(a.p1_saturate)]))
+    for label, extra in configs:
+        srv, eng, flags = start_server(pair, a, extra)
+        try:
+            conds = {}
+            for name, load in (("idle", None), ("batch load (priority batch)", "batch"),
+                               ("same load sent as interactive", "interactive")):
+                log(f"part 1 [{label}]: {name}")
+                conds[name] = run_async(p1_condition(srv, eng, a, pair, load))
+            out["servers"].append({"label": label, "flags": flags, "conditions": conds})
+        finally:
+            srv.stop()
+    return out
+
+
+# part 2: MT-bench turn-2 TTFT, prefix cache on vs off -------------------------------------------
+def mt_questions(n: int) -> list:
+    rows = [json.loads(ln) for ln in MT_BENCH.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    return [r for r in rows if len(r.get("turns", [])) >= 2][:n] if n else rows
+
+
+def chat_len(tok, msgs: list) -> int:
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if isinstance(ids, dict):
+        ids = ids["input_ids"]
+    return len(ids)
+
+
+async def p2_run(servers: dict, a, pair: Pair) -> dict:
+    tok = pair.loaded[0].tokenizer
+    qs = mt_questions(a.mt_questions)
+    per = {k: {"turn1_ttft": [], "turn2_ttft": [], "turn2_server_ttft": [], "turn2_prompt": [], "answers": [],
+               "t2_query": 0, "t2_hit": 0} for k in servers}
+    skipped = 0
+    conns = {}
+    for k, (srv, _, _) in servers.items():
+        conns[k] = await connect(srv.port).__aenter__()
+    try:
+        for qi, q in enumerate(qs):
+            t1, t2 = q["turns"][0], q["turns"][1]
+            m1 = [{"role": "user", "content": t1}]
+            if chat_len(tok, m1) + a.mt_max_tokens + 1 > pair.max_len:
+                skipped += 1
+                continue
+            order = list(servers) if qi % 2 == 0 else list(servers)[::-1]
+            for k in order:
+                srv, eng, _ = servers[k]
+                ws = conns[k]
+                r1 = await request(ws, f"q{qi}-1", {"messages": m1, "max_tokens": a.mt_max_tokens})
+                m2 = m1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": t2}]
+                n2 = chat_len(tok, m2)
+                if n2 + a.mt_turn2_tokens + 1 > pair.max_len:
+                    continue
+                await asyncio.sleep(0.02)
+                pc = eng.prefix_cache
+                q0, h0 = pc.queried_tokens, pc.hit_tokens
+                r2 = await request(ws, f"q{qi}-2", {"messages": m2, "max_tokens": a.mt_turn2_tokens})
+                p = per[k]
+                p["t2_query"] += pc.queried_tokens - q0
+                p["t2_hit"] += pc.hit_tokens - h0
+                p["turn1_ttft"].append(r1.ttft_ms)
+                p["turn2_ttft"].append(r2.ttft_ms)
+                p["turn2_server_ttft"].append(r2.done["timing"]["ttft_ms"])
+                p["turn2_prompt"].append(r2.done["usage"]["prompt_tokens"])
+                p["answers"].append(r1.token_ids)
+                await asyncio.sleep(0.02)
+    finally:
+        for ws in conns.values():
+            await ws.close()
+    return {"per": per, "skipped": skipped, "questions": len(qs)}
+
+
+def part2(a, pair: Pair) -> dict:
+    servers = {}
+    try:
+        log("part 2: starting prefix cache on/off servers")
+        servers["prefix cache on"] = start_server(pair, a, [])
+        servers["prefix cache off"] = start_server(pair, a, ["--no-prefix-cache"])
+        log(f"part 2: {a.mt_questions} MT-bench questions, alternating servers")
+        res = run_async(p2_run(servers, a, pair))
+        out = {"pair": pair.name, "questions": res["questions"], "skipped_too_long": res["skipped"], "servers": {}}
+        for k, (srv, eng, flags) in servers.items():
+            p = res["per"][k]
+            text = http_get(srv.port, "/metrics")
+            out["servers"][k] = {
+                "flags": flags, "n": len(p["turn2_ttft"]),
+                "turn1_ttft_ms_p50": pct(p["turn1_ttft"], 50),
+                "turn2_ttft_ms": {"p50": pct(p["turn2_ttft"], 50), "p90": pct(p["turn2_ttft"], 90),
+                                  "mean": statistics.mean(p["turn2_ttft"]) if p["turn2_ttft"] else None,
+                                  "samples": p["turn2_ttft"]},
+                "turn2_server_ttft_ms_p50": pct(p["turn2_server_ttft"], 50),
+                "turn2_prompt_tokens_mean": statistics.mean(p["turn2_prompt"]) if p["turn2_prompt"] else None,
+                "metrics_prefix_cache_hit_rate": metric_value(text, "specd_prefix_cache_hit_rate"),
+                "turn2_hit_rate": p["t2_hit"] / p["t2_query"] if p["t2_query"] else 0.0,
+                "turn2_cached_tokens_mean": p["t2_hit"] / len(p["turn2_ttft"]) if p["turn2_ttft"] else None,
+            }
+        ks = list(servers)
+        out["same_turn1_answers"] = res["per"][ks[0]]["answers"] == res["per"][ks[1]]["answers"]
+        return out
+    finally:
+        for srv, _, _ in servers.values():
+            srv.stop()
+
+
+# part 3: throughput vs concurrency, adaptive vs fixed vs none ------------------------------------
+async def p3_round(conns: list, bodies: list, mode: str, tag: str) -> dict:
+    t0 = time.perf_counter()
+    rs = await asyncio.gather(*(request(ws, f"{tag}-{i}", {**b, "speculation": {"mode": mode}})
+                                for i, (ws, b) in enumerate(zip(conns, bodies))))
+    wall = max(r.t_end for r in rs) - t0
+    toks = sum(len(r.token_ids) for r in rs)
+    steps = sum(r.done["spec"]["steps"] for r in rs)
+    drafted = sum(r.done["spec"]["draft_tokens"] for r in rs)
+    return {"tok_s": toks / wall, "tokens": toks, "wall_s": wall, "steps": steps,
+            "draft_per_step": drafted / steps if steps else 0.0, "tokens_per_step": toks / steps if steps else 0.0,
+            "ids": [r.token_ids for r in rs]}
+
+
+async def p3_run(srv, a, pair: Pair) -> dict:
+    modes = ["auto", "tree", "off"]
+    conc = [int(x) for x in a.p3_concurrency.split(",")]
+    out = {}
+    conns = [await connect(srv.port).__aenter__() for _ in range(max(conc))]
+    try:
+        base = [{**b, "max_tokens": a.p3_tokens, "ignore_eos": True} for b in prompts_for(pair, max(conc), 200)]
+        for m in modes:  # warm-up round (discarded): first-call costs, adaptive cost model measured
+            await p3_round(conns[:4], base[:4], m, f"w-{m}")
+        for c in conc:
+            reps = {m: [] for m in modes}
+            for r in range(a.p3_repeats):
+                order = modes[r % 3:] + modes[:r % 3]
+                for m in order:
+                    reps[m].append(await p3_round(conns[:c], base[:c], m, f"c{c}-r{r}-{m}"))
+            ref = reps["off"][0]["ids"]
+            same = all(x["ids"] == ref for m in modes for x in reps[m])
+            for m in modes:
+                for x in reps[m]:
+                    x.pop("ids")
+            row = {"same_tokens": same}
+            for m in modes:
+                row[m] = {"tok_s_median": med([x["tok_s"] for x in reps[m]]),
+                          "tok_s_runs": [round(x["tok_s"], 1) for x in reps[m]],
+                          "draft_per_step": med([x["draft_per_step"] for x in reps[m]]),
+                          "tokens_per_step": med([x["tokens_per_step"] for x in reps[m]])}
+            best_other = max(row["tree"]["tok_s_median"], row["off"]["tok_s_median"])
+            row["adaptive_vs_best_other"] = row["auto"]["tok_s_median"] / best_other
+            spread = [abs(x - row[m]["tok_s_median"]) / row[m]["tok_s_median"]
+                      for m in modes for x in row[m]["tok_s_runs"]]
+            row["median_abs_dev_pct"] = 100 * statistics.median(spread)
+            out[c] = row
+            log(f"part 3 [{pair.name}] c={c}: " + ", ".join(f"{m} {row[m]['tok_s_median']:.0f}" for m in modes)
+                + f" tok/s (adaptive/best other {row['adaptive_vs_best_other']:.2f})")
+    finally:
+        for ws in conns:
+            await ws.close()
+    return out
+
+
+def part3(a, pair: Pair) -> dict:
+    srv, eng, flags = start_server(pair, a, [])
+    try:
+        log(f"part 3 [{pair.name}]: concurrency {a.p3_concurrency}, {a.p3_repeats} repeats")
+        rows = run_async(p3_run(srv, a, pair))
+        return {"pair": pair.name, "flags": flags, "tokens": a.p3_tokens, "repeats": a.p3_repeats,
+                "t_draft_level_ms": (eng.scheduler.t_draft or 0) * 1000,
+                "t_target_fixed_ms": (eng.scheduler.t_target or 0) * 1000,
+                "t_per_token_ms": eng.scheduler.t_per_token * 1000, "rows": rows}
+    finally:
+        srv.stop()
+
+
+# environment ------------------------------------------------------------------------------------
+def environment(a) -> dict:
+    import torch
+    import websockets
+
+    def ver(mod):
+        try:
+            return __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            return None
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:  # noqa: BLE001
+            return None
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(), "platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
+        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "websockets": websockets.__version__, "transformers": ver("transformers"), "orjson": ver("orjson"),
+        "uvloop": ver("uvloop"), "git_commit": git("rev-parse", "--short", "HEAD"),
+        "git_dirty_specd": bool(git("status", "--porcelain", "--", "specd")),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
+# report -----------------------------------------------------------------------------------------
+def markdown(rep: dict, pairs: dict, a) -> str:
+    env = rep["env"]
+    L = []
+    L.append("### Latency benchmark (`eval/bench_latency.py`)\n")
+    L.append(f"`{rep['command']}`\n")
+    L.append(f"{env['date']} on `{env['host']}`: {env['cpu']}, {env['cpus']} CPUs, load average at start "
+             f"{' '.join(f'{x:.1f}' for x in env['loadavg_start'] or [])} / end "
+             f"{' '.join(f'{x:.1f}' for x in rep.get('loadavg_end') or [])}; Python {env['python']}, torch "
+             f"{env['torch']} ({env['torch_threads']} thread), websockets {env['websockets']}, uvloop "
+             f"{env['uvloop']}, transformers {env['transformers']}; specd {env['git_commit']}"
+             f"{' (+ uncommitted specd/ changes)' if env['git_dirty_specd'] else ''}; total {rep['wall_s']:.0f} s. "
+             f"Servers: `ServerThread` in this process, `specd serve` defaults (spec mode tree, adaptive), "
+             f"`--num-blocks {a.num_blocks}`, device {a.device}, greedy.\n")
+    if "part1" in rep:
+        p = rep["part1"]
+        L.append(f"**1. Interactive latency under batch load** — demo pair {pairs[p['pair']].short()}. "
+                 f"{a.p1_requests} interactive requests one after another ({a.p1_tokens} tokens each, ignore_eos, "
+                 f"`speculation: auto`), alone vs with {a.p1_batch} closed-loop streams of {a.p1_batch_tokens} "
+                 f"tokens running. Client-side: TTFT = `generate` sent -> first `delta`; per-token ITL = gap "
+                 f"between consecutive deltas / tokens in the later delta (one sample per token); per-delta = the "
+                 f"raw gaps. Engine step = mean engine step time over the interval (server metrics).\n")
+        L.append("| server | condition | TTFT p50 ms | TTFT p99 ms | ITL/token p50 ms | ITL/token p99 ms | "
+                 "p99 vs idle | per-delta gap p50 / p99 ms | tokens/delta | engine step ms | batch tok/s |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for s in p["servers"]:
+            idle = s["conditions"]["idle"]["itl_token_ms"]["p99"]
+            for name, c in s["conditions"].items():
+                ratio = c["itl_token_ms"]["p99"] / idle
+                L.append(f"| {s['label']} | {name} | {f1(c['ttft_ms']['p50'])} | {f1(c['ttft_ms']['p99'])} | "
+                         f"{f1(c['itl_token_ms']['p50'], 2)} | {f1(c['itl_token_ms']['p99'], 2)} | {ratio:.2f}x | "
+                         f"{f1(c['itl_delta_ms']['p50'], 2)} / {f1(c['itl_delta_ms']['p99'], 2)} | "
+                         f"{c['tokens_per_delta']:.2f} | {f1(c['engine_step_ms_mean'], 2)} | "
+                         f"{f1(c['batch_tokens_per_s'], 0)} |")
+        s0 = p["servers"][0]["conditions"]
+        r = s0["batch load (priority batch)"]["itl_token_ms"]["p99"] / s0["idle"]["itl_token_ms"]["p99"]
+        L.append(f"\nTarget p99 ITL under batch load <= 1.5x idle (default server): **{r:.2f}x — "
+                 f"{'met' if r <= 1.5 else 'missed'}**.\n")
+    if "part2" in rep:
+        p = rep["part2"]
+        L.append(f"**2. MT-bench turn-2 TTFT, prefix cache on vs off** — demo pair {pairs[p['pair']].short()} "
+                 f"(chat template; MT-bench is off-domain for this GSM8K model, which does not matter for TTFT). "
+                 f"First {p['questions']} MT-bench questions ({p['skipped_too_long']} skipped: too long for the "
+                 f"{pairs[p['pair']].max_len}-token context); turn 1 `max_tokens` {a.mt_max_tokens}, turn 2 "
+                 f"{a.mt_turn2_tokens}; the two servers run side by side, questions alternating between them. "
+                 f"Same turn-1 answers on both: {'yes' if p['same_turn1_answers'] else 'NO'}.\n")
+        L.append("| server | turns 2 | turn-2 prompt tokens (mean) | turn-2 TTFT p50 ms | p90 ms | mean ms | "
+                 "server TTFT p50 ms | turn-1 TTFT p50 ms | turn-2 cached tokens (mean) | turn-2 hit rate | "
+                 "`specd_prefix_cache_hit_rate` |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for k, s in p["servers"].items():
+            L.append(f"| {k} | {s['n']} | {f1(s['turn2_prompt_tokens_mean'], 0)} | {f1(s['turn2_ttft_ms']['p50'])} | "
+                     f"{f1(s['turn2_ttft_ms']['p90'])} | {f1(s['turn2_ttft_ms']['mean'])} | "
+                     f"{f1(s['turn2_server_ttft_ms_p50'])} | {f1(s['turn1_ttft_ms_p50'])} | "
+                     f"{f1(s['turn2_cached_tokens_mean'], 0)} | {100 * s['turn2_hit_rate']:.0f}% | "
+                     f"{f1(s['metrics_prefix_cache_hit_rate'], 3)} |")
+        on, off = p["servers"]["prefix cache on"], p["servers"]["prefix cache off"]
+        if on["turn2_ttft_ms"]["p50"] and off["turn2_ttft_ms"]["p50"]:
+            L.append(f"\nTurn-2 TTFT p50 with the prefix cache: {on['turn2_ttft_ms']['p50'] / off['turn2_ttft_ms']['p50']:.2f}x "
+                     f"of without. (`specd_prefix_cache_hit_rate` counts every prompt, turn 1 included; the turn-2 "
+                     f"hit rate counts only turn-2 prompts.)\n")
+    if "part3" in rep:
+        L.append(f"**3. Aggregate tokens/s vs concurrency** — greedy, {a.p3_tokens} tokens per request "
+                 f"(ignore_eos), c requests at once on c connections; medians of {a.p3_repeats} interleaved "
+                 f"repeats. adaptive = `speculation: auto` (cost-model depth), fixed = `mode: tree` (the configured "
+                 f"16-node tree, depth <= 6), none = `mode: off`. draft/step = draft tokens per target step "
+                 f"(median), tok/step = tokens per target step.\n")
+        for p in rep["part3"]:
+            L.append(f"{p['pair']} pair {pairs[p['pair']].short()} "
+                     f"({'GSM8K chat prompts' if p['pair'] == 'demo' else 'raw story prompts'}); cost model at the "
+                     f"end: target step fixed {p['t_target_fixed_ms']:.2f} ms + {p['t_per_token_ms']:.3f} ms/token, "
+                     f"draft level {p['t_draft_level_ms']:.2f} ms.\n")
+            L.append("| concurrency | adaptive tok/s | fixed tree tok/s | none tok/s | adaptive / best other | "
+                     "adaptive draft/step, tok/step | fixed tok/step | median abs dev % | same tokens |")
+            L.append("|---|---|---|---|---|---|---|---|---|")
+            for c, r in p["rows"].items():
+                L.append(f"| {c} | {r['auto']['tok_s_median']:.0f} | {r['tree']['tok_s_median']:.0f} | "
+                         f"{r['off']['tok_s_median']:.0f} | **{r['adaptive_vs_best_other']:.2f}** | "
+                         f"{r['auto']['draft_per_step']:.2f}, {r['auto']['tokens_per_step']:.2f} | "
+                         f"{r['tree']['tokens_per_step']:.2f} | {r['median_abs_dev_pct']:.1f} | "
+                         f"{'yes' if r['same_tokens'] else 'NO'} |")
+            L.append("")
+    return "\n".join(L)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--parts", default="1,2,3")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per cache (both pairs)")
+    p.add_argument("--p1-requests", type=int, default=10)
+    p.add_argument("--p1-tokens", type=int, default=128)
+    p.add_argument("--p1-batch", type=int, default=8)
+    p.add_argument("--p1-batch-tokens", type=int, default=768)
+    p.add_argument("--p1-saturate", type=int, default=8,
+                   help="also run part 1 on a server with --max-num-seqs N (0: skip)")
+    p.add_argument("--mt-questions", type=int, default=20)
+    p.add_argument("--mt-max-tokens", type=int, default=64)
+    p.add_argument("--mt-turn2-tokens", type=int, default=16)
+    p.add_argument("--p3-pairs", default="shared,demo")
+    p.add_argument("--p3-concurrency", default="1,4,16")
+    p.add_argument("--p3-repeats", type=int, default=5)
+    p.add_argument("--p3-tokens", type=int, default=64)
+    p.add_argument("--json", default=None, help="write the full report here")
+    a = p.parse_args(argv)
+    parts = {x.strip() for x in a.parts.split(",") if x.strip()}
+
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except Exception:  # noqa: BLE001
+        pass
+    t_start = time.monotonic()
+    rep = {"schema": "specd.bench_latency/1",
+           "command": " ".join(["OMP_NUM_THREADS=" + os.environ["OMP_NUM_THREADS"],
+                                ".venv/bin/python" if ".venv" in sys.executable else shlex.quote(sys.executable),
+                                *map(shlex.quote, [os.path.relpath(sys.argv[0], ROOT) if argv is None else
+                                                   "eval/bench_latency.py", *(sys.argv[1:] if argv is None else argv)])]),
+           "env": environment(a), "args": vars(a)}
+    pairs = {}
+    need = set()
+    if parts & {"1", "2"}:
+        need.add("demo")
+    if "3" in parts:
+        need |= {x.strip() for x in a.p3_pairs.split(",") if x.strip()}
+    for name in sorted(need):
+        log(f"loading {name} pair")
+        pairs[name] = load_pair(name, DEMO if name == "demo" else SHARED, a.device, a.dtype)
+    if "1" in parts:
+        rep["part1"] = part1(a, pairs["demo"])
+    if "2" in parts:
+        rep["part2"] = part2(a, pairs["demo"])
+    if "3" in parts:
+        rep["part3"] = [part3(a, pairs[n]) for n in [x.strip() for x in a.p3_pairs.split(",") if x.strip()]]
+    rep["wall_s"] = time.monotonic() - t_start
+    rep["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    md = markdown(rep, pairs, a)
+    rep["markdown"] = md
+    print(md)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(rep, indent=1, default=str) + "\n", encoding="utf-8")
+        log(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
