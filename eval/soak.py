@@ -78,7 +78,7 @@ def start_server(a):
     """``specd serve`` on a free loopback port; returns (Popen, ws url, stderr tail)."""
     cmd = [sys.executable, "-m", "specd", "serve", "--target", a.target, *(["--draft", a.draft] if a.draft else []),
            "--device", a.device, "--num-blocks", str(a.num_blocks), "--port", "0", "--grpc-port", "0",
-           "--max-queue", str(a.max_queue), "--log-level", "warning", "--drain-timeout", "10"]
+           "--max-queue", str(a.max_queue), "--log-level", "info", "--drain-timeout", "10"]  # info: "listening"/"ready"
     env = dict(os.environ)
     for k in list(env):
         if k.startswith("SPECD_") or k in ("NOTIFY_SOCKET", "WATCHDOG_USEC"):
@@ -379,7 +379,7 @@ def main(argv=None) -> int:
     if proc is not None:
         checks["server_exit_0"] = exit_status == 0
     summary = {
-        "url": url, "own_server": proc is not None, "clients": a.clients, "inflight_per_client": a.inflight,
+        "url": url, "own_server": proc is not None, "target": a.target, "draft": a.draft, "clients": a.clients, "inflight_per_client": a.inflight,
         "minutes": a.minutes, "duration_s": round(duration, 1), "requests": stats.requests, "tokens": stats.tokens,
         "deltas": stats.deltas, "tokens_per_s": round(stats.tokens / duration, 1) if duration else 0.0,
         "requests_per_s": round(stats.requests / duration, 2) if duration else 0.0,

@@ -149,6 +149,8 @@ class Scheduler:
         last 64 steps); ``t_target`` keeps the fixed part (or the EMA when token counts never varied).
         """
         a = 0.2
+        if t_draft_level is not None:
+            self.t_draft = t_draft_level if self.t_draft is None else (1 - a) * self.t_draft + a * t_draft_level
         self._obs.append((tokens, t_target))
         del self._obs[:-64]
         n = len(self._obs)
@@ -161,8 +163,6 @@ class Scheduler:
             self.t_target = max(my - b * mx, 1e-6)
             return
         self.t_target = t_target if self.t_target is None else (1 - a) * self.t_target + a * t_target
-        if t_draft_level is not None:
-            self.t_draft = t_draft_level if self.t_draft is None else (1 - a) * self.t_draft + a * t_draft_level
 
     @staticmethod
     def expected_tokens(alpha: float, depth: int) -> float:

@@ -145,3 +145,4 @@ def test_adaptive_depth_follows_acceptance_and_step_costs():
     for k in range(16):
         s2.observe(0.001 + 0.0001 * (10 + k), 0.0005, tokens=10 + k)
     assert abs(s2.t_per_token - 0.0001) < 1e-9 and abs(s2.t_target - 0.001) < 1e-9
+    assert s2.t_draft is not None and abs(s2.t_draft - 0.0005) < 1e-12  # draft cost recorded on the fit path too
