@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass

@@ -11,7 +11,6 @@ Thread safety: ``add_request`` and ``abort`` may be called from any thread; they
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 from dataclasses import dataclass

@@ -215,7 +215,6 @@ class Scheduler:
             self.last_depth = auto_depth
         scheduled: list[Scheduled] = []
         preempted: list[Sequence] = []
-        bs = self.cache.block_size
         for seq in cands:
             if seq in preempted:
                 continue
@@ -249,8 +248,6 @@ class Scheduler:
                     break
                 self._preempt(victim, scheduled)
                 preempted.append(victim)
-            else:
-                pass
             if seq.blocks.capacity < total:
                 # not even a smaller tree fits: try without speculation, else wait
                 if spec and seq.blocks.reserve(seq.num_computed + chunk):
@@ -269,7 +266,6 @@ class Scheduler:
             scheduled.append(Scheduled(seq, chunk, final, spec, depth))
             budget -= chunk + spec
         self.last_spec_budget = sum(s.spec_budget for s in scheduled)
-        _ = bs
         return SchedulerOutput(scheduled, preempted)
 
     def _match_prefix(self, seq: Sequence) -> None:

@@ -144,3 +144,18 @@ def test_sigterm_drains_streaming_request_and_exits_0():
     req = [r for r in recs if r.get("msg") == "request"]
     assert len(req) == 1 and req[0]["completion_tokens"] == 300 and "spec" in req[0] and "timing" in req[0]
     assert any(r.get("msg") == "draining" for r in recs) and recs[-1]["msg"] == "stopped"
+
+
+def test_serve_with_a_bad_model_exits_with_a_clear_error(tmp_path):
+    """A load failure must end the process with a one-line error, never hang."""
+    import subprocess
+    import sys as _sys
+
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    proc = subprocess.run([_sys.executable, "-m", "specd", "serve", "--target", str(bad), "--port", "0",
+                           "--grpc-port", "0"], capture_output=True, text=True, timeout=20,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode != 0
+    assert "unsupported architecture 'GPT2LMHeadModel'" in proc.stderr + proc.stdout

@@ -127,7 +127,6 @@ class App:
         wd = notify.watchdog_interval()
         if wd is not None:
             self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog(wd))
-        loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         engine = self._engine
         if engine is None:
@@ -172,7 +171,7 @@ class App:
             try:
                 r = self._load()
             except BaseException as e:  # noqa: BLE001
-                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+                loop.call_soon_threadsafe(lambda err=e: fut.done() or fut.set_exception(err))
             else:
                 loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
 
