@@ -38,8 +38,10 @@ eval: install
 	$(BIN)/python eval/acceptance.py --target $(SHARED)/models/stories260K --draft $(SHARED)/models/stories260K-draft-1L64 \
 		--prompts $(SHARED)/data/mt_bench/question.jsonl --raw --limit 16 --max-tokens 96 --out eval/out/mt_bench
 
+SOAK_CLIENTS ?= 8
+SOAK_MINUTES ?= 3
 soak: install
-	$(BIN)/python eval/soak.py --clients 16 --minutes 10
+	$(BIN)/python eval/soak.py --clients $(SOAK_CLIENTS) --minutes $(SOAK_MINUTES) --json eval/out/soak.json
 
 # system packages the tests drive (headless Chromium for the web page, systemd-analyze for the unit)
 sysdeps:

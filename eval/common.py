@@ -532,16 +532,17 @@ def _plt():
 def plot_acceptance_per_depth(series: dict, path, title: str = "acceptance per depth") -> Path:
     """series: {label: [P(reach depth d) for d = 1..]} -> line plot."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    styles = {"chain": "-", "tree": "--", "static": ":"}
     for label, ys in series.items():
         if ys:
-            ax.plot(range(1, len(ys) + 1), ys, marker="o", label=label)
+            ax.plot(range(1, len(ys) + 1), ys, marker="o", ms=4, ls=styles.get(label.split(":")[0], "-"), label=label)
     ax.set_xlabel("depth d")
     ax.set_ylabel("P(accepted path reaches depth d)")
     ax.set_ylim(0, 1.05)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=1 if len(series) <= 6 else 2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 
@@ -551,15 +552,21 @@ def plot_accept_hist(series: dict, path, title: str = "accepted draft tokens per
     fig, ax = plt.subplots(figsize=(7, 4))
     series = {k: v for k, v in series.items() if v}
     n = max((len(v) for v in series.values()), default=1)
-    w = 0.8 / max(1, len(series))
-    for i, (label, ys) in enumerate(series.items()):
-        ax.bar([x + i * w for x in range(len(ys))], ys, width=w, label=label)
-    ax.set_xticks([x + 0.4 - w / 2 for x in range(n)])
+    if len(series) <= 5:  # grouped bars
+        w = 0.8 / max(1, len(series))
+        for i, (label, ys) in enumerate(series.items()):
+            ax.bar([x + i * w for x in range(len(ys))], ys, width=w, label=label)
+        ax.set_xticks([x + 0.4 - w / 2 for x in range(n)])
+    else:  # many modes (sweeps): lines, styled by kind
+        styles = {"chain": "-", "tree": "--", "static": ":"}
+        for label, ys in series.items():
+            ax.plot(range(len(ys)), ys, marker="o", ms=3, ls=styles.get(label.split(":")[0], "-"), label=label)
+        ax.set_xticks(range(n))
     ax.set_xticklabels([str(x) for x in range(n)])
     ax.set_xlabel("accepted draft tokens in a step (tokens emitted = this + 1)")
     ax.set_ylabel("fraction of steps")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=1 if len(series) <= 6 else 2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 

@@ -39,7 +39,6 @@ import json  # noqa: E402
 import random  # noqa: E402
 import re  # noqa: E402
 import signal  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -235,7 +234,8 @@ async def client(k: int, url: str, a, refs: References, stats: Stats, deadline: 
                         continue
                     if typ == "delta":
                         if msg["seq"] != st["seq"]:
-                            stats.bad(f"{rid}: delta seq {msg['seq']}, expected {st['seq']} (lost/duplicated/reordered)")
+                            stats.bad(f"{rid}: delta seq {msg['seq']}, expected {st['seq']} "
+                                      f"(lost/duplicated/reordered)")
                         st["seq"] = msg["seq"] + 1
                         if st["first"] is None:
                             st["first"] = time.monotonic()
@@ -379,7 +379,8 @@ def main(argv=None) -> int:
     if proc is not None:
         checks["server_exit_0"] = exit_status == 0
     summary = {
-        "url": url, "own_server": proc is not None, "target": a.target, "draft": a.draft, "clients": a.clients, "inflight_per_client": a.inflight,
+        "url": url, "own_server": proc is not None, "target": a.target, "draft": a.draft, "clients": a.clients,
+        "inflight_per_client": a.inflight,
         "minutes": a.minutes, "duration_s": round(duration, 1), "requests": stats.requests, "tokens": stats.tokens,
         "deltas": stats.deltas, "tokens_per_s": round(stats.tokens / duration, 1) if duration else 0.0,
         "requests_per_s": round(stats.requests / duration, 2) if duration else 0.0,
@@ -403,6 +404,7 @@ def main(argv=None) -> int:
     print("      checks:", " ".join(f"{k}={'ok' if v else 'FAIL'}" for k, v in checks.items()))
     print(json.dumps(summary))
     if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(summary, indent=2) + "\n")
     if proc is not None and not summary["ok"] and tail:
         print("server log tail:\n" + "".join(tail), file=sys.stderr)

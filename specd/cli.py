@@ -89,6 +89,10 @@ def apply_env_and_toml(p: argparse.ArgumentParser, argv: list, cmd: str) -> argp
                 values.update({k.replace("-", "_"): v for k, v in tomllib.load(f).items()})
         except (OSError, tomllib.TOMLDecodeError) as e:
             p.error(f"config file {toml_path}: {e}")
+        known = {a.dest for a in p._actions if a.option_strings}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            p.error(f"config file {toml_path}: unknown setting(s) {', '.join(unknown)}")
     for action in p._actions:
         if not action.option_strings or action.dest in ("help", "config"):
             continue

@@ -395,3 +395,58 @@ def test_overload_refused_at_once_and_service_resumes(make_server, engine):
                 assert m["finish_reason"] == "length"
                 done.add(m["id"])
     assert wait_clean(srv, tasks_before) == {}
+
+
+# keys --------------------------------------------------------------------------------------------
+def test_api_key_enforced_on_every_surface(make_server, engine):
+    """With --api-key, nothing but the health routes answers without the key: websocket (header or
+    `auth`), /metrics and gRPC Generate."""
+    import urllib.error
+    import urllib.request
+
+    import grpc
+    from websockets.exceptions import InvalidStatus
+
+    from specd.server.proto.specd.v1 import specd_pb2 as pb
+
+    key = "s3cret-key"
+    grpc_port = _free_port()
+    srv = make_server(api_key=key, grpc_port=grpc_port)
+    tasks_before = n_tasks(srv)
+
+    def http(path, headers=None):
+        req = urllib.request.Request(f"http://127.0.0.1:{srv.port}{path}", headers=headers or {})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    assert http("/healthz") == 200 and http("/readyz") == 200
+    assert http("/metrics") == 401 and http("/metrics", {"Authorization": "Bearer nope"}) == 401
+    assert http("/metrics", {"Authorization": f"Bearer {key}"}) == 200
+    with pytest.raises(InvalidStatus) as ei:
+        connect(f"ws://127.0.0.1:{srv.port}/ws", additional_headers={"Authorization": "Bearer nope"}).__enter__()
+    assert ei.value.response.status_code == 401
+    with connect(f"ws://127.0.0.1:{srv.port}/ws") as ws:  # no header: every message but auth is refused
+        ws.send(gen("x", PROMPTS[0], 4))
+        m = orjson.loads(ws.recv(timeout=10))
+        assert (m["type"], m.get("id"), m["code"]) == ("error", "x", "unauthorized")
+        ws.send(orjson.dumps({"type": "auth", "key": key}).decode())
+        assert orjson.loads(ws.recv(timeout=10)) == {"type": "auth_ok"}
+        ws.send(gen("y", PROMPTS[0], 4))
+        m = orjson.loads(ws.recv(timeout=30))
+        while m["type"] == "delta":
+            m = orjson.loads(ws.recv(timeout=30))
+        assert m["type"] == "done" and m["finish_reason"] == "length"
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        call = ch.unary_stream("/specd.v1.Specd/Generate", request_serializer=pb.GenerateRequest.SerializeToString,
+                               response_deserializer=pb.GenerateResponse.FromString)
+        req = pb.GenerateRequest(id="g", prompt="Hi", max_tokens=4)
+        for md in (None, (("authorization", "Bearer nope"),)):
+            with pytest.raises(grpc.RpcError) as ei:
+                list(call(req, timeout=30, metadata=md))
+            assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        out = list(call(req, timeout=30, metadata=(("authorization", f"Bearer {key}"),)))
+        assert out[-1].WhichOneof("event") == "done"
+    assert wait_clean(srv, tasks_before) == {}

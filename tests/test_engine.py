@@ -136,3 +136,17 @@ def test_cli_generate_matches_reference_text():
     assert first_line and first_line.strip() in ref
     assert d["stats"]["steps"] > 0 and len(d["token_ids"]) == 200
     assert set(d) == {"text", "token_ids", "stats"}
+
+
+def test_serve_config_file_rejects_unknown_keys(tmp_path):
+    from specd.cli import apply_env_and_toml, build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices["serve"]
+    good = tmp_path / "ok.toml"
+    good.write_text('port = 9001\nmax_queue = 7\n')
+    a = apply_env_and_toml(sub, ["--config", str(good), "--port", "9002"], "serve")
+    assert a.port == 9002 and a.max_queue == 7  # flags win over the file
+    bad = tmp_path / "bad.toml"
+    bad.write_text('prot = 9001\n')
+    with pytest.raises(SystemExit):
+        apply_env_and_toml(sub, ["--config", str(bad)], "serve")

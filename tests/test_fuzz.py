@@ -362,7 +362,6 @@ def _run_binary_fuzz(probe, server, n, opts):
 
 def test_fuzz_json_frames(probe, server):
     _run_json_fuzz(probe, server, N_FAST, FAST)
-    print("fuzz stats", probe.stats)
     assert probe.stats["streams"] > 0 and len(probe.stats["errors"]) >= 3, probe.stats
 
 
@@ -374,6 +373,8 @@ def test_fuzz_binary_frames(probe, server):
 def test_fuzz_json_frames_long(probe, server):
     _run_json_fuzz(probe, server, N_SLOW, SLOW)
     _run_binary_fuzz(probe, server, N_SLOW // 4, SLOW)
+    _run_raw_fuzz(server, N_SLOW // 10, SLOW)
+    _run_grpc_fuzz(server, N_SLOW // 2, SLOW)
 
 
 def test_keyless_auth_without_key_field(probe):
@@ -433,9 +434,13 @@ def raw_frames(draw):
 def test_fuzz_raw_bytes_after_upgrade(server):
     """Garbage at the websocket framing layer: the server closes or keeps waiting for the rest of the
     frame; it never crashes, never sends anything but a close, and keeps serving others."""
+    _run_raw_fuzz(server, max(15, N_FAST // 6), FAST)
+
+
+def _run_raw_fuzz(server, n, opts):
     before = server.call(lambda: len(server.app.ws.conns))  # the module's probe connection may be open
 
-    @settings(max_examples=max(15, N_FAST // 6), **FAST)
+    @settings(max_examples=n, **opts)
     @given(data=raw_frames())
     def run(data):
         s = _raw_ws(server.port)
@@ -468,6 +473,10 @@ def test_fuzz_raw_bytes_after_upgrade(server):
 
 
 def test_fuzz_grpc_malformed_bytes(server):
+    _run_grpc_fuzz(server, max(30, N_FAST // 2), FAST)
+
+
+def _run_grpc_fuzz(server, n, opts):
     import grpc
 
     from specd.server.proto.specd.v1 import specd_pb2 as pb
@@ -496,7 +505,7 @@ def test_fuzz_grpc_malformed_bytes(server):
                     assert e.details().split(":")[0] in CODES, e.details()
                 seen[code.name] = seen.get(code.name, 0) + 1
 
-        @settings(max_examples=max(30, N_FAST // 2), **FAST)
+        @settings(max_examples=n, **opts)
         @given(raw=st.one_of(
             st.binary(max_size=200),
             st.tuples(st.integers(0, len(valid) - 1), st.integers(0, 255)).map(

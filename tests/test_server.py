@@ -356,7 +356,8 @@ def test_metrics_parse(server):
                  "specd_spec_decode_num_drafts", "specd_spec_decode_num_draft_tokens",
                  "specd_spec_decode_num_accepted_tokens", "specd_spec_decode_num_accepted_tokens_per_pos",
                  "specd_preemptions", "specd_spec_budget", "specd_requests", "specd_request_errors",
-                 "specd_prefix_cache_hit_rate", "specd_spec_depth"):
+                 "specd_prefix_cache_hit_rate", "specd_spec_depth", "specd_engine_step_errors",
+                 "specd_engine_healthy"):
         assert name in fams, name
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
     assert samples[("specd_kv_blocks_total", (("cache", "target"),))] == 512

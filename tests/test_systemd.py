@@ -140,7 +140,8 @@ def test_toml_example_names_every_serve_setting(monkeypatch):
     dests = _serve_dests()
     assert active <= dests, f"unknown keys in specd.toml.example: {sorted(active - dests)}"
     assert commented <= dests, f"unknown commented keys: {sorted(commented - dests)}"
-    assert dests <= active | commented, f"serve settings missing from specd.toml.example: {sorted(dests - active - commented)}"
+    missing = sorted(dests - active - commented)
+    assert not missing, f"serve settings missing from specd.toml.example: {missing}"
     for k in list(os.environ):
         if k.startswith("SPECD_"):
             monkeypatch.delenv(k)

@@ -103,7 +103,7 @@ class App:
         self.ae: Optional[AsyncEngine] = None
         self.grpc = None
         self.metrics = Metrics(lambda: self.ae.engine if self.ae else None,
-                               ready_getter=lambda: self.ws.ready,
+                               ready_getter=lambda: self.ws.ready, loop_getter=lambda: self.ae,
                                connections_getter=lambda: len(self.ws.conns), log_request=log_request)
         self.ws = WSServer(api_key=getattr(args, "api_key", None), allowed_origins=getattr(args, "allowed_origins", ""),
                            max_connections=getattr(args, "max_connections", 256),

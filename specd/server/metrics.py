@@ -64,9 +64,11 @@ class Metrics:
     """All the daemon's metrics. ``engine_getter()`` returns the Engine (None while loading)."""
 
     def __init__(self, engine_getter: Callable[[], Optional[object]], ready_getter: Callable[[], bool] = lambda: True,
+                 loop_getter: Callable[[], Optional[object]] = lambda: None,
                  connections_getter: Callable[[], int] = lambda: 0, log_request: Optional[Callable] = None):
         self.engine_getter = engine_getter
         self.ready_getter = ready_getter
+        self.loop_getter = loop_getter  # the AsyncEngine (step errors, watchdog state)
         self.connections_getter = connections_getter
         self.log_request = log_request  # f(RequestOutput) for finished requests (engine thread)
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -181,6 +183,12 @@ class Metrics:
                 metric("specd_prefix_cache_hit_rate", "gauge", "prompt tokens served from the prefix cache / "
                                                                "prompt tokens", [({}, rate)])
         metric("specd_engine_steps", "counter", "engine steps that emitted outputs", [({}, self.steps)])
+        ae = self.loop_getter()
+        if ae is not None:
+            metric("specd_engine_step_errors", "counter", "engine steps that raised (their requests failed)",
+                   [({}, ae.num_step_errors)])
+            metric("specd_engine_healthy", "gauge", "1 while the engine loop makes progress (the watchdog source)",
+                   [({}, 1 if ae.watchdog_ok() else 0)])
         hist("specd_engine_step_seconds", "duration of one engine step", self.step_time)
         hist("specd_time_to_first_token_seconds", "request arrival to its first token", self.ttft)
         hist("specd_inter_token_latency_seconds", "latency per output token after the first", self.itl)
