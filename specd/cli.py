@@ -48,6 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--batch-seqs-with-interactive", type=int, default=2,
+                   help="batch-priority requests per step while interactive work runs (0 = no cap)")
     p.add_argument("--no-prefix-cache", action="store_true")
 
 
@@ -63,6 +65,7 @@ def engine_config(a):
                         static_tree=_static_tree(a.static_tree)),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_batched_tokens,
                                   prefill_chunk=a.prefill_chunk, max_queue=a.max_queue,
+                                  batch_seqs_with_interactive=a.batch_seqs_with_interactive,
                                   enable_prefix_cache=not a.no_prefix_cache),
     )
 

@@ -140,11 +140,14 @@ class SchedulerConfig:
     prefill_chunk: int = 256
     max_queue: int = 256
     batch_starvation_s: float = 2.0  # a batch request waiting this long is served ahead of new interactive work
+    batch_seqs_with_interactive: int = 2  # batch requests per step while interactive work is active (0 = no cap)
     enable_prefix_cache: bool = True
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 16 or self.prefill_chunk < 1:
             raise ValueError("scheduler limits must be positive (max_num_batched_tokens >= 16)")
+        if self.batch_seqs_with_interactive < 0:
+            raise ValueError("batch_seqs_with_interactive must be >= 0")
         if not math.isfinite(self.batch_starvation_s) or self.batch_starvation_s <= 0:
             raise ValueError("batch_starvation_s must be a positive number")
 

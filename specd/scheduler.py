@@ -3,7 +3,10 @@
 Policy (knobs in ``SchedulerConfig`` / ``SpecConfig``):
 
 - Order: interactive before batch; running before waiting within a class; then arrival order. A
-  batch request that has waited ``batch_starvation_s`` is ranked as interactive (starvation guard).
+  batch request that has been WAITING ``batch_starvation_s`` is ranked as interactive (starvation
+  guard; time spent running does not count). While any interactive request is active, at most
+  ``batch_seqs_with_interactive`` batch requests run per step, rotated least-recently-served first,
+  so interactive steps stay short; with no interactive work, batch requests use the whole step.
 - Token budget per step (``max_num_batched_tokens``) counts every token the target processes:
   prefill chunks AND verification trees (1 root + draft tokens). Decoding sequences are served
   first in rank order, so a long prompt never stalls running decodes: it is split into chunks of at
@@ -17,8 +20,8 @@ Policy (knobs in ``SchedulerConfig`` / ``SpecConfig``):
   that maximises the expected tokens per second of the whole step,
   ``sum_i E(a_i, D) / (t_t + D * t_d)`` with ``E(a, D) = (1 - a^(D+1)) / (1 - a)`` (Leviathan et al.
   2023). D = 0 turns speculation off - at high batch the target step grows and D shrinks; when the
-  batch drains it grows back. While D = 0, every ``probe_every``-th step drafts one token so the
-  acceptance estimates stay current. Chains use k = D; trees keep min(tree_budget, D * tree_topk)
+  batch drains it grows back. While D = 0, a probe step drafts one token so the acceptance
+  estimates stay current; the probe interval doubles (16 -> 256 steps) while D stays 0. Chains use k = D; trees keep min(tree_budget, D * tree_topk)
   nodes up to depth D. Requests that name a mode (chain/tree) get that fixed size (capped by their
   max_draft_tokens); the step's draft tokens are also capped at ``max_verify_tokens - batch``.
 """
@@ -73,7 +76,9 @@ class Scheduler:
         self.t_per_token = 0.0  # marginal seconds per target token (least squares over recent steps)
         self._obs: list = []  # recent (tokens, seconds) of target steps
         self.t_draft: Optional[float] = None  # EMA seconds of one draft forward (one tree level)
-        self.probe_every = 16
+        self.probe_every = 16  # current probe interval (steps) while speculation is off
+        self.probe_min, self.probe_max = 16, 256
+        self.probing = False
         self._steps = 0
         self.prefix_cache = prefix_cache if cfg.enable_prefix_cache else None
         self.draft_prefix_cache = draft_prefix_cache if cfg.enable_prefix_cache else None
@@ -81,6 +86,7 @@ class Scheduler:
     # queue ---------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
+        seq.wait_since = self.clock()
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -118,8 +124,9 @@ class Scheduler:
     # ranking ------------------------------------------------------------------------------------
     def _rank(self, seq: Sequence, now: float):
         prio = seq.prio
-        if prio > 0 and now - seq.arrival >= self.cfg.batch_starvation_s:
-            prio = 0  # starvation guard
+        waiting = seq.status is Status.WAITING
+        if prio > 0 and waiting and now - seq.wait_since >= self.cfg.batch_starvation_s:
+            prio = 0  # starvation guard: only time spent WAITING counts, never time spent running
         return (prio, seq.status is Status.WAITING, seq.arrival)
 
     # speculation policy -------------------------------------------------------------------------
@@ -189,8 +196,14 @@ class Scheduler:
             rate = sum(self.expected_tokens(a, d) for a in alphas) / step_time(d)
             if rate > best * 1.02:  # a clear win only
                 best, best_d = rate, d
-        if best_d == 0 and self._steps % self.probe_every == 0:
-            return 1  # probe: keep the acceptance estimates fresh
+        self.probing = False
+        if best_d == 0:
+            if self._steps % self.probe_every == 0:
+                self.probing = True  # one draft token keeps the acceptance estimates fresh...
+                self.probe_every = min(self.probe_max, self.probe_every * 2)  # ...ever more rarely
+                return 1
+            return 0
+        self.probe_every = self.probe_min
         return best_d
 
     def step_spec_cap(self, batch: int) -> int:
@@ -215,11 +228,25 @@ class Scheduler:
             self.last_depth = auto_depth
         scheduled: list[Scheduled] = []
         preempted: list[Sequence] = []
+        # while interactive requests are active, batch work runs in small rotating groups so the
+        # interactive steps stay short (batch requests fill what is left)
+        limit = self.cfg.batch_seqs_with_interactive
+        batch_slots = None
+        if limit and any(self._rank(s, now)[0] == 0 for s in cands):
+            batch_slots = limit
+            head = [s for s in cands if self._rank(s, now)[0] == 0]
+            tail = sorted((s for s in cands if self._rank(s, now)[0] > 0),
+                          key=lambda s: (s.last_step, self._rank(s, now)))  # least recently served first
+            cands = head + tail
         for seq in cands:
             if seq in preempted:
                 continue
             if budget <= 0 or len(scheduled) >= self.cfg.max_num_seqs:
                 break
+            if batch_slots is not None and self._rank(seq, now)[0] > 0:
+                if batch_slots <= 0:
+                    continue
+                batch_slots -= 1
             waiting = seq.status is Status.WAITING
             if seq.blocks is None:
                 seq.blocks = self.cache.new_seq()
@@ -238,6 +265,8 @@ class Scheduler:
                     depth = auto_depth
                     mode = self.mode_of(seq)
                     want = depth if mode == "chain" else min(self.spec.tree_budget, depth * self.spec.tree_topk)
+                    if self.probing:
+                        want = 1  # a probe drafts a single token
                     if seq.spec.max_draft_tokens is not None:
                         want = min(want, seq.spec.max_draft_tokens)
                 spec = min(want, cap, max(0, budget - chunk))
@@ -264,6 +293,7 @@ class Scheduler:
                 if seq.scheduled_time is None:
                     seq.scheduled_time = now
             scheduled.append(Scheduled(seq, chunk, final, spec, depth))
+            seq.last_step = self._steps
             budget -= chunk + spec
         self.last_spec_budget = sum(s.spec_budget for s in scheduled)
         return SchedulerOutput(scheduled, preempted)
@@ -315,6 +345,7 @@ class Scheduler:
             self.running.remove(seq)
         self.free_blocks(seq)
         seq.status = Status.WAITING
+        seq.wait_since = self.clock()
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(seq)

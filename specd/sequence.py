@@ -120,6 +120,8 @@ class Sequence:
         self.scheduled_time: Optional[float] = None
         self.finish_time: Optional[float] = None
         self.num_preemptions = 0
+        self.wait_since = self.arrival  # when it last entered the waiting queue (starvation guard)
+        self.last_step = -1  # scheduler step it last ran in (batch rotation)
         self.recent_accept: float = 0.6  # EMA of per-position acceptance (adaptive speculation prior)
         self.spec_budget: int = 0  # draft tokens granted this step
         self.cached_prefix_tokens = 0  # prompt tokens served from the prefix cache

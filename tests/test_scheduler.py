@@ -146,3 +146,50 @@ def test_adaptive_depth_follows_acceptance_and_step_costs():
         s2.observe(0.001 + 0.0001 * (10 + k), 0.0005, tokens=10 + k)
     assert abs(s2.t_per_token - 0.0001) < 1e-9 and abs(s2.t_target - 0.001) < 1e-9
     assert s2.t_draft is not None and abs(s2.t_draft - 0.0005) < 1e-12  # draft cost recorded on the fit path too
+
+
+def test_running_batch_requests_are_not_promoted_by_age():
+    """Regression: the starvation guard once promoted RUNNING batch requests by age, so a new
+    interactive request queued behind every batch request older than batch_starvation_s."""
+    s, clock = _sched(max_num_seqs=1, batch_starvation_s=2.0)
+    b = _seq(clock, "b", prio="batch")
+    s.add(b)
+    _run(s, s.schedule())  # b runs
+    clock.t = 5.0  # running for 5 s
+    i = _seq(clock, "i")
+    s.add(i)
+    out = s.schedule()
+    assert out.scheduled[0].seq is i  # the interactive request takes the only slot
+    assert b in out.preempted or b.status is Status.RUNNING
+
+
+def test_batch_work_rotates_in_small_groups_while_interactive_runs():
+    s, clock = _sched(num_blocks=256, batch_seqs_with_interactive=2)
+    batch = [_seq(clock, f"b{k}", prio="batch") for k in range(6)]
+    for q in batch:
+        s.add(q)
+    out = s.schedule()
+    assert len(out.scheduled) == 6  # no interactive work: batch uses the whole step
+    _run(s, out)
+    s.add(i := _seq(clock, "i"))
+    served = set()
+    for _ in range(3):
+        out = s.schedule()
+        ids = [sc.seq.request_id for sc in out.scheduled]
+        assert ids[0] == "i" and len(ids) == 3  # interactive + 2 batch
+        served |= set(ids[1:])
+        _run(s, out)
+    assert served == {q.request_id for q in batch}  # round robin: every batch request progressed
+
+
+def test_probes_draft_one_token_and_back_off():
+    s, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
+    s.t_target, s.t_draft = 0.010, 0.009  # speculation does not pay
+    picks = []
+    for step in range(1, 200):
+        s._steps = step
+        picks.append(s.choose_depth([0.3]))
+    probes = [k + 1 for k, d in enumerate(picks) if d]
+    assert probes and all(picks[p - 1] == 1 for p in probes)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # ever rarer
