@@ -36,7 +36,8 @@ bench: install
 
 eval: install
 	$(BIN)/python eval/acceptance.py --target $(SHARED)/models/stories260K --draft $(SHARED)/models/stories260K-draft-1L64 \
-		--prompts $(SHARED)/data/mt_bench/question.jsonl --raw --limit 16 --max-tokens 96 --out eval/out/mt_bench
+		--prompts $(SHARED)/data/mt_bench/question.jsonl --raw --limit 24 --max-tokens 128 \
+		--modes off,chain:4,tree:16 --temperature 0,1 --out eval/out/mt_bench
 
 SOAK_CLIENTS ?= 8
 SOAK_MINUTES ?= 3

@@ -262,7 +262,7 @@ def theory(m, ov: dict, timing: dict, off_timing: dict) -> dict:
 # output -----------------------------------------------------------------------------------------
 def markdown(report: dict) -> str:
     meta = report["meta"]
-    lines = [f"# specd acceptance evaluation", "",
+    lines = ["# specd acceptance evaluation", "",
              f"- command: `{meta['command']}`",
              f"- date: {meta['date']}; device: {meta['device']} ({meta['cpu']}, {meta['cpu_count']} cores, "
              f"{meta['torch_threads']} torch threads); versions: "

@@ -9,7 +9,6 @@
 import json
 import shutil
 import sys
-from pathlib import Path
 
 import pytest
 

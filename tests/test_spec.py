@@ -90,6 +90,12 @@ def test_static_tree_is_lossless(shared_pair, references):
     assert [s.output_ids for s in seqs] == off[:8]
     assert max(len(s.stats.drafted_per_depth) for s in seqs) == 4
     assert eng.stats.mean_accepted_length > 1.8
+    # near the end of the context the tree is cut to the room left (regression: it ran past RoPE)
+    long_prompt = (prompts[0] * 20)[: 512 - 12]
+    s = eng.generate([long_prompt], SamplingParams(temperature=0, max_tokens=12), SpecParams(mode="auto"))[0]
+    ref = Engine(EngineConfig(target=str(TARGET)), target=t).generate(
+        [long_prompt], SamplingParams(temperature=0, max_tokens=12), SpecParams(mode="off"))[0]
+    assert s.output_ids == ref.output_ids and len(s.tokens) <= 512
     with pytest.raises(ValueError, match="no parent choice"):
         SpecConfig(mode="static", static_tree=((0, 0),))
 

@@ -110,7 +110,10 @@ class Drafter:
         if mode == "chain":
             return Shape("chain", budget, 1, budget)
         if mode == "static" and self.static is not None:
-            return Shape("static", budget, choices=self.static, depth=max(len(p) for p in self.static.paths))
+            ch = self.static
+            if len(ch.parents) - 1 > budget:  # keep the first `budget` nodes in BFS order (parent-closed)
+                ch = type(ch)(ch.parents[: budget + 1], ch.ranks[: budget + 1], ch.paths[: budget + 1])
+            return Shape("static", budget, choices=ch, depth=max(len(p) for p in ch.paths))
         topk = min(self.cfg.tree_topk, budget)
         depth = min(depth or self.cfg.tree_depth, budget)
         if topk <= 1:
