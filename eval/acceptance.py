@@ -38,14 +38,7 @@ import common as C  # noqa: E402
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True, help="target checkpoint dir (HF format)")
-    ap.add_argument("--draft", required=True, help="draft checkpoint dir (same tokenizer)")
-    ap.add_argument("--prompts", required=True, help="question.jsonl (turns, category) or text, one prompt a line")
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--chat-template", dest="chat_template", action="store_true", default=None,
-                   help="apply the tokenizer's chat template (default when it has one)")
-    g.add_argument("--raw", dest="chat_template", action="store_false", help="raw text prompts (BOS + text)")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    C.add_model_prompt_args(ap, max_tokens=128)
     ap.add_argument("--temperature", default="0", help="comma list, e.g. 0,1 (0 = greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed base (same per prompt for every mode)")
@@ -55,6 +48,7 @@ def parse_args(argv=None):
     ap.add_argument("--tree-topk", type=int, default=4, help="dynamic tree: children per node / nodes per level")
     ap.add_argument("--tree-depth", type=int, default=6, help="dynamic tree: max depth")
     ap.add_argument("--limit", type=int, default=None, help="N prompts in all, round-robin over categories")
+    ap.add_argument("--start", type=int, default=0, help="skip the file's first N prompts (GSM8K held-out: 7273)")
     ap.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
     ap.add_argument("--categories", default=None, help="comma list of categories to keep")
     ap.add_argument("--max-turns", type=int, default=None, help="only the first N turns of each prompt")
@@ -347,7 +341,7 @@ def main(argv=None) -> int:
     if not any(m.kind == "off" for m in modes):
         modes = [C.Mode("off", "off")] + modes
     cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
-    prompts = C.load_prompts(a.prompts, a.limit, cats, a.per_category, a.max_turns)
+    prompts = C.load_prompts(a.prompts, a.limit, cats, a.per_category, a.max_turns, start=a.start)
     if not prompts:
         print("acceptance: no prompts selected", file=sys.stderr)
         return 2

@@ -63,9 +63,24 @@ class Prompt:
     subcategory: Optional[str] = None  # Spec-Bench's mt_bench rows keep their MT-bench category here
 
 
+def add_model_prompt_args(ap, max_tokens: int = 128) -> None:
+    """The arguments every eval script shares: the pair, the prompt file, chat template or raw."""
+    ap.add_argument("--target", required=True, help="target checkpoint dir (HF format)")
+    ap.add_argument("--draft", required=True, help="draft checkpoint dir (same tokenizer)")
+    ap.add_argument("--prompts", required=True,
+                    help="question.jsonl (turns, category), GSM8K jsonl (question) or text, one prompt a line")
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--chat-template", dest="chat_template", action="store_true", default=None,
+                   help="apply the tokenizer's chat template (default when it has one)")
+    g.add_argument("--raw", dest="chat_template", action="store_false", help="raw text prompts (BOS + text)")
+    ap.add_argument("--max-tokens", type=int, default=max_tokens)
+
+
 def load_prompts(path, limit: Optional[int] = None, categories: Optional[list] = None,
-                 per_category: Optional[int] = None, max_turns: Optional[int] = None) -> list:
-    """Read MT-bench / Spec-Bench ``question.jsonl`` (``turns``, ``category``) or plain text.
+                 per_category: Optional[int] = None, max_turns: Optional[int] = None, start: int = 0) -> list:
+    """Read MT-bench / Spec-Bench ``question.jsonl`` (``turns``, ``category``), GSM8K ``train.jsonl``
+    (``question``; category ``gsm8k``) or plain text. ``start`` skips the file's first N prompts (e.g.
+    ``--start 7273`` on GSM8K = the demo pair's 200 held-out questions).
 
     Plain text: one prompt per non-empty line, category ``text``. In a Spec-Bench file (one that has
     the Spec-Bench task categories) the eight MT-bench categories are reported together as
@@ -83,9 +98,12 @@ def load_prompts(path, limit: Optional[int] = None, categories: Optional[list] =
                 continue
             r = json.loads(line)
             turns = r.get("turns") or ([r["prompt"]] if "prompt" in r else None)
+            category = r.get("category", "default")
+            if not turns and "question" in r:  # GSM8K
+                turns, category = [r["question"]], "gsm8k"
             if not turns:
-                raise ValueError(f"{path}:{n + 1}: no 'turns' (or 'prompt') field")
-            rows.append(Prompt(str(r.get("question_id", n + 1)), str(r.get("category", "default")), list(turns)))
+                raise ValueError(f"{path}:{n + 1}: no 'turns' (or 'prompt' / 'question') field")
+            rows.append(Prompt(str(r.get("question_id", n + 1)), str(category), list(turns)))
         cats = {p.category for p in rows}
         if cats & set(SPEC_BENCH_TASKS):
             for p in rows:
@@ -93,6 +111,7 @@ def load_prompts(path, limit: Optional[int] = None, categories: Optional[list] =
                     p.subcategory, p.category = p.category, "mt_bench"
     else:
         rows = [Prompt(str(i + 1), "text", [ln]) for i, ln in enumerate(x for x in text.splitlines() if x.strip())]
+    rows = rows[start:]
     if max_turns is not None:
         for p in rows:
             p.turns = p.turns[:max_turns]

@@ -36,13 +36,7 @@ import common as C  # noqa: E402
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--prompts", required=True)
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--chat-template", dest="chat_template", action="store_true", default=None)
-    g.add_argument("--raw", dest="chat_template", action="store_false")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    C.add_model_prompt_args(ap, max_tokens=128)
     ap.add_argument("--modes", default="off,chain:4,tree:16", help="specd modes (see eval/acceptance.py)")
     ap.add_argument("--hf-assist-k", default="4", help="constant-schedule assisted generation runs (comma list)")
     ap.add_argument("--no-ct2", action="store_true", help="skip CTranslate2 even when installed")

@@ -30,13 +30,7 @@ import common as C  # noqa: E402
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--prompts", required=True)
-    g = ap.add_mutually_exclusive_group()
-    g.add_argument("--chat-template", dest="chat_template", action="store_true", default=None)
-    g.add_argument("--raw", dest="chat_template", action="store_false")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    C.add_model_prompt_args(ap, max_tokens=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="chain lengths")

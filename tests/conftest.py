@@ -51,3 +51,24 @@ def hf_target():
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(TARGET)).eval()
+
+
+def serve_args(num_blocks: int = 512, log_level: str = "warning", **kw):
+    """`specd serve` arguments for an in-process server on the shared pair (loopback, free ports)."""
+    from specd.cli import build_parser
+
+    a = build_parser().parse_args(["serve", "--target", str(TARGET), "--draft", str(DRAFT), "--device", "cpu",
+                                   "--dtype", "float32", "--num-blocks", str(num_blocks), "--port", "0",
+                                   "--grpc-port", "0", "--log-level", log_level])
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+def serve_engine(shared_pair, **kw):
+    """An Engine configured like `specd serve` with ``serve_args(**kw)``, on the shared loaded pair."""
+    from specd.cli import engine_config
+    from specd.engine import Engine
+
+    t, d = shared_pair
+    return Engine(engine_config(serve_args(**kw)), target=t, draft=d)

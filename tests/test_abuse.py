@@ -20,7 +20,7 @@ from websockets.asyncio.client import connect as aconnect
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from conftest import DRAFT, TARGET
+from conftest import serve_args, serve_engine
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,23 +36,12 @@ def _free_port() -> int:
 
 
 def make_args(**kw):
-    from specd.cli import build_parser
-
-    a = build_parser().parse_args(["serve", "--target", str(TARGET), "--draft", str(DRAFT), "--device", "cpu",
-                                   "--dtype", "float32", "--num-blocks", "1024", "--port", "0", "--grpc-port", "0",
-                                   "--log-level", "error"])
-    for k, v in kw.items():
-        setattr(a, k, v)
-    return a
+    return serve_args(num_blocks=1024, log_level="error", **kw)
 
 
 @pytest.fixture(scope="module")
 def engine(shared_pair):
-    from specd.cli import engine_config
-    from specd.engine import Engine
-
-    t, d = shared_pair
-    return Engine(engine_config(make_args()), target=t, draft=d)
+    return serve_engine(shared_pair, num_blocks=1024, log_level="error")
 
 
 @pytest.fixture

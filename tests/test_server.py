@@ -16,7 +16,7 @@ from websockets.asyncio.client import connect as aconnect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from conftest import DRAFT, TARGET
+from conftest import serve_args, serve_engine
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,23 +26,12 @@ N_TOK = 24
 
 
 def make_args(**kw):
-    from specd.cli import build_parser
-
-    a = build_parser().parse_args(["serve", "--target", str(TARGET), "--draft", str(DRAFT), "--device", "cpu",
-                                   "--dtype", "float32", "--num-blocks", "512", "--port", "0", "--grpc-port", "0",
-                                   "--log-level", "warning"])
-    for k, v in kw.items():
-        setattr(a, k, v)
-    return a
+    return serve_args(num_blocks=512, log_level="warning", **kw)
 
 
 @pytest.fixture(scope="module")
 def engine(shared_pair):
-    from specd.cli import engine_config
-    from specd.engine import Engine
-
-    t, d = shared_pair
-    return Engine(engine_config(make_args()), target=t, draft=d)
+    return serve_engine(shared_pair, num_blocks=512, log_level="warning")
 
 
 @pytest.fixture(scope="module")
