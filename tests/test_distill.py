@@ -98,7 +98,7 @@ def test_cli_args():
 @pytest.fixture(scope="module")
 def stories_target():
     if not (STORIES / "config.json").is_file():
-        pytest.skip(f"{STORIES} not present")
+        pytest.fail(f"{STORIES} not present (the shared models are a required input)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(STORIES)
@@ -194,7 +194,6 @@ def _demo_ready() -> bool:
     return all((DEMO / n / "model.safetensors").is_file() and (DEMO / n / "tokenizer.json").is_file() for n in ("target", "draft"))
 
 
-@pytest.mark.skipif(not _demo_ready(), reason="models/demo not trained yet (eval/train_demo_pair.py)")
 def test_demo_pair_loads_and_chat_template_renders():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -225,3 +224,22 @@ def test_demo_pair_loads_and_chat_template_renders():
     assert models["draft"].config.num_hidden_layers == 1
     size = sum(f.stat().st_size for f in DEMO.rglob("*") if f.is_file())
     assert size <= 16 * 2**20, size
+
+
+def test_specd_serves_the_distilled_draft_losslessly(distilled):
+    """The distilled draft plugs into specd: greedy speculative output == target-only output."""
+    from specd.config import EngineConfig, SpecConfig
+    from specd.engine import Engine
+    from specd.sampling import SamplingParams
+    from specd.sequence import SpecParams
+
+    out, _ = distilled
+    eng = Engine(EngineConfig(target=str(STORIES), draft=str(out), spec=SpecConfig(adaptive=False)))
+    prompts = [eng.tokenizer(p)["input_ids"] for p in ("Once upon a time", "The little dog", "Sue had a red hat.")]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    ref = [s.output_ids for s in eng.generate(prompts, params, SpecParams(mode="off"))]
+    for mode in ("chain", "tree"):
+        got = eng.generate(prompts, params, SpecParams(mode=mode))
+        assert [s.output_ids for s in got] == ref
+        assert sum(s.stats.accepted_tokens for s in got) > 0  # the distilled draft is really accepted
+    assert eng.kv_blocks_used() == (0, 0)

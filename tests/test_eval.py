@@ -19,7 +19,6 @@ sys.path.insert(0, str(ROOT / "eval"))
 import acceptance  # noqa: E402
 import common as C  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not TARGET.exists(), reason="shared models missing")
 
 PROMPTS = ["Once upon a time, there was a little", "Tom and Lily went to the park", "The cat sat"]
 

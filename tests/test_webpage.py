@@ -79,7 +79,7 @@ class CDP:
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     if CHROMIUM is None:
-        pytest.skip("no Chromium (apt-get install -y chromium, or set SPECD_CHROMIUM)")
+        pytest.fail("no Chromium: `make test` installs it (apt-get install -y chromium), or set SPECD_CHROMIUM")
     prof = tmp_path_factory.mktemp("chromium-profile")
     proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={prof}", "about:blank"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
