@@ -163,6 +163,11 @@ class TorchAttention:
             kvg = kvg.float()
         k = kvg[0].permute(0, 2, 3, 1)  # [B, KVH, D, L]
         v = kvg[1].transpose(1, 2)  # [B, KVH, L, D]
+        if Q == 1:  # decode-only step (T == B): the GQA grouping is a plain view, no permutes/gathers
+            qg = q.float().view(B, KVH, G, D)
+            scores = torch.matmul(qg, k).mul_(scale).add_(bias.view(B, 1, 1, L))  # [B, KVH, G, L]
+            o = torch.matmul(torch.softmax(scores, dim=-1), v).view(B, H, D)  # [B, H, D]
+            return o.to(q.dtype)
         single = B == 1 and Q == T
         qp = q if single else q[q_index.view(-1)]  # [B*Q, H, D]
         # query heads grouped under their KV head: [B, KVH, G*Q, D] (head h uses KV head h // G)
