@@ -72,3 +72,17 @@ def serve_engine(shared_pair, **kw):
 
     t, d = shared_pair
     return Engine(engine_config(serve_args(**kw)), target=t, draft=d)
+
+
+def http_status(port: int, path: str):
+    """HTTP status of GET http://127.0.0.1:port/path (None when nothing answers)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None

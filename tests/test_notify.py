@@ -24,14 +24,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import orjson
 import pytest
 from websockets.sync.client import connect
 
 from conftest import DRAFT, ROOT, TARGET
+from conftest import http_status as _http
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,14 +56,6 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _http(port, path):
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return None
 
 
 class FakeSystemd:

@@ -8,14 +8,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import orjson
 import pytest
 from websockets.sync.client import connect
 
 from conftest import DRAFT, ROOT, TARGET
+from conftest import http_status as _http
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -62,14 +61,6 @@ def test_notify_abstract_and_path(tmp_path, monkeypatch):
     assert watchdog_interval() == 2.0
 
 
-def _http(port, path):
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
-    except OSError:
-        return None
 
 
 def test_sigterm_drains_streaming_request_and_exits_0():
