@@ -389,7 +389,7 @@ class Engine:
         if final:
             d.flush()
         full = d.text
-        sent = getattr(seq, "_sent", 0)
+        sent = seq.sent_chars
         stops = seq.params.stop
         if stops:
             lo = max(0, sent - max(len(s) for s in stops))
@@ -398,7 +398,7 @@ class Engine:
                 cut = min(hits)
                 seq.finish_reason = "stop"
                 delta = full[sent:cut] if cut > sent else ""
-                seq._sent = max(sent, cut)
+                seq.sent_chars = max(sent, cut)
                 seq.stop_text = full[:cut]
                 return delta
             if not final:
@@ -410,9 +410,9 @@ class Engine:
                             break
                 upto = len(full) - hold
                 delta = full[sent:upto] if upto > sent else ""
-                seq._sent = max(sent, upto)
+                seq.sent_chars = max(sent, upto)
                 return delta
-        seq._sent = len(full)
+        seq.sent_chars = len(full)
         return full[sent:]
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -425,7 +425,7 @@ class Engine:
 
     # convenience ---------------------------------------------------------------------------------
     def output_text(self, seq: Sequence) -> str:
-        if getattr(seq, "stop_text", None) is not None:
+        if seq.stop_text is not None:
             return seq.stop_text
         return seq.detok.text if seq.detok is not None else ""
 

@@ -57,7 +57,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, spec: SpecConfig, target_cache, draft_cache=None,
                  clock: Callable[[], float] = time.monotonic, max_verify_tokens: int = 256,
-                 on_free: Optional[Callable[[Sequence], None]] = None, has_draft: bool = True,
+                 has_draft: bool = True,
                  prefix_cache=None, draft_prefix_cache=None):
         self.cfg = cfg
         self.spec = spec
@@ -69,7 +69,6 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.on_free = on_free  # hook (prefix cache) called before a sequence's blocks are freed
         self.last_spec_budget = 0
         self.last_depth = 0
         self.t_target: Optional[float] = None  # EMA seconds of a target step (forward + verify + commit)
@@ -97,8 +96,6 @@ class Scheduler:
 
     def free_blocks(self, seq: Sequence) -> None:
         self.register_prefix(seq)  # finished/preempted requests leave their full blocks reusable
-        if self.on_free is not None:
-            self.on_free(seq)
         if seq.blocks is not None:
             seq.blocks.free()
         if seq.draft_blocks is not None:

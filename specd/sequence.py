@@ -116,6 +116,8 @@ class Sequence:
         self.stats = SpecStats()
         self.finish_reason: Optional[str] = None
         self.detok = None
+        self.sent_chars = 0  # characters of the output text already streamed (stop-string hold-back)
+        self.stop_text = None  # final text when a stop string ended the request (the stop string cut off)
         self.first_token_time: Optional[float] = None
         self.scheduled_time: Optional[float] = None
         self.finish_time: Optional[float] = None
