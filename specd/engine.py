@@ -28,7 +28,7 @@ from specd.scheduler import Scheduler
 from specd.sequence import Sequence, SpecParams, SpecStats, Status
 from specd.spec.drafter import Drafter
 from specd.spec.tree import DraftTree
-from specd.spec.verify import greedy_verify, sample_verify
+from specd.spec.verify import greedy_verify, verify_batch
 
 
 class RequestError(ValueError):
@@ -307,15 +307,19 @@ class Engine:
             # params stay on the host: logits_to_probs picks its fast path without a device sync
             probs = logits_to_probs(logits[torch.tensor(rows, device=dev)], torch.tensor(temp), torch.tensor(topk),
                                     torch.tensor(topp))
-            off = 0
+            trees, dps = [], []
             for k in samp_idx:
                 sc, tree, prop, _ = work[k]
-                nt = tree.num_nodes
+                trees.append(tree)
                 dp = prop.draft_probs if prop is not None else None
-                if dp is None:
-                    dp = torch.zeros((nt, probs.shape[1]), dtype=probs.dtype, device=dev)
-                results[k] = sample_verify(tree, probs[off: off + nt], dp, sc.seq.generator, "sampled")
-                off += nt
+                dps.append(dp if dp is not None else torch.zeros((tree.num_nodes, probs.shape[1]), dtype=probs.dtype,
+                                                                 device=dev))
+            # the whole batch in one vectorised pass (two host transfers), each request drawing only
+            # from its own generator
+            batch = verify_batch(trees, probs, greedy=False, draft_probs=torch.cat(dps),
+                                 generators=[work[k][0].seq.generator for k in samp_idx], draft_mode="sampled")
+            for k, res in zip(samp_idx, batch):
+                results[k] = res
         return results
 
     # commit: the one place that does cache bookkeeping after verification ------------------------
