@@ -39,6 +39,9 @@ from specd.sequence import Sequence
 from specd.spec.tree import DraftTree, static_tree_choices
 
 
+SAMPLED_WIDTH = 2  # children per expanded node in sampled dynamic trees (see _num_children)
+
+
 @dataclass
 class Shape:
     kind: str  # chain | tree | static
@@ -279,8 +282,10 @@ class Drafter:
         if sh.kind == "tree":
             if b.depths[i] >= sh.depth:
                 return 0
-            if b.sampled:  # sampled trees meet the budget by construction: drawn children are never pruned
-                return max(0, min(sh.topk, sh.budget - (len(b.tokens) - 1)))
+            if b.sampled:  # sampled trees meet the budget by construction: drawn children are never pruned,
+                # so they are kept narrow enough to reach depth (full width would stop at depth 2)
+                width = max(1, min(sh.topk, SAMPLED_WIDTH))
+                return max(0, min(width, sh.budget - (len(b.tokens) - 1)))
             return sh.topk
         # static: count child choices under node i's path
         path = self._static_path(b, i)
