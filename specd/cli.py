@@ -48,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--max-queue", type=int, default=256)
-    p.add_argument("--batch-seqs-with-interactive", type=int, default=2,
+    p.add_argument("--batch-seqs-with-interactive", type=int, default=1,
                    help="batch-priority requests per step while interactive work runs (0 = no cap)")
     p.add_argument("--no-prefix-cache", action="store_true")
 

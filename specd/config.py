@@ -140,7 +140,7 @@ class SchedulerConfig:
     prefill_chunk: int = 256
     max_queue: int = 256
     batch_starvation_s: float = 2.0  # a batch request waiting this long is served ahead of new interactive work
-    batch_seqs_with_interactive: int = 2  # batch requests per step while interactive work is active (0 = no cap)
+    batch_seqs_with_interactive: int = 1  # batch requests per step while interactive work is active (0 = no cap)
     enable_prefix_cache: bool = True
 
     def __post_init__(self):
