@@ -90,7 +90,7 @@ def test_chunked_prefill_bounds_and_decodes_never_wait():
 
 
 def test_preemption_picks_lowest_priority_latest_arrival():
-    s, clock = _sched(num_blocks=12, block_size=4, max_num_seqs=8)
+    s, clock = _sched(num_blocks=12, block_size=4, max_num_seqs=8, batch_seqs_with_interactive=0)
     a = _seq(clock, "i-old", n=14)
     clock.t += 1
     b = _seq(clock, "b-old", n=14, prio="batch")
