@@ -23,9 +23,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -99,30 +97,11 @@ async def over_ws(url, prompts_text, max_tokens, spec_mode, ws):
 
 
 def start_server(a):
-    cmd = [sys.executable, "-m", "specd", "serve", *engine_args(a), "--port", "0", "--grpc-port", "0",
-           "--log-level", "info", "--max-queue", "1024"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    port = {}
-    ready = threading.Event()
+    from specd.server.app import ServerProcess
 
-    def read():
-        for line in proc.stderr:
-            try:
-                rec = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            if rec.get("msg") == "listening":
-                port["port"] = rec["port"]
-            if rec.get("msg") == "ready":
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    end = time.monotonic() + 300
-    while not ready.wait(0.2):
-        if proc.poll() is not None or time.monotonic() > end:
-            proc.kill()
-            raise SystemExit(f"server did not start: {' '.join(cmd)}")
-    return proc, port["port"]
+    sp = ServerProcess([*engine_args(a), "--port", "0", "--grpc-port", "0", "--log-level", "info",
+                        "--max-queue", "1024"], cwd=ROOT).start()
+    return sp.proc, sp.port
 
 
 def main(argv=None) -> int:

@@ -41,11 +41,10 @@ import re  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 import urllib.error  # noqa: E402
 import urllib.request  # noqa: E402
-from collections import Counter, deque  # noqa: E402
+from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 from urllib.parse import urlsplit  # noqa: E402
 
@@ -74,38 +73,16 @@ def rss_bytes(pid: int):
 
 
 def start_server(a):
-    """``specd serve`` on a free loopback port; returns (Popen, ws url, stderr tail)."""
-    cmd = [sys.executable, "-m", "specd", "serve", "--target", a.target, *(["--draft", a.draft] if a.draft else []),
-           "--device", a.device, "--num-blocks", str(a.num_blocks), "--port", "0", "--grpc-port", "0",
-           "--max-queue", str(a.max_queue), "--log-level", "info", "--drain-timeout", "10"]  # info: "listening"/"ready"
-    env = dict(os.environ)
-    for k in list(env):
-        if k.startswith("SPECD_") or k in ("NOTIFY_SOCKET", "WATCHDOG_USEC"):
-            del env[k]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    tail: deque = deque(maxlen=50)
-    box: dict = {}
-    ready = threading.Event()
+    """``specd serve`` on a free loopback port; returns (Popen, ws url, its stderr lines)."""
+    from specd.server.app import ServerProcess
 
-    def read():
-        for line in proc.stderr:
-            tail.append(line)
-            try:
-                rec = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and rec.get("msg") == "listening":
-                box["port"] = rec["port"]
-            if isinstance(rec, dict) and rec.get("msg") == "ready":
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    end = time.monotonic() + 300
-    while not ready.wait(0.2):
-        if proc.poll() is not None or time.monotonic() > end:
-            proc.kill()
-            raise SystemExit("server did not start:\n" + "".join(tail))
-    return proc, f"ws://127.0.0.1:{box['port']}/ws", tail
+    args = ["--target", a.target, *(["--draft", a.draft] if a.draft else []), "--device", a.device,
+            "--num-blocks", str(a.num_blocks), "--port", "0", "--grpc-port", "0", "--max-queue", str(a.max_queue),
+            "--log-level", "info", "--drain-timeout", "10"]  # info: the "listening"/"ready" lines
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SPECD_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
+    sp = ServerProcess(args, env=env, cwd=ROOT).start()
+    return sp.proc, f"ws://127.0.0.1:{sp.port}/ws", sp.logs
 
 
 def http_base(ws_url: str) -> str:
@@ -407,7 +384,7 @@ def main(argv=None) -> int:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(summary, indent=2) + "\n")
     if proc is not None and not summary["ok"] and tail:
-        print("server log tail:\n" + "".join(tail), file=sys.stderr)
+        print("server log tail:\n" + "".join(tail[-50:]), file=sys.stderr)
     return 0 if summary["ok"] else 1
 
 

@@ -20,6 +20,7 @@ import random
 import pytest
 
 import specd_kernels as sk
+from specd.spec.tree import DraftTree
 from specd_kernels import (
     copy_slots,
     copy_slots_ref,
@@ -68,14 +69,7 @@ def random_parents(n, rng):
 
 
 def ancestor_mask(parents):
-    n = len(parents)
-    m = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            m[i, j] = True
-            j = parents[j]
-    return m
+    return DraftTree([0] * len(parents), parents).ancestor_mask().clone()
 
 
 def build_problem(

@@ -14,6 +14,8 @@ import pytest
 from websockets.sync.client import connect
 
 from conftest import DRAFT, ROOT, TARGET
+
+from specd.server.app import ServerProcess
 from conftest import http_status as _http
 
 pytestmark = pytest.mark.timeout(150)
@@ -61,35 +63,16 @@ def test_notify_abstract_and_path(tmp_path, monkeypatch):
     assert watchdog_interval() == 2.0
 
 
-
-
 def test_sigterm_drains_streaming_request_and_exits_0():
     name = f"specd-test-{os.getpid()}-{time.monotonic_ns()}"
     ns = _dgram_socket("\0" + name)
     env = dict(os.environ, NOTIFY_SOCKET="@" + name, WATCHDOG_USEC="1000000", OMP_NUM_THREADS="1",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
     env.pop("SPECD_API_KEY", None)
-    cmd = [sys.executable, "-m", "specd", "serve", "--target", str(TARGET), "--draft", str(DRAFT), "--device", "cpu",
-           "--dtype", "float32", "--num-blocks", "256", "--port", "0", "--grpc-port", "0", "--drain-timeout", "60"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    logs: list = []
-    port_box: dict = {}
-    ready = threading.Event()
-
-    def read_stderr():
-        for line in proc.stderr:
-            logs.append(line)
-            try:
-                rec = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            if rec.get("msg") == "listening":
-                port_box["port"] = rec["port"]
-            if rec.get("msg") == "ready":
-                ready.set()
-
-    t = threading.Thread(target=read_stderr, daemon=True)
-    t.start()
+    cmd = ["--target", str(TARGET), "--draft", str(DRAFT), "--device", "cpu", "--dtype", "float32",
+           "--num-blocks", "256", "--port", "0", "--grpc-port", "0", "--drain-timeout", "60"]
+    sp = ServerProcess(cmd, env=env, cwd=ROOT).launch()
+    proc, logs = sp.proc, sp.logs
     msgs: list = []
     stop_reader = threading.Event()
 
@@ -100,8 +83,7 @@ def test_sigterm_drains_streaming_request_and_exits_0():
     tn = threading.Thread(target=read_notify, daemon=True)
     tn.start()
     try:
-        assert ready.wait(90), "server did not get ready:\n" + "".join(logs)
-        port = port_box["port"]
+        port = sp.wait_ready(90).port
         assert _http(port, "/readyz") == 200 and _http(port, "/healthz") == 200
         with connect(f"ws://127.0.0.1:{port}/ws") as ws:
             ws.send(orjson.dumps({"type": "generate", "id": "s", "prompt": "Once upon a time", "max_tokens": 300,
@@ -123,7 +105,7 @@ def test_sigterm_drains_streaming_request_and_exits_0():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    t.join(5)
+    sp.reader.join(5)
     stop_reader.set()
     tn.join(5)
     msgs.extend(_drain(ns))
@@ -139,13 +121,10 @@ def test_sigterm_drains_streaming_request_and_exits_0():
 
 def test_serve_with_a_bad_model_exits_with_a_clear_error(tmp_path):
     """A load failure must end the process with a one-line error, never hang."""
-    import subprocess
-    import sys as _sys
-
     bad = tmp_path / "bad-model"
     bad.mkdir()
     (bad / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
-    proc = subprocess.run([_sys.executable, "-m", "specd", "serve", "--target", str(bad), "--port", "0",
+    proc = subprocess.run([sys.executable, "-m", "specd", "serve", "--target", str(bad), "--port", "0",
                            "--grpc-port", "0"], capture_output=True, text=True, timeout=20,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert proc.returncode != 0

@@ -286,6 +286,60 @@ def run_serve(args) -> int:
     return rc
 
 
+class ServerProcess:
+    """``python -m specd serve ARGS`` as a child process (tests, benchmarks, soak).
+
+    ``launch()`` starts it and a thread that keeps its stderr (``.logs``) and reads the JSON log:
+    ``.port`` from the "listening" line, ``.ready`` set on the "ready" line. ``wait_ready()`` waits for
+    that (killing the child and raising with the log tail if it dies or times out); ``start()`` = both.
+    """
+
+    def __init__(self, serve_args, env=None, cwd=None):
+        self.cmd = [sys.executable, "-m", "specd", "serve", *serve_args]
+        self.env, self.cwd = env, cwd
+        self.logs: list = []
+        self.port: Optional[int] = None
+        self.proc = None
+        self.reader = None
+        import threading
+
+        self.ready = threading.Event()
+
+    def launch(self) -> "ServerProcess":
+        import subprocess
+        import threading
+
+        self.proc = subprocess.Popen(self.cmd, cwd=self.cwd, env=self.env, stderr=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, text=True)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.logs.append(line)
+            try:
+                rec = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(rec, dict):
+                if rec.get("msg") == "listening":
+                    self.port = rec["port"]
+                elif rec.get("msg") == "ready":
+                    self.ready.set()
+
+    def wait_ready(self, timeout: float = 300.0) -> "ServerProcess":
+        end = time.monotonic() + timeout
+        while not self.ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > end:
+                self.proc.kill()
+                raise RuntimeError(f"specd serve did not get ready: {' '.join(self.cmd)}\n" + "".join(self.logs[-50:]))
+        return self
+
+    def start(self, timeout: float = 300.0) -> "ServerProcess":
+        return self.launch().wait_ready(timeout)
+
+
 class ServerThread:
     """Run an ``App`` on its own event loop in a background thread (tests, benchmarks).
 
