@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -54,19 +55,24 @@ def build_metadata(
     new tokens). ``tree_masks[b]`` is None (causal: new token i sits at region column
     ``region - q + i``) or a [q_b, region_b] bool mask saying which region columns each query sees;
     a query always sees the whole prefix. With an explicit mask the queries may be any subset of the
-    region (draft-tree levels use this). One host->device copy per tensor.
+    region (draft-tree levels use this). The int32 fields are views of one tensor, so a step costs
+    two host->device copies (plus the mask), not one per field.
     """
     B = len(query_lens)
     qsl = [0]
     for q in query_lens:
         qsl.append(qsl[-1] + q)
-    if seq_lens is None:
-        seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    context_lens = list(context_lens)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)] if seq_lens is None else list(seq_lens)
     max_blocks = max(1, max(len(t) for t in block_tables)) if B else 1
-    bt = torch.zeros((B, max_blocks), dtype=torch.int32)
-    for b, t in enumerate(block_tables):
-        if t:
-            bt[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    flat_tables = []
+    for t in block_tables:
+        flat_tables += t
+        if len(t) < max_blocks:
+            flat_tables += [0] * (max_blocks - len(t))
+    ints = torch.tensor(qsl + context_lens + seq_lens + flat_tables, dtype=torch.int32)
+    if ints.device != device:
+        ints = ints.to(device, non_blocking=True)
     max_q = max(query_lens) if B else 0
     mask = None
     if tree_masks is not None and any(m is not None for m in tree_masks):
@@ -79,18 +85,19 @@ def build_metadata(
             mask[qsl[b]: qsl[b] + q, : m.shape[1]] = m
         mask = mask.to(device, non_blocking=True)
     return AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(list(context_lens), dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=bt.to(device, non_blocking=True),
-        slot_mapping=torch.tensor(list(slot_mapping), dtype=torch.int64, device=device),
+        query_start_loc=ints[: B + 1],
+        context_lens=ints[B + 1: 2 * B + 1],
+        seq_lens=ints[2 * B + 1: 3 * B + 1],
+        block_tables=ints[3 * B + 1:].view(B, max_blocks),
+        slot_mapping=torch.tensor(slot_mapping if isinstance(slot_mapping, list) else list(slot_mapping),
+                                  dtype=torch.int64, device=device),
         tree_mask=mask,
         max_query_len=max_q,
         max_seq_len=max(seq_lens) if B else 0,
         block_size=block_size,
         query_lens_host=list(query_lens),
-        context_lens_host=list(context_lens),
-        seq_lens_host=list(seq_lens),
+        context_lens_host=context_lens,
+        seq_lens_host=seq_lens,
     )
 
 
@@ -109,10 +116,26 @@ class TorchAttention:
         flat[1].index_copy_(0, slot_mapping, v)
 
     @staticmethod
-    def _plan(meta: AttentionMetadata, device: torch.device):
+    def _decode_plan(meta: AttentionMetadata, device: torch.device):
+        """Decode-only steps (one causal query per sequence): whole blocks are gathered (one
+        index_select of contiguous block rows), keys past a sequence's length are masked."""
+        B, BS = meta.num_seqs, meta.block_size
+        nb = -(-meta.max_seq_len // BS)
+        blocks = meta.block_tables[:, :nb].reshape(-1).long()  # [B * nb]
+        Lp = nb * BS
+        seen = torch.arange(Lp, device=device).unsqueeze(0) < meta.seq_lens.unsqueeze(1)  # [B, Lp]
+        bias = torch.zeros((B, Lp), dtype=torch.float32, device=device).masked_fill_(~seen, float("-inf"))
+        plan = ("decode", blocks, bias.view(B, 1, 1, Lp))
+        meta.cache["torch_plan"] = plan
+        return plan
+
+    @classmethod
+    def _plan(cls, meta: AttentionMetadata, device: torch.device):
         plan = meta.cache.get("torch_plan")
         if plan is not None:
             return plan
+        if meta.max_query_len == 1 and meta.tree_mask is None:
+            return cls._decode_plan(meta, device)
         B = meta.num_seqs
         Q, L, BS = meta.max_query_len, meta.max_seq_len, meta.block_size
         qlens, clens = meta.query_lens_host, meta.context_lens_host
@@ -145,7 +168,7 @@ class TorchAttention:
         mask[..., 0] |= ~q_valid
         # additive bias [B, 1, 1, Q, L]: broadcasts over (kv head, query heads of the group)
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill_(~mask, float("-inf"))
-        plan = (key_slots, q_index, flat_pos, bias.view(B, 1, 1, Q, L))
+        plan = ("general", key_slots.reshape(-1), q_index, flat_pos, bias.view(B, 1, 1, Q, L))
         meta.cache["torch_plan"] = plan
         return plan
 
@@ -155,19 +178,24 @@ class TorchAttention:
         T, H, D = q.shape
         KVH = kv_layer.shape[-2]
         G = H // KVH
-        key_slots, q_index, flat_pos, bias = cls._plan(meta, q.device)
+        plan = cls._plan(meta, q.device)
+        if plan[0] == "decode":  # T == B single queries: GQA grouping is a plain view of q
+            _, blocks, bias = plan
+            B, Lp = bias.shape[0], bias.shape[-1]
+            kvg = kv_layer.index_select(1, blocks).view(2, B, Lp, KVH, D)  # [2, B, Lp, KVH, D]
+            k, v = kvg[0].transpose(1, 2), kvg[1].transpose(1, 2)  # [B, KVH, Lp, D]
+            if k.dtype != torch.float32:
+                k, v = k.float(), v.float()
+            o = F.scaled_dot_product_attention(q.float().view(B, KVH, G, D), k, v, attn_mask=bias, scale=scale)
+            return o.reshape(B, H, D).to(q.dtype)
+        _, key_slots, q_index, flat_pos, bias = plan
         B, Q = q_index.shape
-        L = key_slots.shape[1]
-        kvg = kv_layer.view(2, -1, KVH, D)[:, key_slots]  # [2, B, L, KVH, D], one gather for K and V
+        L = bias.shape[-1]
+        kvg = kv_layer.view(2, -1, KVH, D).index_select(1, key_slots).view(2, B, L, KVH, D)  # one gather for K, V
         if kvg.dtype != torch.float32:
             kvg = kvg.float()
         k = kvg[0].permute(0, 2, 3, 1)  # [B, KVH, D, L]
         v = kvg[1].transpose(1, 2)  # [B, KVH, L, D]
-        if Q == 1:  # decode-only step (T == B): the GQA grouping is a plain view, no permutes/gathers
-            qg = q.float().view(B, KVH, G, D)
-            scores = torch.matmul(qg, k).mul_(scale).add_(bias.view(B, 1, 1, L))  # [B, KVH, G, L]
-            o = torch.matmul(torch.softmax(scores, dim=-1), v).view(B, H, D)  # [B, H, D]
-            return o.to(q.dtype)
         single = B == 1 and Q == T
         qp = q if single else q[q_index.view(-1)]  # [B*Q, H, D]
         # query heads grouped under their KV head: [B, KVH, G*Q, D] (head h uses KV head h // G)

@@ -280,7 +280,11 @@ class Engine:
         dev = self.device
         model = self.target.model
         hidden = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache.kv, meta, self.backend)
-        logits = model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)]) if logit_rows else None
+        if not logit_rows:
+            return work, None
+        if len(logit_rows) < n:  # prefill rows carry no logits
+            hidden = hidden[torch.tensor(logit_rows, device=dev)]
+        logits = model.compute_logits(hidden)
         return work, logits
 
     def _verify(self, work, logits) -> list:

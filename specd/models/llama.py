@@ -136,27 +136,38 @@ class LlamaModel(nn.Module):
         if w is None or w[0] is not self.embed.weight:
             layers = []
             for b in self.layers:
-                layers.append((b.input_norm.weight, b.attn.qkv.weight, b.attn.qkv.bias, b.attn.o.weight,
-                               b.post_norm.weight, b.mlp.gate_up.weight, b.mlp.down.weight))
+                # o and down are used through addmm (residual + x @ W^T in one op): keep W^T views
+                layers.append((b.input_norm.weight, b.attn.qkv.weight, b.attn.qkv.bias, b.attn.o.weight.t(),
+                               b.post_norm.weight, b.mlp.gate_up.weight, b.mlp.down.weight.t()))
             D = self.cfg.head_dim
-            rot = torch.zeros((D, D), dtype=self.embed.weight.dtype, device=self.embed.weight.device)
+            wt = self.embed.weight
+            rot = torch.zeros((D, D), dtype=wt.dtype, device=wt.device)
             h = D // 2
             idx = torch.arange(h)
             rot[idx + h, idx] = -1.0  # rotate_half(x) = x @ rot: out[:h] = -x[h:], out[h:] = x[:h]
             rot[idx, idx + h] = 1.0
-            w = (self.embed.weight, layers, self.norm.weight, rot)
+            d = self.cfg.hidden_size
+            # fp32 RMSNorm as mean(x^2) + eps = addmm(eps, x*x, 1/d): one GEMV instead of a reduction chain
+            mean_col = torch.full((d, 1), 1.0 / d, dtype=wt.dtype, device=wt.device)
+            eps_col = torch.full((1, 1), self.cfg.rms_norm_eps, dtype=wt.dtype, device=wt.device)
+            w = (wt, layers, self.norm.weight, rot, mean_col, eps_col)
             self._flat = w
         return w
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 meta: AttentionMetadata, backend=None) -> torch.Tensor:
-        """Lean functional forward over the same weights as the modules (fewer dispatched ops)."""
+        """Lean functional forward over the same weights as the modules (fewer dispatched ops).
+
+        On a small model every dispatched op costs more than its arithmetic, so the fp32 path
+        counts ops: RMSNorm is x * rsqrt(addmm(eps, x*x, 1/d)) * w, RoPE on q and k heads at once
+        is one addcmul over a rotation matmul, and each residual add rides in an addmm.
+        """
         backend = backend if backend is not None else self.backend
         cfg = self.cfg
         H, KVH, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         inter = cfg.intermediate_size
-        emb, layers, norm_w, rot = self._flat_weights()
+        emb, layers, norm_w, rot, mean_col, eps_col = self._flat_weights()
         x = F.embedding(input_ids, emb)  # [T, d]
         T = x.shape[0]
         dt = x.dtype
@@ -167,22 +178,24 @@ class LlamaModel(nn.Module):
         nq = H * D
         nqk = (H + KVH) * D
         fp32 = dt == torch.float32
-        for i, (w_in, w_qkv, b_qkv, w_o, w_post, w_gu, w_down) in enumerate(layers):
-            h = F.rms_norm(x, (x.shape[-1],), w_in, eps) if fp32 else _rms(x, w_in, eps)
-            qkv = F.linear(h, w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
+
+        def norm(x, w):
+            if fp32:
+                return x * torch.addmm(eps_col, x * x, mean_col).rsqrt_() * w
+            return _rms(x, w, eps)
+
+        for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
+            qkv = F.linear(norm(x, w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
             qk = qkv[:, :nqk].reshape(T, H + KVH, D)
-            qk = qk * cos + (qk @ rot) * sin  # RoPE on q and k heads at once
-            q = qk[:, :H]
-            k = qk[:, H:]
+            qk = torch.addcmul(qk * cos, qk @ rot, sin)  # RoPE on q and k heads at once
             v = qkv[:, nqk:].view(T, KVH, D)
             kvl = kv[i]
-            backend.write_kv(kvl, k, v, meta.slot_mapping)
-            o = backend.attention(q, kvl, meta, D ** -0.5)  # [T, H, D]
-            x = x + F.linear(o.reshape(T, nq), w_o)
-            h = F.rms_norm(x, (x.shape[-1],), w_post, eps) if fp32 else _rms(x, w_post, eps)
-            gu = F.linear(h, w_gu)
-            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
-        return F.rms_norm(x, (x.shape[-1],), norm_w, eps) if fp32 else _rms(x, norm_w, eps)
+            backend.write_kv(kvl, qk[:, H:], v, meta.slot_mapping)
+            o = backend.attention(qk[:, :H], kvl, meta, D ** -0.5)  # [T, H, D]
+            x = torch.addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
+            gu = F.linear(norm(x, w_post), w_gu)
+            x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
+        return norm(x, norm_w)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
