@@ -131,44 +131,49 @@ class TorchAttention:
 
     @classmethod
     def _plan(cls, meta: AttentionMetadata, device: torch.device):
+        """Per-step gather plan and additive mask, built once and shared by every layer.
+
+        Keys are gathered as whole blocks (one index_select of contiguous rows, padded to a block
+        multiple); the mask [B, Q, Lp] says which keys each query sees: its prefix, plus the region
+        columns allowed by causality or by the tree mask. When every sequence has the same number of
+        queries (decode, equal chains, one sequence) the flat batch is already [B, Q]: no padding.
+        """
         plan = meta.cache.get("torch_plan")
         if plan is not None:
             return plan
         if meta.max_query_len == 1 and meta.tree_mask is None:
             return cls._decode_plan(meta, device)
-        B = meta.num_seqs
-        Q, L, BS = meta.max_query_len, meta.max_seq_len, meta.block_size
-        qlens, clens = meta.query_lens_host, meta.context_lens_host
-        pos = torch.arange(L, device=device)
-        # key slots [B, L]: block_tables[b, p // BS] * BS + p % BS (padding keys read slot 0, masked)
-        blk = meta.block_tables.long().gather(1, (pos // BS).clamp(max=meta.block_tables.shape[1] - 1)
-                                              .unsqueeze(0).expand(B, L))
-        key_slots = blk * BS + (pos % BS).unsqueeze(0)
-        # query index into the flat batch [B, Q]; flat position of each token in the padded batch [T]
-        qi = torch.arange(Q, device=device)
-        qlen_t = torch.tensor(qlens, device=device)
-        start = meta.query_start_loc[:-1].long()
-        q_index = (start.unsqueeze(1) + qi.unsqueeze(0)).clamp(max=max(sum(qlens) - 1, 0))
-        q_valid = qi.unsqueeze(0) < qlen_t.unsqueeze(1)  # [B, Q]
-        flat_pos = (torch.arange(B, device=device).unsqueeze(1) * Q + qi.unsqueeze(0))[q_valid]  # [T]
-        ctx = torch.tensor(clens, device=device)
-        region = torch.tensor(meta.seq_lens_host, device=device) - ctx  # [B]
-        rel = pos.view(1, 1, L) - ctx.view(B, 1, 1)  # key position relative to the region start
-        in_prefix = rel < 0  # [B, 1, L]
-        in_new = (rel >= 0) & (rel < region.view(B, 1, 1))
+        B, Q, BS = meta.num_seqs, meta.max_query_len, meta.block_size
+        nb = -(-meta.max_seq_len // BS)
+        Lp = nb * BS
+        blocks = meta.block_tables[:, :nb].reshape(-1).long()  # [B * nb]
+        qlens = meta.query_lens_host
+        uniform = sum(qlens) == B * Q
+        pos = torch.arange(Lp, device=device).view(1, 1, Lp)
+        qi = torch.arange(Q, device=device).view(1, Q, 1)
+        qsl = meta.query_start_loc.long()
+        q_index = flat_pos = None
+        if not uniform:
+            # query index into the flat batch [B, Q]; flat position of each real query in the padded batch
+            q_index = (qsl[:-1].unsqueeze(1) + qi.view(1, Q)).clamp(max=max(sum(qlens) - 1, 0))
+            q_valid = qi.view(1, Q) < torch.tensor(qlens, device=device).unsqueeze(1)  # [B, Q]
+            flat_pos = (torch.arange(B, device=device).unsqueeze(1) * Q + qi.view(1, Q))[q_valid]
+        seq_lens = meta.seq_lens.long().view(B, 1, 1)
         if meta.tree_mask is None:
-            new_ok = rel <= (region - qlen_t).view(B, 1, 1) + qi.view(1, Q, 1)
+            # causal: query i of sequence b sits at position seq_len - q_b + i and sees keys up to it
+            qlen = (qsl[1:] - qsl[:-1]).view(B, 1, 1)
+            visible = pos <= seq_lens - qlen + qi  # [B, Q, Lp]
         else:
-            tm = meta.tree_mask[q_index]  # [B, Q, max_new]
-            relc = rel.clamp(0, meta.tree_mask.shape[1] - 1).expand(B, Q, L)
-            new_ok = tm.gather(2, relc)
-        mask = in_prefix | (in_new & new_ok)  # [B, Q, L]
-        mask = mask & q_valid.unsqueeze(2)
-        # fully masked padding rows would give NaN: let them see key 0 (their output is dropped)
-        mask[..., 0] |= ~q_valid
-        # additive bias [B, 1, 1, Q, L]: broadcasts over (kv head, query heads of the group)
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill_(~mask, float("-inf"))
-        plan = ("general", key_slots.reshape(-1), q_index, flat_pos, bias.view(B, 1, 1, Q, L))
+            ctx = meta.context_lens.long().view(B, 1, 1)
+            rel = pos - ctx  # key position relative to the region start
+            maxr = meta.tree_mask.shape[1]
+            rows = meta.tree_mask[q_index] if q_index is not None else meta.tree_mask.view(B, Q, maxr)
+            new_ok = rows.gather(2, rel.clamp(0, maxr - 1).expand(B, Q, Lp))
+            visible = (rel < 0) | ((pos < seq_lens) & new_ok)
+        if not uniform:  # padding rows: never fully masked (NaN); their output is dropped
+            visible[:, :, 0] |= ~q_valid
+        bias = torch.zeros((B, Q, Lp), dtype=torch.float32, device=device).masked_fill_(~visible, float("-inf"))
+        plan = ["general", blocks, q_index, flat_pos, bias, None]  # [5]: bias expanded over query groups
         meta.cache["torch_plan"] = plan
         return plan
 
@@ -188,23 +193,20 @@ class TorchAttention:
                 k, v = k.float(), v.float()
             o = F.scaled_dot_product_attention(q.float().view(B, KVH, G, D), k, v, attn_mask=bias, scale=scale)
             return o.reshape(B, H, D).to(q.dtype)
-        _, key_slots, q_index, flat_pos, bias = plan
-        B, Q = q_index.shape
-        L = bias.shape[-1]
-        kvg = kv_layer.view(2, -1, KVH, D).index_select(1, key_slots).view(2, B, L, KVH, D)  # one gather for K, V
-        if kvg.dtype != torch.float32:
-            kvg = kvg.float()
-        k = kvg[0].permute(0, 2, 3, 1)  # [B, KVH, D, L]
-        v = kvg[1].transpose(1, 2)  # [B, KVH, L, D]
-        single = B == 1 and Q == T
-        qp = q if single else q[q_index.view(-1)]  # [B*Q, H, D]
+        _, blocks, q_index, flat_pos, bias, bias_g = plan
+        B, Q, Lp = bias.shape
+        if bias_g is None:  # rows ordered (group member g, query i), as in qg below
+            bias_g = plan[5] = bias.unsqueeze(1).expand(B, G, Q, Lp).reshape(B, 1, G * Q, Lp)
+        kvg = kv_layer.index_select(1, blocks).view(2, B, Lp, KVH, D)  # one gather for K and V
+        k, v = kvg[0].transpose(1, 2), kvg[1].transpose(1, 2)  # [B, KVH, Lp, D]
+        if k.dtype != torch.float32:
+            k, v = k.float(), v.float()
+        qp = q if q_index is None else q[q_index.view(-1)]  # [B*Q, H, D]
         # query heads grouped under their KV head: [B, KVH, G*Q, D] (head h uses KV head h // G)
         qg = qp.float().view(B, Q, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * Q, D)
-        scores = torch.matmul(qg, k).view(B, KVH, G, Q, L).mul_(scale).add_(bias)  # [B, KVH, G, Q, L]
-        probs = torch.softmax(scores, dim=-1).view(B, KVH, G * Q, L)
-        o = torch.matmul(probs, v).view(B, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B * Q, H, D)
-        o = o.to(q.dtype)
-        return o if single else o[flat_pos]
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias_g, scale=scale)  # [B, KVH, G*Q, D]
+        o = o.view(B, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B * Q, H, D).to(q.dtype)
+        return o if flat_pos is None else o[flat_pos]
 
 
 class TritonAttention:

@@ -27,6 +27,8 @@ Policy (knobs in ``SchedulerConfig`` / ``SpecConfig``):
 """
 from __future__ import annotations
 
+import collections
+
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -73,7 +75,9 @@ class Scheduler:
         self.last_depth = 0
         self.t_target: Optional[float] = None  # EMA seconds of a target step (forward + verify + commit)
         self.t_per_token = 0.0  # marginal seconds per target token (least squares over recent steps)
-        self._obs: list = []  # recent (tokens, seconds) of target steps
+        self._obs: collections.deque = collections.deque()  # recent (tokens, seconds) of target steps
+        self._sums = [0, 0.0, 0, 0.0]  # sum x, sum y, sum x^2, sum x*y over _obs
+        self._nobs = 0
         self.t_draft: Optional[float] = None  # EMA seconds of one draft forward (one tree level)
         self.probe_every = 16  # current probe interval (steps) while speculation is off
         self.probe_min, self.probe_max = 16, 256
@@ -155,16 +159,25 @@ class Scheduler:
         a = 0.2
         if t_draft_level is not None:
             self.t_draft = t_draft_level if self.t_draft is None else (1 - a) * self.t_draft + a * t_draft_level
-        self._obs.append((tokens, t_target))
-        del self._obs[:-64]
-        n = len(self._obs)
-        mx = sum(x for x, _ in self._obs) / n
-        my = sum(y for _, y in self._obs) / n
-        vx = sum((x - mx) ** 2 for x, _ in self._obs)
-        if n >= 8 and vx > 0:
-            b = max(0.0, sum((x - mx) * (y - my) for x, y in self._obs) / vx)
+        # least squares over a sliding window, from running sums (O(1) per step; re-summed exactly
+        # every window so float drift never accumulates)
+        obs = self._obs
+        obs.append((tokens, t_target))
+        self._sums = [s + d for s, d in zip(self._sums, (tokens, t_target, tokens * tokens, tokens * t_target))]
+        if len(obs) > 64:
+            x0, y0 = obs.popleft()
+            self._sums = [s - d for s, d in zip(self._sums, (x0, y0, x0 * x0, x0 * y0))]
+        self._nobs += 1
+        if self._nobs % 64 == 0:
+            self._sums = [sum(x for x, _ in obs), sum(y for _, y in obs), sum(x * x for x, _ in obs),
+                          sum(x * y for x, y in obs)]
+        n = len(obs)
+        sx, sy, sxx, sxy = self._sums
+        nvx = n * sxx - sx * sx  # n * variance of x: exact for integer token counts
+        if n >= 8 and nvx > 0:
+            b = max(0.0, (n * sxy - sx * sy) / nvx)
             self.t_per_token = b
-            self.t_target = max(my - b * mx, 1e-6)
+            self.t_target = max(sy / n - b * sx / n, 1e-6)
             return
         self.t_target = t_target if self.t_target is None else (1 - a) * self.t_target + a * t_target
 

@@ -48,6 +48,10 @@ class SpecStats:
 
     def record(self, num_drafted: int, depth: int, accepted: int) -> None:
         self.steps += 1
+        if not depth and not accepted and self.accept_len_hist:  # a plain decode step (the common case)
+            self.draft_tokens += num_drafted
+            self.accept_len_hist[0] += 1
+            return
         self.draft_tokens += num_drafted
         self.accepted_tokens += accepted
         for lst, n in ((self.drafted_per_depth, depth), (self.accepted_per_depth, accepted)):
