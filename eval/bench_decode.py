@@ -1,7 +1,9 @@
 """Decode benchmark, one run: specd (target-only / chain / tree) vs transformers generate and assisted generation.
 
-Same machine, same models, same prompts, greedy; medians over prompts (batch 1) and over repeats
-(batch 8). Prints a Markdown table and the exact command; ``--json`` writes the figures.
+Same machine, same models, same prompts, greedy. Every configuration makes ``--repeats`` passes
+over the prompts, interleaved with the others (so drift on a shared machine hits all alike); the
+figures are medians over all groups of all passes (batch 1: prompt x pass; batch 8: pass). Prints a
+Markdown table and the exact command; ``--json`` writes the figures.
 
     OMP_NUM_THREADS=1 python eval/bench_decode.py --target ../shared/models/stories260K \
         --draft ../shared/models/stories260K-draft-1L64 --prompts 8 --max-tokens 128
@@ -46,8 +48,8 @@ def load_prompts(tok, n, path=None):
 
 
 def time_specd(eng, prompts, max_tokens, mode, batch):
+    """One pass over the prompts in groups of ``batch``: (tokens/s of each group, outputs, mean accepted lengths)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    eng.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), SpecParams(mode=mode))  # warm-up
     rates, outs, mals = [], [], []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
@@ -57,16 +59,16 @@ def time_specd(eng, prompts, max_tokens, mode, batch):
         rates.append(sum(s.num_output for s in seqs) / dt)
         outs += [s.output_ids for s in seqs]
         mals += [s.stats.mean_accepted_length for s in seqs]
-    return statistics.median(rates), outs, statistics.median(mals)
+    return rates, outs, mals
 
 
 def time_hf(model, prompts, max_tokens, batch, assistant=None):
+    """One pass of transformers ``generate`` (left-padded groups of ``batch``): (tokens/s per group, outputs)."""
     rates, outs = [], []
     kw = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     if assistant is not None:
         kw["assistant_model"] = assistant
     with torch.no_grad():
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False, pad_token_id=0)
         for i in range(0, len(prompts), batch):
             chunk = prompts[i:i + batch]
             L = max(len(p) for p in chunk)
@@ -77,7 +79,17 @@ def time_hf(model, prompts, max_tokens, batch, assistant=None):
             dt = time.perf_counter() - t0
             rates.append(len(chunk) * max_tokens / dt)
             outs += out[:, L:].tolist()
-    return statistics.median(rates), outs
+    return rates, outs
+
+
+# speculative configurations timed (greedy); every one is reported, the best is compared with assisted generation
+SPEC_CONFIGS = {
+    "off": ("off", {}),
+    "chain k=1": ("chain", dict(num_draft_tokens=1)),
+    "chain k=2": ("chain", dict(num_draft_tokens=2)),
+    "chain k=4": ("chain", dict(num_draft_tokens=4)),
+    "tree N=16 top-4 depth 6": ("tree", dict(tree_budget=16, tree_topk=4, tree_depth=6)),
+}
 
 
 def main(argv=None):
@@ -87,6 +99,8 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-file", default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="passes per configuration, interleaved across configurations (medians reported)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -94,25 +108,48 @@ def main(argv=None):
 
     import transformers
 
-    eng = Engine(EngineConfig(target=a.target, draft=a.draft, spec=SpecConfig(adaptive=False)))
-    prompts = load_prompts(eng.tokenizer, a.prompts, a.prompt_file)
+    from specd.loader import load_model
+
+    target = load_model(a.target, "cpu", "float32")
+    draft = load_model(a.draft, "cpu", "float32", with_tokenizer=True)
+    engines = {name: Engine(EngineConfig(target=a.target, draft=a.draft, spec=SpecConfig(adaptive=False, **kw)),
+                            target=target, draft=draft)
+               for name, (_, kw) in SPEC_CONFIGS.items()}
+    prompts = load_prompts(target.tokenizer, a.prompts, a.prompt_file)
     hf = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(a.draft, dtype=torch.float32).eval()
+    warm = SamplingParams(temperature=0, max_tokens=8)
+    for name, eng in engines.items():
+        eng.generate(prompts[:1], warm, SpecParams(mode=SPEC_CONFIGS[name][0]))
+    with torch.no_grad():
+        hf.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False, pad_token_id=0)
     rows, res = [], {}
     for batch in (1, 8):
-        r_hf, o_hf = time_hf(hf, prompts, a.max_tokens, batch)
+        rates = {k: [] for k in [*SPEC_CONFIGS, "hf", "assisted"]}
+        outs, mals = {}, {}
+        for _ in range(a.repeats):  # interleaved, so drift on a shared machine hits every configuration alike
+            r, outs["hf"] = time_hf(hf, prompts, a.max_tokens, batch)
+            rates["hf"] += r
+            for name, (mode, _) in SPEC_CONFIGS.items():
+                r, outs[name], mals[name] = time_specd(engines[name], prompts, a.max_tokens, mode, batch)
+                rates[name] += r
+            if batch == 1:  # assisted generation supports batch 1 only
+                r, _ = time_hf(hf, prompts, a.max_tokens, 1, assistant=hf_draft)
+                rates["assisted"] += r
+        med = {k: statistics.median(v) for k, v in rates.items() if v}
+        r_hf = med["hf"]
         res[f"hf_generate_b{batch}"] = r_hf
-        for mode in ("off", "chain", "tree"):
-            r, o, mal = time_specd(eng, prompts, a.max_tokens, mode, batch)
-            res[f"specd_{mode}_b{batch}"] = r
-            res[f"specd_{mode}_b{batch}_mal"] = mal
-            same = sum(x == y for x, y in zip(o, o_hf))
-            rows.append((batch, f"specd {mode}", r, r / r_hf, mal, f"{same}/{len(o)}"))
+        for name in SPEC_CONFIGS:
+            key = "specd_" + name.replace(" ", "_").replace("=", "")
+            res[f"{key}_b{batch}"] = med[name]
+            res[f"{key}_b{batch}_mal"] = statistics.median(mals[name])
+            same = sum(x == y for x, y in zip(outs[name], outs["hf"]))
+            rows.append((batch, f"specd {name}", med[name], med[name] / r_hf, statistics.median(mals[name]),
+                         f"{same}/{len(outs[name])}"))
         rows.append((batch, "transformers generate", r_hf, 1.0, 1.0, "-"))
-        if batch == 1:  # assisted generation supports batch 1 only
-            r_as, o_as = time_hf(hf, prompts, a.max_tokens, 1, assistant=hf_draft)
-            res["hf_assisted_b1"] = r_as
-            rows.append((1, "transformers assisted", r_as, r_as / r_hf, float("nan"), "-"))
+        if batch == 1:
+            res["hf_assisted_b1"] = med["assisted"]
+            rows.append((1, "transformers assisted", med["assisted"], med["assisted"] / r_hf, float("nan"), "-"))
     cmd = "OMP_NUM_THREADS=%s python %s" % (os.environ.get("OMP_NUM_THREADS"), " ".join(sys.argv))
     print(f"\n{time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()} {os.cpu_count()} cores, "
           f"torch {torch.__version__}, transformers {transformers.__version__}\n`{cmd}`\n")
@@ -120,11 +157,14 @@ def main(argv=None):
     print("|---|---|---|---|---|---|")
     for b, name, r, ratio, mal, same in rows:
         print(f"| {b} | {name} | {r:.1f} | {ratio:.2f}x | {mal:.2f} | {same} |")
+    print()
     for b in (1, 8):
-        print(f"\nbatch {b}: specd target-only / transformers generate = "
+        print(f"batch {b}: specd target-only / transformers generate = "
               f"{res[f'specd_off_b{b}'] / res[f'hf_generate_b{b}']:.2f}x")
-    best = max(res["specd_chain_b1"], res["specd_tree_b1"])
-    print(f"batch 1: specd speculative (best of chain/tree) / transformers assisted = {best / res['hf_assisted_b1']:.2f}x")
+    spec_names = [n for n in SPEC_CONFIGS if n != "off"]
+    best = max(spec_names, key=lambda n: res["specd_" + n.replace(" ", "_").replace("=", "") + "_b1"])
+    best_rate = res["specd_" + best.replace(" ", "_").replace("=", "") + "_b1"]
+    print(f"batch 1: specd speculative (best: {best}) / transformers assisted = {best_rate / res['hf_assisted_b1']:.2f}x")
     if a.json:
         Path(a.json).write_text(json.dumps({"command": cmd, "results": res}, indent=1))
 

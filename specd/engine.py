@@ -28,7 +28,7 @@ from specd.scheduler import Scheduler
 from specd.sequence import Sequence, SpecParams, SpecStats, Status
 from specd.spec.drafter import Drafter
 from specd.spec.tree import DraftTree
-from specd.spec.verify import greedy_verify, verify_batch
+from specd.spec.verify import AcceptResult, greedy_verify, verify_batch
 
 
 class RequestError(ValueError):
@@ -248,6 +248,18 @@ class Engine:
                 qlens.append(c1 - c0)
                 masks.append(None)
                 work.append((sc, None, None, 0))
+            elif c0 == len(seq.tokens) - 1 and seq.request_id not in proposals:  # plain decode: the root alone
+                L = c0 + 1
+                if not seq.blocks.reserve(L):
+                    raise RuntimeError("KV reservation lost")
+                tok = seq.tokens[c0]
+                ids.append(tok)
+                pos.append(c0)
+                slots.append(seq.blocks.slot(c0))
+                qlens.append(1)
+                masks.append(None)
+                work.append((sc, DraftTree([tok], [-1], validate=False), None, len(logit_rows)))
+                logit_rows.append(n)
             else:
                 L = len(seq.tokens)
                 prop = proposals.get(seq.request_id)
@@ -297,7 +309,11 @@ class Engine:
             argmax = logits.argmax(dim=-1).tolist()  # one host transfer for the whole batch
             for k in greedy_idx:
                 sc, tree, _, r0 = work[k]
-                results[k] = greedy_verify(tree, argmax[r0: r0 + tree.num_nodes])
+                if tree.num_nodes == 1:  # root only: the target's token is the bonus token
+                    t = argmax[r0]
+                    results[k] = AcceptResult([], [t], t, True)
+                else:
+                    results[k] = greedy_verify(tree, argmax[r0: r0 + tree.num_nodes])
         if samp_idx:
             rows, temp, topk, topp = [], [], [], []
             for k in samp_idx:

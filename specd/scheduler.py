@@ -332,10 +332,13 @@ class Scheduler:
         return key
 
     def register_prefix(self, seq: Sequence) -> None:
-        if self.prefix_cache is not None and seq.blocks is not None:
-            self.prefix_cache.register(seq.blocks, seq.tokens, seq.num_computed, seq.pc_state)
-        if self.draft_prefix_cache is not None and seq.draft_blocks is not None:
-            self.draft_prefix_cache.register(seq.draft_blocks, seq.tokens, seq.draft_computed, seq.pc_draft_state)
+        # cheap checks first: most steps complete no new full block
+        pc, dpc = self.prefix_cache, self.draft_prefix_cache
+        if pc is not None and seq.blocks is not None and seq.num_computed // pc.block_size > seq.pc_state[0]:
+            pc.register(seq.blocks, seq.tokens, seq.num_computed, seq.pc_state)
+        if (dpc is not None and seq.draft_blocks is not None
+                and seq.draft_computed // dpc.block_size > seq.pc_draft_state[0]):
+            dpc.register(seq.draft_blocks, seq.tokens, seq.draft_computed, seq.pc_draft_state)
 
     def _pick_victim(self, scheduled: list, requester: Sequence, now: float) -> Optional[Sequence]:
         """Lowest-ranked running sequence ranked below the requester (batch first, latest first)."""

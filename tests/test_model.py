@@ -41,8 +41,12 @@ def _hf_logits(path, ids):
         return hf(torch.tensor([ids])).logits[0]
 
 
-def test_stories260k_prefill_and_decode_match_transformers():
+@pytest.mark.parametrize("folded", [True, False], ids=["folded", "unfolded"])
+def test_stories260k_prefill_and_decode_match_transformers(folded):
     lm = load_model(TARGET, "cpu", "float32")
+    if not folded:  # the path bigger (or non-fp32) models take: norm weights and RoPE applied per step
+        lm.model.FOLD_MAX_HIDDEN = 0
+    assert lm.model._flat_weights()[1] is folded
     ids = lm.tokenizer("Once upon a time, there was a little girl who")["input_ids"]
     ref = _hf_logits(TARGET, ids)
     prefill = _our_logits(lm, ids, [len(ids)])
@@ -87,12 +91,16 @@ def _tiny_checkpoint(tmp_path, arch, **over):
 def test_random_tiny_models_match_transformers(tmp_path, arch, over):
     d = _tiny_checkpoint(tmp_path, arch, **over)
     assert (d / "model.safetensors.index.json").exists()
-    lm = load_model(d, "cpu", "float32", with_tokenizer=False)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 97, (37,), generator=g).tolist()
     ref = _hf_logits(d, ids)
-    assert (_our_logits(lm, ids, [37]) - ref).abs().max().item() < TOL
-    assert (_our_logits(lm, ids, [5, 1, 1, 30]) - ref).abs().max().item() < TOL
+    for folded in (True, False):  # pre-folded weights (small fp32 models) and the general path
+        lm = load_model(d, "cpu", "float32", with_tokenizer=False)
+        if not folded:
+            lm.model.FOLD_MAX_HIDDEN = 0
+        assert lm.model._flat_weights()[1] is folded
+        assert (_our_logits(lm, ids, [37]) - ref).abs().max().item() < TOL
+        assert (_our_logits(lm, ids, [5, 1, 1, 30]) - ref).abs().max().item() < TOL
 
 
 def test_load_errors_are_one_line(tmp_path):

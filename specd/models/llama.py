@@ -130,28 +130,51 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
         self.backend = TorchAttention()  # default backend when forward() is not given one
 
+    # Up to this width a forward is dominated by per-op dispatch, not arithmetic: the fp32 path then
+    # uses private pre-folded weight copies (see _flat_weights), which cost memory on bigger models.
+    FOLD_MAX_HIDDEN = 1024
+
     def _flat_weights(self):
-        """Plain tuples of weights for the lean forward (no nn.Module dispatch per op)."""
+        """Plain tuples of weights for the lean forward (no nn.Module dispatch per op), built once.
+
+        Small fp32 models (hidden size <= FOLD_MAX_HIDDEN) get folded copies: the RMSNorm weights
+        are multiplied into the projection that follows, and the q/k projection is extended with
+        its RoPE-rotated copy (rotate_half(x W^T) = x (R^T W)^T), so RoPE needs no extra matmul.
+        """
         w = getattr(self, "_flat", None)
-        if w is None or w[0] is not self.embed.weight:
-            layers = []
-            for b in self.layers:
-                # o and down are used through addmm (residual + x @ W^T in one op): keep W^T views
-                layers.append((b.input_norm.weight, b.attn.qkv.weight, b.attn.qkv.bias, b.attn.o.weight.t(),
-                               b.post_norm.weight, b.mlp.gate_up.weight, b.mlp.down.weight.t()))
-            D = self.cfg.head_dim
-            wt = self.embed.weight
-            rot = torch.zeros((D, D), dtype=wt.dtype, device=wt.device)
-            h = D // 2
-            idx = torch.arange(h)
-            rot[idx + h, idx] = -1.0  # rotate_half(x) = x @ rot: out[:h] = -x[h:], out[h:] = x[:h]
-            rot[idx, idx + h] = 1.0
-            d = self.cfg.hidden_size
-            # fp32 RMSNorm as mean(x^2) + eps = addmm(eps, x*x, 1/d): one GEMV instead of a reduction chain
-            mean_col = torch.full((d, 1), 1.0 / d, dtype=wt.dtype, device=wt.device)
-            eps_col = torch.full((1, 1), self.cfg.rms_norm_eps, dtype=wt.dtype, device=wt.device)
-            w = (wt, layers, self.norm.weight, rot, mean_col, eps_col)
-            self._flat = w
+        if w is not None and w[0] is self.embed.weight:
+            return w
+        cfg = self.cfg
+        D, d, H, KVH = cfg.head_dim, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
+        wt = self.embed.weight
+        rot = torch.zeros((D, D), dtype=wt.dtype, device=wt.device)
+        h = D // 2
+        idx = torch.arange(h)
+        rot[idx + h, idx] = -1.0  # rotate_half(x) = x @ rot: out[:h] = -x[h:], out[h:] = x[:h]
+        rot[idx, idx + h] = 1.0
+        # fp32 RMSNorm as mean(x^2) + eps = addmm(eps, x*x, 1/d): one GEMV instead of a reduction chain
+        mean_col = torch.full((d, 1), 1.0 / d, dtype=wt.dtype, device=wt.device)
+        eps_col = torch.full((1, 1), cfg.rms_norm_eps, dtype=wt.dtype, device=wt.device)
+        folded = wt.dtype == torch.float32 and d <= self.FOLD_MAX_HIDDEN
+        layers = []
+        with torch.no_grad():
+            for blk in self.layers:
+                w_qkv, b_qkv = blk.attn.qkv.weight, blk.attn.qkv.bias
+                if not folded:
+                    # o and down are used through addmm (residual + x @ W^T in one op): keep W^T views
+                    layers.append((blk.input_norm.weight, w_qkv, b_qkv, blk.attn.o.weight.t(),
+                                   blk.post_norm.weight, blk.mlp.gate_up.weight, blk.mlp.down.weight.t()))
+                    continue
+                nqk = (H + KVH) * D
+                w_rot = torch.einsum("ji,hjd->hid", rot, w_qkv[:nqk].view(H + KVH, D, d)).reshape(nqk, d)
+                w_ext = torch.cat([w_qkv, w_rot]) * blk.input_norm.weight  # [(2H + 3KVH) D, d]
+                b_ext = None
+                if b_qkv is not None:
+                    b_ext = torch.cat([b_qkv, (b_qkv[:nqk].view(H + KVH, D) @ rot).reshape(nqk)])
+                w_gu = blk.mlp.gate_up.weight * blk.post_norm.weight
+                layers.append((w_ext.t(), b_ext, blk.attn.o.weight.t(), w_gu.t(), blk.mlp.down.weight.t()))
+        w = (wt, folded, layers, self.norm.weight, rot, mean_col, eps_col)
+        self._flat = w
         return w
 
     @torch.inference_mode()
@@ -160,14 +183,15 @@ class LlamaModel(nn.Module):
         """Lean functional forward over the same weights as the modules (fewer dispatched ops).
 
         On a small model every dispatched op costs more than its arithmetic, so the fp32 path
-        counts ops: RMSNorm is x * rsqrt(addmm(eps, x*x, 1/d)) * w, RoPE on q and k heads at once
-        is one addcmul over a rotation matmul, and each residual add rides in an addmm.
+        counts ops: RMSNorm is x * rsqrt(addmm(eps, x*x, 1/d)) (* w, or w folded into the next
+        projection), RoPE on q and k heads at once is one addcmul, and each residual add rides in an
+        addmm.
         """
         backend = backend if backend is not None else self.backend
         cfg = self.cfg
         H, KVH, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         inter = cfg.intermediate_size
-        emb, layers, norm_w, rot, mean_col, eps_col = self._flat_weights()
+        emb, folded, layers, norm_w, rot, mean_col, eps_col = self._flat_weights()
         x = F.embedding(input_ids, emb)  # [T, d]
         T = x.shape[0]
         dt = x.dtype
@@ -177,6 +201,21 @@ class LlamaModel(nn.Module):
             cos, sin = cos.to(dt), sin.to(dt)
         nq = H * D
         nqk = (H + KVH) * D
+        nqkv = nqk + KVH * D
+        scale = D ** -0.5
+        if folded:
+            for i, (w_ext_t, b_ext, w_o_t, w_gu_t, w_down_t) in enumerate(layers):
+                h = x * torch.addmm(eps_col, x * x, mean_col).rsqrt_()
+                qkv = torch.mm(h, w_ext_t) if b_ext is None else torch.addmm(b_ext, h, w_ext_t)
+                qk = torch.addcmul(qkv[:, :nqk].view(T, H + KVH, D) * cos, qkv[:, nqkv:].view(T, H + KVH, D), sin)
+                kvl = kv[i]
+                backend.write_kv(kvl, qk[:, H:], qkv[:, nqk:nqkv].view(T, KVH, D), meta.slot_mapping)
+                o = backend.attention(qk[:, :H], kvl, meta, scale)  # [T, H, D]
+                x = torch.addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
+                h = x * torch.addmm(eps_col, x * x, mean_col).rsqrt_()
+                gu = torch.mm(h, w_gu_t)
+                x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
+            return x * torch.addmm(eps_col, x * x, mean_col).rsqrt_() * norm_w
         fp32 = dt == torch.float32
 
         def norm(x, w):
@@ -191,7 +230,7 @@ class LlamaModel(nn.Module):
             v = qkv[:, nqk:].view(T, KVH, D)
             kvl = kv[i]
             backend.write_kv(kvl, qk[:, H:], v, meta.slot_mapping)
-            o = backend.attention(qk[:, :H], kvl, meta, D ** -0.5)  # [T, H, D]
+            o = backend.attention(qk[:, :H], kvl, meta, scale)  # [T, H, D]
             x = torch.addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
             gu = F.linear(norm(x, w_post), w_gu)
             x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
