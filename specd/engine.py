@@ -197,16 +197,24 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
-        t0 = time.perf_counter()
+        # the policy's costs are the engine thread's CPU time: immune to waits for the GIL (a server's
+        # event loop) and to other load on the machine
+        t0 = time.thread_time()
         proposals = self._draft(sched.scheduled)
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         work, logits = self._target_forward(sched.scheduled, proposals)
         results = self._verify(work, logits)
         outputs += self._commit(work, results)
-        t2 = time.perf_counter()
-        if logits is not None:  # decode steps feed the adaptive speculation cost model
-            levels = self.drafter.levels if (self.drafter is not None and proposals) else 0
-            self.scheduler.observe(t2 - t1, (t1 - t0) / levels if levels else None, sched.num_tokens)
+        t2 = time.thread_time()
+        if logits is not None and all(sc.final and sc.num_tokens == 1 for sc in sched.scheduled):
+            # pure decode steps only: prefill would skew the cost fit
+            sch = self.scheduler
+            levels = self.drafter.levels - 1 if (self.drafter is not None and proposals) else 0
+            if proposals:  # per-level draft cost: the forwards after the first (which also catches
+                # the draft cache up by however much it lags, e.g. after a skipped prompt prefill)
+                sch.observe(t2 - t1, self.drafter.level_time / levels if levels > 0 else None, sched.num_tokens)
+            else:
+                sch.observe_plain(len(sched.scheduled), t2 - t0)
         self.num_steps += 1
         return outputs
 
@@ -219,15 +227,20 @@ class Engine:
         if self.drafter is None:
             return {}
         catch, spec = [], []
+        sch = self.scheduler
+        # adaptive speculation switched off: prompts skip the draft prefill (a request catches up in
+        # one draft forward when it next drafts)
+        lazy_auto = sch.spec.adaptive and sch.last_depth == 0
         for sc in scheduled:
             seq = sc.seq
-            mode = self.scheduler.mode_of(seq)
+            mode = sch.mode_of(seq)
+            lazy = lazy_auto and seq.spec.mode == "auto"
             if sc.final:
                 b = self._spec_budget(seq, sc.spec_budget)
                 shape = self.drafter.shape_for(mode, b, sc.spec_depth) if b > 0 else None
                 if shape is not None:
                     spec.append((seq, shape))
-            elif mode != "off":
+            elif mode != "off" and not lazy:
                 catch.append((seq, seq.num_computed + sc.num_tokens))
         if catch:
             self.drafter.catch_up(catch)
@@ -376,6 +389,7 @@ class Engine:
             self.stats.record(tree.num_nodes - 1, depth, a)
             if depth:
                 seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (a / depth)
+                self.scheduler.note_accept(a / depth)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             outs.append(self._emit(seq, res.tokens))

@@ -14,14 +14,21 @@ Policy (knobs in ``SchedulerConfig`` / ``SpecConfig``):
 - KV exhaustion: the lowest-ranked running sequence (batch before interactive, latest arrival
   first) is preempted - its blocks freed, its tokens kept - and recomputed later (prefix-cache hits
   make that cheap). A sequence that cannot get blocks even then waits.
-- Speculation budget (adaptive, requests in ``auto`` mode): the scheduler keeps EMAs of the measured
-  target step time ``t_t`` and draft forward time ``t_d`` and, per request, of the per-position
-  acceptance ``a_i`` (accepted / drafted depth). Each step it picks the draft depth D (0..tree_depth)
-  that maximises the expected tokens per second of the whole step,
-  ``sum_i E(a_i, D) / (t_t + D * t_d)`` with ``E(a, D) = (1 - a^(D+1)) / (1 - a)`` (Leviathan et al.
-  2023). D = 0 turns speculation off - at high batch the target step grows and D shrinks; when the
-  batch drains it grows back. While D = 0, a probe step drafts one token so the acceptance
-  estimates stay current; the probe interval doubles (16 -> 256 steps) while D stays 0. Chains use k = D; trees keep min(tree_budget, D * tree_topk)
+- Speculation budget (adaptive, requests in ``auto`` mode): each step picks the draft depth D
+  (0..max) that maximises the expected tokens per second of the whole step,
+  ``sum_i E(a_i, D) / T(D)`` with ``E(a, D) = (1 - a^(D+1)) / (1 - a)`` (Leviathan et al. 2023)
+  and a_i each request's per-position acceptance (EMA of accepted / drafted depth; new requests
+  start from the engine-wide EMA). Costs are measured in the engine thread's CPU time (so waits
+  for the GIL or other load do not distort them): T(0) = the measured cost of a draft-free decode
+  step at this batch size (a batch size not yet seen gets one plain step first); T(D>0) =
+  ``t_fixed + t_per_token * B * (1 + nodes(D)) + D * t_draft`` fitted on speculative decode steps
+  (t_draft = the draft levels after the first, which also catches the draft cache up). D = 0
+  turns speculation off - at high batch the target step grows and D shrinks; when the batch drains
+  it grows back. While D = 0, a probe step drafts one token for one request (the least recently
+  probed) so acceptance estimates stay current; the probe interval doubles (16 -> 256 steps)
+  while D stays 0, and the draft model skips prompt prefill (a request catches up lazily, in one
+  draft forward, when it next drafts). Decisions are reused for up to 8 steps while the batch's
+  acceptance estimates are unchanged. Chains use k = D; trees keep min(tree_budget, D * tree_topk)
   nodes up to depth D. Requests that name a mode (chain/tree) get that fixed size (capped by their
   max_draft_tokens); the step's draft tokens are also capped at ``max_verify_tokens - batch``.
 """
@@ -82,12 +89,17 @@ class Scheduler:
         self.probe_every = 16  # current probe interval (steps) while speculation is off
         self.probe_min, self.probe_max = 16, 256
         self.probing = False
+        self._depth_cache = None  # (alphas, step, config, depth) of the last cost-model decision
+        self.t_plain: dict = {}  # batch size -> EMA seconds of a decode step without drafts
+        self.accept_ema: Optional[float] = None  # engine-wide per-position acceptance (prior for new requests)
         self._steps = 0
         self.prefix_cache = prefix_cache if cfg.enable_prefix_cache else None
         self.draft_prefix_cache = draft_prefix_cache if cfg.enable_prefix_cache else None
 
     # queue ---------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        if self.accept_ema is not None and seq.stats.steps == 0:
+            seq.recent_accept = self.accept_ema
         seq.status = Status.WAITING
         seq.wait_since = self.clock()
         self.waiting.append(seq)
@@ -151,10 +163,11 @@ class Scheduler:
         return base
 
     def observe(self, t_target: float, t_draft_level: Optional[float], tokens: int = 0) -> None:
-        """Feed measured step costs (the engine calls this after each step).
+        """Feed measured costs of a speculative decode step (the engine calls this after each one).
 
-        The target's cost is modelled as ``t_fixed + t_per_token * tokens`` (least squares over the
-        last 64 steps); ``t_target`` keeps the fixed part (or the EMA when token counts never varied).
+        Its target cost (forward + verify + commit) is modelled as ``t_fixed + t_per_token * tokens``
+        (least squares over the last 64 such steps); ``t_target`` keeps the fixed part (or the EMA
+        when token counts never varied). Steps without drafts go to ``observe_plain``.
         """
         a = 0.2
         if t_draft_level is not None:
@@ -190,22 +203,25 @@ class Scheduler:
         return d if self.spec.mode == "chain" else min(self.spec.tree_budget, d * self.spec.tree_topk)
 
     def choose_depth(self, alphas: list) -> int:
-        """Draft depth maximising expected tokens/s of the step (0 = no speculation)."""
+        """Draft depth maximising expected tokens/s of the step (0 = no speculation).
+
+        While the answer is 0, every ``probe_every`` steps it returns 1 and sets ``probing``: that
+        step drafts one token for ONE request (the least recently probed), so acceptance estimates
+        stay current at a cost that does not grow with the batch.
+        """
         dmax = max(self.spec.tree_depth, self.spec.num_draft_tokens)
+        self.probing = False
         if not alphas:
             return 0
         if self.t_target is None or self.t_draft is None:
             return min(dmax, 4)  # no measurements yet: start speculating, measure
-        B = len(alphas)
-
-        def step_time(d):
-            return self.t_target + self.t_per_token * B * (1 + self.nodes_for_depth(d)) + d * self.t_draft
-
-        best, best_d = B / step_time(0), 0
-        for d in range(1, dmax + 1):
-            rate = sum(self.expected_tokens(a, d) for a in alphas) / step_time(d)
-            if rate > best * 1.02:  # a clear win only
-                best, best_d = rate, d
+        c = self._depth_cache  # same estimates as a recent step: same answer (costs drift slowly)
+        if c is not None and c[0] == alphas and self._steps - c[1] < 8 and c[2] == (self.spec.mode, dmax):
+            best_d = c[3]
+        else:
+            best_d = self._best_depth(alphas, dmax)
+            if len(alphas) in self.t_plain:  # (an unmeasured batch size is re-asked next step)
+                self._depth_cache = (list(alphas), self._steps, (self.spec.mode, dmax), best_d)
         self.probing = False
         if best_d == 0:
             if self._steps % self.probe_every == 0:
@@ -215,6 +231,40 @@ class Scheduler:
             return 0
         self.probe_every = self.probe_min
         return best_d
+
+    def observe_plain(self, batch: int, seconds: float) -> None:
+        """A decode step with no drafts at all, ``batch`` requests, took ``seconds`` (engine thread
+        CPU time): the cost of depth 0 at this batch size, measured rather than extrapolated from
+        speculative steps (plain decoding takes a cheaper attention path)."""
+        old = self.t_plain.get(batch)
+        self.t_plain[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def _best_depth(self, alphas: list, dmax: int) -> int:
+        B = len(alphas)
+        # sum_i E(a_i, d) over requests, grouped by acceptance rounded to 0.01 (a batch shares a few
+        # distinct estimates), so the cost is O(distinct * dmax), not O(B * dmax) per step
+        groups = collections.Counter(round(min(max(a, 0.0), 0.999), 2) for a in alphas)
+        t0, tpt, td = self.t_target, self.t_per_token, self.t_draft
+        t_plain = self.t_plain.get(B)
+        if t_plain is None:
+            return 0  # first time at this batch size: one plain step measures the cost of depth 0
+        best, best_d = B / t_plain, 0
+        tot = [float(B)] * (dmax + 1)  # tot[d] = sum_i E(a_i, d)
+        for a, n in groups.items():
+            p, acc = 1.0, 1.0
+            for d in range(1, dmax + 1):
+                p *= a
+                acc += p
+                tot[d] += n * (acc - 1.0)
+        for d in range(1, dmax + 1):
+            rate = tot[d] / (t0 + tpt * B * (1 + self.nodes_for_depth(d)) + d * td)
+            if rate > best * 1.02:  # a clear win only
+                best, best_d = rate, d
+        return best_d
+
+    def note_accept(self, rate: float) -> None:
+        """Per-position acceptance of a speculating step (engine); new requests start from its EMA."""
+        self.accept_ema = rate if self.accept_ema is None else 0.9 * self.accept_ema + 0.1 * rate
 
     def step_spec_cap(self, batch: int) -> int:
         """Per-sequence cap on draft tokens so the step's verification tokens stay bounded."""
@@ -231,11 +281,14 @@ class Scheduler:
         cap = self.step_spec_cap(est_batch) if self.spec.adaptive else 1 << 30
         self._steps += 1
         auto_depth = None
+        probe = None  # the one request a probe step drafts for
         if self.spec.adaptive and self.has_draft:
-            alphas = [s.recent_accept for s in cands[:self.cfg.max_num_seqs]
-                      if s.spec.mode == "auto" and self.mode_of(s) != "off"]
-            auto_depth = self.choose_depth(alphas)
+            autos = [s for s in cands[:self.cfg.max_num_seqs] if s.spec.mode == "auto" and self.mode_of(s) != "off"]
+            auto_depth = self.choose_depth([s.recent_accept for s in autos])
             self.last_depth = auto_depth
+            if self.probing and autos:
+                probe = min(autos, key=lambda s: s.last_probe)
+                probe.last_probe = self._steps
         scheduled: list[Scheduled] = []
         preempted: list[Sequence] = []
         # while interactive requests are active, batch work runs in small rotating groups so the
@@ -276,7 +329,7 @@ class Scheduler:
                     mode = self.mode_of(seq)
                     want = depth if mode == "chain" else min(self.spec.tree_budget, depth * self.spec.tree_topk)
                     if self.probing:
-                        want = 1  # a probe drafts a single token
+                        want = 1 if seq is probe else 0  # a probe drafts a single token for one request
                     if seq.spec.max_draft_tokens is not None:
                         want = min(want, seq.spec.max_draft_tokens)
                 spec = min(want, cap, max(0, budget - chunk))

@@ -363,7 +363,13 @@ def test_overload_refused_at_once_and_service_resumes(make_server, engine):
         await asyncio.wait_for(asyncio.gather(*readers), 30)
         return snapshot, results, grpc_code
 
-    snapshot, results, grpc_code = asyncio.run(flood())
+    # steps slowed down while the queue is full, so the admitted requests are still running when
+    # gRPC is tried (a fast engine could finish all 6 x 300 tokens first)
+    engine.step_hook = lambda e: time.sleep(0.004)
+    try:
+        snapshot, results, grpc_code = asyncio.run(flood())
+    finally:
+        engine.step_hook = None
     kinds = [v[0] for v in snapshot.values()]
     assert len(snapshot) == 30, snapshot
     assert kinds.count("admitted") == 6 and kinds.count("overloaded") == 24, sorted(kinds)

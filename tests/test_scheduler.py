@@ -123,19 +123,29 @@ def test_budget_counts_verification_tokens():
     assert any(sc.spec_budget == 16 for sc in out.scheduled)
 
 
+def _plain_costs(s, sizes=(1, 2, 64, 256)):
+    """Plain (no-draft) step costs consistent with the fitted model at these batch sizes."""
+    s.t_plain = {b: s.t_target + s.t_per_token * b for b in sizes}
+
+
 def test_adaptive_depth_follows_acceptance_and_step_costs():
     s, _ = _sched(spec=SpecConfig(mode="tree", tree_depth=6, adaptive=True))
     s.observe(t_target=0.010, t_draft_level=0.001)  # a cheap draft
+    s._steps = 1
+    assert s.choose_depth([0.8]) == 0  # batch size never measured without drafts: measure depth 0 first
+    _plain_costs(s)
     hi = s.choose_depth([0.8])
     lo = s.choose_depth([0.2])
     assert hi > lo >= 0 and hi >= 4
     s.t_target, s.t_draft = 0.010, 0.009  # draft nearly as expensive as the target
+    _plain_costs(s)
     s._steps = 1
     assert s.choose_depth([0.3]) == 0  # speculation would cost throughput: off
     s._steps = s.probe_every
     assert s.choose_depth([0.3]) == 1  # ...but it keeps probing
     s._steps = 1
     s.t_target, s.t_draft, s.t_per_token = 0.002, 0.0005, 0.00002  # verification tokens cost compute
+    _plain_costs(s)
     small, big = s.choose_depth([0.7]), s.choose_depth([0.7] * 64)
     assert big < small and small >= 2  # big batches: smaller trees
     assert s.choose_depth([0.7] * 256) == 0  # at high batch speculation turns off...
@@ -185,6 +195,7 @@ def test_batch_work_rotates_in_small_groups_while_interactive_runs():
 def test_probes_draft_one_token_and_back_off():
     s, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
     s.t_target, s.t_draft = 0.010, 0.009  # speculation does not pay
+    _plain_costs(s)
     picks = []
     for step in range(1, 200):
         s._steps = step
@@ -193,3 +204,71 @@ def test_probes_draft_one_token_and_back_off():
     assert probes and all(picks[p - 1] == 1 for p in probes)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]  # ever rarer
+
+
+def test_probe_steps_draft_for_one_request_in_rotation():
+    """While speculation does not pay, a probe drafts one token for ONE request (least recently
+    probed), so its cost does not grow with the batch and every request's estimate stays fresh."""
+    s, clock = _sched(num_blocks=256, spec=SpecConfig(mode="tree", adaptive=True))
+    seqs = [_seq(clock, f"s{k}", n=3, mode="auto", max_tokens=1000) for k in range(4)]
+    for q in seqs:
+        s.add(q)
+    _run(s, s.schedule())  # prefill
+    s.t_target, s.t_draft, s.t_per_token = 0.010, 0.009, 0.0  # the draft costs almost a target step
+    _plain_costs(s, (4,))
+    for q in seqs:
+        q.recent_accept = 0.3
+    probed, plain_steps = [], 0
+    for _ in range(260):  # probes back off: 16, 32, 64, 128 steps apart
+        out = s.schedule()
+        drafting = [sc.seq.request_id for sc in out.scheduled if sc.spec_budget]
+        assert len(drafting) <= 1
+        if drafting:
+            assert s.probing and [sc.spec_budget for sc in out.scheduled if sc.spec_budget] == [1]
+            probed.append(drafting[0])
+        else:
+            plain_steps += 1
+        _run(s, out)
+    assert probed == ["s0", "s1", "s2", "s3"]  # each request probed once, in rotation
+    assert plain_steps == 256
+
+
+def test_new_requests_start_from_the_engine_wide_acceptance():
+    s, clock = _sched(spec=SpecConfig(mode="tree", adaptive=True))
+    for _ in range(50):
+        s.note_accept(0.2)
+    q = _seq(clock, "late", mode="auto")
+    s.add(q)
+    assert abs(q.recent_accept - 0.2) < 0.01
+
+
+def test_plain_decoding_is_measured_not_extrapolated():
+    """Depth 0 is priced by measured draft-free steps at that batch size: when plain decoding is
+    cheaper than the speculative-step fit suggests, speculation stays off."""
+    s, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
+    s.t_target, s.t_draft, s.t_per_token = 0.010, 0.001, 0.0  # speculative steps: 10 ms + 1 ms / level
+    s.observe_plain(4, 0.010)
+    assert s.choose_depth([0.7] * 4) >= 2  # plain steps cost as much as speculative ones: speculate
+    s._depth_cache = None
+    for _ in range(30):
+        s.observe_plain(4, 0.003)  # plain decoding turns out to be far cheaper (a lighter code path)
+    s._steps = 1
+    assert s.choose_depth([0.7] * 4) == 0
+
+
+def test_probe_state_does_not_outlive_the_adaptive_requests():
+    """Regression: a probe decided on one step must not be applied on a later step whose batch
+    has no adaptive request (the scheduler crashed choosing a probe among none)."""
+    s, clock = _sched(num_blocks=256, spec=SpecConfig(mode="tree", adaptive=True))
+    s.t_target, s.t_draft, s.t_per_token = 0.010, 0.009, 0.0
+    _plain_costs(s, (1,))
+    a = _seq(clock, "a", n=3, mode="auto")
+    s.add(a)
+    _run(s, s.schedule())
+    s._steps = s.probe_every - 1
+    out = s.schedule()  # a probe step
+    assert s.probing and [sc.spec_budget for sc in out.scheduled] == [1]
+    s.remove(a)
+    s.add(_seq(clock, "fixed", n=3, mode="off"))
+    out = s.schedule()  # no adaptive request left
+    assert not s.probing and out.scheduled

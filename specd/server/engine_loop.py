@@ -11,7 +11,8 @@ Usage (inside the event loop that called ``start()``)::
     await ae.start()
     try:
         async for out in ae.generate(prompt_ids, SamplingParams(...), SpecParams(), "interactive", "r1"):
-            ...  # out: RequestOutput (token_ids / text of ONE engine step; out.finished on the last)
+            ...  # out: RequestOutput (token_ids / text of one engine step - or of every step that
+                 # queued up while the consumer was busy, merged; out.finished on the last)
     except RequestError as e:  # raised on the first iteration, before any compute:
         ...  # e.code: overloaded | shutting_down | too_long | invalid_request | duplicate_id | internal
     await ae.drain(30.0)  # SIGTERM: refuse new requests, let running ones finish, abort the rest
@@ -42,6 +43,11 @@ from specd.sequence import SpecParams
 log = logging.getLogger("specd.engine_loop")
 
 __all__ = ["AsyncEngine", "RequestError", "RequestOutput"]
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one (tokens and text concatenated)."""
+    return RequestOutput(a.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason, b.seq)
+
 
 def _admitted(e: RequestError) -> RequestError:
     """Mark an error raised after the request was admitted (mid-stream) rather than refused."""
@@ -176,8 +182,17 @@ class AsyncEngine:
         self._wake.set()
         finished = False
         try:
+            pending = None
             while True:
-                item = await q.get()
+                item, pending = (pending if pending is not None else await q.get()), None
+                # a consumer that fell behind (slow client, busy loop) gets what queued up meanwhile
+                # as ONE output: fewer messages exactly when sending is the bottleneck
+                while not q.empty() and not isinstance(item, BaseException) and not item.finished:
+                    nxt = q.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        pending = nxt  # an error ends the stream after what came before it
+                        break
+                    item = _merge(item, nxt)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

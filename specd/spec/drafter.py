@@ -27,6 +27,7 @@ committed prefix and the accepted tokens are caught up next step (one small extr
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -106,6 +107,9 @@ class Drafter:
         self.static = static_tree_choices(spec_cfg.static_tree) if spec_cfg.static_tree else None
         self.forwards = 0
         self.levels = 0  # tree-level draft forwards of the last propose()
+        # seconds of the last propose()'s forwards after the first (which also catches the draft
+        # cache up, a cost that varies with how far it lags): the per-level cost the policy models
+        self.level_time = 0.0
 
     def shape_for(self, mode: str, budget: int, depth: int = 0) -> Optional[Shape]:
         if budget <= 0 or mode == "off":
@@ -180,6 +184,7 @@ class Drafter:
             return {}
         logits = self._forward(rows, need)  # [B, V]
         self.levels = 1
+        t_levels = time.thread_time()
         for b in builds:
             b.seq.draft_computed = b.L
         frontier = [(b, 0, logits[i]) for i, b in enumerate(builds)]
@@ -220,6 +225,7 @@ class Drafter:
             logits = self._forward(rows, need)
             self.levels += 1
             frontier = [(b, i, logits[k]) for k, (b, i) in enumerate(flat)]
+        self.level_time = time.thread_time() - t_levels  # expansions + forwards of levels 2.. (thread CPU)
         return {b.seq.request_id: self._finish(b) for b in builds}
 
     def _expand(self, frontier) -> list:
