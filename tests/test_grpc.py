@@ -145,7 +145,7 @@ def test_greedy_stream_matches_engine_generate(ref_engine, daemon, stub, mode):
     assert done.finish_reason == ref.finish_reason
     assert done.usage.prompt_tokens == len(ids)
     assert done.usage.completion_tokens == len(ref.output_ids)
-    assert done.spec.steps == len(deltas) >= 1
+    assert done.spec.steps >= len(deltas) >= 1  # one Delta per step, merged when steps outran the stream
     if spec == "off":
         assert done.spec.draft_tokens == 0 and done.spec.mean_accepted_length == 1.0
     else:  # one Delta per step, several tokens per step when drafts are accepted

@@ -135,7 +135,8 @@ def test_stream_equals_in_process_greedy(server, reference, mode):
     assert set(done["timing"]) == {"queue_ms", "ttft_ms", "total_ms"}
     assert 0 <= done["timing"]["queue_ms"] <= done["timing"]["ttft_ms"] <= done["timing"]["total_ms"]
     if mode == "off":
-        assert done["spec"]["draft_tokens"] == 0 and len(deltas) == len(ids)  # one token per step
+        # one step per token; a delta per step, or fewer when steps outran the loop (merged)
+        assert done["spec"]["draft_tokens"] == 0 and done["spec"]["steps"] == len(ids) >= len(deltas)
     if mode in ("chain", "tree"):
         assert done["spec"]["draft_tokens"] > 0 and len(deltas) < len(ids)  # several tokens per message
 

@@ -168,7 +168,8 @@ def test_async_engine_streams_overload_and_abort():
         await ae.start()
         assert ae.ready and ae.watchdog_ok()
         outs = [o async for o in ae.generate([1], None, None, "interactive", "a")]
-        assert [len(o.token_ids) for o in outs] == [1] * 5 and outs[-1].finished and ae.num_requests == 0
+        assert sum(len(o.token_ids) for o in outs) == 5 and outs[-1].finished and ae.num_requests == 0
+        assert all(o.token_ids for o in outs) and not any(o.finished for o in outs[:-1])
         # overloaded at once
         fe.n = 100_000
         g1, g2 = ae.generate([1], None, None, "interactive", "b"), ae.generate([1], None, None, "interactive", "c")
@@ -207,6 +208,27 @@ def test_async_engine_streams_overload_and_abort():
         with pytest.raises(RequestError) as ei:
             await ae.generate([1], None, None, "interactive", "g").__anext__()
         assert ei.value.code == "shutting_down"
+        await ae.stop()
+
+    run(main())
+
+
+def test_async_engine_merges_outputs_that_queued_behind_a_slow_consumer():
+    """A consumer that falls behind gets everything queued meanwhile as one output (fewer messages
+    exactly when sending is the bottleneck); nothing is lost, and an error still ends the stream."""
+    from specd.server.engine_loop import AsyncEngine
+
+    async def main():
+        fe = FakeEngine(n=40)
+        ae = AsyncEngine(fe, max_queue=8)
+        await ae.start()
+        outs = []
+        async for o in ae.generate([1], None, None, "interactive", "slow"):
+            outs.append(o)
+            await asyncio.sleep(0.01)  # ~10 engine steps per message
+        assert sum(len(o.token_ids) for o in outs) == 40 and "".join(o.text for o in outs) == "x" * 40
+        assert len(outs) < 20 and max(len(o.token_ids) for o in outs) > 1
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
         await ae.stop()
 
     run(main())
