@@ -44,6 +44,15 @@ log = logging.getLogger("specd.engine_loop")
 
 __all__ = ["AsyncEngine", "RequestError", "RequestOutput"]
 
+class _Sink:
+    """A push consumer in ``_streams`` (which otherwise holds ``asyncio.Queue``s): same put_nowait."""
+
+    __slots__ = ("put_nowait",)
+
+    def __init__(self, fn):
+        self.put_nowait = fn
+
+
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one (tokens and text concatenated)."""
     return RequestOutput(a.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason, b.seq)
@@ -77,6 +86,9 @@ class AsyncEngine:
         self.watchdog_timeout_s = watchdog_timeout_s
         self.listeners: list[Callable[[list, float], None]] = []
         self._streams: dict[str, asyncio.Queue] = {}  # event-loop thread only
+        self._outbox: list = []  # outputs handed from the engine thread, not dispatched yet
+        self._out_lock = threading.Lock()
+        self._posted = False  # a _dispatch_outbox call is scheduled on the loop
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._wake = threading.Event()
@@ -159,27 +171,8 @@ class AsyncEngine:
         ``finished`` set (finish_reason stop | length | cancelled). Raises ``RequestError`` on the first
         iteration when the request is refused, or later (``internal`` if the engine failed, ``shutting_down``
         on ``stop()``); such mid-stream errors carry ``admitted = True``."""
-        if self._stopping or self._draining:
-            raise RequestError("shutting_down", "the server is shutting down")
-        if not self._alive() or self._loop is None:
-            raise RequestError("shutting_down", "the engine is not running")
-        if len(self._streams) >= self.max_queue:
-            raise RequestError("overloaded", f"server busy: {len(self._streams)} requests queued or running "
-                                             f"(max {self.max_queue}); retry later")
-        rid = request_id if request_id is not None else uuid.uuid4().hex
-        if rid in self._streams:
-            raise RequestError("duplicate_id", f"request id {rid!r} is already running")
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = q  # before add_request: the engine may emit before we get back here
-        try:
-            self.engine.add_request(list(prompt_ids), params, spec, priority, rid)
-        except RequestError:
-            self._streams.pop(rid, None)
-            raise
-        except ValueError as e:  # e.g. a bad priority
-            self._streams.pop(rid, None)
-            raise RequestError("invalid_request", str(e)) from None
-        self._wake.set()
+        rid = self._admit(prompt_ids, params, spec, priority, request_id, q)
         finished = False
         try:
             pending = None
@@ -206,6 +199,39 @@ class AsyncEngine:
                 self.abort(rid)
             if self._streams.get(rid) is q:
                 del self._streams[rid]
+
+    def submit(self, prompt_ids: list, params: SamplingParams, spec: SpecParams, priority: str,
+               request_id: str, sink: Callable[[object], None]) -> None:
+        """Admit a request whose outputs are pushed instead of pulled: ``sink(item)`` is called on the
+        event loop, from the same callback that fans out a step's outputs, with each ``RequestOutput``
+        (the last has ``finished`` set) or an admitted ``RequestError`` that ends the stream. No task,
+        queue or wake-up per output: the websocket server batches a step's frames per connection.
+        Raises ``RequestError`` at once when the request is refused. To give up on the request, call
+        ``abort()``: the sink then receives the ``cancelled`` output."""
+        self._admit(prompt_ids, params, spec, priority, request_id, _Sink(sink))
+
+    def _admit(self, prompt_ids, params, spec, priority, request_id, stream) -> str:
+        if self._stopping or self._draining:
+            raise RequestError("shutting_down", "the server is shutting down")
+        if not self._alive() or self._loop is None:
+            raise RequestError("shutting_down", "the engine is not running")
+        if len(self._streams) >= self.max_queue:
+            raise RequestError("overloaded", f"server busy: {len(self._streams)} requests queued or running "
+                                             f"(max {self.max_queue}); retry later")
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if rid in self._streams:
+            raise RequestError("duplicate_id", f"request id {rid!r} is already running")
+        self._streams[rid] = stream  # before add_request: the engine may emit before we get back here
+        try:
+            self.engine.add_request(list(prompt_ids), params, spec, priority, rid)
+        except RequestError:
+            self._streams.pop(rid, None)
+            raise
+        except ValueError as e:  # e.g. a bad priority
+            self._streams.pop(rid, None)
+            raise RequestError("invalid_request", str(e)) from None
+        self._wake.set()
+        return rid
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (any thread); its stream ends with finish_reason ``cancelled``."""
@@ -254,7 +280,14 @@ class AsyncEngine:
                         f(outs, now - t0)
                     except Exception:  # noqa: BLE001
                         log.exception("step listener failed")
-                self._post(self._dispatch, outs)
+                # hand the outputs to the loop; while it has not taken the previous hand-off yet,
+                # append to it instead of waking it again (fewer wake-ups when the loop lags)
+                with self._out_lock:
+                    self._outbox.extend(outs)
+                    wake = not self._posted
+                    self._posted = True
+                if wake:
+                    self._post(self._dispatch_outbox, None)
 
     def _post(self, fn, arg) -> None:
         try:
@@ -282,6 +315,12 @@ class AsyncEngine:
         self._post(self._fail, (rids, msg))
 
     # event-loop side -----------------------------------------------------------------------------
+    def _dispatch_outbox(self, _) -> None:
+        with self._out_lock:
+            outs, self._outbox = self._outbox, []
+            self._posted = False
+        self._dispatch(outs)
+
     def _dispatch(self, outs: list) -> None:
         streams = self._streams
         for out in outs:

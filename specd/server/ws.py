@@ -6,9 +6,10 @@ one step has been stuck longer than the watchdog timeout); ``/readyz`` 200 when 
 loading or draining; ``/metrics`` Prometheus text (needs the API key when one is set); ``/`` and
 ``/index.html`` the web chat page. Other paths: 404.
 
-One ``Conn`` per websocket connection multiplexes requests by their client ``id``; every request runs
-in its own task that streams ``delta`` frames and ends with exactly one ``done`` (or an ``error`` when
-the request is refused before it starts). Protocol: ``docs/protocol.md``.
+One ``Conn`` per websocket connection multiplexes requests by their client ``id``; every request has
+a task that admits it and waits for its end; its ``delta`` frames and exactly one ``done`` (or an
+``error`` when the request is refused before it starts) are written by the connection, which sends
+each event-loop pass's frames in one socket write. Protocol: ``docs/protocol.md``.
 """
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ import hmac
 import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
 from pathlib import Path
 from typing import Optional
 from urllib.parse import urlsplit
@@ -29,7 +29,7 @@ from websockets.protocol import State
 from specd.engine import RequestError
 from specd.server import protocol as P
 from specd.server import request_build as RB
-from specd.server.engine_loop import AsyncEngine
+from specd.server.engine_loop import AsyncEngine, _merge
 from specd.server.metrics import Metrics
 
 log = logging.getLogger("specd.ws")
@@ -204,25 +204,120 @@ class WSServer:
             await c.cancel_all()
 
 
+def _text_frame(payload: bytes) -> bytes:
+    """A final, unmasked text frame (server to client)."""
+    n = len(payload)
+    if n < 126:
+        return b"\x81" + bytes((n,)) + payload
+    if n < 65536:
+        return b"\x81\x7e" + n.to_bytes(2, "big") + payload
+    return b"\x81\x7f" + n.to_bytes(8, "big") + payload
+
+
 class _Req:
-    __slots__ = ("id", "engine_id", "task", "cancelled")
+    __slots__ = ("id", "engine_id", "task", "cancelled", "done", "n", "last", "out", "err")
 
     def __init__(self, rid: str, engine_id: str):
         self.id, self.engine_id = rid, engine_id
         self.task: Optional[asyncio.Task] = None
         self.cancelled = False
+        self.done: Optional[asyncio.Future] = None  # set once the final frame is out (admitted requests)
+        self.n = 0  # deltas sent
+        self.last = None  # last RequestOutput sent (its seq carries the stats for a done(error))
+        self.out = None  # output not sent yet (merged while the connection could not keep up)
+        self.err: Optional[BaseException] = None  # an admitted error not sent yet
 
 
 class Conn:
-    """One websocket connection: its auth state and its live requests by client id."""
+    """One websocket connection: its auth state and its live requests by client id.
+
+    Outputs are pushed by the engine loop (``AsyncEngine.submit``) into ``pending``; once per event
+    loop pass every pending request gets one ``delta`` (the outputs of all steps since the last
+    flush, merged) and, at the end, its ``done``, and the frames go out in ONE socket write. While a
+    slow client's write buffer is full, outputs keep merging instead of queueing frames."""
+
+    HIGH_WATER = 1 << 16  # bytes buffered for the client above which frames wait (and merge)
 
     def __init__(self, srv: WSServer, ws: ServerConnection, authed: bool, serial: int):
         self.srv, self.ws, self.authed, self.serial = srv, ws, authed, serial
         self.live: dict = {}
         self.auth_failures = 0
+        self.pending: dict = {}  # client id -> _Req with output or error to send
+        self._flush_at: Optional[asyncio.Handle] = None
+        self._waiting_drain = False
 
     async def send(self, data: bytes) -> None:
         await self.ws.send(data, text=True)
+
+    # pushed outputs ------------------------------------------------------------------------------
+    def _deliver(self, r: _Req, item) -> None:
+        """Engine output (or admitted error) for ``r``; called on the loop by the AsyncEngine."""
+        if isinstance(item, BaseException):
+            r.err = item
+        else:
+            r.out = item if r.out is None else _merge(r.out, item)
+        self.pending[r.id] = r
+        if self._flush_at is None and not self._waiting_drain:
+            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_at = None
+        ws = self.ws
+        if ws.protocol.state is not State.OPEN:  # client gone: nothing can be sent, free the KV
+            ae = self.srv.ae
+            for r in self.pending.values():
+                ended = r.err is not None or (r.out is not None and r.out.finished)
+                if not ended and ae is not None:
+                    ae.abort(r.engine_id)
+                if r.done is not None and not r.done.done():
+                    r.done.set_result(None)
+            self.pending.clear()
+            return
+        if ws.transport.get_write_buffer_size() > self.HIGH_WATER:  # slow client: merge until it drains
+            self._waiting_drain = True
+            asyncio.get_running_loop().create_task(self._after_drain())
+            return
+        frames, finished = [], []
+        for r in self.pending.values():
+            out, err = r.out, r.err
+            r.out = r.err = None
+            if out is not None:
+                r.last = out
+                if out.token_ids or out.text:
+                    frames.append(P.delta(r.id, r.n, out.text, out.token_ids))
+                    r.n += 1
+                if out.finished:
+                    frames.append(P.done(r.id, out.seq, out.finish_reason))
+                    finished.append(r)
+                    continue
+            if err is not None:
+                code = getattr(err, "code", "internal")
+                self.srv.metrics.count_error(code)
+                e = (code, str(err))
+                frames.append(P.done(r.id, r.last.seq, "error", e) if r.last is not None
+                              else P.done_empty(r.id, "error", err=e))
+                finished.append(r)
+        self.pending.clear()
+        if frames:
+            # the pass's frames for this connection in one write; server frames are unmasked and,
+            # with compression off, a text frame is just its header + the UTF-8 payload (RFC 6455 5.2)
+            chunks = ws.protocol.data_to_send()  # anything websockets queued first (none while OPEN)
+            if chunks and not all(chunks):
+                ws.send_data()
+                chunks = []
+            ws.transport.write(b"".join(chunks + [_text_frame(f) for f in frames]))
+        for r in finished:
+            if r.done is not None and not r.done.done():
+                r.done.set_result(None)
+
+    async def _after_drain(self) -> None:
+        try:
+            await self.ws.drain()
+        except Exception:  # noqa: BLE001 - closed: _flush resolves the requests
+            pass
+        self._waiting_drain = False
+        if self._flush_at is None:
+            self._flush()
 
     async def error(self, rid: Optional[str], code: str, message: str) -> None:
         self.srv.metrics.count_error(code)
@@ -314,7 +409,7 @@ class Conn:
         r.task = asyncio.get_running_loop().create_task(self._serve(r, req, ae))
 
     async def _serve(self, r: _Req, req: P.GenerateRequest, ae: AsyncEngine) -> None:
-        last = None
+        submitted = False
         try:
             eng = ae.engine
             loop = asyncio.get_running_loop()
@@ -332,24 +427,13 @@ class Conn:
             max_tokens = (req.max_tokens if req.max_tokens is not None
                           else RB.default_max_tokens(len(ids), eng.max_model_len))
             params = RB.sampling_params(max_tokens, **req.sampling)
-            n = 0
-            # aclosing: if a send fails (client gone) the stream is closed now, which aborts the request
-            async with aclosing(ae.generate(ids, params, req.spec, req.priority, r.engine_id)) as stream:
-                async for out in stream:
-                    last = out
-                    if out.token_ids or out.text:
-                        await self.send(P.delta(r.id, n, out.text, out.token_ids))
-                        n += 1
-                    if out.finished:
-                        await self.send(P.done(r.id, out.seq, out.finish_reason))
-        except RequestError as e:
-            if getattr(e, "admitted", False):  # failed mid-stream: end it with done(error)
-                self.srv.metrics.count_error(e.code)
-                err = (e.code, str(e))
-                await self.send(P.done(r.id, last.seq, "error", err) if last is not None
-                                else P.done_empty(r.id, "error", err=err))
-            else:
-                await self.error(r.id, e.code, str(e))
+            r.done = loop.create_future()
+            # outputs are pushed to _deliver and flushed per loop pass (no per-output task wake-ups)
+            ae.submit(ids, params, req.spec, req.priority, r.engine_id, lambda item: self._deliver(r, item))
+            submitted = True
+            await r.done
+        except RequestError as e:  # refused before admission (admitted errors arrive via _deliver)
+            await self.error(r.id, e.code, str(e))
         except ConnectionClosed:
             pass
         except Exception as e:  # noqa: BLE001 - never let one request take the connection down
@@ -359,6 +443,9 @@ class Conn:
             except ConnectionClosed:
                 pass
         finally:
+            if submitted and not r.done.done():  # task cancelled (client gone): free the engine's KV
+                ae.abort(r.engine_id)
+            self.pending.pop(r.id, None)
             if self.live.get(r.id) is r:
                 del self.live[r.id]
 
