@@ -41,13 +41,25 @@ def engine_args(a) -> list:
             "--spec-mode", a.spec, "--num-blocks", str(a.num_blocks)]
 
 
+def _children(pid) -> list:
+    out = []
+    try:
+        for t in Path(f"/proc/{pid}/task").iterdir():
+            out += [int(c) for c in (t / "children").read_text().split()]
+    except OSError:
+        pass
+    return out
+
+
 def proc_cpu(pid) -> float:
-    """CPU seconds (user + system) of a process, from /proc (Linux); 0 elsewhere."""
+    """CPU seconds (user + system) of a process and its live descendants (the engine process of
+    ``specd serve``), from /proc (Linux); 0 elsewhere."""
     try:
         f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+        own = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+    return own + sum(proc_cpu(c) for c in _children(pid))
 
 
 def in_process(engine, prompts, max_tokens, spec_mode):

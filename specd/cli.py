@@ -219,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-connections", type=int, default=256)
     s.add_argument("--max-message-bytes", type=int, default=1 << 20)
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    s.add_argument("--engine-thread", action="store_true",
+                   help="step the engine in a thread of the server process instead of its own process")
     s.add_argument("--log-level", default="info")
 
     c = sub.add_parser("chat", help="terminal chat client")

@@ -49,6 +49,23 @@ class RequestOutput:
     seq: Sequence
 
 
+def validate_request(prompt_ids: list, params: SamplingParams, max_model_len: int, block_size: int,
+                     num_blocks: int, vocab_size: int) -> None:
+    """Refuse (RequestError) a request that can never run: empty, too long for the context or the KV
+    cache, token ids outside the vocabulary. Before any compute (also used by the server process)."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise RequestError("invalid_request", "prompt is empty")
+    if n + params.max_tokens > max_model_len:
+        raise RequestError("too_long", f"prompt ({n}) + max_tokens ({params.max_tokens}) > context {max_model_len}")
+    if -(-(n + params.max_tokens + 1) // block_size) > num_blocks:
+        raise RequestError("too_long", f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the KV cache "
+                                       f"({num_blocks * block_size} tokens)")
+    bad = next((t for t in prompt_ids if not (0 <= t < vocab_size)), None)
+    if bad is not None:
+        raise RequestError("invalid_request", f"token id {bad} outside the vocabulary (0..{vocab_size - 1})")
+
+
 def _cache_blocks(cfg: EngineConfig, target: LoadedModel, draft: Optional[LoadedModel], max_len: int):
     bs = cfg.cache.block_size
     tc = target.config
@@ -129,19 +146,8 @@ class Engine:
 
     # requests ------------------------------------------------------------------------------------
     def validate(self, prompt_ids: list, params: SamplingParams) -> None:
-        n = len(prompt_ids)
-        if n == 0:
-            raise RequestError("invalid_request", "prompt is empty")
-        if n + params.max_tokens > self.max_model_len:
-            raise RequestError("too_long", f"prompt ({n}) + max_tokens ({params.max_tokens}) > context "
-                                           f"{self.max_model_len}")
-        bs = self.cache.block_size
-        if -(-(n + params.max_tokens + 1) // bs) > self.cache.pool.num_blocks:
-            raise RequestError("too_long", f"prompt ({n}) + max_tokens ({params.max_tokens}) exceeds the KV cache "
-                                           f"({self.cache.pool.num_blocks * bs} tokens)")
-        bad = next((t for t in prompt_ids if not (0 <= t < self.vocab_size)), None)
-        if bad is not None:
-            raise RequestError("invalid_request", f"token id {bad} outside the vocabulary (0..{self.vocab_size - 1})")
+        validate_request(prompt_ids, params, self.max_model_len, self.cache.block_size, self.cache.pool.num_blocks,
+                         self.vocab_size)
 
     def add_request(self, prompt_ids: list, params: SamplingParams, spec: SpecParams = SpecParams(),
                     priority: str = "interactive", request_id: Optional[str] = None) -> Sequence:

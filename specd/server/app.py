@@ -114,6 +114,7 @@ class App:
         self.port: Optional[int] = None
         self._shut_down = False
         self.stopped_while_loading = False
+        self._remote = None  # RemoteEngine when the engine runs in its own process
 
     # start ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -183,7 +184,14 @@ class App:
         from specd.engine import Engine
 
         a = self.args
-        log.info("loading models", extra={"fields": {"target": a.target, "draft": a.draft}})
+        in_thread = getattr(a, "engine_thread", True)
+        log.info("loading models", extra={"fields": {"target": a.target, "draft": a.draft,
+                                                     "engine": "thread" if in_thread else "process"}})
+        if not in_thread:  # the default for `specd serve`: the engine steps in its own process
+            from specd.server.engine_proc import RemoteEngine
+
+            self._remote = RemoteEngine(engine_config(a))
+            return self._remote
         engine = Engine(engine_config(a))
         warm_up(engine)
         return engine
@@ -232,9 +240,16 @@ class App:
         await self.ws.close()
         if ae is not None:
             await ae.stop()
+        await self._stop_remote()
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()
         log.info("stopped")
+
+    async def _stop_remote(self) -> None:
+        r = getattr(self, "_remote", None)
+        if r is not None:
+            self._remote = None
+            await asyncio.get_running_loop().run_in_executor(None, r.shutdown)
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
@@ -252,6 +267,7 @@ class App:
             await self.ws.close()
             if self.ae is not None:
                 await self.ae.stop()
+            await self._stop_remote()
             log.info("stopped while loading")
             self.stopped_while_loading = True
             return 0
@@ -260,6 +276,7 @@ class App:
             log.error("startup failed: %s", e, exc_info=e if not isinstance(e, (OSError, ValueError)) else None)
             stopper.cancel()
             await self.ws.close()
+            await self._stop_remote()
             return 1
         await stopper
         await self.shutdown()

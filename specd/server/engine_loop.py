@@ -127,6 +127,9 @@ class AsyncEngine:
         self._draining = True
         self._stopping = True
         self._wake.set()
+        interrupt = getattr(self.engine, "interrupt", None)  # an engine process: unblock the relay
+        if interrupt is not None:
+            interrupt()
         t = self._thread
         if t is not None and t.is_alive():
             await asyncio.get_running_loop().run_in_executor(None, t.join, 10.0)
@@ -136,7 +139,8 @@ class AsyncEngine:
 
     # state ---------------------------------------------------------------------------------------
     def _alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        # (an engine in another process reports its own liveness)
+        return self._thread is not None and self._thread.is_alive() and getattr(self.engine, "alive", True)
 
     @property
     def ready(self) -> bool:

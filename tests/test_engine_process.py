@@ -1,0 +1,169 @@
+"""The engine in its own process (the default of `specd serve`): same streams as the in-process engine,
+cancellation and disconnects free the child's KV blocks, /metrics reports the child's state, and a
+child that dies fails its requests and turns /healthz red while the server stays up."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import orjson
+import pytest
+from websockets.sync.client import connect
+
+from conftest import serve_args
+
+pytestmark = pytest.mark.timeout(180)
+
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"]
+
+
+def _get(port, path):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _collect(ws, rid, timeout=60.0):
+    deltas, end = [], time.monotonic() + timeout
+    while True:
+        m = orjson.loads(ws.recv(timeout=max(0.1, end - time.monotonic())))
+        if m.get("id") != rid:
+            continue
+        if m["type"] == "delta":
+            deltas.append(m)
+        else:
+            return deltas, m
+
+
+def _idle_kv(remote, timeout=20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if not remote.has_work() and remote.refresh()["kv_used"] == (0, 0):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def server():
+    from specd.server.app import ServerThread
+
+    a = serve_args(num_blocks=256, log_level="warning")
+    assert a.engine_thread is False  # the default: an engine process
+    srv = ServerThread(a).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(shared_pair):
+    from specd.cli import engine_config
+    from specd.engine import Engine
+    from specd.sampling import SamplingParams
+    from specd.sequence import SpecParams
+
+    t, d = shared_pair
+    eng = Engine(engine_config(serve_args(num_blocks=256)), target=t, draft=d)
+    out = {}
+    for p in PROMPTS:
+        ids = eng.tokenizer(p)["input_ids"]
+        for mode in ("off", "tree"):
+            s = eng.generate([ids], SamplingParams(temperature=0.0, max_tokens=32), SpecParams(mode=mode))[0]
+            out[p, mode] = (s.output_ids, eng.output_text(s))
+    return out
+
+
+def test_streams_equal_the_in_process_engine(server, reference):
+    from specd.server.engine_proc import RemoteEngine
+
+    remote = server.app.ae.engine
+    assert isinstance(remote, RemoteEngine) and remote.proc.pid != os.getpid() and remote.alive
+    with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+        for i, p in enumerate(PROMPTS):  # concurrent requests, speculation off and on
+            for mode in ("off", "tree"):
+                ws.send(orjson.dumps({"type": "generate", "id": f"{mode}{i}", "prompt": p, "max_tokens": 32,
+                                      "temperature": 0, "speculation": {"mode": mode}}).decode())
+        frames: dict = {}
+        end = time.monotonic() + 60
+        while sum(1 for v in frames.values() if v and v[-1]["type"] != "delta") < 2 * len(PROMPTS):
+            m = orjson.loads(ws.recv(timeout=max(0.1, end - time.monotonic())))
+            frames.setdefault(m["id"], []).append(m)
+        for i, p in enumerate(PROMPTS):
+            for mode in ("off", "tree"):
+                *deltas, done = frames[f"{mode}{i}"]
+                assert all(d["type"] == "delta" for d in deltas)
+                ids, text = reference[p, mode]
+                assert done["type"] == "done" and done["finish_reason"] == "length", done
+                assert [t for d in deltas for t in d["token_ids"]] == ids
+                assert "".join(d["text"] for d in deltas) == text
+                assert done["usage"]["completion_tokens"] == len(ids)
+                assert done["spec"]["steps"] >= 1 and done["timing"]["ttft_ms"] is not None
+                if mode == "tree":
+                    assert done["spec"]["draft_tokens"] > 0
+    assert _idle_kv(remote)
+    # the child's state reaches /metrics
+    status, body = _get(server.port, "/metrics")
+    text = body.decode()
+    assert status == 200 and "specd_kv_blocks_total{cache=\"target\"} 256" in text
+    assert "specd_kv_blocks_used{cache=\"target\"} 0" in text
+    accepted = [ln for ln in text.splitlines() if ln.startswith("specd_spec_decode_num_draft_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0
+
+
+def test_too_long_is_refused_by_the_server_process(server):
+    with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+        ws.send(orjson.dumps({"type": "generate", "id": "big", "prompt": "Once upon a time",
+                              "max_tokens": 100000}).decode())
+        m = orjson.loads(ws.recv(timeout=10))
+    assert m["type"] == "error" and m["code"] == "too_long", m
+
+
+def test_cancel_and_disconnect_free_the_childs_kv(server):
+    remote = server.app.ae.engine
+    with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+        ws.send(orjson.dumps({"type": "generate", "id": "c", "prompt": PROMPTS[0], "max_tokens": 400,
+                              "ignore_eos": True}).decode())
+        first = orjson.loads(ws.recv(timeout=30))
+        assert first["type"] == "delta"
+        ws.send(orjson.dumps({"type": "cancel", "id": "c"}).decode())
+        deltas, done = _collect(ws, "c")
+        assert done["finish_reason"] == "cancelled"
+    assert _idle_kv(remote)
+    with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+        ws.send(orjson.dumps({"type": "generate", "id": "d", "prompt": PROMPTS[1], "max_tokens": 400,
+                              "ignore_eos": True}).decode())
+        assert orjson.loads(ws.recv(timeout=30))["type"] == "delta"
+    # (the connection closed mid-stream)
+    assert _idle_kv(remote)
+
+
+def test_a_dead_engine_process_fails_requests_and_health(shared_pair):
+    """Runs last (kills its own server's child)."""
+    from specd.server.app import ServerThread
+
+    srv = ServerThread(serve_args(num_blocks=128, log_level="error")).start()
+    try:
+        remote = srv.app.ae.engine
+        with connect(f"ws://127.0.0.1:{srv.port}/ws") as ws:
+            ws.send(orjson.dumps({"type": "generate", "id": "k", "prompt": PROMPTS[0], "max_tokens": 400,
+                                  "ignore_eos": True}).decode())
+            assert orjson.loads(ws.recv(timeout=30))["type"] == "delta"
+            os.kill(remote.proc.pid, signal.SIGKILL)
+            deltas, done = _collect(ws, "k")
+            assert done["type"] == "done" and done["finish_reason"] == "error", done
+            assert done["error"]["code"] == "internal"
+            # the server itself stays up: health says the engine is gone, new requests are refused
+            end = time.monotonic() + 10
+            while _get(srv.port, "/healthz")[0] != 503 and time.monotonic() < end:
+                time.sleep(0.05)
+            assert _get(srv.port, "/healthz")[0] == 503
+            ws.send(orjson.dumps({"type": "generate", "id": "k2", "prompt": PROMPTS[0]}).decode())
+            m = orjson.loads(ws.recv(timeout=10))
+            assert m["type"] == "error" and m["code"] in ("shutting_down", "internal", "overloaded"), m
+    finally:
+        srv.stop()
