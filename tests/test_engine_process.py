@@ -142,6 +142,33 @@ def test_cancel_and_disconnect_free_the_childs_kv(server):
     assert _idle_kv(remote)
 
 
+def test_a_stuck_engine_process_turns_health_red_until_it_resumes(server):
+    """A step that does not return (the child stopped) is a stuck engine for /healthz and the systemd
+    watchdog; once the child runs again, health recovers and the stream completes."""
+    remote = server.app.ae.engine
+    ae = server.app.ae
+    old = ae.watchdog_timeout_s
+    ae.watchdog_timeout_s = 0.5
+    try:
+        with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+            ws.send(orjson.dumps({"type": "generate", "id": "s", "prompt": PROMPTS[0], "max_tokens": 300,
+                                  "ignore_eos": True, "speculation": {"mode": "off"}}).decode())
+            assert orjson.loads(ws.recv(timeout=30))["type"] == "delta"
+            os.kill(remote.proc.pid, signal.SIGSTOP)
+            try:
+                end = time.monotonic() + 10
+                while _get(server.port, "/healthz")[0] != 503 and time.monotonic() < end:
+                    time.sleep(0.05)
+                assert _get(server.port, "/healthz")[0] == 503
+            finally:
+                os.kill(remote.proc.pid, signal.SIGCONT)
+            deltas, done = _collect(ws, "s")
+            assert done["finish_reason"] == "length"
+        assert _get(server.port, "/healthz")[0] == 200
+    finally:
+        ae.watchdog_timeout_s = old
+
+
 def test_a_dead_engine_process_fails_requests_and_health(shared_pair):
     """Runs last (kills its own server's child)."""
     from specd.server.app import ServerThread

@@ -79,7 +79,10 @@ class FakeSystemd:
                    HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
         args = ["serve", "--target", str(TARGET), "--draft", str(DRAFT), "--device", "cpu", "--dtype", "float32",
                 "--num-blocks", "256", "--port", "0", "--grpc-port", "0", "--drain-timeout", "10"]
-        cmd = [sys.executable, "-c", HANG_BOOTSTRAP, *args] if hang else [sys.executable, "-m", "specd", *args]
+        # the hang is injected into an Engine in the server process (--engine-thread); a stuck engine
+        # process is covered in test_engine_process.py
+        cmd = ([sys.executable, "-c", HANG_BOOTSTRAP, *args, "--engine-thread"] if hang
+               else [sys.executable, "-m", "specd", *args])
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      text=True)
         self.threads = [threading.Thread(target=f, daemon=True) for f in (self._read_logs, self._read_notify)]
