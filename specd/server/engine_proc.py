@@ -176,6 +176,24 @@ class _Proc:
         self.popen.kill()
 
 
+def _split_cpus(child_pid: int) -> None:
+    """With 2+ usable CPUs: the first for the server process (an event loop and a relay thread: I/O
+    bound, one core is plenty), the rest for the engine, so the two never preempt each other. A single
+    CPU (or no affinity API) leaves scheduling to the OS."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return
+    if len(cpus) < 2:
+        return
+    try:
+        os.sched_setaffinity(child_pid, cpus[1:])
+        for tid in os.listdir("/proc/self/task"):  # every thread of the server process
+            os.sched_setaffinity(int(tid), cpus[:1])
+    except (OSError, ValueError):
+        log.warning("could not set CPU affinity; leaving it to the OS", exc_info=True)
+
+
 class RemoteSeq:
     """What the servers read of a finished (or first-emitting) request, as the child reported it."""
 
@@ -220,7 +238,7 @@ class RemoteEngine:
     """``Engine``'s serving surface, backed by an engine process. Construct (blocks until the models
     are loaded and warmed up; raises ``LoadError``), hand to ``AsyncEngine``, ``shutdown()`` at the end."""
 
-    def __init__(self, cfg, load_timeout_s: Optional[float] = None):
+    def __init__(self, cfg, load_timeout_s: Optional[float] = None, split_cpus: bool = False):
         # a fresh interpreter (`python -m specd.server.engine_proc FD FD`), not multiprocessing's
         # spawn: that re-imports the parent's __main__, which need not be import-safe
         cmd_r, cmd_w = os.pipe()
@@ -230,6 +248,8 @@ class RemoteEngine:
             pass_fds=(cmd_r, out_w), stdin=subprocess.DEVNULL, close_fds=True))
         os.close(cmd_r)
         os.close(out_w)
+        if split_cpus:  # (the daemon; not for a library user's process)
+            _split_cpus(self.proc.pid)
         self._cmd = Connection(cmd_w, readable=False)
         self._out = Connection(out_r, writable=False)
         self._cmd.send((cfg, logging.getLogger().level))
