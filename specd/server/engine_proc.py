@@ -260,14 +260,18 @@ class RemoteEngine:
         self._closing = False
         self._dead: Optional[str] = None
         self.step_hook = None
-        self.tokenizer = load_tokenizer(Path(cfg.target))
-        kind, info = self._recv_until(load_timeout_s)
+        kind, info = self._recv_until(load_timeout_s)  # (the child checks the model folder first)
         if kind == "load_error":
             self.shutdown()
             raise LoadError(info)
         if kind != "ready":
             self.shutdown()
             raise LoadError(f"engine process failed to start: {info}")
+        try:
+            self.tokenizer = load_tokenizer(Path(cfg.target))
+        except BaseException:
+            self.shutdown()
+            raise
         self.info = info
         self.max_model_len = info["max_model_len"]
         self.vocab_size = info["vocab_size"]
