@@ -221,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     s.add_argument("--engine-thread", action="store_true",
                    help="step the engine in a thread of the server process instead of its own process")
-    s.add_argument("--no-cpu-split", action="store_true",
-                   help="engine process: do not give the server process the first usable CPU and the engine the rest")
+    s.add_argument("--cpu-split", action="store_true",
+                   help="engine process: pin the server process to the first usable CPU and the engine to the rest")
     s.add_argument("--log-level", default="info")
 
     c = sub.add_parser("chat", help="terminal chat client")

@@ -60,7 +60,6 @@ def serve_args(num_blocks: int = 512, log_level: str = "warning", **kw):
     a = build_parser().parse_args(["serve", "--target", str(TARGET), "--draft", str(DRAFT), "--device", "cpu",
                                    "--dtype", "float32", "--num-blocks", str(num_blocks), "--port", "0",
                                    "--grpc-port", "0", "--log-level", log_level])
-    a.no_cpu_split = True  # servers started inside the test process must not pin the test process
     for k, v in kw.items():
         setattr(a, k, v)
     return a

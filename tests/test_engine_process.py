@@ -194,3 +194,23 @@ def test_a_dead_engine_process_fails_requests_and_health(shared_pair):
             assert m["type"] == "error" and m["code"] in ("shutting_down", "internal", "overloaded"), m
     finally:
         srv.stop()
+
+
+def test_cpu_split_pins_the_server_to_the_first_cpu_and_the_engine_to_the_rest():
+    """--cpu-split (in a subprocess, so the test process keeps its own affinity)."""
+    import subprocess
+    import sys
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2+ CPUs")
+    code = ("import os, subprocess, sys, threading\n"
+            "from specd.server.engine_proc import _split_cpus\n"
+            "t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+            "_split_cpus(p.pid)\n"
+            "print(sorted(os.sched_getaffinity(0)))\nprint(sorted(os.sched_getaffinity(p.pid)))\n"
+            "p.kill()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    server, engine = (orjson.loads(x) for x in out.stdout.splitlines())
+    assert server == cpus[:1] and engine == cpus[1:], out.stdout

@@ -190,7 +190,7 @@ class App:
         if not in_thread:  # the default for `specd serve`: the engine steps in its own process
             from specd.server.engine_proc import RemoteEngine
 
-            self._remote = RemoteEngine(engine_config(a), split_cpus=not getattr(a, "no_cpu_split", True))
+            self._remote = RemoteEngine(engine_config(a), split_cpus=getattr(a, "cpu_split", False))
             return self._remote
         engine = Engine(engine_config(a))
         warm_up(engine)
