@@ -311,8 +311,12 @@ class Conn:
                 r.done.set_result(None)
 
     async def _after_drain(self) -> None:
+        ws = self.ws
         try:
-            await self.ws.drain()
+            while ws.protocol.state is State.OPEN and ws.transport.get_write_buffer_size() > self.HIGH_WATER:
+                await ws.drain()  # waits while the transport is paused (above its own high-water mark)
+                if ws.transport.get_write_buffer_size() > self.HIGH_WATER:
+                    await asyncio.sleep(0.005)  # (not paused yet above ours: never spin)
         except Exception:  # noqa: BLE001 - closed: _flush resolves the requests
             pass
         self._waiting_drain = False
