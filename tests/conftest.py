@@ -86,3 +86,21 @@ def http_status(port: int, path: str):
         return e.code
     except OSError:
         return None
+
+
+def ws_collect(ws, rid, timeout=60.0):
+    """All websocket frames for request ``rid`` up to its done/error (others are skipped):
+    (deltas, final frame). ``ws``: a websockets sync client connection."""
+    import time
+
+    import orjson
+
+    deltas, end = [], time.monotonic() + timeout
+    while True:
+        m = orjson.loads(ws.recv(timeout=max(0.1, end - time.monotonic())))
+        if m.get("id") != rid:
+            continue
+        if m["type"] == "delta":
+            deltas.append(m)
+        else:
+            return deltas, m

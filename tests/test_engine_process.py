@@ -13,7 +13,7 @@ import orjson
 import pytest
 from websockets.sync.client import connect
 
-from conftest import serve_args
+from conftest import serve_args, ws_collect
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -26,18 +26,6 @@ def _get(port, path):
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
-
-
-def _collect(ws, rid, timeout=60.0):
-    deltas, end = [], time.monotonic() + timeout
-    while True:
-        m = orjson.loads(ws.recv(timeout=max(0.1, end - time.monotonic())))
-        if m.get("id") != rid:
-            continue
-        if m["type"] == "delta":
-            deltas.append(m)
-        else:
-            return deltas, m
 
 
 def _idle_kv(remote, timeout=20.0):
@@ -131,7 +119,7 @@ def test_cancel_and_disconnect_free_the_childs_kv(server):
         first = orjson.loads(ws.recv(timeout=30))
         assert first["type"] == "delta"
         ws.send(orjson.dumps({"type": "cancel", "id": "c"}).decode())
-        deltas, done = _collect(ws, "c")
+        deltas, done = ws_collect(ws, "c")
         assert done["finish_reason"] == "cancelled"
     assert _idle_kv(remote)
     with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
@@ -162,7 +150,7 @@ def test_a_stuck_engine_process_turns_health_red_until_it_resumes(server):
                 assert _get(server.port, "/healthz")[0] == 503
             finally:
                 os.kill(remote.proc.pid, signal.SIGCONT)
-            deltas, done = _collect(ws, "s")
+            deltas, done = ws_collect(ws, "s")
             assert done["finish_reason"] == "length"
         assert _get(server.port, "/healthz")[0] == 200
     finally:
@@ -181,7 +169,7 @@ def test_a_dead_engine_process_fails_requests_and_health(shared_pair):
                                   "ignore_eos": True}).decode())
             assert orjson.loads(ws.recv(timeout=30))["type"] == "delta"
             os.kill(remote.proc.pid, signal.SIGKILL)
-            deltas, done = _collect(ws, "k")
+            deltas, done = ws_collect(ws, "k")
             assert done["type"] == "done" and done["finish_reason"] == "error", done
             assert done["error"]["code"] == "internal"
             # the server itself stays up: health says the engine is gone, new requests are refused

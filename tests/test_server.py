@@ -16,7 +16,7 @@ from websockets.asyncio.client import connect as aconnect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
-from conftest import serve_args, serve_engine
+from conftest import serve_args, serve_engine, ws_collect
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,17 +94,7 @@ def recv(ws, timeout=30.0):
     return orjson.loads(ws.recv(timeout=timeout))
 
 
-def collect(ws, rid, timeout=60.0):
-    """All frames for ``rid`` up to its done/error: (deltas, final frame)."""
-    deltas, end = [], time.monotonic() + timeout
-    while True:
-        m = recv(ws, max(0.1, end - time.monotonic()))
-        if m.get("id") != rid:
-            continue
-        if m["type"] == "delta":
-            deltas.append(m)
-        else:
-            return deltas, m
+collect = ws_collect
 
 
 def wait_idle(engine, srv, timeout=20.0):
