@@ -18,7 +18,7 @@ reply has exactly one right answer. Checked for every request:
   distinct pair, when the models are local), else the first reply seen for that pair (so all modes
   and repeats must agree);
 - no ``error`` frame (the load stays under ``--max-queue``);
-- server memory (VmRSS from /proc/PID/status; needs the PID: own server or ``--pid``) is flat after
+- server memory (VmRSS from /proc/PID/status, engine process included; needs the PID: own server or ``--pid``) is flat after
   warm-up: end RSS <= warm-up RSS * 1.1 + 20 MB (warm-up = the first ``--warmup-frac`` of the run);
 - afterwards every KV block is free again (``specd_kv_blocks_used`` on /metrics is 0 for both caches).
 
@@ -62,14 +62,24 @@ MB = 1 << 20
 
 # server ------------------------------------------------------------------------------------------
 def rss_bytes(pid: int):
-    """VmRSS of a process in bytes (Linux /proc), or None."""
+    """VmRSS in bytes of a process plus its live descendants (`specd serve`'s engine process), from
+    Linux /proc; None when the process is gone."""
+    own = None
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+                own = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
+        return None
+    if own is None:
+        return None
+    kids = []
+    try:
+        for t in Path(f"/proc/{pid}/task").iterdir():
+            kids += [int(c) for c in (t / "children").read_text().split()]
+    except (OSError, ValueError):
         pass
-    return None
+    return own + sum(rss_bytes(k) or 0 for k in kids)
 
 
 def start_server(a):
