@@ -64,13 +64,14 @@ def _seq_state(seq) -> dict:
 
 def _child_main(cfg, cmd_conn, out_conn, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level)
+    from specd.server.app import setup_logging, warm_up
+
+    setup_logging(logging.getLevelName(log_level))  # the server's JSON lines, on the same stderr
     import torch
 
     from specd.engine import Engine
 
     try:
-        from specd.server.app import warm_up
 
         eng = Engine(cfg)
         warm_up(eng)
