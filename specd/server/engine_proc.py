@@ -72,7 +72,6 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int) -> None:
     from specd.engine import Engine
 
     try:
-
         eng = Engine(cfg)
         warm_up(eng)
     except LoadError as e:
@@ -99,8 +98,9 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int) -> None:
                     _, rid, ids, p, spec, prio = cmd
                     try:
                         eng.add_request(ids, p, spec, prio, rid)
-                    except RequestError as e:  # the parent validated; a race (duplicate) lands here
-                        out_conn.send(("outs", [(rid, [], "", True, "error", {"error": (e.code, str(e))})], None))
+                    except (RequestError, ValueError) as e:  # the parent validated: only races land here
+                        code = getattr(e, "code", "invalid_request")
+                        out_conn.send(("outs", [(rid, [], "", True, "error", {"error": (code, str(e))})], None))
                 elif op == "abort":
                     eng.abort(cmd[1])
                 elif op == "snapshot":
