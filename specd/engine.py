@@ -109,6 +109,7 @@ class Engine:
             self._check_draft(target, draft)
             self.max_model_len = min(self.max_model_len, draft.config.max_position_embeddings)
         self.backend = get_backend(cfg.attention_backend, self.device)
+        self._policy_clock = time.thread_time if self.device.type == "cpu" else time.perf_counter
         nt, nd = _cache_blocks(cfg, target, draft, self.max_model_len)
         bs = cfg.cache.block_size
         self.cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, nt, bs, target.dtype, self.device)
@@ -118,6 +119,7 @@ class Engine:
             dc = draft.config
             self.draft_cache = KVCache(dc.num_layers, dc.num_kv_heads, dc.head_dim, nd, bs, draft.dtype, self.device)
             self.drafter = Drafter(draft.model, self.draft_cache, cfg.spec, self.device, dc.vocab_size, self.backend)
+            self.drafter.clock = self._policy_clock
         self.prefix_cache = PrefixCache(self.cache.pool, bs)
         self.draft_prefix_cache = PrefixCache(self.draft_cache.pool, bs) if self.draft_cache is not None else None
         self.scheduler = Scheduler(cfg.scheduler, cfg.spec, self.cache, self.draft_cache, clock=clock,
@@ -203,15 +205,16 @@ class Engine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return outputs
-        # the policy's costs are the engine thread's CPU time: immune to waits for the GIL (a server's
-        # event loop) and to other load on the machine
-        t0 = time.thread_time()
+        # the policy's costs: on CPU the engine thread's CPU time (immune to waits for the GIL and to
+        # other load on the machine); on a GPU wall time (the thread may sleep while kernels run)
+        clock = self._policy_clock
+        t0 = clock()
         proposals = self._draft(sched.scheduled)
-        t1 = time.thread_time()
+        t1 = clock()
         work, logits = self._target_forward(sched.scheduled, proposals)
         results = self._verify(work, logits)
         outputs += self._commit(work, results)
-        t2 = time.thread_time()
+        t2 = clock()
         if logits is not None and all(sc.final and sc.num_tokens == 1 for sc in sched.scheduled):
             # pure decode steps only: prefill would skew the cost fit
             sch = self.scheduler

@@ -18,9 +18,10 @@ Policy (knobs in ``SchedulerConfig`` / ``SpecConfig``):
   (0..max) that maximises the expected tokens per second of the whole step,
   ``sum_i E(a_i, D) / T(D)`` with ``E(a, D) = (1 - a^(D+1)) / (1 - a)`` (Leviathan et al. 2023)
   and a_i each request's per-position acceptance (EMA of accepted / drafted depth; new requests
-  start from the engine-wide EMA). Costs are measured in the engine thread's CPU time (so waits
-  for the GIL or other load do not distort them): T(0) = the measured cost of a draft-free decode
-  step at this batch size (a batch size not yet seen gets one plain step first); T(D>0) =
+  start from the engine-wide EMA). Costs are measured in the engine thread's CPU time on a CPU
+  (waits for the GIL or other load do not distort them; wall time on a GPU): T(0) = the measured
+  cost of a draft-free decode step at this batch size (a batch size not yet seen gets one plain
+  step first); T(D>0) =
   ``t_fixed + t_per_token * B * (1 + nodes(D)) + D * t_draft`` fitted on speculative decode steps
   (t_draft = the draft levels after the first, which also catches the draft cache up). D = 0
   turns speculation off - at high batch the target step grows and D shrinks; when the batch drains

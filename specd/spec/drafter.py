@@ -110,6 +110,7 @@ class Drafter:
         # seconds of the last propose()'s forwards after the first (which also catches the draft
         # cache up, a cost that varies with how far it lags): the per-level cost the policy models
         self.level_time = 0.0
+        self.clock = time.perf_counter  # the engine sets its policy clock (thread CPU time on CPU)
 
     def shape_for(self, mode: str, budget: int, depth: int = 0) -> Optional[Shape]:
         if budget <= 0 or mode == "off":
@@ -184,7 +185,7 @@ class Drafter:
             return {}
         logits = self._forward(rows, need)  # [B, V]
         self.levels = 1
-        t_levels = time.thread_time()
+        t_levels = self.clock()
         for b in builds:
             b.seq.draft_computed = b.L
         frontier = [(b, 0, logits[i]) for i, b in enumerate(builds)]
@@ -225,7 +226,7 @@ class Drafter:
             logits = self._forward(rows, need)
             self.levels += 1
             frontier = [(b, i, logits[k]) for k, (b, i) in enumerate(flat)]
-        self.level_time = time.thread_time() - t_levels  # expansions + forwards of levels 2.. (thread CPU)
+        self.level_time = self.clock() - t_levels  # expansions + forwards of levels 2..
         return {b.seq.request_id: self._finish(b) for b in builds}
 
     def _expand(self, frontier) -> list:
