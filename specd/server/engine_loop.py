@@ -23,6 +23,9 @@ aborts its request in the engine; the engine frees its KV blocks on its next ste
 ``contextlib.aclosing(...)`` so that leaving the loop early (an exception in the body) closes it at
 once rather than when the generator is garbage-collected.
 
+With an engine process (``specd.server.engine_proc.RemoteEngine``) there is no engine thread: the
+event loop watches the process's pipe and relays its outputs to the streams directly.
+
 An exception inside ``Engine.step()`` does not kill the thread: it is logged, the requests that were
 running fail with ``RequestError("internal")`` (raised from their ``generate()`` iterators) and are
 aborted in the engine, and the loop keeps going (with a short back-off while steps keep failing).
@@ -89,6 +92,7 @@ class AsyncEngine:
         self._outbox: list = []  # outputs handed from the engine thread, not dispatched yet
         self._out_lock = threading.Lock()
         self._posted = False  # a _dispatch_outbox call is scheduled on the loop
+        self._reading = False  # engine process mode: the loop watches its pipe
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._wake = threading.Event()
@@ -100,10 +104,15 @@ class AsyncEngine:
 
     # lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._thread is not None:
+        if self._thread is not None or self._reading:
             return
         self._loop = asyncio.get_running_loop()
         self.last_step_time = time.monotonic()
+        if hasattr(self.engine, "read_ready"):  # an engine process: the loop reads its pipe, no thread
+            self.engine.reader_attached = True
+            self._loop.add_reader(self.engine.fileno(), self._on_engine_readable)
+            self._reading = True
+            return
         self._thread = threading.Thread(target=self._run, name="specd-engine", daemon=True)
         self._thread.start()
 
@@ -127,9 +136,7 @@ class AsyncEngine:
         self._draining = True
         self._stopping = True
         self._wake.set()
-        interrupt = getattr(self.engine, "interrupt", None)  # an engine process: unblock the relay
-        if interrupt is not None:
-            interrupt()
+        self._stop_reading()
         t = self._thread
         if t is not None and t.is_alive():
             await asyncio.get_running_loop().run_in_executor(None, t.join, 10.0)
@@ -139,8 +146,9 @@ class AsyncEngine:
 
     # state ---------------------------------------------------------------------------------------
     def _alive(self) -> bool:
-        # (an engine in another process reports its own liveness)
-        return self._thread is not None and self._thread.is_alive() and getattr(self.engine, "alive", True)
+        if self._reading:  # an engine process reports its own liveness
+            return self.engine.alive
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def ready(self) -> bool:
@@ -162,6 +170,9 @@ class AsyncEngine:
         if not self._alive():
             return False
         now = time.monotonic()
+        if self._reading:  # the child reports every step: silence while it has work = stuck
+            eng = self.engine
+            return not eng.has_work() or now - max(eng.last_msg_time, eng.last_add_time) <= self.watchdog_timeout_s
         started = self._step_started
         if started is not None:
             return now - started <= self.watchdog_timeout_s
@@ -319,6 +330,45 @@ class AsyncEngine:
         self._post(self._fail, (rids, msg))
 
     # event-loop side -----------------------------------------------------------------------------
+    def _on_engine_readable(self) -> None:
+        """Engine process mode: the child wrote; relay its outputs (listeners, then the streams)."""
+        eng = self.engine
+        try:
+            items = eng.read_ready()
+        except Exception:  # noqa: BLE001 - never kill the loop's reader
+            log.exception("reading the engine process failed")
+            items = []
+        now = time.monotonic()
+        for outs, dt in items:
+            self.last_step_time = now
+            if outs:
+                for f in self.listeners:
+                    try:
+                        f(outs, dt)
+                    except Exception:  # noqa: BLE001
+                        log.exception("step listener failed")
+                self._dispatch(outs)
+        err = eng.take_error()
+        if err is not None:  # a failed step: fail (and abort) the requests it was running
+            self.num_step_errors += 1
+            log.error("engine step failed: %s", err)
+            self._fail_requests(RuntimeError(err), everything=not list(eng.scheduler.running))
+        if not eng.alive:
+            self._stop_reading()
+            log.critical("engine process died")
+            self._fail_all("engine process died")
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            try:
+                self._loop.remove_reader(self.engine.fileno())
+            except (OSError, ValueError, RuntimeError):
+                pass
+        interrupt = getattr(self.engine, "interrupt", None)  # (a relay thread blocked in step())
+        if interrupt is not None:
+            interrupt()
+
     def _dispatch_outbox(self, _) -> None:
         with self._out_lock:
             outs, self._outbox = self._outbox, []

@@ -7,11 +7,12 @@ the engine steps on its own core; the server process only relays outputs.
 
 Shape: ``RemoteEngine`` implements the part of ``Engine`` that ``AsyncEngine``, the servers and the
 metrics use. ``add_request`` validates locally (the limits come in the child's handshake) and sends
-the request down a pipe; ``step()`` blocks until the child's next batch of outputs arrives, so
-``AsyncEngine``'s engine thread becomes a relay that sleeps in a pipe read (without the GIL) most of
-the time. The child (``_child_main``) loads the models, warms up, then loops: take commands, step,
-send the outputs (one pickled list per step) plus, at most every 50 ms and whenever it goes idle, a
-snapshot of the state ``/metrics`` reports.
+the request down a pipe. ``AsyncEngine`` has no engine thread in this mode: its event loop watches
+the child's pipe (``fileno()``) and relays what ``read_ready()`` returns straight to the streams (a
+blocking ``step()`` exists too, for a relay thread). The child (``_child_main``) loads the models,
+warms up, then loops: take commands, step, send the outputs (one pickled list per step, with the
+step's duration) plus, at most every 50 ms and whenever it goes idle, a snapshot of the state
+``/metrics`` reports. A child that has work and sends nothing for the watchdog timeout is stuck.
 
 Lifecycle: the child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the
 parent drains first) and exits when told to or when the parent's end of the pipe closes (the
@@ -100,7 +101,7 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int) -> None:
                         eng.add_request(ids, p, spec, prio, rid)
                     except (RequestError, ValueError) as e:  # the parent validated: only races land here
                         code = getattr(e, "code", "invalid_request")
-                        out_conn.send(("outs", [(rid, [], "", True, "error", {"error": (code, str(e))})], None))
+                        out_conn.send(("outs", [(rid, [], "", True, "error", {"error": (code, str(e))})], None, 0.0))
                 elif op == "abort":
                     eng.abort(cmd[1])
                 elif op == "snapshot":
@@ -112,6 +113,7 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int) -> None:
             return
         if not eng.has_work():
             continue
+        t_step = time.monotonic()
         try:
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - report; the parent fails the running requests
@@ -134,7 +136,7 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int) -> None:
         if now - last_snap >= SNAPSHOT_EVERY_S or not eng.has_work():
             snap, last_snap = _snapshot(eng), now
         try:
-            out_conn.send(("outs", packed, snap))
+            out_conn.send(("outs", packed, snap, now - t_step))
         except (BrokenPipeError, OSError):
             return
 
@@ -260,6 +262,10 @@ class RemoteEngine:
         self._snap: dict = {}
         self._closing = False
         self._dead: Optional[str] = None
+        self._pending_error: Optional[str] = None
+        self.last_msg_time = time.monotonic()  # last message from the child (watchdog)
+        self.last_add_time = 0.0
+        self.reader_attached = False  # an event loop reads the pipe (AsyncEngine)
         self.step_hook = None
         kind, info = self._recv_until(load_timeout_s)  # (the child checks the model folder first)
         if kind == "load_error":
@@ -326,6 +332,7 @@ class RemoteEngine:
             if request_id in self.seqs:
                 raise RequestError("duplicate_id", f"request id {request_id!r} is already running")
             self.seqs[request_id] = seq
+        self.last_add_time = time.monotonic()
         self._send(("add", request_id, list(prompt_ids), params, spec, priority))
         return seq
 
@@ -337,7 +344,8 @@ class RemoteEngine:
             return bool(self.seqs)
 
     def step(self) -> list:
-        """The child's next outputs (blocks while it computes: a hung child shows as a long step)."""
+        """The child's next outputs (blocks while it computes: a hung child shows as a long step).
+        For a relay thread; ``AsyncEngine`` instead watches ``fileno()`` and calls ``read_ready()``."""
         if self.step_hook is not None:
             self.step_hook(self)
         while True:
@@ -354,34 +362,72 @@ class RemoteEngine:
             except (EOFError, OSError):
                 self._dead = f"engine process exited (code {self.proc.exitcode})"
                 continue
-            kind = msg[0]
-            if kind == "snapshot":
-                self._snap = msg[1]
-                continue
-            if kind == "step_error":
-                raise RuntimeError(msg[1])
-            if kind != "outs":
-                continue
-            _, packed, snap = msg
-            if snap is not None:
-                self._snap = snap
-            outs = []
-            with self._lock:
-                for rid, toks, text, finished, reason, state in packed:
-                    seq = self.seqs.get(rid)
-                    if seq is None:
-                        continue
-                    seq.num_output += len(toks)
-                    if state is not None:
-                        if "error" in state:  # refused by the child (a race the parent could not see)
-                            del self.seqs[rid]
-                            outs.append(RequestOutput(rid, [], "", True, "cancelled", seq))
-                            continue
-                        seq.__dict__.update(state)  # the child's figures (num_output included) win
-                    if finished:
+            got = self._apply(msg)
+            if got is not None:
+                return got[0]
+
+    def fileno(self) -> int:
+        """The pipe the child writes to: readable when ``read_ready()`` has something."""
+        return self._out.fileno()
+
+    def read_ready(self) -> list:
+        """Every message the child has sent so far, without blocking: a list of ``(outputs, step
+        seconds)``. Raises ``RuntimeError`` for a failed step (after the messages before it) and
+        ``EngineDied`` once the child is gone."""
+        got = []
+        while self._dead is None:
+            try:
+                if not self._out.poll(0):
+                    break
+                msg = self._out.recv()
+            except (EOFError, OSError):
+                self._dead = f"engine process exited (code {self.proc.exitcode})"
+                break
+            if msg[0] == "step_error":
+                self.last_msg_time = time.monotonic()
+                self._pending_error = msg[1]
+                break
+            item = self._apply(msg)
+            if item is not None:
+                got.append(item)
+        return got
+
+    def take_error(self) -> Optional[str]:
+        """The failed step's message that stopped the last ``read_ready()``, once."""
+        e, self._pending_error = self._pending_error, None
+        return e
+
+    def _apply(self, msg):
+        """One child message -> (outputs, step seconds), or None (a snapshot)."""
+        self.last_msg_time = time.monotonic()
+        kind = msg[0]
+        if kind == "snapshot":
+            self._snap = msg[1]
+            return None
+        if kind == "step_error":
+            raise RuntimeError(msg[1])
+        if kind != "outs":
+            return None
+        _, packed, snap, dt = msg
+        if snap is not None:
+            self._snap = snap
+        outs = []
+        with self._lock:
+            for rid, toks, text, finished, reason, state in packed:
+                seq = self.seqs.get(rid)
+                if seq is None:
+                    continue
+                seq.num_output += len(toks)
+                if state is not None:
+                    if "error" in state:  # refused by the child (a race the parent could not see)
                         del self.seqs[rid]
-                    outs.append(RequestOutput(rid, toks, text, finished, reason, seq))
-            return outs
+                        outs.append(RequestOutput(rid, [], "", True, "cancelled", seq))
+                        continue
+                    seq.__dict__.update(state)  # the child's figures (num_output included) win
+                if finished:
+                    del self.seqs[rid]
+                outs.append(RequestOutput(rid, toks, text, finished, reason, seq))
+        return outs, dt
 
     def kv_blocks_used(self) -> tuple:
         return tuple(self._snap.get("kv_used", (0, 0)))
@@ -403,10 +449,8 @@ class RemoteEngine:
         self._send(("snapshot",))
         end = time.monotonic() + timeout_s
         while self._snap is before and time.monotonic() < end and self.alive:
-            if not self.has_work() and self._out.poll(0.05):  # nobody is relaying: read it here
-                msg = self._out.recv()
-                if msg[0] == "snapshot":
-                    self._snap = msg[1]
+            if not self.reader_attached and not self.has_work() and self._out.poll(0.05):
+                self._apply(self._out.recv())  # nobody else reads the pipe: read it here
             time.sleep(0.01)
         return self._snap
 
