@@ -280,3 +280,95 @@ def test_async_engine_drain_deadline_aborts_and_idle_thread_sleeps():
         await ae.stop()
 
     run(main())
+
+
+class FakeRemote:
+    """The engine-process surface AsyncEngine relies on (RemoteEngine's), over a socketpair the test
+    writes to: ``push`` queues outputs / a failed step / death and makes the pipe readable."""
+
+    def __init__(self):
+        import socket
+        from types import SimpleNamespace
+
+        self.r, self.w = socket.socketpair()
+        self.items, self.err, self.alive = [], None, True
+        self.seqs, self._lock = {}, threading.Lock()
+        self.scheduler = SimpleNamespace(running=[])
+        self.reader_attached = False
+        self.last_msg_time, self.last_add_time = time.monotonic(), 0.0
+        self.aborted = []
+
+    def fileno(self):
+        return self.r.fileno()
+
+    def read_ready(self):
+        self.r.recv(4096)
+        self.last_msg_time = time.monotonic()
+        items, self.items = self.items, []
+        return items
+
+    def take_error(self):
+        e, self.err = self.err, None
+        return e
+
+    def add_request(self, prompt, params, spec, priority, rid):
+        self.seqs[rid] = True
+        self.last_add_time = time.monotonic()
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+    def has_work(self):
+        return bool(self.seqs)
+
+    def push(self, outs=None, err=None, dead=False):
+        if outs is not None:
+            for o in outs:
+                if o.finished:
+                    self.seqs.pop(o.request_id, None)
+            self.items.append((outs, 0.001))
+        self.err = err
+        if dead:
+            self.alive = False
+        self.w.send(b"x")
+
+
+def test_engine_process_mode_relays_on_the_loop_and_fails_cleanly():
+    """No engine thread: the loop reads the engine's pipe. Outputs reach their streams and the step
+    listeners; a failed step fails (and aborts) the requests it ran; a dead engine fails the rest,
+    turns health red, and nothing hangs."""
+    from specd.engine import RequestError
+    from specd.server.engine_loop import AsyncEngine
+
+    async def main():
+        fr = FakeRemote()
+        ae = AsyncEngine(fr, max_queue=8, watchdog_timeout_s=0.3)
+        seen = []
+        ae.listeners.append(lambda outs, dt: seen.append((len(outs), dt)))
+        await ae.start()
+        assert ae._thread is None and fr.reader_attached and ae.ready and ae.watchdog_ok()
+        ga, gb = ae.generate([1], None, None, "interactive", "a"), ae.generate([1], None, None, "interactive", "b")
+        fa = asyncio.ensure_future(ga.__anext__())
+        fb = asyncio.ensure_future(gb.__anext__())
+        await asyncio.sleep(0.01)
+        fr.push([FakeOut("a", [7], False), FakeOut("b", [8, 9], False)])
+        assert (await fa).token_ids == [7] and (await fb).token_ids == [8, 9]
+        assert seen == [(2, 0.001)]
+        # a failed step: the requests it was running fail with `internal` and are aborted
+        fr.scheduler.running = [type("Q", (), {"request_id": "a"})()]
+        fr.push(err="boom")
+        with pytest.raises(RequestError) as ei:
+            await ga.__anext__()
+        assert ei.value.code == "internal" and "boom" in str(ei.value) and "a" in fr.aborted
+        assert ae.num_step_errors == 1 and ae.ready
+        # silence while there is work = stuck
+        await asyncio.sleep(0.4)
+        assert not ae.watchdog_ok()
+        # the engine process dies: the remaining stream fails, health is red, the loop stops reading
+        fr.push(dead=True)
+        with pytest.raises(RequestError) as ei:
+            await gb.__anext__()
+        assert ei.value.code == "internal" and not ae.ready and not ae.watchdog_ok() and not ae._reading
+        await ae.stop()
+
+    run(main())
