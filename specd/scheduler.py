@@ -277,7 +277,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
         budget = self.cfg.max_num_batched_tokens
-        cands = sorted(self.running + self.waiting, key=lambda s: self._rank(s, now))
+        rank = {id(q): self._rank(q, now) for q in self.running}  # computed once per step
+        rank.update((id(q), self._rank(q, now)) for q in self.waiting)
+        cands = sorted(self.running + self.waiting, key=lambda q: rank[id(q)])
         est_batch = min(len(cands), self.cfg.max_num_seqs)
         cap = self.step_spec_cap(est_batch) if self.spec.adaptive else 1 << 30
         self._steps += 1
@@ -296,18 +298,18 @@ class Scheduler:
         # interactive steps stay short (batch requests fill what is left)
         limit = self.cfg.batch_seqs_with_interactive
         batch_slots = None
-        if limit and any(self._rank(s, now)[0] == 0 for s in cands):
+        if limit and any(rank[id(q)][0] == 0 for q in cands):
             batch_slots = limit
-            head = [s for s in cands if self._rank(s, now)[0] == 0]
-            tail = sorted((s for s in cands if self._rank(s, now)[0] > 0),
-                          key=lambda s: (s.last_step, self._rank(s, now)))  # least recently served first
+            head = [q for q in cands if rank[id(q)][0] == 0]
+            tail = sorted((q for q in cands if rank[id(q)][0] > 0),
+                          key=lambda q: (q.last_step, rank[id(q)]))  # least recently served first
             cands = head + tail
         for seq in cands:
             if seq in preempted:
                 continue
             if budget <= 0 or len(scheduled) >= self.cfg.max_num_seqs:
                 break
-            if batch_slots is not None and self._rank(seq, now)[0] > 0:
+            if batch_slots is not None and rank[id(seq)][0] > 0:
                 if batch_slots <= 0:
                     continue
                 batch_slots -= 1
