@@ -31,6 +31,9 @@ import orjson  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "eval"))
+
+from common import child_pids  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bird",
            "There was a girl named Sue", "The sun was hot and", "Tim had a red ball", "Mom said to Ben"]
@@ -41,39 +44,6 @@ def engine_args(a) -> list:
             "--spec-mode", a.spec, "--num-blocks", str(a.num_blocks)]
 
 
-class on_cpus:
-    """Run this process's threads on ``cpus`` inside the block (None: unchanged)."""
-
-    def __init__(self, cpus):
-        self.cpus = cpus
-
-    def _set(self, cpus):
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except OSError:
-                pass
-
-    def __enter__(self):
-        if self.cpus:
-            self.old = os.sched_getaffinity(0)
-            self._set(self.cpus)
-
-    def __exit__(self, *exc):
-        if self.cpus:
-            self._set(self.old)
-
-
-def _children(pid) -> list:
-    out = []
-    try:
-        for t in Path(f"/proc/{pid}/task").iterdir():
-            out += [int(c) for c in (t / "children").read_text().split()]
-    except OSError:
-        pass
-    return out
-
-
 def proc_cpu(pid) -> float:
     """CPU seconds (user + system) of a process and its live descendants (the engine process of
     ``specd serve``), from /proc (Linux); 0 elsewhere."""
@@ -82,7 +52,7 @@ def proc_cpu(pid) -> float:
         own = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
-    return own + sum(proc_cpu(c) for c in _children(pid))
+    return own + sum(proc_cpu(c) for c in child_pids(pid))
 
 
 def in_process(engine, prompts, max_tokens, spec_mode):
@@ -167,12 +137,6 @@ def main(argv=None) -> int:
     proc, port = start_server(a)
     url = f"ws://127.0.0.1:{port}/ws"
     rows = []
-    # `specd serve` pins itself to the first usable CPU and its engine process to the others: the
-    # in-process engine runs on the engine's CPUs (same cores, same caches), the client on the first
-    engine_cpus, client_cpus = None, None
-    kids = _children(proc.pid)
-    if kids and hasattr(os, "sched_getaffinity"):
-        engine_cpus, client_cpus = os.sched_getaffinity(kids[0]), os.sched_getaffinity(proc.pid)
 
     async def run_all():
         from websockets.asyncio.client import connect
@@ -185,10 +149,8 @@ def main(argv=None) -> int:
                     ids = [tok(x)["input_ids"] for x in texts]
                     ip, wsr = [], []
                     for _ in range(a.repeats):
-                        with on_cpus(engine_cpus):  # where the server's engine process runs
-                            ip.append(in_process(engine, ids, a.max_tokens, mode))
-                        with on_cpus(client_cpus):
-                            wsr.append(await over_ws_cpu(url, texts, a.max_tokens, mode, ws, proc.pid))
+                        ip.append(in_process(engine, ids, a.max_tokens, mode))
+                        wsr.append(await over_ws_cpu(url, texts, a.max_tokens, mode, ws, proc.pid))
                     same = all(x[2] == y[2] for x, y in zip(ip, wsr))
                     tps_ip = statistics.median(x[0] for x in ip)
                     tps_ws = statistics.median(x[0] for x in wsr)
@@ -223,9 +185,7 @@ def main(argv=None) -> int:
         print(f"| {mode} | {c} | {a1:.0f} | {a2:.0f} | {100 * a2 / a1:.1f}% | {t1:.1f} | {t2:.1f} | {c1:.2f} | "
               f"{c2:.2f} | {'yes' if same else 'NO'} |")
     print("\nCPU ms/token: CPU time of the processes doing the work (for websocket: the server process and "
-          "its engine process), per generated token; robust to other load on the machine, unlike tok/s. "
-          f"In-process runs use the CPUs of the server's engine process ({sorted(engine_cpus or [])}); the "
-          f"websocket client runs on the server process's CPUs ({sorted(client_cpus or [])}).")
+          "its engine process), per generated token; robust to other load on the machine, unlike tok/s.")
     return 0
 
 

@@ -470,6 +470,17 @@ def versions() -> dict:
             "transformers": transformers.__version__, "specd": specd_v}
 
 
+def child_pids(pid: int) -> list:
+    """Live child process ids of ``pid`` (Linux /proc; [] elsewhere), e.g. `specd serve`'s engine process."""
+    out = []
+    try:
+        for t in Path(f"/proc/{pid}/task").iterdir():
+            out += [int(c) for c in (t / "children").read_text().split()]
+    except (OSError, ValueError):
+        pass
+    return out
+
+
 def git_commit() -> Optional[str]:
     try:
         r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,

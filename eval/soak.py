@@ -53,6 +53,9 @@ import orjson  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "eval"))
+
+from common import child_pids  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bird",
            "There was a girl named Sue", "The sun was hot and", "Tim had a red ball", "Mom said to Ben"]
@@ -73,13 +76,7 @@ def rss_bytes(pid: int):
         return None
     if own is None:
         return None
-    kids = []
-    try:
-        for t in Path(f"/proc/{pid}/task").iterdir():
-            kids += [int(c) for c in (t / "children").read_text().split()]
-    except (OSError, ValueError):
-        pass
-    return own + sum(rss_bytes(k) or 0 for k in kids)
+    return own + sum(rss_bytes(k) or 0 for k in child_pids(pid))
 
 
 def start_server(a):

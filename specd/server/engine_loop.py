@@ -365,9 +365,6 @@ class AsyncEngine:
                 self._loop.remove_reader(self.engine.fileno())
             except (OSError, ValueError, RuntimeError):
                 pass
-        interrupt = getattr(self.engine, "interrupt", None)  # (a relay thread blocked in step())
-        if interrupt is not None:
-            interrupt()
 
     def _dispatch_outbox(self, _) -> None:
         with self._out_lock:

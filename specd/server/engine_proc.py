@@ -8,11 +8,10 @@ the engine steps on its own core; the server process only relays outputs.
 Shape: ``RemoteEngine`` implements the part of ``Engine`` that ``AsyncEngine``, the servers and the
 metrics use. ``add_request`` validates locally (the limits come in the child's handshake) and sends
 the request down a pipe. ``AsyncEngine`` has no engine thread in this mode: its event loop watches
-the child's pipe (``fileno()``) and relays what ``read_ready()`` returns straight to the streams (a
-blocking ``step()`` exists too, for a relay thread). The child (``_child_main``) loads the models,
-warms up, then loops: take commands, step, send the outputs (one pickled list per step, with the
-step's duration) plus, at most every 50 ms and whenever it goes idle, a snapshot of the state
-``/metrics`` reports. A child that has work and sends nothing for the watchdog timeout is stuck.
+the child's pipe (``fileno()``) and relays what ``read_ready()`` returns straight to the streams.
+The child (``_child_main``) loads the models, warms up, then loops: take commands, step, send the
+outputs (one pickled list per step, with the step's duration) plus, at most every 50 ms and whenever
+it goes idle, a snapshot of the state ``/metrics`` reports. A child that has work and sends nothing for the watchdog timeout is stuck.
 
 Lifecycle: the child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the
 parent drains first) and exits when told to or when the parent's end of the pipe closes (the
@@ -42,10 +41,6 @@ log = logging.getLogger("specd.engine_proc")
 SNAPSHOT_EVERY_S = 0.05
 _SEQ_FIELDS = ("priority", "spec", "num_prompt", "num_output", "arrival", "scheduled_time", "first_token_time",
                "finish_time", "num_preemptions", "finish_reason")
-
-
-class EngineDied(RuntimeError):
-    """The engine process exited or its pipe broke."""
 
 
 # child ---------------------------------------------------------------------------------------------
@@ -180,8 +175,8 @@ class _Proc:
 
 
 def _split_cpus(child_pid: int) -> None:
-    """With 2+ usable CPUs: the first for the server process (an event loop and a relay thread: I/O
-    bound, one core is plenty), the rest for the engine, so the two never preempt each other. A single
+    """With 2+ usable CPUs: the first for the server process (an event loop: I/O bound, one core
+    is plenty), the rest for the engine, so the two never preempt each other. A single
     CPU (or no affinity API) leaves scheduling to the OS."""
     try:
         cpus = sorted(os.sched_getaffinity(0))
@@ -260,13 +255,11 @@ class RemoteEngine:
         self._lock = threading.Lock()  # guards seqs (AsyncEngine reads it under this lock)
         self.seqs: dict[str, RemoteSeq] = {}
         self._snap: dict = {}
-        self._closing = False
         self._dead: Optional[str] = None
         self._pending_error: Optional[str] = None
         self.last_msg_time = time.monotonic()  # last message from the child (watchdog)
         self.last_add_time = 0.0
         self.reader_attached = False  # an event loop reads the pipe (AsyncEngine)
-        self.step_hook = None
         kind, info = self._recv_until(load_timeout_s)  # (the child checks the model folder first)
         if kind == "load_error":
             self.shutdown()
@@ -343,37 +336,14 @@ class RemoteEngine:
         with self._lock:
             return bool(self.seqs)
 
-    def step(self) -> list:
-        """The child's next outputs (blocks while it computes: a hung child shows as a long step).
-        For a relay thread; ``AsyncEngine`` instead watches ``fileno()`` and calls ``read_ready()``."""
-        if self.step_hook is not None:
-            self.step_hook(self)
-        while True:
-            if self._dead is not None:
-                raise EngineDied(self._dead)
-            if self._closing:
-                return []
-            if not self._out.poll(0.1):
-                if not self.proc.is_alive() and not self._out.poll(0):
-                    self._dead = f"engine process exited (code {self.proc.exitcode})"
-                continue
-            try:
-                msg = self._out.recv()
-            except (EOFError, OSError):
-                self._dead = f"engine process exited (code {self.proc.exitcode})"
-                continue
-            got = self._apply(msg)
-            if got is not None:
-                return got[0]
-
     def fileno(self) -> int:
         """The pipe the child writes to: readable when ``read_ready()`` has something."""
         return self._out.fileno()
 
     def read_ready(self) -> list:
         """Every message the child has sent so far, without blocking: a list of ``(outputs, step
-        seconds)``. Raises ``RuntimeError`` for a failed step (after the messages before it) and
-        ``EngineDied`` once the child is gone."""
+        seconds)``. A failed step stops the read (``take_error()`` returns it); a child that is gone
+        turns ``alive`` false."""
         got = []
         while self._dead is None:
             try:
@@ -404,8 +374,6 @@ class RemoteEngine:
         if kind == "snapshot":
             self._snap = msg[1]
             return None
-        if kind == "step_error":
-            raise RuntimeError(msg[1])
         if kind != "outs":
             return None
         _, packed, snap, dt = msg
@@ -455,12 +423,7 @@ class RemoteEngine:
         return self._snap
 
     # lifecycle -----------------------------------------------------------------------------------
-    def interrupt(self) -> None:
-        """Make a blocked ``step()`` return (the relay thread is being stopped)."""
-        self._closing = True
-
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        self._closing = True
         self._send(("stop",))
         self.proc.join(timeout_s)
         if self.proc.is_alive():

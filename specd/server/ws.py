@@ -301,11 +301,8 @@ class Conn:
         if frames:
             # the pass's frames for this connection in one write; server frames are unmasked and,
             # with compression off, a text frame is just its header + the UTF-8 payload (RFC 6455 5.2)
-            chunks = ws.protocol.data_to_send()  # anything websockets queued first (none while OPEN)
-            if chunks and not all(chunks):
-                ws.send_data()
-                chunks = []
-            ws.transport.write(b"".join(chunks + [_text_frame(f) for f in frames]))
+            queued = ws.protocol.data_to_send()  # anything websockets queued first (e.g. a pong)
+            ws.transport.write(b"".join(queued + [_text_frame(f) for f in frames]))
         for r in finished:
             if r.done is not None and not r.done.done():
                 r.done.set_result(None)
