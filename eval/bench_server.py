@@ -1,16 +1,30 @@
 """Websocket delivery vs in-process engine: tokens/s and time to first token for the same requests.
 
     OMP_NUM_THREADS=1 .venv/bin/python eval/bench_server.py [--target DIR --draft DIR] [--max-tokens 128]
-        [--concurrency 1,8] [--spec tree] [--repeats 3]
+        [--concurrency 1,8] [--spec tree] [--rounds 3] [--repeats 3] [--stream-interval-ms MS]
 
-In one run: the same greedy requests go (a) straight to an in-process ``Engine`` (``add_request`` +
-``step()`` loop, timestamps from the engine's own clock) and (b) over a websocket to ``specd serve``
-started as a subprocess with the same engine settings (the client measures from sending ``generate``
-to the first ``delta`` / the ``done``). Concurrency c = c requests submitted at once; tokens/s = all
-generated tokens / wall time of the batch; CPU ms/token compares the work done (the server's engine
-thread + event loop vs the bare engine), which other load on the machine does not distort. Each (mode, concurrency) cell alternates in-process and
-websocket runs ``--repeats`` times and reports the medians. Prints a Markdown table and the command.
-The target is websocket tokens/s >= 95% of in-process.
+In one run: the same greedy requests go (a) straight to an ``Engine`` (``add_request`` + ``step()``
+loop, timestamps from the engine's own clock; no server, no IPC) and (b) over a websocket to ``specd
+serve`` started as a subprocess with the same engine settings (the client measures from sending
+``generate`` to the first ``delta`` / the ``done``). Concurrency c = c requests submitted at once;
+tokens/s = all generated tokens / wall time of the batch; CPU ms/token compares the work done (the
+server process and its engine process vs the bare engine). The target is websocket tokens/s >= 95%
+of in-process.
+
+Method (each choice answers a noise source measured on our 2-vCPU VM):
+- ``--rounds`` (default 3): every round starts a fresh server AND runs the in-process side in a fresh
+  process of its own (``--baseline-worker``). The same engine runs at a different speed in each
+  process (memory placement; for the memory-bound demo pair fresh processes measured 0.70-1.33 ms
+  per token), so a single process pair would bake a random +-20% into every repeat.
+- ``--repeats`` per cell and round, the two sides alternating who goes first; the ratio column is the
+  median over all (in-process, websocket) pairs of each pair's ratio, so drift between pairs cancels.
+  Tokens/s columns are the medians of each side.
+- ``--pin`` (the default with 2+ CPUs): the deployment layout of a CPU host, ``specd serve
+  --cpu-split`` (the engine owns one CPU, the server's event loop the other); the in-process side
+  runs pinned to the same engine CPU and this benchmark's websocket client runs on the server's CPU.
+  ``--no-pin`` leaves placement to the OS.
+- The A/A control column runs the in-process side twice per repeat and reports that ratio the same
+  way: two identical runs, i.e. what noise alone shows.
 """
 from __future__ import annotations
 
@@ -105,12 +119,67 @@ def start_server(a):
     from specd.server.app import ServerProcess
 
     sp = ServerProcess([*engine_args(a), "--port", "0", "--grpc-port", "0", "--log-level", "info",
-                        "--max-queue", "1024"], cwd=ROOT).start()
+                        "--max-queue", "1024", *(["--cpu-split"] if a.pin else []),
+                        *([] if a.stream_interval_ms is None else ["--stream-interval-ms", str(a.stream_interval_ms)])],
+                       cwd=ROOT).start()
     return sp.proc, sp.port
 
 
+def cpu_layout(pin: bool):
+    """(server CPUs, engine CPUs) as ``specd serve --cpu-split`` assigns them, or None unpinned."""
+    if not pin or not hasattr(os, "sched_getaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    return set(cpus[:1]), set(cpus[1:])
+
+
+class Baseline:
+    """The in-process side in a fresh process of its own each round (``--baseline-worker``): an
+    ``Engine`` stepped directly, no server, pinned to the engine's CPU. Fresh per round because the
+    same engine runs at a different speed in each process (memory placement: up to ~1.5x apart for
+    the demo pair on our VM), which one long-lived process would bake into every pair."""
+
+    def __init__(self, a, cpus):
+        import subprocess
+
+        args = [sys.executable, str(Path(__file__).resolve()), "--baseline-worker", "--target", a.target,
+                *(["--draft", a.draft] if a.draft else []), "--device", a.device, "--spec", a.spec,
+                "--num-blocks", str(a.num_blocks)]
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        self.device = orjson.loads(self.proc.stdout.readline())["device"]
+
+    def run(self, ids, max_tokens, mode):
+        self.proc.stdin.write(orjson.dumps({"ids": ids, "max_tokens": max_tokens, "mode": mode}) + b"\n")
+        self.proc.stdin.flush()
+        return tuple(orjson.loads(self.proc.stdout.readline()))
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def baseline_worker(a) -> int:
+    from specd.cli import build_parser, engine_config
+    from specd.engine import Engine
+    from specd.server.app import warm_up
+
+    engine = Engine(engine_config(build_parser().parse_args(["serve", *engine_args(a)])))
+    warm_up(engine)
+    out = sys.stdout.buffer
+    out.write(orjson.dumps({"device": str(engine.device)}) + b"\n")
+    out.flush()
+    for line in sys.stdin.buffer:
+        q = orjson.loads(line)
+        out.write(orjson.dumps(in_process(engine, q["ids"], q["max_tokens"], q["mode"])) + b"\n")
+        out.flush()
+    return 0
+
+
 def main(argv=None) -> int:
-    from specd.cli import build_parser, default_pair, engine_config
+    from specd.cli import default_pair
 
     t, d = default_pair()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -123,22 +192,31 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="deployment layout: serve --cpu-split; baseline on the engine CPU, client on the server CPU")
+    p.add_argument("--stream-interval-ms", type=float, default=None, help="serve --stream-interval-ms (default: serve's)")
+    p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
+                   help="A/A control: each repeat runs the in-process side twice; their ratio is the noise floor")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="fresh server and fresh baseline process per round (process-to-process speed varies)")
+    p.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.baseline_worker:
+        return baseline_worker(a)
+    layout = cpu_layout(a.pin)
+    a.pin = layout is not None
     conc = [int(x) for x in a.concurrency.split(",")]
     modes = a.modes.split(",")
 
-    from specd.engine import Engine
-    from specd.server.app import warm_up
+    from specd.loader import load_tokenizer
 
-    sargs = build_parser().parse_args(["serve", *engine_args(a)])
-    engine = Engine(engine_config(sargs))
-    warm_up(engine)
-    tok = engine.tokenizer
-    proc, port = start_server(a)
-    url = f"ws://127.0.0.1:{port}/ws"
-    rows = []
+    tok = load_tokenizer(Path(a.target))
+    if layout:
+        os.sched_setaffinity(0, layout[0])  # this process is the websocket client: beside the server's loop
+    cells = {(mode, c): ([], [], []) for mode in modes for c in conc}  # in-process, websocket, A/A control
+    device = "?"
 
-    async def run_all():
+    async def run_round(url, pid, base):
         from websockets.asyncio.client import connect
 
         async with connect(url, compression=None, max_size=None) as ws:
@@ -147,23 +225,34 @@ def main(argv=None) -> int:
                 for c in conc:
                     texts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
                     ids = [tok(x)["input_ids"] for x in texts]
-                    ip, wsr = [], []
-                    for _ in range(a.repeats):
-                        ip.append(in_process(engine, ids, a.max_tokens, mode))
-                        wsr.append(await over_ws_cpu(url, texts, a.max_tokens, mode, ws, proc.pid))
-                    same = all(x[2] == y[2] for x, y in zip(ip, wsr))
-                    tps_ip = statistics.median(x[0] for x in ip)
-                    tps_ws = statistics.median(x[0] for x in wsr)
-                    rows.append((mode, c, tps_ip, tps_ws, statistics.median(x[1] for x in ip),
-                                 statistics.median(x[1] for x in wsr), same, statistics.median(x[3] for x in ip),
-                                 statistics.median(x[3] for x in wsr)))
+                    ip, wsr, ctl = cells[mode, c]
+                    for r in range(a.repeats):
+                        for side in (("ip", "ws") if r % 2 == 0 else ("ws", "ip")):  # alternate who goes first
+                            if side == "ip":
+                                ip.append(base.run(ids, a.max_tokens, mode))
+                                if a.control:  # A/A: the same in-process run again (the noise floor)
+                                    ctl.append(base.run(ids, a.max_tokens, mode)[0] / ip[-1][0])
+                            else:
+                                wsr.append(await over_ws_cpu(url, texts, a.max_tokens, mode, ws, pid))
 
-    try:
-        asyncio.run(run_all())
-    finally:
-        proc.terminate()
-        proc.wait(60)
-    dev = str(engine.device)
+    for _ in range(a.rounds):
+        base = Baseline(a, layout[1] if layout else None)
+        proc, port = start_server(a)
+        try:
+            device = base.device
+            asyncio.run(run_round(f"ws://127.0.0.1:{port}/ws", proc.pid, base))
+        finally:
+            proc.terminate()
+            proc.wait(60)
+            base.close()
+    rows = []
+    for (mode, c), (ip, wsr, ctl) in cells.items():
+        same = all(x[2] == y[2] for x, y in zip(ip, wsr))
+        rows.append((mode, c, statistics.median(x[0] for x in ip), statistics.median(x[0] for x in wsr),
+                     statistics.median(y[0] / x[0] for x, y in zip(ip, wsr)), statistics.median(ctl) if ctl else None,
+                     statistics.median(x[1] for x in ip), statistics.median(x[1] for x in wsr), same,
+                     statistics.median(x[3] for x in ip), statistics.median(x[3] for x in wsr)))
+    dev = device
     print(f"\n`OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} {' '.join([sys.executable.split('/')[-1], *sys.argv])}`\n")
     load = " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     def short(x):
@@ -175,16 +264,22 @@ def main(argv=None) -> int:
                 return str(x.relative_to(base))
         return str(x)
 
+    si = "serve's default" if a.stream_interval_ms is None else f"{a.stream_interval_ms:g} ms"
+    place = (f"pinned: engine CPU {sorted(layout[1])}, server + client CPU {sorted(layout[0])}" if layout
+             else "unpinned")
     print(f"target `{short(a.target)}`, draft `{short(a.draft)}`, device {dev}, "
-          f"greedy, {a.max_tokens} tokens per request (ignore_eos), medians of {a.repeats} runs, "
-          f"{os.cpu_count()} CPUs, load average {load}\n")
-    print("| spec | concurrency | in-process tok/s | websocket tok/s | ws / in-process | in-process TTFT ms | "
-          "websocket TTFT ms | in-process CPU ms/token | server CPU ms/token | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for mode, c, a1, a2, t1, t2, same, c1, c2 in rows:
-        print(f"| {mode} | {c} | {a1:.0f} | {a2:.0f} | {100 * a2 / a1:.1f}% | {t1:.1f} | {t2:.1f} | {c1:.2f} | "
+          f"greedy, {a.max_tokens} tokens per request (ignore_eos), medians of {a.rounds} rounds x {a.repeats} runs, "
+          f"{os.cpu_count()} CPUs ({place}), stream interval {si}, load average {load}\n")
+    print("| spec | concurrency | in-process tok/s | websocket tok/s | ws / in-process | A/A control | "
+          "in-process TTFT ms | websocket TTFT ms | in-process CPU ms/token | server CPU ms/token | same tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for mode, c, a1, a2, r, aa, t1, t2, same, c1, c2 in rows:
+        aa = f"{100 * aa:.1f}%" if aa is not None else "-"
+        print(f"| {mode} | {c} | {a1:.0f} | {a2:.0f} | {100 * r:.1f}% | {aa} | {t1:.1f} | {t2:.1f} | {c1:.2f} | "
               f"{c2:.2f} | {'yes' if same else 'NO'} |")
-    print("\nCPU ms/token: CPU time of the processes doing the work (for websocket: the server process and "
+    print("\nws / in-process: median over the repeats of each pair's ratio (the two sides alternate who goes "
+          "first). A/A control: the same in-process run twice in a row, median ratio - what this machine's noise "
+          "alone shows for two identical runs. CPU ms/token: CPU time of the processes doing the work (for websocket: the server process and "
           "its engine process), per generated token; robust to other load on the machine, unlike tok/s.")
     return 0
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the specd Triton kernels: kernel tests on the real GPU (compiled, no interpreter),
-# then the timing table of eval/gpu_check.py. Meant to finish within ~10 minutes on an H200.
+# then the timing table of eval/gpu_check.py, then websocket delivery vs in-process on the GPU
+# (eval/bench_server.py; GPU_CHECK_SERVER=0 skips it). Meant to finish within ~13 minutes on an H200.
 #
 #   eval/gpu_check.sh [extra args for gpu_check.py]
 #
@@ -49,4 +50,13 @@ echo "== timing"
 timeout 330 "$PYBIN" eval/gpu_check.py --budget-s 240 "$@" 2>&1 | tee "$OUT/gpu_timing.md"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "gpu_check.py failed (rc=$rc)"; status=1; }
+
+# issue 5's delivery target on real hardware: websocket vs in-process tokens/s (demo pair, on the GPU)
+if [ "${GPU_CHECK_SERVER:-1}" = 1 ]; then
+    echo "== websocket delivery vs in-process (eval/bench_server.py, device cuda)"
+    OMP_NUM_THREADS=2 timeout 240 "$PYBIN" eval/bench_server.py --device cuda --rounds 2 --repeats 5 \
+        --max-tokens 192 2>&1 | tee "$OUT/gpu_bench_server.md"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || { echo "bench_server.py failed (rc=$rc)"; status=1; }
+fi
 exit $status

@@ -223,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="step the engine in a thread of the server process instead of its own process")
     s.add_argument("--cpu-split", action="store_true",
                    help="engine process: pin the server process to the first usable CPU and the engine to the rest")
+    s.add_argument("--stream-interval-ms", type=float, default=2.0,
+                   help="hold a step's outputs up to this long to send them with the next step's when steps are "
+                        "shorter (fewer wake-ups of the server on sub-millisecond steps); 0 = every step at once")
     s.add_argument("--log-level", default="info")
 
     c = sub.add_parser("chat", help="terminal chat client")
@@ -255,6 +258,8 @@ def main(argv=None) -> int:
     sub = p._subparsers._group_actions[0].choices.get(cmd)
     if cmd == "serve":
         a = apply_env_and_toml(sub, argv[1:], cmd)
+        if not a.stream_interval_ms >= 0:
+            sub.error(f"--stream-interval-ms must be >= 0, got {a.stream_interval_ms}")
         fill_default_models(a)
         from specd.server.app import run_serve
 

@@ -174,6 +174,10 @@ class Engine:
         with self._lock:
             return bool(self._inbox) or self.scheduler.has_work()
 
+    def has_new_requests(self) -> bool:
+        """Requests added (or aborts asked for) since the last step began."""
+        return bool(self._inbox)
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

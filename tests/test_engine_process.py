@@ -202,3 +202,71 @@ def test_cpu_split_pins_the_server_to_the_first_cpu_and_the_engine_to_the_rest()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     server, engine = (orjson.loads(x) for x in out.stdout.splitlines())
     assert server == cpus[:1] and engine == cpus[1:], out.stdout
+
+
+def _drive(remote, prompts_ids, max_tokens, tag):
+    """Run requests on a RemoteEngine by hand: (pipe messages, step records per request, tokens)."""
+    import select
+
+    from specd.sampling import SamplingParams
+    from specd.sequence import SpecParams
+
+    pipe = remote._out
+    read, msgs = pipe.read, []
+
+    def counting_read():
+        got = read()
+        msgs.extend(got)
+        return got
+
+    pipe.read = counting_read
+    try:
+        for i, ids in enumerate(prompts_ids):
+            remote.add_request(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), SpecParams(mode="off"),
+                               "interactive", f"{tag}{i}")
+        steps: dict = {}
+        toks: dict = {}
+        end = time.monotonic() + 60
+        while remote.has_work() and time.monotonic() < end:
+            select.select([remote.fileno()], [], [], 1.0)
+            for outs, _dt in remote.read_ready():
+                for o in outs:
+                    steps.setdefault(o.request_id, []).append(len(o.token_ids))
+                    toks.setdefault(o.request_id, []).extend(o.token_ids)
+        assert not remote.has_work()
+        return [m for m in msgs if m[0] == "outs"], steps, toks
+    finally:
+        pipe.read = read
+
+
+def test_stream_interval_holds_short_steps_but_never_first_or_last_tokens(shared_pair, reference):
+    """HandOff in the engine process: with a 50 ms interval the child sends several steps per pipe
+    message (each step still arrives as its own record, in order), but a request's first token and its
+    finish go out at once; with 0 every step is its own message. Tokens equal the in-process engine's."""
+    from specd.cli import engine_config
+    from specd.server.engine_proc import RemoteEngine
+
+    tok = shared_pair[0].tokenizer
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    for interval in (0.05, 0.0):
+        remote = RemoteEngine(engine_config(serve_args(num_blocks=256)), stream_interval_s=interval)
+        try:
+            msgs, steps, toks = _drive(remote, ids, 32, f"i{interval}-")
+        finally:
+            remote.shutdown()
+        for i, p in enumerate(PROMPTS):
+            assert toks[f"i{interval}-{i}"] == reference[p, "off"][0]
+            assert steps[f"i{interval}-{i}"] == [1] * 32  # speculation off: one record per step, one token each
+        per_msg = [len(m[1]) for m in msgs]
+        assert sum(per_msg) >= 32
+        if interval == 0.0:
+            assert max(per_msg) == 1
+            continue
+        assert len(msgs) < sum(per_msg) / 2, per_msg  # sub-millisecond steps: several per message
+        firsts = [m for m in msgs if any(st is not None and "first_token_time" in st and not fin
+                                         for step, _ in m[1] for (_, _, _, fin, _, st) in step)]
+        lasts = [m for m in msgs if any(fin for step, _ in m[1] for (_, _, _, fin, _, _) in step)]
+        assert firsts and lasts
+        for m in firsts + lasts:  # urgent outputs end their message: nothing after them was held back
+            last_step = m[1][-1][0]
+            assert any(st is not None for (*_, st) in last_step)

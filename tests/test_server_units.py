@@ -98,9 +98,12 @@ def test_histogram_and_render_parse():
 
 # AsyncEngine over a fake engine ----------------------------------------------------------------------
 class FakeOut:
-    def __init__(self, rid, toks, finished, reason=None):
+    def __init__(self, rid, toks, finished, reason=None, num_output=0):
+        from types import SimpleNamespace
+
         self.request_id, self.token_ids, self.text = rid, toks, "x" * len(toks)
-        self.finished, self.finish_reason, self.seq = finished, reason, None
+        self.finished, self.finish_reason = finished, reason
+        self.seq = SimpleNamespace(num_output=num_output)
 
 
 class FakeEngine:
@@ -130,6 +133,12 @@ class FakeEngine:
         with self.lock:
             return bool(self.inbox or self.reqs)
 
+    num_waiting = 0
+
+    def has_new_requests(self):
+        with self.lock:
+            return bool(self.inbox)
+
     def step(self):
         self.steps += 1
         with self.lock:
@@ -147,7 +156,7 @@ class FakeEngine:
         for rid in list(self.reqs):
             self.reqs[rid] += 1
             done = self.reqs[rid] >= self.n
-            outs.append(FakeOut(rid, [7], done, "length" if done else None))
+            outs.append(FakeOut(rid, [7], done, "length" if done else None, self.reqs[rid]))
             if done:
                 del self.reqs[rid]
         time.sleep(0.001)
@@ -311,6 +320,9 @@ class FakeRemote:
         e, self.err = self.err, None
         return e
 
+    def has_buffered(self):
+        return False
+
     def add_request(self, prompt, params, spec, priority, rid):
         self.seqs[rid] = True
         self.last_add_time = time.monotonic()
@@ -372,3 +384,59 @@ def test_engine_process_mode_relays_on_the_loop_and_fails_cleanly():
         await ae.stop()
 
     run(main())
+
+
+def test_handoff_holds_short_steps_within_the_interval_only():
+    """HandOff: a step's outputs are held only while the next step still ends within the interval of
+    the last hand-off; urgent outputs, an unsteady engine, long steps and interval 0 go at once."""
+    from specd.server.engine_loop import HandOff
+
+    h = HandOff(0.001)
+    assert h.now(10.0, 0.0004, urgent=True, steady=True)  # first token: at once
+    assert not h.now(10.0004, 0.0004, urgent=False, steady=True)  # next step ends at 10.0008: hold
+    assert h.now(10.0008, 0.0004, urgent=False, steady=True)  # the next would end past 10.001: send
+    assert not h.now(10.0010, 0.0001, urgent=False, steady=True)
+    assert h.now(10.0011, 0.0001, urgent=False, steady=False)  # idle / new requests next: send
+    assert not h.now(10.0012, 0.0001, urgent=False, steady=True)
+    assert h.now(10.0013, 0.0001, urgent=True, steady=True)  # a finished request: send
+    assert all(h.now(20.0 + k * 0.002, 0.002, urgent=False, steady=True) for k in range(5))  # long steps
+    h0 = HandOff(0.0)
+    assert all(h0.now(30.0 + k * 1e-5, 1e-5, urgent=False, steady=True) for k in range(5))
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError):
+            HandOff(bad)
+
+
+def test_engine_thread_mode_holds_outputs_but_streams_everything():
+    """Engine-thread mode with a long interval: the loop is woken fewer times than there are steps,
+    yet every request gets all its tokens in order and its end."""
+    from specd.server.engine_loop import AsyncEngine
+
+    eng = FakeEngine(n=12)
+
+    async def main():
+        ae = AsyncEngine(eng, stream_interval_s=0.05)
+        wakes = []
+        orig = ae._dispatch_outbox
+
+        def counting(arg):
+            wakes.append(1)
+            orig(arg)
+
+        ae._dispatch_outbox = counting
+        await ae.start()
+        results = {}
+
+        async def one(rid):
+            toks = []
+            async for out in ae.generate([1], None, None, "interactive", rid):
+                toks += out.token_ids
+            results[rid] = toks
+
+        await asyncio.gather(*(one(f"r{i}") for i in range(3)))
+        await ae.stop()
+        return results, len(wakes)
+
+    results, wakes = run(main())
+    assert results == {f"r{i}": [7] * 12 for i in range(3)}
+    assert wakes < eng.steps / 2, (wakes, eng.steps)

@@ -28,7 +28,7 @@ from typing import Optional
 import orjson
 
 from specd.server import notify
-from specd.server.engine_loop import AsyncEngine
+from specd.server.engine_loop import DEFAULT_STREAM_INTERVAL_S, AsyncEngine
 from specd.server.metrics import Metrics
 from specd.server.ws import WSServer
 
@@ -77,6 +77,16 @@ def log_request(out) -> None:
         "timing": {"queue_ms": _ms(s.arrival, s.scheduled_time), "ttft_ms": _ms(s.arrival, s.first_token_time),
                    "total_ms": _ms(s.arrival, s.finish_time)},
         "preemptions": s.num_preemptions}})
+
+
+def stream_interval_s(args) -> float:
+    """``--stream-interval-ms`` in seconds (the default where an args object lacks it)."""
+    ms = getattr(args, "stream_interval_ms", None)
+    if ms is None:
+        return DEFAULT_STREAM_INTERVAL_S
+    if not ms >= 0:
+        raise ValueError(f"--stream-interval-ms must be >= 0, got {ms!r}")
+    return ms / 1000.0
 
 
 def warm_up(engine) -> None:
@@ -133,7 +143,8 @@ class App:
         if engine is None:
             engine = await self._load_in_thread()
         ae = AsyncEngine(engine, max_queue=getattr(a, "max_queue", 256),
-                         watchdog_timeout_s=wd / 2 if wd else DEFAULT_WATCHDOG_TIMEOUT_S)
+                         watchdog_timeout_s=wd / 2 if wd else DEFAULT_WATCHDOG_TIMEOUT_S,
+                         stream_interval_s=stream_interval_s(a))
         ae.listeners.append(self.metrics.on_step)
         await ae.start()
         self.ae = ae
@@ -190,7 +201,8 @@ class App:
         if not in_thread:  # the default for `specd serve`: the engine steps in its own process
             from specd.server.engine_proc import RemoteEngine
 
-            self._remote = RemoteEngine(engine_config(a), split_cpus=getattr(a, "cpu_split", False))
+            self._remote = RemoteEngine(engine_config(a), split_cpus=getattr(a, "cpu_split", False),
+                                        stream_interval_s=stream_interval_s(a))
             return self._remote
         engine = Engine(engine_config(a))
         warm_up(engine)

@@ -10,7 +10,8 @@ metrics use. ``add_request`` validates locally (the limits come in the child's h
 the request down a pipe. ``AsyncEngine`` has no engine thread in this mode: its event loop watches
 the child's pipe (``fileno()``) and relays what ``read_ready()`` returns straight to the streams.
 The child (``_child_main``) loads the models, warms up, then loops: take commands, step, send the
-outputs (one pickled list per step, with the step's duration) plus, at most every 50 ms and whenever
+outputs (a pickled list of steps, each with its duration: one step, or a few sub-millisecond ones
+when ``HandOff`` holds them, see ``--stream-interval-ms``) plus, at most every 50 ms and whenever
 it goes idle, a snapshot of the state ``/metrics`` reports. A child that has work and sends nothing for the watchdog timeout is stuck.
 
 Lifecycle: the child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the
@@ -20,19 +21,23 @@ false, which ``/healthz`` and the systemd watchdog report.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import pickle
+import select
 import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from multiprocessing.connection import Connection
 from types import SimpleNamespace
 from typing import Optional
 
 from specd.engine import RequestError, RequestOutput, validate_request
+from specd.server.engine_loop import DEFAULT_STREAM_INTERVAL_S, HandOff
 from specd.loader import LoadError, load_tokenizer
 from specd.sequence import SpecStats
 
@@ -41,6 +46,75 @@ log = logging.getLogger("specd.engine_proc")
 SNAPSHOT_EVERY_S = 0.05
 _SEQ_FIELDS = ("priority", "spec", "num_prompt", "num_output", "arrival", "scheduled_time", "first_token_time",
                "finish_time", "num_preemptions", "finish_reason")
+
+
+class Pipe:
+    """One direction of an OS pipe carrying pickled messages as length-prefixed frames.
+
+    Why not ``multiprocessing.connection``: its ``poll()`` builds a selector on every call (~10 us),
+    which sat on the engine's step path (checking for commands) and on the server's per-message path.
+    Here the reading end is non-blocking with one ``select.poll`` object registered once: ``read()``
+    takes whatever has arrived and returns every complete message; ``wait()`` blocks for more.
+    The writing end blocks while the pipe is full (a stalled reader holds the writer back)."""
+
+    _HDR = struct.Struct("<I")
+
+    def __init__(self, fd: int, reader: bool):
+        self.fd = fd
+        self.eof = False
+        self._buf = bytearray()
+        self._poll = None
+        if reader:
+            os.set_blocking(fd, False)
+            self._poll = select.poll()
+            self._poll.register(fd, select.POLLIN)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def send(self, obj) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(self._HDR.pack(len(data)) + data)
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    def wait(self, timeout: Optional[float]) -> bool:
+        """Block up to ``timeout`` seconds (None: no limit) until data or end of file is readable."""
+        ms = None if timeout is None else max(0, int(timeout * 1000))
+        while True:
+            try:
+                return bool(self._poll.poll(ms))
+            except InterruptedError:  # (PEP 475 retries; kept for clarity)
+                continue
+
+    def read(self) -> list:
+        """Every complete message that has arrived, without blocking. ``eof`` turns true once the
+        writing end is closed (the messages before it are still returned)."""
+        while not self.eof and self._poll.poll(0):  # (a poll is ~10x cheaper than a read that fails)
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self.eof = True
+                break
+            self._buf += chunk
+            if len(chunk) < 1 << 16:  # drained for now (a later write makes the fd readable again)
+                break
+        out, buf, pos, hdr = [], self._buf, 0, self._HDR
+        while len(buf) - pos >= hdr.size:
+            n = hdr.unpack_from(buf, pos)[0]
+            end = pos + hdr.size + n
+            if end > len(buf):
+                break
+            out.append(pickle.loads(buf[pos + hdr.size:end]))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return out
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 # child ---------------------------------------------------------------------------------------------
@@ -58,7 +132,7 @@ def _seq_state(seq) -> dict:
     return d
 
 
-def _child_main(cfg, cmd_conn, out_conn, log_level: int) -> None:
+def _child_main(cfg, cmd_conn, out_conn, log_level: int, interval_s: float) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from specd.server.app import setup_logging, warm_up
 
@@ -83,28 +157,49 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int) -> None:
         "vocab_size": eng.vocab_size, "has_draft": eng.drafter is not None, "threads": torch.get_num_threads()}))
     first_sent: set = set()
     last_snap = 0.0
+    hand = HandOff(interval_s)
+    held: list = []  # [(packed outputs, step seconds)] of steps not sent yet (see HandOff)
+
+    def flush() -> bool:
+        nonlocal last_snap
+        if not held:
+            return True
+        now = time.monotonic()
+        snap = None
+        if now - last_snap >= SNAPSHOT_EVERY_S or not eng.has_work():
+            snap, last_snap = _snapshot(eng), now
+        ok = _send(out_conn, ("outs", list(held), snap))
+        held.clear()
+        return ok
+
     while True:
-        try:
-            idle = not eng.has_work()
-            # block for commands only while idle; otherwise take what is there and step
-            while cmd_conn.poll(0.5 if idle else 0):
-                cmd = cmd_conn.recv()
-                op = cmd[0]
-                if op == "add":
-                    _, rid, ids, p, spec, prio = cmd
-                    try:
-                        eng.add_request(ids, p, spec, prio, rid)
-                    except (RequestError, ValueError) as e:  # the parent validated: only races land here
-                        code = getattr(e, "code", "invalid_request")
-                        out_conn.send(("outs", [(rid, [], "", True, "error", {"error": (code, str(e))})], None, 0.0))
-                elif op == "abort":
-                    eng.abort(cmd[1])
-                elif op == "snapshot":
-                    out_conn.send(("snapshot", _snapshot(eng)))
-                elif op == "stop":
+        idle = not eng.has_work()
+        # block for commands only while idle; otherwise take what is there and step
+        if idle:
+            if not flush():
+                return
+            cmd_conn.wait(0.5)
+        cmds = cmd_conn.read()
+        for cmd in cmds:
+            op = cmd[0]
+            if op == "add":
+                _, rid, ids, p, spec, prio = cmd
+                try:
+                    eng.add_request(ids, p, spec, prio, rid)
+                except (RequestError, ValueError) as e:  # the parent validated: only races land here
+                    code = getattr(e, "code", "invalid_request")
+                    held.append(([(rid, [], "", True, "error", {"error": (code, str(e))})], 0.0))
+            elif op == "abort":
+                eng.abort(cmd[1])
+            elif op == "snapshot":
+                if not flush() or not _send(out_conn, ("snapshot", _snapshot(eng))):
                     return
-                idle = False
-        except (EOFError, OSError):  # the parent is gone
+            elif op == "stop":
+                flush()
+                return
+        if cmd_conn.eof:  # the parent is gone
+            return
+        if (cmds or eng.num_waiting or not eng.has_work()) and not flush():  # new work may mean a long step
             return
         if not eng.has_work():
             continue
@@ -113,9 +208,11 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int) -> None:
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - report; the parent fails the running requests
             log.exception("engine step failed")
-            out_conn.send(("step_error", f"{type(e).__name__}: {e}"))
+            if not flush() or not _send(out_conn, ("step_error", f"{type(e).__name__}: {e}")):
+                return
             continue
         packed = []
+        urgent = False
         for o in outs:
             seq = o.seq
             state = None
@@ -125,25 +222,35 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int) -> None:
             elif o.request_id not in first_sent and seq.first_token_time is not None:
                 state = _seq_state(seq)
                 first_sent.add(o.request_id)
+            urgent = urgent or state is not None
             packed.append((o.request_id, o.token_ids, o.text, o.finished, o.finish_reason, state))
         now = time.monotonic()
-        snap = None
-        if now - last_snap >= SNAPSHOT_EVERY_S or not eng.has_work():
-            snap, last_snap = _snapshot(eng), now
-        try:
-            out_conn.send(("outs", packed, snap, now - t_step))
-        except (BrokenPipeError, OSError):
+        if packed:
+            held.append((packed, now - t_step))
+        steady = eng.has_work() and not eng.num_waiting
+        if (not packed or hand.now(now, now - t_step, urgent, steady)) and not flush():
             return
 
 
-def _child_entry(cmd_fd: int, out_fd: int) -> None:
-    cmd_conn = Connection(cmd_fd, writable=False)
-    out_conn = Connection(out_fd, readable=False)
+def _send(conn: Pipe, msg) -> bool:
     try:
-        cfg, log_level = cmd_conn.recv()
-    except (EOFError, OSError):
+        conn.send(msg)
+        return True
+    except OSError:  # the parent is gone (BrokenPipeError)
+        return False
+
+
+def _child_entry(cmd_fd: int, out_fd: int) -> None:
+    cmd_conn = Pipe(cmd_fd, reader=True)
+    out_conn = Pipe(out_fd, reader=False)
+    first: list = []
+    while not first and not cmd_conn.eof:
+        cmd_conn.wait(None)
+        first = cmd_conn.read()
+    if not first:
         return
-    _child_main(cfg, cmd_conn, out_conn, log_level)
+    cfg, log_level, interval_s = first[0]
+    _child_main(cfg, cmd_conn, out_conn, log_level, interval_s)
 
 
 # parent --------------------------------------------------------------------------------------------
@@ -236,7 +343,9 @@ class RemoteEngine:
     """``Engine``'s serving surface, backed by an engine process. Construct (blocks until the models
     are loaded and warmed up; raises ``LoadError``), hand to ``AsyncEngine``, ``shutdown()`` at the end."""
 
-    def __init__(self, cfg, load_timeout_s: Optional[float] = None, split_cpus: bool = False):
+    def __init__(self, cfg, load_timeout_s: Optional[float] = None, split_cpus: bool = False,
+                 stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S):
+        HandOff(stream_interval_s)  # (validates)
         # a fresh interpreter (`python -m specd.server.engine_proc FD FD`), not multiprocessing's
         # spawn: that re-imports the parent's __main__, which need not be import-safe
         cmd_r, cmd_w = os.pipe()
@@ -248,9 +357,10 @@ class RemoteEngine:
         os.close(out_w)
         if split_cpus:  # (the daemon; not for a library user's process)
             _split_cpus(self.proc.pid)
-        self._cmd = Connection(cmd_w, readable=False)
-        self._out = Connection(out_r, writable=False)
-        self._cmd.send((cfg, logging.getLogger().level))
+        self._cmd = Pipe(cmd_w, reader=False)
+        self._out = Pipe(out_r, reader=True)
+        self._inbox: collections.deque = collections.deque()  # read from the pipe, not yet applied
+        self._cmd.send((cfg, logging.getLogger().level, stream_interval_s))
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards seqs (AsyncEngine reads it under this lock)
         self.seqs: dict[str, RemoteSeq] = {}
@@ -281,17 +391,28 @@ class RemoteEngine:
         self.drafter = True if info["has_draft"] else None
         self.scheduler = _SchedulerView(self)
 
+    def _take(self) -> bool:
+        """Move whatever the child has written into the inbox; False once nothing more can come."""
+        try:
+            self._inbox.extend(self._out.read())
+        except OSError:
+            self._out.eof = True
+        return not self._out.eof
+
     def _recv_until(self, timeout: Optional[float]):
         end = None if timeout is None else time.monotonic() + timeout
         while True:
-            if self._out.poll(0.2):
-                try:
-                    return self._out.recv()
-                except (EOFError, OSError):
-                    return "died", f"engine process exited (code {self.proc.exitcode})"
-            if not self.proc.is_alive():
-                if self._out.poll(0):
+            if self._inbox:
+                return self._inbox.popleft()
+            if self._out.wait(0.2):
+                self._take()
+                if self._inbox:
                     continue
+            if self._out.eof or not self.proc.is_alive():
+                self._take()
+                if self._inbox:
+                    continue
+                self.proc.join(1.0)
                 return "died", f"engine process exited (code {self.proc.exitcode})"
             if end is not None and time.monotonic() > end:
                 return "died", "timed out waiting for the engine process"
@@ -342,60 +463,63 @@ class RemoteEngine:
 
     def read_ready(self) -> list:
         """Every message the child has sent so far, without blocking: a list of ``(outputs, step
-        seconds)``. A failed step stops the read (``take_error()`` returns it); a child that is gone
-        turns ``alive`` false."""
+        seconds)``. A failed step stops the read (``take_error()`` returns it; ``has_buffered()``
+        says whether messages after it wait for the next call); a child that is gone turns
+        ``alive`` false."""
         got = []
-        while self._dead is None:
-            try:
-                if not self._out.poll(0):
-                    break
-                msg = self._out.recv()
-            except (EOFError, OSError):
-                self._dead = f"engine process exited (code {self.proc.exitcode})"
-                break
+        inbox = self._inbox
+        if self._dead is None and not self._take() and not inbox:
+            self._dead = f"engine process exited (code {self.proc.exitcode})"
+        while inbox:
+            msg = inbox.popleft()
             if msg[0] == "step_error":
                 self.last_msg_time = time.monotonic()
                 self._pending_error = msg[1]
                 break
-            item = self._apply(msg)
-            if item is not None:
-                got.append(item)
+            got += self._apply(msg)
         return got
+
+    def has_buffered(self) -> bool:
+        """Messages already read from the pipe but not returned yet (those after a failed step)."""
+        return bool(self._inbox)
 
     def take_error(self) -> Optional[str]:
         """The failed step's message that stopped the last ``read_ready()``, once."""
         e, self._pending_error = self._pending_error, None
         return e
 
-    def _apply(self, msg):
-        """One child message -> (outputs, step seconds), or None (a snapshot)."""
+    def _apply(self, msg) -> list:
+        """One child message -> its steps as [(outputs, step seconds)] (none for a snapshot)."""
         self.last_msg_time = time.monotonic()
         kind = msg[0]
         if kind == "snapshot":
             self._snap = msg[1]
-            return None
+            return []
         if kind != "outs":
-            return None
-        _, packed, snap, dt = msg
+            return []
+        _, steps, snap = msg
         if snap is not None:
             self._snap = snap
-        outs = []
+        items = []
         with self._lock:
-            for rid, toks, text, finished, reason, state in packed:
-                seq = self.seqs.get(rid)
-                if seq is None:
-                    continue
-                seq.num_output += len(toks)
-                if state is not None:
-                    if "error" in state:  # refused by the child (a race the parent could not see)
-                        del self.seqs[rid]
-                        outs.append(RequestOutput(rid, [], "", True, "cancelled", seq))
+            for packed, dt in steps:
+                outs = []
+                for rid, toks, text, finished, reason, state in packed:
+                    seq = self.seqs.get(rid)
+                    if seq is None:
                         continue
-                    seq.__dict__.update(state)  # the child's figures (num_output included) win
-                if finished:
-                    del self.seqs[rid]
-                outs.append(RequestOutput(rid, toks, text, finished, reason, seq))
-        return outs, dt
+                    seq.num_output += len(toks)
+                    if state is not None:
+                        if "error" in state:  # refused by the child (a race the parent could not see)
+                            del self.seqs[rid]
+                            outs.append(RequestOutput(rid, [], "", True, "cancelled", seq))
+                            continue
+                        seq.__dict__.update(state)  # the child's figures (num_output included) win
+                    if finished:
+                        del self.seqs[rid]
+                    outs.append(RequestOutput(rid, toks, text, finished, reason, seq))
+                items.append((outs, dt))
+        return items
 
     def kv_blocks_used(self) -> tuple:
         return tuple(self._snap.get("kv_used", (0, 0)))
@@ -417,8 +541,10 @@ class RemoteEngine:
         self._send(("snapshot",))
         end = time.monotonic() + timeout_s
         while self._snap is before and time.monotonic() < end and self.alive:
-            if not self.reader_attached and not self.has_work() and self._out.poll(0.05):
-                self._apply(self._out.recv())  # nobody else reads the pipe: read it here
+            if not self.reader_attached and not self.has_work() and self._out.wait(0.05):
+                self._take()  # nobody else reads the pipe: read it here
+                while self._inbox:
+                    self._apply(self._inbox.popleft())
             time.sleep(0.01)
         return self._snap
 
