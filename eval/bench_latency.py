@@ -549,8 +549,10 @@ async def p3_run(srv, a, pair: Pair) -> dict:
     conns = [await connect(srv.port).__aenter__() for _ in range(max(conc))]
     try:
         base = [{**b, "max_tokens": a.p3_tokens, "ignore_eos": True} for b in prompts_for(pair, max(conc), 200)]
-        for m in modes:  # warm-up round (discarded): first-call costs, adaptive cost model measured
-            await p3_round(conns[:4], base[:4], m, f"w-{m}")
+        for c in conc:  # warm-up rounds (discarded) at every concurrency: first-call costs; the adaptive
+            for m in modes:  # policy measures each batch size and settles its probe interval
+                for k in range(2 if c == 1 else 1):
+                    await p3_round(conns[:c], base[:c], m, f"w{c}-{k}-{m}")
         for c in conc:
             reps = {m: [] for m in modes}
             for r in range(p3_repeats(a, c)):

@@ -246,14 +246,12 @@ class Engine:
         lazy_auto = sch.spec.adaptive and sch.last_depth == 0
         for sc in scheduled:
             seq = sc.seq
-            mode = sch.mode_of(seq)
-            lazy = lazy_auto and seq.spec.mode == "auto"
             if sc.final:
-                b = self._spec_budget(seq, sc.spec_budget)
-                shape = self.drafter.shape_for(mode, b, sc.spec_depth) if b > 0 else None
+                b = self._spec_budget(seq, sc.spec_budget) if sc.spec_budget > 0 else 0
+                shape = self.drafter.shape_for(sch.mode_of(seq), b, sc.spec_depth) if b > 0 else None
                 if shape is not None:
                     spec.append((seq, shape))
-            elif mode != "off" and not lazy:
+            elif sch.mode_of(seq) != "off" and not (lazy_auto and seq.spec.mode == "auto"):
                 catch.append((seq, seq.num_computed + sc.num_tokens))
         if catch:
             self.drafter.catch_up(catch)

@@ -21,13 +21,16 @@ Policy (knobs in ``SchedulerConfig`` / ``SpecConfig``):
   start from the engine-wide EMA). Costs are measured in the engine thread's CPU time on a CPU
   (waits for the GIL or other load do not distort them; wall time on a GPU): T(0) = the measured
   cost of a draft-free decode step at this batch size (a batch size not yet seen gets one plain
-  step first); T(D>0) =
-  ``t_fixed + t_per_token * B * (1 + nodes(D)) + D * t_draft`` fitted on speculative decode steps
-  (t_draft = the draft levels after the first, which also catches the draft cache up). D = 0
+  step first); T(D>0) = ``max(t_fixed + t_per_token * B * (1 + nodes(D)), T(0) + t_per_token * B *
+  nodes(D)) + D * t_draft``, t_fixed and t_per_token fitted on speculative decode steps (a
+  verification never costs less than a plain step plus its extra tokens), t_draft = the draft
+  levels after the first (which also catches the draft cache up). D = 0
   turns speculation off - at high batch the target step grows and D shrinks; when the batch drains
   it grows back. While D = 0, a probe step drafts one token for one request (the least recently
   probed) so acceptance estimates stay current; the probe interval doubles (16 -> 256 steps)
-  while D stays 0, and the draft model skips prompt prefill (a request catches up lazily, in one
+  while D stays 0 (every 4096 steps when not even perfect acceptance would make drafting pay at
+  this batch size: probing acceptance cannot change that answer; the rare probe refreshes the
+  costs), and the draft model skips prompt prefill (a request catches up lazily, in one
   draft forward, when it next drafts). Decisions are reused for up to 8 steps while the batch's
   acceptance estimates are unchanged. Chains use k = D; trees keep min(tree_budget, D * tree_topk)
   nodes up to depth D. Requests that name a mode (chain/tree) get that fixed size (capped by their
@@ -89,8 +92,10 @@ class Scheduler:
         self.t_draft: Optional[float] = None  # EMA seconds of one draft forward (one tree level)
         self.probe_every = 16  # current probe interval (steps) while speculation is off
         self.probe_min, self.probe_max = 16, 256
+        self.probe_hopeless = 4096  # probe interval while even perfect acceptance would not pay
         self.probing = False
-        self._depth_cache = None  # (alphas, step, config, depth) of the last cost-model decision
+        self._depth_cache = None  # (alphas, step, config, depth, hopeless) of the last cost-model decision
+        self._hopeless_at = None  # (batch size, step, mode) of the last decision that drafting is hopeless
         self.t_plain: dict = {}  # batch size -> EMA seconds of a decode step without drafts
         self.accept_ema: Optional[float] = None  # engine-wide per-position acceptance (prior for new requests)
         self._steps = 0
@@ -218,20 +223,37 @@ class Scheduler:
             return min(dmax, 4)  # no measurements yet: start speculating, measure
         c = self._depth_cache  # same estimates as a recent step: same answer (costs drift slowly)
         if c is not None and c[0] == alphas and self._steps - c[1] < 8 and c[2] == (self.spec.mode, dmax):
-            best_d = c[3]
+            best_d, hopeless = c[3], c[4]
         else:
             best_d = self._best_depth(alphas, dmax)
+            # hopeless: not even perfect acceptance would make drafting pay at this batch size, so
+            # probing for acceptance cannot change the answer (only the costs might, rarely)
+            hopeless = best_d == 0 and self._best_depth([0.999] * len(alphas), dmax) == 0
             if len(alphas) in self.t_plain:  # (an unmeasured batch size is re-asked next step)
-                self._depth_cache = (list(alphas), self._steps, (self.spec.mode, dmax), best_d)
+                self._depth_cache = (list(alphas), self._steps, (self.spec.mode, dmax), best_d, hopeless)
+                self._hopeless_at = (len(alphas), self._steps, self.spec.mode) if hopeless else None
         self.probing = False
         if best_d == 0:
-            if self._steps % self.probe_every == 0:
-                self.probing = True  # one draft token keeps the acceptance estimates fresh...
-                self.probe_every = min(self.probe_max, self.probe_every * 2)  # ...ever more rarely
+            every = self.probe_hopeless if hopeless else self.probe_every
+            if self._steps % every == 0:
+                self.probing = True  # one draft token keeps the estimates fresh...
+                if not hopeless:
+                    self.probe_every = min(self.probe_max, self.probe_every * 2)  # ...ever more rarely
                 return 1
             return 0
         self.probe_every = self.probe_min
         return best_d
+
+    def _hopeless_now(self, batch: int) -> bool:
+        """Depth 0 without looking at acceptance: a recent decision found drafting hopeless at this
+        batch size (no acceptance could make it pay) and this is not a probe step. Saves building
+        the batch's acceptance list every step in the common loaded case."""
+        h = self._hopeless_at
+        if (h is None or h[0] != batch or self._steps - h[1] >= 64 or h[2] != self.spec.mode
+                or self._steps % self.probe_hopeless == 0 or self.t_target is None):
+            return False
+        self.probing = False
+        return True
 
     def observe_plain(self, batch: int, seconds: float) -> None:
         """A decode step with no drafts at all, ``batch`` requests, took ``seconds`` (engine thread
@@ -258,7 +280,11 @@ class Scheduler:
                 acc += p
                 tot[d] += n * (acc - 1.0)
         for d in range(1, dmax + 1):
-            rate = tot[d] / (t0 + tpt * B * (1 + self.nodes_for_depth(d)) + d * td)
+            nodes = self.nodes_for_depth(d)
+            # a verification step costs at least a plain step plus its extra tokens: the fit alone
+            # can underestimate it (a fixed part fitted near 0 from a few probe steps)
+            t_verify = max(t0 + tpt * B * (1 + nodes), t_plain + tpt * B * nodes)
+            rate = tot[d] / (t_verify + d * td)
             if rate > best * 1.02:  # a clear win only
                 best, best_d = rate, d
         return best_d
@@ -286,8 +312,12 @@ class Scheduler:
         auto_depth = None
         probe = None  # the one request a probe step drafts for
         if self.spec.adaptive and self.has_draft:
-            autos = [s for s in cands[:self.cfg.max_num_seqs] if s.spec.mode == "auto" and self.mode_of(s) != "off"]
-            auto_depth = self.choose_depth([s.recent_accept for s in autos])
+            autos = ([s for s in cands[:self.cfg.max_num_seqs] if s.spec.mode == "auto"]
+                     if self.spec.mode != "off" else [])  # (mode_of(auto request) == spec.mode here)
+            if autos and self._hopeless_now(len(autos)):
+                auto_depth = 0
+            else:
+                auto_depth = self.choose_depth([s.recent_accept for s in autos])
             self.last_depth = auto_depth
             if self.probing and autos:
                 probe = min(autos, key=lambda s: s.last_probe)
@@ -326,7 +356,10 @@ class Scheduler:
             spec = 0
             depth = 0
             if final:
-                want = self.desired_budget(seq)
+                if auto_depth == 0 and not self.probing and seq.spec.mode == "auto":
+                    want = 0  # speculation off for adaptive requests this step (the common case at load)
+                else:
+                    want = self.desired_budget(seq)
                 if auto_depth is not None and seq.spec.mode == "auto" and want > 0:
                     depth = auto_depth
                     mode = self.mode_of(seq)

@@ -272,3 +272,75 @@ def test_probe_state_does_not_outlive_the_adaptive_requests():
     s.add(_seq(clock, "fixed", n=3, mode="off"))
     out = s.schedule()  # no adaptive request left
     assert not s.probing and out.scheduled
+
+
+def test_no_acceptance_probes_when_even_perfect_acceptance_would_not_pay():
+    """When drafting could not pay at this batch size even if every draft token were accepted (a
+    draft level costs more than a plain step), probing acceptance cannot change the answer: probes
+    drop to one per ``probe_hopeless`` steps (which still refreshes the costs). When perfect
+    acceptance would pay, probes keep their 16 -> 256 back-off."""
+    s, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
+    s.t_target, s.t_draft, s.t_per_token = 0.010, 0.030, 0.0  # a draft level costs 3 plain steps
+    _plain_costs(s)
+    picks = []
+    for step in range(1, 3000):
+        s._steps = step
+        picks.append(s.choose_depth([0.6]))
+    assert sum(picks) == 0  # no probe within 3000 steps
+    s._steps = s.probe_hopeless
+    s._depth_cache = None
+    assert s.choose_depth([0.6]) == 1 and s.probing  # the rare cost-refreshing probe
+
+    s2, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
+    s2.t_target, s2.t_draft, s2.t_per_token = 0.010, 0.004, 0.0  # cheap draft: 0.6 does not pay, 1.0 would
+    _plain_costs(s2)
+    probes = 0
+    for step in range(1, 300):
+        s2._steps = step
+        probes += s2.choose_depth([0.05])
+    assert probes >= 3  # 16, 48, 112, 240: acceptance could still change the answer
+
+
+def test_verification_never_priced_below_a_plain_step():
+    """A speculative step's target cost is at least the measured plain step plus its extra tokens:
+    a fit with a fixed part near 0 (from a few probe steps) must not make drafting look cheap."""
+    s, _ = _sched(spec=SpecConfig(mode="chain", num_draft_tokens=4, adaptive=True))
+    s.t_target, s.t_per_token, s.t_draft = 1e-6, 0.0001, 0.001  # fitted: almost free verification
+    s.t_plain = {1: 0.001}  # a plain step measured 1 ms
+    by_fit = 1.9 / (s.t_target + s.t_per_token * 2 + s.t_draft)  # depth 1 at acceptance 0.9, fit alone
+    assert by_fit > 1.02 / s.t_plain[1]  # ... would speculate
+    s._steps = 1
+    assert s.choose_depth([0.9]) == 0  # >= 1.1 ms per verification + 1 ms per draft level: not worth it
+    s.t_draft = 0.0001  # a much cheaper draft level does pay
+    s._depth_cache = None
+    s._steps = 2
+    assert s.choose_depth([0.9]) > 0
+
+
+def test_a_hopeless_decision_is_reused_briefly_then_revisited():
+    """Loaded steady state: once drafting is found hopeless at a batch size, steps skip the
+    acceptance bookkeeping (no drafting at all); when the costs change (a cheaper draft), the
+    decision is revisited within 64 steps and speculation comes back."""
+    s, clock = _sched(num_blocks=256, spec=SpecConfig(mode="tree", adaptive=True))
+    seqs = [_seq(clock, f"s{k}", n=3, mode="auto", max_tokens=1000) for k in range(4)]
+    for q in seqs:
+        s.add(q)
+    _run(s, s.schedule())  # prefill
+    s.t_target, s.t_draft, s.t_per_token = 0.010, 0.030, 0.0  # a draft level costs 3 plain steps
+    _plain_costs(s, (4,))
+    for q in seqs:
+        q.recent_accept = 0.9
+    for _ in range(300):
+        out = s.schedule()
+        assert not any(sc.spec_budget for sc in out.scheduled)
+        _run(s, out)
+    assert s._hopeless_at is not None
+    s.t_draft = 0.0005  # the draft became cheap (e.g. the machine got quieter)
+    drafted_at = None
+    for k in range(70):
+        out = s.schedule()
+        if any(sc.spec_budget for sc in out.scheduled) and not s.probing:
+            drafted_at = k
+            break
+        _run(s, out)
+    assert drafted_at is not None and drafted_at <= 64
