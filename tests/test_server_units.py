@@ -440,3 +440,39 @@ def test_engine_thread_mode_holds_outputs_but_streams_everything():
     results, wakes = run(main())
     assert results == {f"r{i}": [7] * 12 for i in range(3)}
     assert wakes < eng.steps / 2, (wakes, eng.steps)
+
+
+def test_pipe_frames_survive_partial_reads_and_close_is_idempotent():
+    """engine_proc.Pipe: messages larger than one read arrive whole and in order; a reader sees
+    end of file after the writer closes; closing twice never closes a reused descriptor."""
+    import os
+
+    from specd.server.engine_proc import Pipe
+
+    r, w = os.pipe()
+    reader, writer = Pipe(r, reader=True), Pipe(w, reader=False)
+    msgs = [("small", 1), ("big", "x" * 300_000), ("after", [1, 2, 3])]
+    got = []
+
+    def write_all():
+        for m in msgs:
+            writer.send(m)
+        writer.close()
+
+    t = threading.Thread(target=write_all)
+    t.start()
+    while not reader.eof:
+        reader.wait(5.0)
+        got += reader.read()
+    t.join(5)
+    assert got == msgs
+    writer.close()  # again: a no-op
+    other = os.open(os.devnull, os.O_RDONLY)  # may reuse the writer's old number
+    try:
+        writer.close()
+        os.fstat(other)  # still open
+    finally:
+        os.close(other)
+    with pytest.raises(OSError):
+        writer.send(("late",))
+    reader.close()

@@ -68,6 +68,7 @@ def _admitted(e: RequestError) -> RequestError:
 
 
 _IDLE_WAIT_S = 0.5  # the idle thread wakes this often to refresh last_step_time (no busy-wait)
+_FAIL_ALL_AFTER = 3  # consecutive failed steps after which every live request is failed
 DEFAULT_STREAM_INTERVAL_S = 0.002
 
 
@@ -100,7 +101,6 @@ class HandOff:
             self.last = t
             return True
         return False
-_FAIL_ALL_AFTER = 3  # consecutive failed steps after which every live request is failed
 
 
 class AsyncEngine:

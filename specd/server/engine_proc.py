@@ -114,7 +114,10 @@ class Pipe:
         return out
 
     def close(self) -> None:
-        os.close(self.fd)
+        """Idempotent (a closed descriptor's number may be reused by then: never close it twice)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 # child ---------------------------------------------------------------------------------------------
