@@ -115,6 +115,79 @@ async def over_ws(url, prompts_text, max_tokens, spec_mode, ws):
     return n / wall, statistics.mean(ttft), [tokens[str(i)] for i in range(len(prompts_text))]
 
 
+async def over_raw_ws(port, prompts_text, max_tokens, spec_mode):
+    """Like ``over_ws`` with a lean client: a raw socket that only appends what arrives (and looks
+    for the ends of requests); frames are parsed after the run. On a 2-CPU box the client shares
+    the server's CPU and its per-message work (the websockets library, JSON per frame) competes with
+    the system under test; real clients run elsewhere. A fresh connection per run (no pings)."""
+    import base64
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write(f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    if b" 101 " not in head.split(b"\r\n", 1)[0]:
+        raise RuntimeError(f"websocket upgrade refused: {head[:200]!r}")
+    n = len(prompts_text)
+    t0 = time.monotonic()
+    out = bytearray()
+    for i, p in enumerate(prompts_text):
+        payload = orjson.dumps({"type": "generate", "id": str(i), "prompt": p, "max_tokens": max_tokens,
+                                "temperature": 0, "ignore_eos": True, "speculation": {"mode": spec_mode}})
+        mask = os.urandom(4)
+        ln = len(payload)
+        hdr = bytes((0x81, 0x80 | ln)) if ln < 126 else b"\x81\xfe" + ln.to_bytes(2, "big")
+        out += hdr + mask + bytes(b ^ mask[k % 4] for k, b in enumerate(payload))
+    writer.write(bytes(out))
+    chunks, ends, tail = [], 0, b""
+    marks = (b'"type":"done"', b'"type":"error"')
+    while ends < n:
+        chunk = await reader.read(1 << 16)
+        if not chunk:
+            raise RuntimeError("connection closed by the server")
+        chunks.append((time.monotonic(), chunk))
+        scan = tail + chunk
+        ends += sum(scan.count(m) for m in marks) - sum(tail.count(m) for m in marks)
+        tail = scan[-16:]
+    writer.close()
+    first, done, tokens = {}, {}, {}
+    buf = bytearray()
+    for t, chunk in chunks:  # parse the frames, each stamped with its chunk's arrival time
+        buf += chunk
+        pos = 0
+        while len(buf) - pos >= 2:
+            ln = buf[pos + 1] & 0x7F
+            hl = 2 if ln < 126 else (4 if ln == 126 else 10)
+            if len(buf) - pos < hl:
+                break
+            if ln == 126:
+                ln = int.from_bytes(buf[pos + 2:pos + 4], "big")
+            elif ln == 127:
+                ln = int.from_bytes(buf[pos + 2:pos + 10], "big")
+            if len(buf) - pos - hl < ln:
+                break
+            op = buf[pos] & 0x0F
+            body = bytes(buf[pos + hl:pos + hl + ln])
+            pos += hl + ln
+            if op != 1:
+                continue
+            m = orjson.loads(body)
+            rid = m.get("id")
+            if m["type"] == "delta":
+                first.setdefault(rid, t)
+                tokens.setdefault(rid, []).extend(m["token_ids"])
+            elif m["type"] == "done":
+                done[rid] = t
+            else:
+                raise RuntimeError(m)
+        del buf[:pos]
+    wall = max(done.values()) - t0
+    ntok = sum(len(v) for v in tokens.values())
+    ttft = [(first[str(i)] - t0) * 1000 for i in range(n)]
+    return ntok / wall, statistics.mean(ttft), [tokens[str(i)] for i in range(n)]
+
+
 def start_server(a):
     from specd.server.app import ServerProcess
 
@@ -199,6 +272,9 @@ def main(argv=None) -> int:
                    help="A/A control: each repeat runs the in-process side twice; their ratio is the noise floor")
     p.add_argument("--rounds", type=int, default=3,
                    help="fresh server and fresh baseline process per round (process-to-process speed varies)")
+    p.add_argument("--client", choices=["websockets", "raw"], default="websockets",
+                   help="websocket client: the websockets library, or a lean raw-socket reader that parses "
+                        "frames after the run (less client work beside the server on a small box)")
     p.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.baseline_worker:
@@ -216,7 +292,7 @@ def main(argv=None) -> int:
     cells = {(mode, c): ([], [], []) for mode in modes for c in conc}  # in-process, websocket, A/A control
     device = "?"
 
-    async def run_round(url, pid, base):
+    async def run_round(url, port, pid, base):
         from websockets.asyncio.client import connect
 
         async with connect(url, compression=None, max_size=None) as ws:
@@ -232,6 +308,10 @@ def main(argv=None) -> int:
                                 ip.append(base.run(ids, a.max_tokens, mode))
                                 if a.control:  # A/A: the same in-process run again (the noise floor)
                                     ctl.append(base.run(ids, a.max_tokens, mode)[0] / ip[-1][0])
+                            elif a.client == "raw":
+                                s0 = proc_cpu(pid)
+                                tps, ttft, toks = await over_raw_ws(port, texts, a.max_tokens, mode)
+                                wsr.append((tps, ttft, toks, (proc_cpu(pid) - s0) / sum(len(x) for x in toks) * 1000))
                             else:
                                 wsr.append(await over_ws_cpu(url, texts, a.max_tokens, mode, ws, pid))
 
@@ -240,7 +320,7 @@ def main(argv=None) -> int:
         proc, port = start_server(a)
         try:
             device = base.device
-            asyncio.run(run_round(f"ws://127.0.0.1:{port}/ws", proc.pid, base))
+            asyncio.run(run_round(f"ws://127.0.0.1:{port}/ws", port, proc.pid, base))
         finally:
             proc.terminate()
             proc.wait(60)
@@ -269,7 +349,7 @@ def main(argv=None) -> int:
              else "unpinned")
     print(f"target `{short(a.target)}`, draft `{short(a.draft)}`, device {dev}, "
           f"greedy, {a.max_tokens} tokens per request (ignore_eos), medians of {a.rounds} rounds x {a.repeats} runs, "
-          f"{os.cpu_count()} CPUs ({place}), stream interval {si}, load average {load}\n")
+          f"{os.cpu_count()} CPUs ({place}), stream interval {si}, {a.client} client, load average {load}\n")
     print("| spec | concurrency | in-process tok/s | websocket tok/s | ws / in-process | A/A control | "
           "in-process TTFT ms | websocket TTFT ms | in-process CPU ms/token | server CPU ms/token | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
