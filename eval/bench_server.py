@@ -279,6 +279,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.baseline_worker:
         return baseline_worker(a)
+    if a.rounds < 1 or a.repeats < 1:
+        p.error("--rounds and --repeats must be >= 1")
     layout = cpu_layout(a.pin)
     a.pin = layout is not None
     conc = [int(x) for x in a.concurrency.split(",")]
