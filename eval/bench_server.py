@@ -86,11 +86,11 @@ def in_process(engine, prompts, max_tokens, spec_mode):
     return toks / wall, statistics.mean(ttft), [s.output_ids for s in seqs], cpu / toks * 1000
 
 
-async def over_ws_cpu(url, prompts_text, max_tokens, spec_mode, ws, pid):
+async def with_server_cpu(pid, run):
+    """Await ``run`` (a websocket run: tokens/s, TTFT, tokens) and add the server's CPU ms per token."""
     s0 = proc_cpu(pid)
-    tps, ttft, toks = await over_ws(url, prompts_text, max_tokens, spec_mode, ws)
-    n = sum(len(t) for t in toks)
-    return tps, ttft, toks, (proc_cpu(pid) - s0) / n * 1000
+    tps, ttft, toks = await run
+    return tps, ttft, toks, (proc_cpu(pid) - s0) / sum(len(t) for t in toks) * 1000
 
 
 async def over_ws(url, prompts_text, max_tokens, spec_mode, ws):
@@ -310,12 +310,10 @@ def main(argv=None) -> int:
                                 ip.append(base.run(ids, a.max_tokens, mode))
                                 if a.control:  # A/A: the same in-process run again (the noise floor)
                                     ctl.append(base.run(ids, a.max_tokens, mode)[0] / ip[-1][0])
-                            elif a.client == "raw":
-                                s0 = proc_cpu(pid)
-                                tps, ttft, toks = await over_raw_ws(port, texts, a.max_tokens, mode)
-                                wsr.append((tps, ttft, toks, (proc_cpu(pid) - s0) / sum(len(x) for x in toks) * 1000))
                             else:
-                                wsr.append(await over_ws_cpu(url, texts, a.max_tokens, mode, ws, pid))
+                                run = (over_raw_ws(port, texts, a.max_tokens, mode) if a.client == "raw"
+                                       else over_ws(url, texts, a.max_tokens, mode, ws))
+                                wsr.append(await with_server_cpu(pid, run))
 
     for _ in range(a.rounds):
         base = Baseline(a, layout[1] if layout else None)

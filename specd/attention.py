@@ -177,6 +177,16 @@ class TorchAttention:
         meta.cache["torch_plan"] = plan
         return plan
 
+    @staticmethod
+    def _gather_kv(kv_layer: torch.Tensor, blocks: torch.Tensor, B: int, Lp: int):
+        """K and V of each sequence's whole blocks in one index_select: two [B, KVH, Lp, D] fp32 views."""
+        KVH, D = kv_layer.shape[-2], kv_layer.shape[-1]
+        kvg = kv_layer.index_select(1, blocks).view(2, B, Lp, KVH, D)
+        k, v = kvg[0].transpose(1, 2), kvg[1].transpose(1, 2)
+        if k.dtype != torch.float32:
+            k, v = k.float(), v.float()
+        return k, v
+
     @classmethod
     def attention(cls, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float):
         # q [T, H, D] -> [T, H, D]
@@ -187,20 +197,14 @@ class TorchAttention:
         if plan[0] == "decode":  # T == B single queries: GQA grouping is a plain view of q
             _, blocks, bias = plan
             B, Lp = bias.shape[0], bias.shape[-1]
-            kvg = kv_layer.index_select(1, blocks).view(2, B, Lp, KVH, D)  # [2, B, Lp, KVH, D]
-            k, v = kvg[0].transpose(1, 2), kvg[1].transpose(1, 2)  # [B, KVH, Lp, D]
-            if k.dtype != torch.float32:
-                k, v = k.float(), v.float()
+            k, v = cls._gather_kv(kv_layer, blocks, B, Lp)
             o = F.scaled_dot_product_attention(q.float().view(B, KVH, G, D), k, v, attn_mask=bias, scale=scale)
             return o.reshape(B, H, D).to(q.dtype)
         _, blocks, q_index, flat_pos, bias, bias_g = plan
         B, Q, Lp = bias.shape
         if bias_g is None:  # rows ordered (group member g, query i), as in qg below
             bias_g = plan[5] = bias.unsqueeze(1).expand(B, G, Q, Lp).reshape(B, 1, G * Q, Lp)
-        kvg = kv_layer.index_select(1, blocks).view(2, B, Lp, KVH, D)  # one gather for K and V
-        k, v = kvg[0].transpose(1, 2), kvg[1].transpose(1, 2)  # [B, KVH, Lp, D]
-        if k.dtype != torch.float32:
-            k, v = k.float(), v.float()
+        k, v = cls._gather_kv(kv_layer, blocks, B, Lp)
         qp = q if q_index is None else q[q_index.view(-1)]  # [B*Q, H, D]
         # query heads grouped under their KV head: [B, KVH, G*Q, D] (head h uses KV head h // G)
         qg = qp.float().view(B, Q, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * Q, D)

@@ -200,11 +200,6 @@ class Scheduler:
             return
         self.t_target = t_target if self.t_target is None else (1 - a) * self.t_target + a * t_target
 
-    @staticmethod
-    def expected_tokens(alpha: float, depth: int) -> float:
-        alpha = min(max(alpha, 0.0), 0.999)
-        return (1 - alpha ** (depth + 1)) / (1 - alpha)
-
     def nodes_for_depth(self, d: int) -> int:
         return d if self.spec.mode == "chain" else min(self.spec.tree_budget, d * self.spec.tree_topk)
 
@@ -232,7 +227,6 @@ class Scheduler:
             if len(alphas) in self.t_plain:  # (an unmeasured batch size is re-asked next step)
                 self._depth_cache = (list(alphas), self._steps, (self.spec.mode, dmax), best_d, hopeless)
                 self._hopeless_at = (len(alphas), self._steps, self.spec.mode) if hopeless else None
-        self.probing = False
         if best_d == 0:
             every = self.probe_hopeless if hopeless else self.probe_every
             if self._steps % every == 0:

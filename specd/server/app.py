@@ -80,13 +80,10 @@ def log_request(out) -> None:
 
 
 def stream_interval_s(args) -> float:
-    """``--stream-interval-ms`` in seconds (the default where an args object lacks it)."""
+    """``--stream-interval-ms`` in seconds (the default where an args object lacks it; ``HandOff``
+    refuses a negative one)."""
     ms = getattr(args, "stream_interval_ms", None)
-    if ms is None:
-        return DEFAULT_STREAM_INTERVAL_S
-    if not ms >= 0:
-        raise ValueError(f"--stream-interval-ms must be >= 0, got {ms!r}")
-    return ms / 1000.0
+    return DEFAULT_STREAM_INTERVAL_S if ms is None else ms / 1000.0
 
 
 def warm_up(engine) -> None:
@@ -258,7 +255,7 @@ class App:
         log.info("stopped")
 
     async def _stop_remote(self) -> None:
-        r = getattr(self, "_remote", None)
+        r = self._remote
         if r is not None:
             self._remote = None
             await asyncio.get_running_loop().run_in_executor(None, r.shutdown)

@@ -328,17 +328,20 @@ class AsyncEngine:
             self._step_started = None
             self.last_step_time = now
             if outs:
-                for f in self.listeners:
-                    try:
-                        f(outs, now - t0)
-                    except Exception:  # noqa: BLE001
-                        log.exception("step listener failed")
+                self._notify(outs, now - t0)
                 with self._out_lock:
                     self._outbox.extend(outs)
                 urgent = any(o.finished or o.seq.num_output == len(o.token_ids) for o in outs)
                 steady = eng.has_work() and not eng.num_waiting and not eng.has_new_requests()
                 if self.handoff.now(now, now - t0, urgent, steady):
                     self._hand_over()
+
+    def _notify(self, outs: list, step_seconds: float) -> None:
+        for f in self.listeners:
+            try:
+                f(outs, step_seconds)
+            except Exception:  # noqa: BLE001 - a listener never stops the engine
+                log.exception("step listener failed")
 
     def _hand_over(self) -> None:
         """Wake the loop for the outbox; while it has not taken the previous hand-off yet, the
@@ -388,11 +391,7 @@ class AsyncEngine:
             for outs, dt in items:
                 self.last_step_time = now
                 if outs:
-                    for f in self.listeners:
-                        try:
-                            f(outs, dt)
-                        except Exception:  # noqa: BLE001
-                            log.exception("step listener failed")
+                    self._notify(outs, dt)
                     self._dispatch(outs)
             err = eng.take_error()
             if err is not None:  # a failed step: fail (and abort) the requests it was running
