@@ -10,25 +10,33 @@ Thread safety: ``add_request`` and ``abort`` may be called from any thread; they
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from specd.attention import build_metadata, copy_slots, get_backend
 from specd.config import EngineConfig
 from specd.detokenizer import IncrementalDetokenizer
+from specd.health import EngineHealth, RateLimitedLog
 from specd.kv_cache import KVCache, PrefixCache
 from specd.loader import LoadedModel, LoadError, load_model
 from specd.sampling import SamplingParams, logits_to_probs, make_generator
 from specd.scheduler import Scheduler
-from specd.sequence import Sequence, SpecParams, SpecStats, Status
+from specd.sequence import Checkpoint, Sequence, SpecParams, SpecStats, Status
 from specd.spec.drafter import Drafter
 from specd.spec.tree import DraftTree
 from specd.spec.verify import AcceptResult, greedy_verify, verify_batch
+
+log = logging.getLogger("specd.engine")
+
+
+FAIL_ALL_AFTER = 3  # scheduling failures in a row after which every active request is failed
 
 
 class RequestError(ValueError):
@@ -47,6 +55,7 @@ class RequestOutput:
     finished: bool
     finish_reason: Optional[str]
     seq: Sequence
+    error: Optional[str] = None  # finish_reason "error": what failed (stage and exception)
 
 
 def validate_request(prompt_ids: list, params: SamplingParams, max_model_len: int, block_size: int,
@@ -64,6 +73,16 @@ def validate_request(prompt_ids: list, params: SamplingParams, max_model_len: in
     bad = next((t for t in prompt_ids if not (0 <= t < vocab_size)), None)
     if bad is not None:
         raise RequestError("invalid_request", f"token id {bad} outside the vocabulary (0..{vocab_size - 1})")
+    bad = next((t for t in params.stop_token_ids if not (0 <= t < vocab_size)), None)
+    if bad is not None:
+        raise RequestError("invalid_request", f"stop_token_ids: {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def normalize_params(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """``top_k`` at or above the vocabulary keeps every token: the same as off (0)."""
+    if params.top_k >= vocab_size:
+        return dataclasses.replace(params, top_k=0)
+    return params
 
 
 def _cache_blocks(cfg: EngineConfig, target: LoadedModel, draft: Optional[LoadedModel], max_len: int):
@@ -134,6 +153,11 @@ class Engine:
         self.stats = SpecStats()  # engine-wide totals
         self.num_steps = 0
         self.step_hook = None  # tests: called at the start of every step (e.g. to simulate a hang)
+        # tests (fault injection): fault_hook(stage, seqs) runs as each stage starts, with its requests
+        self.fault_hook: Optional[Callable[[str, list], None]] = None
+        self.health = EngineHealth()
+        self._errlog = RateLimitedLog(log)
+        self._stage = "schedule"
 
     @staticmethod
     def _check_draft(target: LoadedModel, draft: LoadedModel) -> None:
@@ -155,6 +179,7 @@ class Engine:
                     priority: str = "interactive", request_id: Optional[str] = None) -> Sequence:
         """Queue a request (any thread). Raises RequestError for an invalid one."""
         self.validate(prompt_ids, params)
+        params = normalize_params(params, self.vocab_size)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, prompt_ids, params, spec, priority, arrival=self.clock())
         seq.generator = make_generator(params.seed)
@@ -203,33 +228,145 @@ class Engine:
 
     # the step ------------------------------------------------------------------------------------
     def step(self) -> list:
+        """One engine step; returns its ``RequestOutput``s. Never raises for a failing stage: see
+        ``_run_isolating`` (a failed request ends alone with ``finish_reason: "error"``)."""
         if self.step_hook is not None:
             self.step_hook(self)
         outputs = self._drain_inbox()
-        sched = self.scheduler.schedule()
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as e:  # noqa: BLE001 - no culprit to isolate: retry, then fail everyone
+            return outputs + self._schedule_failed(e)
         if not sched.scheduled:
+            self.health.step_ended(progressed=True, failed=False)
             return outputs
         # the policy's costs: on CPU the engine thread's CPU time (immune to waits for the GIL and to
         # other load on the machine); on a GPU wall time (the thread may sleep while kernels run)
         clock = self._policy_clock
         t0 = clock()
-        proposals = self._draft(sched.scheduled)
-        t1 = clock()
-        work, logits = self._target_forward(sched.scheduled, proposals)
-        results = self._verify(work, logits)
-        outputs += self._commit(work, results)
-        t2 = clock()
-        if logits is not None and all(sc.final and sc.num_tokens == 1 for sc in sched.scheduled):
-            # pure decode steps only: prefill would skew the cost fit
-            sch = self.scheduler
+        cps = {id(sc.seq): sc.seq.checkpoint() for sc in sched.scheduled}
+        failed_before = sum(self.health.failed_steps.values())
+        timing: dict = {}
+        outs = self._run_isolating(sched.scheduled, cps, timing)
+        failed = sum(self.health.failed_steps.values()) > failed_before
+        errors = sum(1 for o in outs if o.finish_reason == "error")
+        self.health.step_ended(progressed=errors < len(sched.scheduled), failed=failed)
+        if not failed:
+            self._observe(sched, timing, t0, clock())
+        self.num_steps += 1
+        return outputs + outs
+
+    def _observe(self, sched, timing: dict, t0: float, t2: float) -> None:
+        """Feed the adaptive policy the costs of a clean pure-decode step (prefill would skew the fit)."""
+        if not timing.get("logits") or not all(sc.final and sc.num_tokens == 1 for sc in sched.scheduled):
+            return
+        sch = self.scheduler
+        proposals, t1 = timing["proposals"], timing["t1"]
+        try:
             levels = self.drafter.levels - 1 if (self.drafter is not None and proposals) else 0
             if proposals:  # per-level draft cost: the forwards after the first (which also catches
                 # the draft cache up by however much it lags, e.g. after a skipped prompt prefill)
                 sch.observe(t2 - t1, self.drafter.level_time / levels if levels > 0 else None, sched.num_tokens)
             else:
                 sch.observe_plain(len(sched.scheduled), t2 - t0)
-        self.num_steps += 1
-        return outputs
+        except Exception as e:  # noqa: BLE001 - the policy's inputs are the policy's problem
+            self.health.stage_failed("policy")
+            self._errlog.error(f"policy:{type(e).__name__}", "speculation policy update failed: %s: %s",
+                               type(e).__name__, e, exc_info=True)
+
+    def _run_batch(self, scheduled: list, cps: dict, timing: dict) -> list:
+        """draft -> target forward -> verify -> commit for ``scheduled``; ``self._stage`` names the
+        stage running (for a failure's report). Per-request commit failures are handled inside."""
+        hook = self.fault_hook
+        self._stage = "draft"
+        if hook is not None:
+            hook("draft", [sc.seq for sc in scheduled])
+        proposals = self._draft(scheduled)
+        timing["t1"] = self._policy_clock()
+        self._stage = "forward"
+        if hook is not None:
+            hook("forward", [sc.seq for sc in scheduled])
+        work, logits = self._target_forward(scheduled, proposals)
+        self._stage = "verify"
+        if hook is not None:
+            hook("verify", [sc.seq for sc in scheduled])
+        results = self._verify(work, logits)
+        self._stage = "commit"
+        outs = self._commit(work, results, cps)
+        timing["proposals"], timing["logits"] = proposals, logits is not None
+        return outs
+
+    def _run_isolating(self, scheduled: list, cps: dict, timing: dict) -> list:
+        """``_run_batch``, and when one of its batched stages raises: every request of the batch is
+        rolled back to its checkpoint (as if the step never ran for it), then the two halves of the
+        batch run again separately, down to single requests. A request that fails alone is the
+        culprit: it ends with ``finish_reason: "error"`` (its blocks freed); every other request
+        completes its step exactly as it would have (its own tokens, KV and random draws)."""
+        try:
+            return self._run_batch(scheduled, cps, timing)
+        except Exception as e:  # noqa: BLE001 - isolate the culprit, never fail the engine
+            stage = self._stage
+            self.health.stage_failed(stage)
+            for sc in scheduled:
+                sc.seq.restore(cps[id(sc.seq)])
+            if len(scheduled) == 1:
+                return [self._fail_request(scheduled[0].seq, stage, e, cps[id(scheduled[0].seq)])]
+            mid = len(scheduled) // 2
+            return (self._run_isolating(scheduled[:mid], cps, timing)
+                    + self._run_isolating(scheduled[mid:], cps, timing))
+
+    def _fail_request(self, seq: Sequence, stage: str, exc: BaseException,
+                      cp: Optional[Checkpoint] = None) -> RequestOutput:
+        """End ``seq`` with ``finish_reason: "error"``: restored to ``cp`` first (so that only KV
+        computed before the step is kept or offered to the prefix cache), then its blocks freed."""
+        msg = f"{stage} failed: {type(exc).__name__}: {exc}"
+        self._errlog.error(f"{stage}:{type(exc).__name__}:{exc}", "request %s failed in %s: %s",
+                           seq.request_id, stage, msg, exc_info=exc)
+        self.health.request_failed(stage)
+        try:
+            if cp is not None:
+                seq.restore(cp)
+            seq.error = msg
+            self._finish(seq, "error")
+        except Exception:  # noqa: BLE001 - its state is beyond repair: drop it without its prefix
+            log.exception("could not release request %s cleanly", seq.request_id)
+            self._drop(seq)
+        return RequestOutput(seq.request_id, [], "", True, "error", seq, msg)
+
+    def _drop(self, seq: Sequence) -> None:
+        """Last resort for a request whose state cannot be restored: out of every queue, its blocks
+        released without registering any prefix."""
+        seq.status = Status.FINISHED
+        seq.finish_reason = "error"
+        seq.finish_time = self.clock()
+        for q in (self.scheduler.waiting, self.scheduler.running):
+            if seq in q:
+                q.remove(seq)
+        for blocks in (seq.blocks, seq.draft_blocks):
+            while blocks is not None and blocks.blocks:
+                try:
+                    blocks.pool.decref(blocks.blocks.pop())
+                except Exception:  # noqa: BLE001 - a double free is already counted as freed
+                    pass
+        with self._lock:
+            self.seqs.pop(seq.request_id, None)
+
+    def _schedule_failed(self, exc: Exception) -> list:
+        """Scheduling raised: no batch, so no culprit. Retry on the next steps (the engine loop backs
+        off); after ``FAIL_ALL_AFTER`` such steps in a row, fail every active request."""
+        self.health.stage_failed("schedule")
+        self.health.step_ended(progressed=False, failed=True)
+        self._errlog.error(f"schedule:{type(exc).__name__}:{exc}", "scheduling failed: %s: %s",
+                           type(exc).__name__, exc, exc_info=exc)
+        if self.health.consecutive_failed < FAIL_ALL_AFTER:
+            return []
+        return self.fail_all(exc, "schedule")
+
+    def fail_all(self, exc: BaseException, stage: str = "schedule") -> list:
+        """End every active request with ``finish_reason: "error"`` (engine thread only)."""
+        with self._lock:
+            seqs = [s for s in self.seqs.values() if not s.finished]
+        return [self._fail_request(seq, stage, exc) for seq in seqs]
 
     def _spec_budget(self, seq: Sequence, budget: int) -> int:
         room = self.max_model_len - len(seq.tokens) - 1
@@ -367,7 +504,9 @@ class Engine:
         return results
 
     # commit: the one place that does cache bookkeeping after verification ------------------------
-    def _commit(self, work, results) -> list:
+    def _commit(self, work, results, cps: dict) -> list:
+        """Compact accepted KV entries (one batched copy), then each request's bookkeeping on its
+        own: a request whose commit or emit raises is rolled back and fails alone."""
         src, dst = [], []
         for (sc, tree, _, _), res in zip(work, results):
             if res is None:
@@ -378,37 +517,63 @@ class Engine:
                 if node != k:
                     src.append(seq.blocks.slot(base + node))
                     dst.append(seq.blocks.slot(base + k))
-        if src:
+        if src:  # (positions past the committed prefix only: a rollback needs no undo)
             copy_slots(self.cache.kv, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device),
                        self.backend)
         outs = []
         now = self.clock()
         for (sc, tree, prop, _), res in zip(work, results):
-            seq = sc.seq
-            if res is None:  # prefill chunk only
-                seq.num_computed += sc.num_tokens
-                self.scheduler.register_prefix(seq)
+            try:
+                out = self._commit_one(sc, tree, prop, res, now)
+            except Exception as e:  # noqa: BLE001 - this request's own data: it fails alone
+                self.health.stage_failed(self._stage)
+                cp = cps[id(sc.seq)]
+                outs.append(self._fail_request(sc.seq, self._stage, e, cp))
                 continue
-            L = len(seq.tokens)
-            a = len(res.accepted)
-            seq.num_computed = L + a
-            seq.blocks.truncate(L + a)
-            if seq.draft_blocks is not None:
-                seq.draft_blocks.truncate(seq.draft_computed)
-            depth = prop.depth if prop is not None else 0
-            seq.stats.record(tree.num_nodes - 1, depth, a)
-            self.stats.record(tree.num_nodes - 1, depth, a)
-            if depth:
-                seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (a / depth)
-                self.scheduler.note_accept(a / depth)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            outs.append(self._emit(seq, res.tokens))
-            if not seq.finished:
-                self.scheduler.register_prefix(seq)
+            if out is not None:
+                outs.append(out)
         return outs
 
-    def _emit(self, seq: Sequence, tokens: list) -> RequestOutput:
+    def _commit_one(self, sc, tree, prop, res, now: float) -> Optional[RequestOutput]:
+        """One request's bookkeeping after verification. What can fail (emit: stop conditions,
+        detokenization) runs before the counters, the policy's acceptance and the prefix cache
+        are touched, so a failure leaves those as if the step never ran."""
+        seq = sc.seq
+        self._stage = "commit"
+        if self.fault_hook is not None:
+            self.fault_hook("commit", [seq])
+        if res is None:  # prefill chunk only
+            seq.num_computed += sc.num_tokens
+            self.scheduler.register_prefix(seq)
+            return None
+        L = len(seq.tokens)
+        a = len(res.accepted)
+        seq.num_computed = L + a
+        seq.blocks.truncate(L + a)
+        if seq.draft_blocks is not None:
+            seq.draft_blocks.truncate(seq.draft_computed)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        self._stage = "emit"
+        if self.fault_hook is not None:
+            self.fault_hook("emit", [seq])
+        new, reason, text = self._emit(seq, res.tokens)
+        depth = prop.depth if prop is not None else 0
+        seq.stats.record(tree.num_nodes - 1, depth, a)
+        self.stats.record(tree.num_nodes - 1, depth, a)
+        seq.stats.emitted_tokens += len(new)
+        self.stats.emitted_tokens += len(new)
+        if depth:
+            seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (a / depth)
+            self.scheduler.note_accept(a / depth)
+        if reason is not None:
+            self._finish(seq, reason)
+        else:
+            self.scheduler.register_prefix(seq)
+        return RequestOutput(seq.request_id, new, text, reason is not None, reason, seq)
+
+    def _emit(self, seq: Sequence, tokens: list) -> tuple:
+        """Append the step's tokens up to a stop condition: (new tokens, finish reason or None, text)."""
         p = seq.params
         new, reason = [], None
         for t in tokens:
@@ -420,16 +585,12 @@ class Engine:
             if seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
                 reason = "length"
                 break
-        seq.stats.emitted_tokens += len(new)
-        self.stats.emitted_tokens += len(new)
         text = ""
         if seq.detok is not None:
             text = self._text(seq, new, reason is not None)
             if seq.finish_reason == "stop" and reason is None:
                 reason = "stop"  # a stop string matched
-        if reason is not None:
-            self._finish(seq, reason)
-        return RequestOutput(seq.request_id, new, text, reason is not None, reason, seq)
+        return new, reason, text
 
     def _text(self, seq: Sequence, new: list, final: bool) -> str:
         """Text delta, honouring stop strings; holds back a suffix that may start a stop string."""
@@ -491,6 +652,10 @@ class Engine:
         pc = self.prefix_cache
         return {"query_tokens": pc.queried_tokens, "hit_tokens": pc.hit_tokens, "hit_rate": pc.hit_rate,
                 "evictions": self.cache.pool.evictions}
+
+    def health_snapshot(self) -> dict:
+        """``EngineHealth.snapshot()``: failed steps / requests by stage, failed steps in a row."""
+        return self.health.snapshot()
 
     def kv_blocks_used(self) -> tuple:
         t = self.cache.pool.num_allocated

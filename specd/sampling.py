@@ -24,18 +24,32 @@ __all__ = ["SamplingParams", "logits_to_probs", "sample", "sample_from_uniform",
            "draw_uniforms", "sampling_tensors"]
 
 
+INT64_MAX = (1 << 63) - 1
+MAX_TEMPERATURE = 100.0
+MIN_TEMPERATURE = 1e-5  # a positive temperature below this samples as greedy (argmax)
+MIN_TOP_P = 1e-6  # top_p below this keeps the top token alone, exactly like 1e-6 (1/V > 1e-6)
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings (validated; immutable).
+    """Per-request sampling settings (validated; immutable), bounded by what the engine represents.
 
-    temperature     >= 0; 0 means greedy (argmax, ties to the lowest token id)
-    top_p           nucleus mass, 0 < top_p <= 1 (1 = off)
-    top_k           keep the k most likely tokens; 0 or -1 = off
-    seed            seeds the request's own generator; None = nondeterministic
-    max_tokens      >= 1 generated tokens at most
-    stop            stop strings (non-empty); lists are accepted and stored as tuples
-    stop_token_ids  token ids that end generation (besides EOS unless ignore_eos)
+    temperature     0 <= t <= 100; 0 means greedy (argmax, ties to the lowest token id); a positive
+                    t below 1e-5 also samples greedily (dividing logits by it would overflow float32)
+    top_p           nucleus mass, 0 < top_p <= 1 (1 = off); values below 1e-6 act as 1e-6 (the top
+                    token alone, as they would mathematically)
+    top_k           keep the k most likely tokens; 0 or -1 = off; at most 2**63-1 (int64); the engine
+                    treats a value at or above its vocabulary as off
+    seed            any integer, reduced to 64 bits (``seed mod 2**64``); None = nondeterministic
+    max_tokens      1 .. 2**63-1 generated tokens at most (the context bounds it further: too_long)
+    stop            at most 16 stop strings of 1..256 characters; lists are stored as tuples
+    stop_token_ids  at most 256 token ids (0 .. 2**63-1; the engine checks them against its
+                    vocabulary) that end generation (besides EOS unless ignore_eos)
     ignore_eos      keep generating after EOS
+    Every refusal is a ValueError naming the field.
     """
 
     temperature: float = 1.0
@@ -49,41 +63,23 @@ class SamplingParams:
 
     def __post_init__(self):
         t = _real("temperature", self.temperature)
-        if t < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 <= t <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}")
         p = _real("top_p", self.top_p)
         if not 0 < p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        k = _int("top_k", self.top_k)
-        if k < -1:
-            raise ValueError(f"top_k must be >= 1, or 0 / -1 to disable it, got {self.top_k}")
-        if self.seed is not None:
-            _int("seed", self.seed)
-        m = _int("max_tokens", self.max_tokens)
-        if m < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        try:
-            stop = tuple(stop)
-        except TypeError:
-            raise ValueError(f"stop must be a sequence of strings, got {self.stop!r}") from None
-        for s in stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-        try:
-            ids = tuple(self.stop_token_ids)
-        except TypeError:
-            raise ValueError(f"stop_token_ids must be a sequence of ints, "
-                             f"got {self.stop_token_ids!r}") from None
-        for i in ids:
-            if _int("stop_token_ids entry", i) < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {i}")
+        _int("top_k", self.top_k, -1, INT64_MAX, "0 / -1 = off")
+        seed = self.seed
+        if seed is not None:
+            seed = _int("seed", seed) & 0xFFFF_FFFF_FFFF_FFFF
+        _int("max_tokens", self.max_tokens, 1, INT64_MAX)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        object.__setattr__(self, "temperature", t)
-        object.__setattr__(self, "top_p", p)
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        object.__setattr__(self, "temperature", t if t >= MIN_TEMPERATURE else 0.0)
+        object.__setattr__(self, "top_p", max(p, MIN_TOP_P))
+        object.__setattr__(self, "seed", seed)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -99,10 +95,37 @@ def _real(name: str, v) -> float:
     return v
 
 
-def _int(name: str, v) -> int:
+def _int(name: str, v, lo: int | None = None, hi: int | None = None, off: str = "") -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise ValueError(f"{name} must be an int, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi}]{f' ({off})' if off else ''}, got {v}")
     return v
+
+
+def _stop_strings(stop) -> tuple:
+    stop = (stop,) if isinstance(stop, str) else stop
+    try:
+        stop = tuple(stop)
+    except TypeError:
+        raise ValueError(f"stop must be a sequence of strings, got {stop!r}") from None
+    if len(stop) > MAX_STOP:
+        raise ValueError(f"stop: at most {MAX_STOP} strings, got {len(stop)}")
+    for s in stop:
+        if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings must be non-empty strings of at most {MAX_STOP_CHARS} characters, "
+                             f"got {s!r:.80}")
+    return stop
+
+
+def _stop_ids(ids) -> tuple:
+    try:
+        ids = tuple(ids)
+    except TypeError:
+        raise ValueError(f"stop_token_ids must be a sequence of ints, got {ids!r:.80}") from None
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+    return tuple(_int("stop_token_ids entry", i, 0, INT64_MAX) for i in ids)
 
 
 def sampling_tensors(params: Sequence[SamplingParams]) -> tuple[list[float], list[int], list[float]]:

@@ -98,11 +98,11 @@ def test_histogram_and_render_parse():
 
 # AsyncEngine over a fake engine ----------------------------------------------------------------------
 class FakeOut:
-    def __init__(self, rid, toks, finished, reason=None, num_output=0):
+    def __init__(self, rid, toks, finished, reason=None, num_output=0, error=None):
         from types import SimpleNamespace
 
         self.request_id, self.token_ids, self.text = rid, toks, "x" * len(toks)
-        self.finished, self.finish_reason = finished, reason
+        self.finished, self.finish_reason, self.error = finished, reason, error
         self.seq = SimpleNamespace(num_output=num_output)
 
 
@@ -138,6 +138,11 @@ class FakeEngine:
     def has_new_requests(self):
         with self.lock:
             return bool(self.inbox)
+
+    def fail_all(self, exc):
+        outs = [FakeOut(rid, [], True, "error", error=f"{type(exc).__name__}: {exc}") for rid in self.reqs]
+        self.reqs.clear()
+        return outs
 
     def step(self):
         self.steps += 1
@@ -347,7 +352,7 @@ class FakeRemote:
 
 def test_engine_process_mode_relays_on_the_loop_and_fails_cleanly():
     """No engine thread: the loop reads the engine's pipe. Outputs reach their streams and the step
-    listeners; a failed step fails (and aborts) the requests it ran; a dead engine fails the rest,
+    listeners; a failed request's error output ends its stream with `internal`; a dead engine fails the rest,
     turns health red, and nothing hangs."""
     from specd.engine import RequestError
     from specd.server.engine_loop import AsyncEngine
@@ -366,12 +371,12 @@ def test_engine_process_mode_relays_on_the_loop_and_fails_cleanly():
         fr.push([FakeOut("a", [7], False), FakeOut("b", [8, 9], False)])
         assert (await fa).token_ids == [7] and (await fb).token_ids == [8, 9]
         assert seen == [(2, 0.001)]
-        # a failed step: the requests it was running fail with `internal` and are aborted
-        fr.scheduler.running = [type("Q", (), {"request_id": "a"})()]
-        fr.push(err="boom")
+        # a step that raised in the child: the child fails its requests (finish_reason "error"), the
+        # stream ends with `internal` carrying the child's reason, and the relay counts the error
+        fr.push([FakeOut("a", [], True, "error", error="forward failed: RuntimeError: boom")], err="boom")
         with pytest.raises(RequestError) as ei:
             await ga.__anext__()
-        assert ei.value.code == "internal" and "boom" in str(ei.value) and "a" in fr.aborted
+        assert ei.value.code == "internal" and "boom" in str(ei.value) and ei.value.admitted
         assert ae.num_step_errors == 1 and ae.ready
         # silence while there is work = stuck
         await asyncio.sleep(0.4)

@@ -27,6 +27,7 @@ from typing import Optional
 
 import orjson
 
+from specd.health import DEFAULT_MAX_FAILED_STEPS
 from specd.server import notify
 from specd.server.engine_loop import DEFAULT_STREAM_INTERVAL_S, AsyncEngine
 from specd.server.metrics import Metrics
@@ -36,6 +37,7 @@ log = logging.getLogger("specd.serve")
 reqlog = logging.getLogger("specd.request")
 
 DEFAULT_WATCHDOG_TIMEOUT_S = 120.0  # engine step "stuck" threshold without systemd (for /healthz)
+DEFAULT_UNHEALTHY_EXIT_S = 60.0  # --unhealthy-exit-s
 
 
 class JsonFormatter(logging.Formatter):
@@ -118,6 +120,8 @@ class App:
         self.stop_requested: Optional[asyncio.Event] = None
         self.force: Optional[asyncio.Event] = None
         self._watchdog_task: Optional[asyncio.Task] = None
+        self._health_task: Optional[asyncio.Task] = None
+        self.exit_code = 0  # 1 after the engine stayed unhealthy past --unhealthy-exit-s
         self.port: Optional[int] = None
         self._shut_down = False
         self.stopped_while_loading = False
@@ -141,11 +145,14 @@ class App:
             engine = await self._load_in_thread()
         ae = AsyncEngine(engine, max_queue=getattr(a, "max_queue", 256),
                          watchdog_timeout_s=wd / 2 if wd else DEFAULT_WATCHDOG_TIMEOUT_S,
-                         stream_interval_s=stream_interval_s(a))
+                         stream_interval_s=stream_interval_s(a),
+                         max_failed_steps=getattr(a, "max_failed_steps", DEFAULT_MAX_FAILED_STEPS))
         ae.listeners.append(self.metrics.on_step)
         await ae.start()
         self.ae = ae
         self.ws.ae = ae
+        self._health_task = asyncio.get_running_loop().create_task(
+            self._health_monitor(float(getattr(a, "unhealthy_exit_s", DEFAULT_UNHEALTHY_EXIT_S))))
         grpc_port = getattr(a, "grpc_port", 0)
         if grpc_port:
             try:
@@ -207,13 +214,36 @@ class App:
 
     async def _watchdog(self, interval: float) -> None:
         """WATCHDOG=1 every interval/2 while loading (bounded by systemd's start timeout) or while the
-        engine loop is healthy; a stuck engine step stops the pings and systemd restarts us."""
+        engine completes steps; a stuck or failing engine stops the pings and systemd restarts us."""
         while True:
-            if self.ae is None or self.ae.watchdog_ok():
+            sick = self.ae.unhealthy_reason() if self.ae is not None else None
+            if sick is None:
                 notify.notify("WATCHDOG=1")
             else:
-                log.error("engine loop stuck: withholding the systemd watchdog ping")
+                log.error("engine unhealthy (%s): withholding the systemd watchdog ping", sick)
             await asyncio.sleep(interval / 2)
+
+    async def _health_monitor(self, exit_after_s: float) -> None:
+        """Logs when the engine turns unhealthy and when it recovers; once it has been unhealthy for
+        ``exit_after_s`` (``--unhealthy-exit-s``; 0 = never), stops the daemon with exit status 1 so
+        that the service manager restarts it."""
+        since = None
+        while True:
+            sick = self.ae.unhealthy_reason() if self.ae is not None and not self.ae.draining else None
+            now = time.monotonic()
+            if sick is not None and since is None:
+                since = now
+                log.error("engine unhealthy: %s", sick)
+            elif sick is None and since is not None:
+                log.warning("engine healthy again after %.1f s", now - since)
+                since = None
+            if since is not None and exit_after_s > 0 and now - since >= exit_after_s:
+                log.critical("engine unhealthy for %.0f s (%s): exiting for the service manager to restart",
+                             now - since, sick)
+                self.exit_code = 1
+                self.request_stop(force=True)
+                return
+            await asyncio.sleep(min(0.5, exit_after_s / 4) if exit_after_s > 0 else 0.5)
 
     # stop -----------------------------------------------------------------------------------------
     def request_stop(self, force: bool = False) -> None:
@@ -250,8 +280,9 @@ class App:
         if ae is not None:
             await ae.stop()
         await self._stop_remote()
-        if self._watchdog_task is not None:
-            self._watchdog_task.cancel()
+        for task in (self._watchdog_task, self._health_task):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
         log.info("stopped")
 
     async def _stop_remote(self) -> None:
@@ -289,7 +320,7 @@ class App:
             return 1
         await stopper
         await self.shutdown()
-        return 0
+        return self.exit_code
 
     def _on_signal(self, sig) -> None:
         log.info("signal", extra={"fields": {"signal": signal.Signals(sig).name}})

@@ -26,9 +26,12 @@ once rather than when the generator is garbage-collected.
 With an engine process (``specd.server.engine_proc.RemoteEngine``) there is no engine thread: the
 event loop watches the process's pipe and relays its outputs to the streams directly.
 
-An exception inside ``Engine.step()`` does not kill the thread: it is logged, the requests that were
-running fail with ``RequestError("internal")`` (raised from their ``generate()`` iterators) and are
-aborted in the engine, and the loop keeps going (with a short back-off while steps keep failing).
+A failing stage inside ``Engine.step()`` fails only the request(s) that caused it: the engine returns
+their outputs with ``finish_reason: "error"``, which reach their streams as ``RequestError("internal")``
+(``admitted``, with the failed ``seq`` attached). While steps keep failing the loop backs off (20 ms
+doubling to 1 s) instead of spinning; ``unhealthy_reason()`` says when the engine cannot complete steps
+(the servers' ``/readyz``, ``/healthz`` and systemd watchdog follow it). An exception escaping
+``Engine.step()`` itself (a bug outside its stage isolation) fails every active request.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import uuid
 from typing import AsyncIterator, Callable, Optional
 
 from specd.engine import Engine, RequestError, RequestOutput
+from specd.health import DEFAULT_MAX_FAILED_STEPS, RateLimitedLog, backoff_s, unhealthy_reason
 from specd.sampling import SamplingParams
 from specd.sequence import SpecParams
 
@@ -67,8 +71,15 @@ def _admitted(e: RequestError) -> RequestError:
     return e
 
 
+def _failed(out: RequestOutput) -> RequestError:
+    """A request the engine failed (``finish_reason: "error"``) as its stream's ``internal`` error;
+    ``seq`` carries its usage and stats for the final message."""
+    e = _admitted(RequestError("internal", out.error or "the engine failed while running the request"))
+    e.seq = out.seq
+    return e
+
+
 _IDLE_WAIT_S = 0.5  # the idle thread wakes this often to refresh last_step_time (no busy-wait)
-_FAIL_ALL_AFTER = 3  # consecutive failed steps after which every live request is failed
 DEFAULT_STREAM_INTERVAL_S = 0.002
 
 
@@ -108,13 +119,16 @@ class AsyncEngine:
 
     ``max_queue``: admitted requests (waiting + running, not yet finished) at most; the next one is
     refused at once with ``RequestError("overloaded")``.
-    ``watchdog_timeout_s``: ``watchdog_ok()`` turns false once one step has run longer than this.
+    ``watchdog_timeout_s``: ``watchdog_ok()`` turns false once one step has run longer than this; it is
+    also how long queued work may wait without any step completing before the engine is unhealthy.
+    ``max_failed_steps``: failed steps in a row after which the engine is unhealthy (0: never).
     ``listeners``: callables ``f(outputs: list[RequestOutput], step_seconds: float)`` run in the engine
     thread after every step that produced outputs (metrics, request logs); exceptions are logged.
     """
 
     def __init__(self, engine: Engine, max_queue: int = 256, watchdog_timeout_s: float = 30.0,
-                 stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S):
+                 stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
+                 max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.handoff = HandOff(stream_interval_s)  # engine-thread mode (an engine process has its own)
@@ -134,7 +148,10 @@ class AsyncEngine:
         self._draining = False
         self._step_started: Optional[float] = None  # monotonic start of the step in progress
         self.last_step_time = time.monotonic()
-        self.num_step_errors = 0
+        self.num_step_errors = 0  # exceptions that escaped Engine.step() (or failed steps the child reported)
+        self.max_failed_steps = max_failed_steps
+        self._failures = 0  # exceptions that escaped Engine.step() in a row
+        self._errlog = RateLimitedLog(log)
 
     # lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -211,6 +228,25 @@ class AsyncEngine:
         if started is not None:
             return now - started <= self.watchdog_timeout_s
         return now - self.last_step_time <= self.watchdog_timeout_s + _IDLE_WAIT_S
+
+    def unhealthy_reason(self) -> Optional[str]:
+        """None while the engine completes steps; else why not, in one line: dead, one step stuck
+        past the watchdog timeout, ``max_failed_steps`` failed steps in a row, or queued work and no
+        step completed within the watchdog timeout (``specd.health``)."""
+        if not self._alive():
+            return "engine process or thread is not running"
+        if not self.watchdog_ok():
+            return f"an engine step has been running (or silent with work) for over {self.watchdog_timeout_s:g} s"
+        if self.max_failed_steps > 0 and self._failures >= self.max_failed_steps:
+            return f"{self._failures} engine steps in a row failed"
+        eng = self.engine
+        snap_fn = getattr(eng, "health_snapshot", None)
+        snap = snap_fn() if snap_fn is not None else None
+        return unhealthy_reason(snap, time.monotonic(), eng.has_work(), self.max_failed_steps,
+                                self.watchdog_timeout_s)
+
+    def healthy(self) -> bool:
+        return self.unhealthy_reason() is None
 
     # requests ------------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list, params: SamplingParams, spec: SpecParams = SpecParams(),
@@ -298,7 +334,7 @@ class AsyncEngine:
 
     def _loop_forever(self) -> None:
         eng = self.engine
-        failures = 0
+        self._failures = 0
         while not self._stopping:
             if not eng.has_work():
                 self._hand_over()  # anything held goes out before the thread sleeps
@@ -312,18 +348,11 @@ class AsyncEngine:
             self._step_started = t0
             try:
                 outs = eng.step()
-            except Exception as e:  # noqa: BLE001 - the daemon must survive a failing step
-                self._step_started = None
-                failures += 1
-                self.num_step_errors += 1
-                log.exception("engine step failed (%d in a row)", failures)
-                self._hand_over()
-                self._fail_requests(e, everything=failures >= _FAIL_ALL_AFTER)
-                self.last_step_time = time.monotonic()
-                self._wake.wait(min(1.0, 0.01 * 2 ** failures))
-                self._wake.clear()
-                continue
-            failures = 0
+            except Exception as e:  # noqa: BLE001 - a bug outside the engine's stage isolation
+                self._failures += 1
+                outs = self._escaped(e)
+            else:
+                self._failures = 0
             now = time.monotonic()
             self._step_started = None
             self.last_step_time = now
@@ -335,6 +364,27 @@ class AsyncEngine:
                 steady = eng.has_work() and not eng.num_waiting and not eng.has_new_requests()
                 if self.handoff.now(now, now - t0, urgent, steady):
                     self._hand_over()
+            wait = backoff_s(max(self._failures, self._consecutive_failed()))
+            if wait:  # steps keep failing: back off instead of spinning a core
+                self._hand_over()
+                self._wake.wait(wait)
+                self._wake.clear()
+
+    def _consecutive_failed(self) -> int:
+        h = getattr(self.engine, "health", None)
+        return h.consecutive_failed if h is not None else 0
+
+    def _escaped(self, e: Exception) -> list:
+        """An exception escaped ``Engine.step()``: the engine's state is unknown, so every active
+        request fails (their outputs are returned); the loop goes on (backing off)."""
+        self.num_step_errors += 1
+        self._errlog.error(f"step:{type(e).__name__}:{e}", "engine step failed: %s: %s", type(e).__name__, e,
+                           exc_info=e)
+        try:
+            return self.engine.fail_all(e)
+        except Exception:  # noqa: BLE001
+            log.exception("could not fail the engine's requests")
+            return []
 
     def _notify(self, outs: list, step_seconds: float) -> None:
         for f in self.listeners:
@@ -358,25 +408,6 @@ class AsyncEngine:
         except RuntimeError:  # the loop is closed (shutdown)
             pass
 
-    def _fail_requests(self, exc: Exception, everything: bool) -> None:
-        """After a failed step: fail (and abort in the engine) the running requests, or all of them."""
-        eng = self.engine
-        try:
-            if everything:
-                with eng._lock:
-                    rids = list(eng.seqs)
-            else:
-                rids = [s.request_id for s in list(eng.scheduler.running)]
-                if not rids:
-                    return  # nothing scheduled yet: retry (after _FAIL_ALL_AFTER failures, fail all)
-        except Exception:  # noqa: BLE001
-            log.exception("cannot list the engine's requests")
-            return
-        for rid in rids:
-            eng.abort(rid)
-        msg = f"engine step failed: {type(exc).__name__}: {exc}"
-        self._post(self._fail, (rids, msg))
-
     # event-loop side -----------------------------------------------------------------------------
     def _on_engine_readable(self) -> None:
         """Engine process mode: the child wrote; relay its outputs (listeners, then the streams)."""
@@ -394,10 +425,9 @@ class AsyncEngine:
                     self._notify(outs, dt)
                     self._dispatch(outs)
             err = eng.take_error()
-            if err is not None:  # a failed step: fail (and abort) the requests it was running
+            if err is not None:  # a step raised in the child (which fails its requests itself)
                 self.num_step_errors += 1
-                log.error("engine step failed: %s", err)
-                self._fail_requests(RuntimeError(err), everything=not list(eng.scheduler.running))
+                self._errlog.error(f"child:{err}", "engine step failed: %s", err)
                 if eng.has_buffered():  # messages after the failed step: relay them too, in order
                     continue
             break
@@ -426,7 +456,7 @@ class AsyncEngine:
         for out in outs:
             q = streams.get(out.request_id)
             if q is not None:
-                q.put_nowait(out)
+                q.put_nowait(out if out.finish_reason != "error" else _failed(out))
                 if out.finished:  # accounting must not wait for the consumer to resume
                     del streams[out.request_id]
 

@@ -37,6 +37,7 @@ from types import SimpleNamespace
 from typing import Optional
 
 from specd.engine import RequestError, RequestOutput, validate_request
+from specd.health import RateLimitedLog, backoff_s
 from specd.server.engine_loop import DEFAULT_STREAM_INTERVAL_S, HandOff
 from specd.loader import LoadError, load_tokenizer
 from specd.sequence import SpecStats
@@ -45,7 +46,7 @@ log = logging.getLogger("specd.engine_proc")
 
 SNAPSHOT_EVERY_S = 0.05
 _SEQ_FIELDS = ("priority", "spec", "num_prompt", "num_output", "arrival", "scheduled_time", "first_token_time",
-               "finish_time", "num_preemptions", "finish_reason")
+               "finish_time", "num_preemptions", "finish_reason", "error")
 
 
 class Pipe:
@@ -126,7 +127,7 @@ def _snapshot(eng) -> dict:
     return {"running": [(s.request_id, s.priority) for s in sch.running], "waiting": sch.queue_lengths(),
             "kv_used": eng.kv_blocks_used(), "stats": eng.stats, "preemptions": sch.num_preemptions,
             "spec_budget": sch.last_spec_budget, "depth": sch.last_depth, "prefix": eng.prefix_cache_stats(),
-            "steps": eng.num_steps}
+            "steps": eng.num_steps, "health": eng.health_snapshot()}
 
 
 def _seq_state(seq) -> dict:
@@ -160,6 +161,8 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int, interval_s: float) -> N
         "vocab_size": eng.vocab_size, "has_draft": eng.drafter is not None, "threads": torch.get_num_threads()}))
     first_sent: set = set()
     last_snap = 0.0
+    failures = 0  # exceptions that escaped Engine.step() in a row
+    errlog = RateLimitedLog(log)
     hand = HandOff(interval_s)
     held: list = []  # [(packed outputs, step seconds)] of steps not sent yet (see HandOff)
 
@@ -191,7 +194,7 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int, interval_s: float) -> N
                     eng.add_request(ids, p, spec, prio, rid)
                 except (RequestError, ValueError) as e:  # the parent validated: only races land here
                     code = getattr(e, "code", "invalid_request")
-                    held.append(([(rid, [], "", True, "error", {"error": (code, str(e))})], 0.0))
+                    held.append(([(rid, [], "", True, "error", {"refused": (code, str(e))})], 0.0))
             elif op == "abort":
                 eng.abort(cmd[1])
             elif op == "snapshot":
@@ -209,11 +212,15 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int, interval_s: float) -> N
         t_step = time.monotonic()
         try:
             outs = eng.step()
-        except Exception as e:  # noqa: BLE001 - report; the parent fails the running requests
-            log.exception("engine step failed")
+        except Exception as e:  # noqa: BLE001 - a bug outside the engine's stage isolation
+            failures += 1
+            errlog.error(f"{type(e).__name__}:{e}", "engine step failed: %s: %s", type(e).__name__, e, exc_info=e)
             if not flush() or not _send(out_conn, ("step_error", f"{type(e).__name__}: {e}")):
                 return
-            continue
+            outs = _fail_all(eng, e)
+        else:
+            failures = 0
+        wait = backoff_s(max(failures, eng.health.consecutive_failed))
         packed = []
         urgent = False
         for o in outs:
@@ -231,8 +238,20 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int, interval_s: float) -> N
         if packed:
             held.append((packed, now - t_step))
         steady = eng.has_work() and not eng.num_waiting
-        if (not packed or hand.now(now, now - t_step, urgent, steady)) and not flush():
+        if (not packed or wait or hand.now(now, now - t_step, urgent, steady)) and not flush():
             return
+        if wait:  # steps keep failing: tell the parent (its health follows), back off, never spin
+            if not _send(out_conn, ("snapshot", _snapshot(eng))):
+                return
+            cmd_conn.wait(wait)
+
+
+def _fail_all(eng, exc: Exception) -> list:
+    try:
+        return eng.fail_all(exc)
+    except Exception:  # noqa: BLE001
+        log.exception("could not fail the engine's requests")
+        return []
 
 
 def _send(conn: Pipe, msg) -> bool:
@@ -315,6 +334,7 @@ class RemoteSeq:
         self.scheduled_time = self.first_token_time = self.finish_time = None
         self.num_preemptions = 0
         self.finish_reason = None
+        self.error = None
         self.stats = SpecStats()
 
 
@@ -513,19 +533,24 @@ class RemoteEngine:
                         continue
                     seq.num_output += len(toks)
                     if state is not None:
-                        if "error" in state:  # refused by the child (a race the parent could not see)
+                        if "refused" in state:  # refused by the child (a race the parent could not see)
                             del self.seqs[rid]
                             outs.append(RequestOutput(rid, [], "", True, "cancelled", seq))
                             continue
                         seq.__dict__.update(state)  # the child's figures (num_output included) win
                     if finished:
                         del self.seqs[rid]
-                    outs.append(RequestOutput(rid, toks, text, finished, reason, seq))
+                    outs.append(RequestOutput(rid, toks, text, finished, reason, seq,
+                                              seq.error if reason == "error" else None))
                 items.append((outs, dt))
         return items
 
     def kv_blocks_used(self) -> tuple:
         return tuple(self._snap.get("kv_used", (0, 0)))
+
+    def health_snapshot(self) -> Optional[dict]:
+        """The child's ``EngineHealth.snapshot()`` as of its last state snapshot (None before one)."""
+        return self._snap.get("health")
 
     @property
     def stats(self) -> SpecStats:

@@ -15,8 +15,8 @@ The Generate handler is registered by hand (a generic handler) rather than throu
 INVALID_ARGUMENT with the protocol's ``invalid_request`` code instead of grpc's generic error, and
 the server does not depend on the grpcio version the stubs were generated with.
 
-Health (service names "" and "specd.v1.Specd") is SERVING while ``async_engine.ready`` and not
-switched off by ``set_serving(False)``; it is polled every ``HEALTH_POLL_S``. With ``api_key`` set,
+Health (service names "" and "specd.v1.Specd") is SERVING while ``async_engine.ready``, the engine
+completes steps (``unhealthy_reason()`` is None) and not switched off by ``set_serving(False)``; it is polled every ``HEALTH_POLL_S``. With ``api_key`` set,
 Generate requires metadata ``authorization: Bearer KEY``; health and reflection stay open (probes).
 """
 from __future__ import annotations
@@ -160,7 +160,7 @@ class SpecdServicer:
 
 
 class _Health:
-    """grpc.health.v1 status kept equal to ``async_engine.ready and not switched off``."""
+    """grpc.health.v1 status kept equal to ``async_engine.ready``, healthy and not switched off."""
 
     def __init__(self, async_engine):
         self.ae = async_engine
@@ -171,7 +171,7 @@ class _Health:
         self._last = None
 
     async def sync(self) -> None:
-        ok = self.enabled and bool(self.ae.ready)
+        ok = self.enabled and bool(self.ae.ready) and self.ae.unhealthy_reason() is None
         st = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         if st != self._last:
             self._last = st

@@ -185,10 +185,12 @@ class Metrics:
         metric("specd_engine_steps", "counter", "engine steps that emitted outputs", [({}, self.steps)])
         ae = self.loop_getter()
         if ae is not None:
-            metric("specd_engine_step_errors", "counter", "engine steps that raised (their requests failed)",
-                   [({}, ae.num_step_errors)])
-            metric("specd_engine_healthy", "gauge", "1 while the engine loop makes progress (the watchdog source)",
-                   [({}, 1 if ae.watchdog_ok() else 0)])
+            metric("specd_engine_step_errors", "counter", "exceptions that escaped an engine step (every active "
+                                                          "request failed)", [({}, ae.num_step_errors)])
+            metric("specd_engine_healthy", "gauge", "1 while the engine completes steps (/readyz, /healthz and the "
+                                                    "systemd watchdog follow it)",
+                   [({}, 1 if ae.unhealthy_reason() is None else 0)])
+        _health_metrics(metric, eng)
         hist("specd_engine_step_seconds", "duration of one engine step", self.step_time)
         hist("specd_time_to_first_token_seconds", "request arrival to its first token", self.ttft)
         hist("specd_inter_token_latency_seconds", "latency per output token after the first", self.itl)
@@ -201,6 +203,21 @@ class Metrics:
         metric("specd_prompt_tokens", "counter", "prompt tokens of finished requests", [({}, self.prompt_tokens)])
         metric("specd_generation_tokens", "counter", "generated tokens", [({}, self.generation_tokens)])
         return "\n".join(lines).encode() + b"\n"
+
+
+def _health_metrics(metric, eng) -> None:
+    """Failed steps and failed requests by stage (``specd.health``), from the engine's snapshot."""
+    fn = getattr(eng, "health_snapshot", None) if eng is not None else None
+    snap = fn() if fn is not None else None
+    if not snap:
+        return
+    metric("specd_engine_failed_steps", "counter", "engine steps in which a stage raised, by stage",
+           [({"stage": k}, v) for k, v in snap["failed_steps"].items()])
+    metric("specd_engine_failed_requests", "counter", "requests ended with finish_reason error, by the stage "
+                                                      "that failed", [({"stage": k}, v)
+                                                                      for k, v in snap["failed_requests"].items()])
+    metric("specd_engine_consecutive_failed_steps", "gauge", "failed engine steps in a row (0 after a step that "
+                                                             "made progress)", [({}, snap["consecutive_failed"])])
 
 
 def _prefix_hit_rate(eng) -> Optional[float]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from specd.engine import RequestError
-from specd.sampling import SamplingParams
+from specd.sampling import MAX_STOP, SamplingParams
 from specd.sequence import PRIORITIES, SpecParams
 
 __all__ = ["MAX_ID_CHARS", "MAX_STOP", "DEFAULT_MAX_TOKENS", "BuiltRequest", "build_request",
@@ -41,7 +41,6 @@ __all__ = ["MAX_ID_CHARS", "MAX_STOP", "DEFAULT_MAX_TOKENS", "BuiltRequest", "bu
            "summarize_unstarted"]
 
 MAX_MESSAGES = 1024
-MAX_STOP = 16
 MAX_ID_CHARS = 256
 DEFAULT_MAX_TOKENS = 256  # cap of the default max_tokens: min(256, context - prompt)
 SPECULATION_FIELDS = ("mode", "max_draft_tokens")

@@ -1,9 +1,10 @@
 """Websocket server (``/ws``, also ``/`` with an Upgrade) and the HTTP routes on the same port.
 
 HTTP (answered in websockets' ``process_request`` hook, before any upgrade):
-``/healthz`` 200 while the process and the engine loop are alive (503 when the engine thread died or
-one step has been stuck longer than the watchdog timeout); ``/readyz`` 200 when serving, 503 while
-loading or draining; ``/metrics`` Prometheus text (needs the API key when one is set); ``/`` and
+``/healthz`` 200 while the engine completes steps (503 with the reason when the engine thread or
+process died, one step has been stuck longer than the watchdog timeout, ``--max-failed-steps`` steps
+in a row failed, or queued work saw no step complete within the watchdog timeout); ``/readyz`` 200
+when serving and healthy, 503 while loading, draining or unhealthy; ``/metrics`` Prometheus text (needs the API key when one is set); ``/`` and
 ``/index.html`` the web chat page. Other paths: 404.
 
 One ``Conn`` per websocket connection multiplexes requests by their client ``id``; every request has
@@ -149,15 +150,8 @@ class WSServer:
         upgrade = "websocket" in request.headers.get("Upgrade", "").lower()
         if upgrade and path in WS_PATHS:
             return self._check_upgrade(conn, request)
-        if path == "/healthz":
-            if self.ae is not None and not self.ae.watchdog_ok():
-                return self._respond(conn, 503, b"engine loop stuck or dead\n")
-            return self._respond(conn, 200, b"ok\n")
-        if path == "/readyz":
-            if self.ready:
-                return self._respond(conn, 200, b"ready\n")
-            why = b"draining\n" if (self.draining or (self.ae is not None and self.ae.draining)) else b"loading\n"
-            return self._respond(conn, 503, why)
+        if path in ("/healthz", "/readyz"):
+            return self._health(conn, path)
         if path == "/metrics":
             if not self._key_ok(self._bearer(request)):
                 return self._respond(conn, 401, b"unauthorized\n", extra={"WWW-Authenticate": "Bearer"})
@@ -170,6 +164,18 @@ class WSServer:
         if upgrade:
             return self._respond(conn, 404, b"websocket endpoint is /ws\n")
         return self._respond(conn, 404, b"not found\n")
+
+    def _health(self, conn: ServerConnection, path: str):
+        """``/healthz``: 503 once the engine cannot complete steps (dead, stuck, failing); ``/readyz``:
+        200 only while serving AND healthy, else 503 with the reason (loading, draining, unhealthy)."""
+        sick = self.ae.unhealthy_reason() if self.ae is not None else None
+        if path == "/healthz":
+            return self._respond(conn, 503, f"unhealthy: {sick}\n".encode()) if sick else self._respond(conn, 200, b"ok\n")
+        if self.ready and sick is None:
+            return self._respond(conn, 200, b"ready\n")
+        if self.draining or (self.ae is not None and self.ae.draining):
+            return self._respond(conn, 503, b"draining\n")
+        return self._respond(conn, 503, f"unhealthy: {sick}\n".encode() if sick else b"loading\n")
 
     def _check_upgrade(self, conn: ServerConnection, request):
         if not self._origin_ok(request):
@@ -294,7 +300,8 @@ class Conn:
                 code = getattr(err, "code", "internal")
                 self.srv.metrics.count_error(code)
                 e = (code, str(err))
-                frames.append(P.done(r.id, r.last.seq, "error", e) if r.last is not None
+                seq = getattr(err, "seq", None) or (r.last.seq if r.last is not None else None)
+                frames.append(P.done(r.id, seq, "error", e) if seq is not None
                               else P.done_empty(r.id, "error", err=e))
                 finished.append(r)
         self.pending.clear()
