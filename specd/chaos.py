@@ -15,6 +15,7 @@ for one chosen request (``FaultInjector``, installed as ``Engine.fault_hook``).
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -115,6 +116,63 @@ def run_case(engine: Engine, reqs: list, max_steps: int = 5000) -> CaseResult:
     if missing:
         raise AssertionError(f"requests never ended: {missing}")
     return res
+
+
+def _pick(rng: random.Random, edges: list, lo, hi):
+    """An edge value half of the time, else uniform in [lo, hi]."""
+    if rng.random() < 0.5:
+        return rng.choice(edges)
+    return rng.uniform(lo, hi) if isinstance(lo, float) else rng.randint(lo, hi)
+
+
+def random_params(rng: random.Random, vocab: int) -> SamplingParams:
+    """Sampling parameters over the whole accepted range, edges often."""
+    return SamplingParams(
+        temperature=_pick(rng, [0.0, 1e-9, 1e-5, 0.7, 1.0, 100.0], 0.0, 100.0),
+        top_p=_pick(rng, [1.0, 1e-300, 1e-6, 0.5, 0.95], 1e-12, 1.0),
+        top_k=_pick(rng, [-1, 0, 1, 2, 50, vocab - 1, vocab, 2 ** 63 - 1], -1, 2 ** 63 - 1),
+        seed=None if rng.random() < 0.3 else rng.randint(-(2 ** 70), 2 ** 70),
+        max_tokens=rng.randint(1, 12),
+        stop=tuple("".join(rng.choice(" abcdeloTt.,!\n\u00e9\u4e2d") for _ in range(rng.randint(1, 4)))
+                   for _ in range(rng.randint(0, 3))),
+        stop_token_ids=tuple(rng.randrange(vocab) for _ in range(rng.randint(0, 3))), ignore_eos=rng.random() < 0.5)
+
+
+def random_case(rng: random.Random, vocab: int, max_requests: int = 5) -> tuple:
+    """(requests, fault): 1..max_requests requests with random parameters, speculation, priority,
+    prompt (random token ids), arrival and cancellation steps, a hostile value one time in four;
+    fault = (stage, index of the target request, starts to let pass) or None, half of the time."""
+    reqs = []
+    for i in range(rng.randint(1, max_requests)):
+        spec = SpecParams(rng.choice(["auto", "off", "chain", "tree"]), rng.choice([None, 0, 1, 4, 16]))
+        reqs.append(Req(f"f{i}", [rng.randrange(vocab) for _ in range(rng.randint(1, 60))], random_params(rng, vocab),
+                        spec, rng.choice(["interactive", "batch"]), rng.randint(0, 6),
+                        rng.choice([None, None, rng.randint(0, 14)]),
+                        rng.choice(HOSTILE_VALUES) if rng.random() < 0.25 else None))
+    fault = None
+    if rng.random() < 0.5:
+        fault = (rng.choice(STEP_STAGES), rng.randrange(len(reqs)), rng.randint(0, 3))
+    return reqs, fault
+
+
+def run_checked(engine: Engine, reqs: list, fault: Optional[tuple], canary_prompt: list, canary_ref: list) -> dict:
+    """One case and its oracle (module docstring); AssertionError on a violation. Returns counts."""
+    target = reqs[fault[1]].rid if fault else None
+    hook = FaultInjector(fault[0], {target}, skip=fault[2]) if fault else None
+    res = with_hook(engine, hook, lambda: run_case(engine, reqs))
+    innocent = 0
+    for r in reqs:
+        reason = res.reasons[r.rid]
+        assert reason in ("stop", "length", "cancelled", "error") or reason.startswith("refused:"), reason
+        if r.hostile is None and r.rid != target:
+            innocent += 1
+            assert reason != "error", f"{r.rid} failed without cause: {res.errors.get(r.rid)}"
+            assert len(res.outputs.get(r.rid, [])) <= r.params.max_tokens
+    check_clean(engine)
+    assert canary(engine, canary_prompt) == canary_ref, "the canary's output changed"
+    return {"requests": len(reqs), "hostile": sum(r.hostile is not None for r in reqs), "innocent": innocent,
+            "faults_fired": hook.fired if hook else 0,
+            "failed": sum(v == "error" for v in res.reasons.values())}
 
 
 def check_clean(engine: Engine) -> None:

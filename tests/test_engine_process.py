@@ -130,6 +130,42 @@ def test_cancel_and_disconnect_free_the_childs_kv(server):
     assert _idle_kv(remote)
 
 
+def test_a_request_the_child_cannot_run_fails_alone(server, reference):
+    """A value validation missed (forced past it here) reaches the engine process: that request
+    ends with `internal` naming the failed stage, one beside it streams its exact tokens, the
+    child's KV is free afterwards and /metrics counts the failure by stage; health stays green."""
+    import asyncio
+
+    from specd.engine import RequestError
+    from specd.sampling import SamplingParams
+    from specd.sequence import SpecParams
+
+    remote = server.app.ae.engine
+    ids = remote.tokenizer(PROMPTS[0])["input_ids"]
+    bad = SamplingParams(temperature=1.0, max_tokens=8)
+    object.__setattr__(bad, "top_k", -(2 ** 63) - 1)  # (pickled to the child as is)
+    good = SamplingParams(temperature=0.0, max_tokens=32)
+
+    async def both():
+        async def run(params, rid):
+            try:
+                return [t for o in [o async for o in server.app.ae.generate(ids, params, SpecParams("tree"),
+                                                                             "interactive", rid)]
+                        for t in o.token_ids]
+            except RequestError as e:
+                return e
+        return await asyncio.gather(run(bad, "hostile"), run(good, "beside"))
+
+    err, toks = server.call(both)
+    assert isinstance(err, RequestError) and err.code == "internal" and "failed" in str(err), err
+    assert toks == reference[PROMPTS[0], "tree"][0]
+    assert _idle_kv(remote)
+    status, body = _get(server.port, "/metrics")
+    assert status == 200 and b"specd_engine_failed_requests_total" in body
+    assert sum(remote.health_snapshot()["failed_requests"].values()) >= 1
+    assert _get(server.port, "/readyz")[0] == 200
+
+
 def test_a_stuck_engine_process_turns_health_red_until_it_resumes(server):
     """A step that does not return (the child stopped) is a stuck engine for /healthz and the systemd
     watchdog; once the child runs again, health recovers and the stream completes."""
