@@ -320,7 +320,7 @@ class Engine:
         """End ``seq`` with ``finish_reason: "error"``: restored to ``cp`` first (so that only KV
         computed before the step is kept or offered to the prefix cache), then its blocks freed."""
         msg = f"{stage} failed: {type(exc).__name__}: {exc}"
-        self._errlog.error(f"{stage}:{type(exc).__name__}:{exc}", "request %s failed in %s: %s",
+        self._errlog.error(f"{stage}:{type(exc).__name__}", "request %s failed in %s: %s",
                            seq.request_id, stage, msg, exc_info=exc)
         self.health.request_failed(stage)
         try:
@@ -356,7 +356,7 @@ class Engine:
         off); after ``FAIL_ALL_AFTER`` such steps in a row, fail every active request."""
         self.health.stage_failed("schedule")
         self.health.step_ended(progressed=False, failed=True)
-        self._errlog.error(f"schedule:{type(exc).__name__}:{exc}", "scheduling failed: %s: %s",
+        self._errlog.error(f"schedule:{type(exc).__name__}", "scheduling failed: %s: %s",
                            type(exc).__name__, exc, exc_info=exc)
         if self.health.consecutive_failed < FAIL_ALL_AFTER:
             return []

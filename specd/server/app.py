@@ -11,8 +11,10 @@ Order of events:
    with 1001; exit status 0. A second signal cuts the drain short.
 
 systemd watchdog: with ``WATCHDOG_USEC`` set, ``WATCHDOG=1`` goes out every ``WATCHDOG_USEC / 2``
-while ``AsyncEngine.watchdog_ok()`` (no engine step running longer than that half-interval), so a
-hung engine gets restarted. Logs are JSON lines on stderr, one per finished request with its
+while ``AsyncEngine.unhealthy_reason()`` is None (no engine step running longer than that
+half-interval, fewer than ``--max-failed-steps`` failed steps in a row, queued work being served), so
+a hung or failing engine gets restarted. Without systemd, an engine unhealthy for
+``--unhealthy-exit-s`` stops the daemon with exit status 1 (``App.exit_code``). Logs are JSON lines on stderr, one per finished request with its
 speculation stats.
 """
 from __future__ import annotations

@@ -378,7 +378,7 @@ class AsyncEngine:
         """An exception escaped ``Engine.step()``: the engine's state is unknown, so every active
         request fails (their outputs are returned); the loop goes on (backing off)."""
         self.num_step_errors += 1
-        self._errlog.error(f"step:{type(e).__name__}:{e}", "engine step failed: %s: %s", type(e).__name__, e,
+        self._errlog.error(f"step:{type(e).__name__}", "engine step failed: %s: %s", type(e).__name__, e,
                            exc_info=e)
         try:
             return self.engine.fail_all(e)
@@ -427,7 +427,7 @@ class AsyncEngine:
             err = eng.take_error()
             if err is not None:  # a step raised in the child (which fails its requests itself)
                 self.num_step_errors += 1
-                self._errlog.error(f"child:{err}", "engine step failed: %s", err)
+                self._errlog.error(f"child:{err.split(':', 1)[0]}", "engine step failed: %s", err)
                 if eng.has_buffered():  # messages after the failed step: relay them too, in order
                     continue
             break

@@ -214,7 +214,7 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int, interval_s: float) -> N
             outs = eng.step()
         except Exception as e:  # noqa: BLE001 - a bug outside the engine's stage isolation
             failures += 1
-            errlog.error(f"{type(e).__name__}:{e}", "engine step failed: %s: %s", type(e).__name__, e, exc_info=e)
+            errlog.error(type(e).__name__, "engine step failed: %s: %s", type(e).__name__, e, exc_info=e)
             if not flush() or not _send(out_conn, ("step_error", f"{type(e).__name__}: {e}")):
                 return
             outs = _fail_all(eng, e)
