@@ -1,4 +1,4 @@
-"""``specd serve | generate | chat | bench | distill``.
+"""``specd serve | generate | chat | bench | distill | convert``.
 
 Every serve flag also reads a ``SPECD_*`` environment variable (``--max-queue`` <- ``SPECD_MAX_QUEUE``)
 and a TOML config file (``--config specd.toml``, keys = flag names with underscores); flags win.
@@ -190,6 +190,23 @@ def cmd_generate(a) -> int:
     return 0
 
 
+# convert -----------------------------------------------------------------------------------------
+def cmd_convert(a) -> int:
+    """GGUF file -> Hugging Face folder; a bad file is one line on stderr and exit status 1."""
+    from specd.gguf import convert
+    from specd.loader import LoadError
+
+    t0 = time.perf_counter()
+    try:
+        cfg = convert(a.input, a.output, progress=True, overwrite=a.force)
+    except LoadError as e:
+        print(f"specd convert: error: {e}", file=sys.stderr)
+        return 1
+    print(f"specd convert: wrote {a.output} ({cfg['architectures'][0]}, {cfg['num_hidden_layers']} layers, "
+          f"vocab {cfg['vocab_size']}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specd", description="speculative-decoding chat serving daemon")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -243,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
         add_distill_args(d)
     except ImportError:  # pragma: no cover
         pass
+    v = sub.add_parser("convert", help="convert a GGUF checkpoint into a Hugging Face folder")
+    v.add_argument("input", help="the .gguf file")
+    v.add_argument("output", help="the folder to write (safetensors, config, tokenizer, chat template)")
+    v.add_argument("--force", action="store_true", help="write into a folder that is not empty")
     return p
 
 
@@ -275,6 +296,8 @@ def main(argv=None) -> int:
         from specd.distill import run_distill
 
         return run_distill(a) or 0
+    if cmd == "convert":
+        return cmd_convert(a)
     return 2
 
 

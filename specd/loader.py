@@ -1,5 +1,6 @@
 """HF checkpoint folder (config.json + *.safetensors + tokenizer) -> our model + tokenizer.
 
+A ``.gguf`` file is converted once into a cached folder (``specd.gguf``) and loaded from there.
 Errors are one line that names the problem and what is supported (``LoadError``).
 """
 from __future__ import annotations
@@ -143,10 +144,22 @@ def load_weights(model: LlamaModel, cfg: ModelConfig, path: Path, dtype: torch.d
     model.rotary.sin = model.rotary.sin.float()
 
 
+def checkpoint_folder(path, progress: bool = False) -> Path:
+    """The Hugging Face folder of a checkpoint: a folder as is, a GGUF file's converted folder in
+    the cache (converted on first use, see ``specd.gguf.cached_folder``)."""
+    path = Path(path)
+    if path.is_dir():
+        return path
+    from specd.gguf import cached_folder, is_gguf_path
+
+    return cached_folder(path, progress=progress) if is_gguf_path(path) else path
+
+
 def load_tokenizer(path: Path):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
+    path = checkpoint_folder(path)
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise LoadError(f"{path}: no tokenizer files (tokenizer.json / tokenizer.model)")
     try:
@@ -158,14 +171,16 @@ def load_tokenizer(path: Path):
 def load_model(path, device: str = "auto", dtype: str = "auto", max_positions: Optional[int] = None,
                with_tokenizer: bool = True, progress: bool = True) -> LoadedModel:
     path = Path(path)
-    cfg, gen = read_config(path)
+    folder = checkpoint_folder(path, progress=progress)
+    cfg, gen = read_config(folder)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     model = LlamaModel(cfg, max_positions=max_positions)
-    load_weights(model, cfg, path, dt, dev, progress=progress)
+    load_weights(model, cfg, folder, dt, dev, progress=progress)
     model.eval()
-    tok = load_tokenizer(path) if with_tokenizer else None
+    tok = load_tokenizer(folder) if with_tokenizer else None
     return LoadedModel(model, cfg, tok, path, dt, dev, gen)
 
 
-__all__ = ["LoadError", "LoadedModel", "load_model", "read_config", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["LoadError", "LoadedModel", "checkpoint_folder", "load_model", "load_tokenizer", "read_config",
+           "SUPPORTED_ARCHITECTURES"]
