@@ -243,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream-interval-ms", type=float, default=2.0,
                    help="hold a step's outputs up to this long to send them with the next step's when steps are "
                         "shorter (fewer wake-ups of the server on sub-millisecond steps); 0 = every step at once")
+    s.add_argument("--max-failed-steps", type=int, default=5,
+                   help="failed engine steps in a row after which the engine is unhealthy (/readyz and /healthz "
+                        "503, no systemd watchdog ping); 0 = never")
+    s.add_argument("--unhealthy-exit-s", type=float, default=60.0,
+                   help="exit non-zero (for systemd to restart) after the engine has been unhealthy this long; "
+                        "0 = never exit")
     s.add_argument("--log-level", default="info")
 
     c = sub.add_parser("chat", help="terminal chat client")
