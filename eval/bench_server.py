@@ -252,9 +252,9 @@ def baseline_worker(a) -> int:
 
 
 def main(argv=None) -> int:
-    from specd.cli import default_pair
+    from specd.cli import demo_pair
 
-    t, d = default_pair()
+    t, d = demo_pair()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default=t)
     p.add_argument("--draft", default=d)

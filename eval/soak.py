@@ -291,7 +291,7 @@ def pct(xs, q):
 
 
 def main(argv=None) -> int:
-    from specd.cli import default_pair
+    from specd.cli import demo_pair
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="ws://HOST:PORT/ws of a running server (default: start one)")
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     a.max_tokens_set = [int(x) for x in a.max_tokens_set.split(",") if x]
     if a.url is None and a.target is None:
-        a.target, d = default_pair()
+        a.target, d = demo_pair()
         if a.target is None:
             p.error("no --url and no --target (and no built-in model)")
         a.draft = a.draft or d

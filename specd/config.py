@@ -159,6 +159,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
+    threads: Optional[int] = None  # CPU math threads, applied by the launchers (specd.cpu.set_threads)
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

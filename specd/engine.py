@@ -113,10 +113,12 @@ class Engine:
                  draft: Optional[LoadedModel] = None, clock=time.monotonic):
         self.cfg = cfg
         self.clock = clock
-        if target is None:
-            target = load_model(cfg.target, cfg.device, cfg.dtype)
+        if target is None:  # (dtype auto on a CPU weighs the widths a step will have)
+            width = 1 + (max(cfg.spec.tree_budget, cfg.spec.num_draft_tokens) if cfg.draft else 0)
+            target = load_model(cfg.target, cfg.device, cfg.dtype, widths=(1, max(width, 8)))
         if draft is None and cfg.draft:
-            draft = load_model(cfg.draft, cfg.device, cfg.dtype, with_tokenizer=True)
+            dtype = str(target.dtype).removeprefix("torch.")  # the draft computes in the target's dtype
+            draft = load_model(cfg.draft, cfg.device, dtype, with_tokenizer=True)
         self.target, self.draft = target, draft
         self.device = target.device
         self.tokenizer = target.tokenizer

@@ -531,9 +531,11 @@ def convert(in_path, out_dir, progress: bool = False, overwrite: bool = False) -
 
 # cache ---------------------------------------------------------------------------------------------
 def cache_root() -> Path:
-    """``$SPECD_CACHE_DIR/gguf``, else ``~/.cache/specd/gguf``."""
-    base = os.environ.get("SPECD_CACHE_DIR") or Path.home() / ".cache" / "specd"
-    return Path(base) / "gguf"
+    """``gguf/`` in the model cache (``specd.builtin.cache_dir``: ``$SPECD_CACHE_DIR``, default
+    ``~/.cache/specd``)."""
+    from specd.builtin import cache_dir
+
+    return cache_dir() / "gguf"
 
 
 def cached_folder(in_path, progress: bool = False) -> Path:

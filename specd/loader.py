@@ -32,9 +32,19 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, cfg: Optional[ModelConfig] = None,
+                  widths: tuple = (1, 8)) -> torch.dtype:
+    """``auto``: bf16 on CUDA; on a CPU whichever of fp32 and bf16 runs the model's MLP shapes at the
+    row ``widths`` the engine will use faster on this machine (``specd.cpu.choose_dtype``, timed
+    once per machine and cached; fp32 without a model config)."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        if cfg is None:
+            return torch.float32
+        from specd.cpu import choose_dtype
+
+        return choose_dtype(cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, tuple(widths))
     if dtype not in DTYPES:
         raise LoadError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -169,12 +179,14 @@ def load_tokenizer(path: Path):
 
 
 def load_model(path, device: str = "auto", dtype: str = "auto", max_positions: Optional[int] = None,
-               with_tokenizer: bool = True, progress: bool = True) -> LoadedModel:
+               with_tokenizer: bool = True, progress: bool = True, widths: tuple = (1, 8)) -> LoadedModel:
+    """``widths``: the row counts one forward will have (decode batch, verification tree), which
+    ``dtype="auto"`` weighs on a CPU (``resolve_dtype``)."""
     path = Path(path)
     folder = checkpoint_folder(path, progress=progress)
     cfg, gen = read_config(folder)
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dt = resolve_dtype(dtype, dev, cfg, widths)
     model = LlamaModel(cfg, max_positions=max_positions)
     load_weights(model, cfg, folder, dt, dev, progress=progress)
     model.eval()

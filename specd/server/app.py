@@ -210,7 +210,11 @@ class App:
             self._remote = RemoteEngine(engine_config(a), split_cpus=getattr(a, "cpu_split", False),
                                         stream_interval_s=stream_interval_s(a))
             return self._remote
-        engine = Engine(engine_config(a))
+        from specd.cpu import set_threads
+
+        cfg = engine_config(a)
+        set_threads(cfg.threads)
+        engine = Engine(cfg)
         warm_up(engine)
         return engine
 

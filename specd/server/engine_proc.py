@@ -145,6 +145,9 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int, interval_s: float) -> N
 
     from specd.engine import Engine
 
+    from specd.cpu import set_threads
+
+    set_threads(cfg.threads)
     try:
         eng = Engine(cfg)
         warm_up(eng)
