@@ -759,7 +759,7 @@ def distill(
 
 def add_distill_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``specd distill`` arguments to a (sub)parser."""
-    p.add_argument("--target", required=True, help="target HF checkpoint folder (Llama/Qwen2/Mistral)")
+    p.add_argument("--target", required=True, help="target checkpoint folder or .gguf (Llama/Qwen2/Mistral)")
     p.add_argument("--out", required=True, help="output folder for the draft checkpoint")
     p.add_argument("--corpus", default=None, help=".txt or .jsonl training text; default: text sampled from the target")
     p.add_argument("--layers", type=int, default=1, help="draft decoder layers (default 1)")
@@ -779,6 +779,14 @@ def add_distill_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--save-dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
+    r = p.add_argument_group("reduced-vocabulary draft (specd.distill_reduced: a large-vocabulary target)")
+    r.add_argument("--draft-vocab", type=int, default=0,
+                   help="N > 0: a draft over the N tokens the target's replies use most, sharing the target's "
+                        "embeddings by reference (self-distillation on the target's greedy replies)")
+    r.add_argument("--prompts", default=None, help="JSONL with a 'question' field (e.g. GSM8K train)")
+    r.add_argument("--prompt-count", type=int, default=256)
+    r.add_argument("--self-prompts", type=int, default=64, help="questions the target writes itself")
+    r.add_argument("--max-new-tokens", type=int, default=160)
     return p
 
 
@@ -786,6 +794,10 @@ def run_distill(args: argparse.Namespace) -> int:
     """Entry point for ``specd distill`` (``args`` from :func:`add_distill_args`)."""
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
+    if getattr(args, "draft_vocab", 0):
+        from specd.distill_reduced import run
+
+        return run(args)
     res = distill(
         args.target,
         args.out,

@@ -118,7 +118,7 @@ class Engine:
             target = load_model(cfg.target, cfg.device, cfg.dtype, widths=(1, max(width, 8)))
         if draft is None and cfg.draft:
             dtype = str(target.dtype).removeprefix("torch.")  # the draft computes in the target's dtype
-            draft = load_model(cfg.draft, cfg.device, dtype, with_tokenizer=True)
+            draft = load_model(cfg.draft, cfg.device, dtype, with_tokenizer=True, target=target)
         self.target, self.draft = target, draft
         self.device = target.device
         self.tokenizer = target.tokenizer

@@ -5,6 +5,7 @@ Errors are one line that names the problem and what is supported (``LoadError``)
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -98,7 +99,10 @@ def _safetensor_files(path: Path) -> list[Path]:
 
 
 def load_weights(model: LlamaModel, cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device,
-                 progress: bool = False) -> None:
+                 progress: bool = False, shared_embeddings: bool = False) -> dict:
+    """Load the checkpoint's weights into ``model``; returns the tensors it did not use (``specd.*``
+    extras). ``shared_embeddings``: the checkpoint has no embeddings or LM head (a draft that uses
+    its target's, see ``load_model``)."""
     from safetensors import safe_open
 
     files = _safetensor_files(path)
@@ -124,10 +128,11 @@ def load_weights(model: LlamaModel, cfg: ModelConfig, path: Path, dtype: torch.d
             raise LoadError(f"{path}: weight {name!r} missing from the checkpoint")
         return tensors[name]
 
-    ours: dict[str, torch.Tensor] = {"embed.weight": take("model.embed_tokens.weight"),
-                                     "norm.weight": take("model.norm.weight")}
-    if not cfg.tie_word_embeddings:
-        ours["lm_head.weight"] = take("lm_head.weight")
+    ours: dict[str, torch.Tensor] = {"norm.weight": take("model.norm.weight")}
+    if not shared_embeddings:
+        ours["embed.weight"] = take("model.embed_tokens.weight")
+        if not cfg.tie_word_embeddings:
+            ours["lm_head.weight"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         for k, hf in hf_layer_names(i).items():
@@ -145,13 +150,16 @@ def load_weights(model: LlamaModel, cfg: ModelConfig, path: Path, dtype: torch.d
         if tuple(own[name].shape) != tuple(t.shape):
             raise LoadError(f"{path}: shape mismatch for {name}: checkpoint {tuple(t.shape)} vs config "
                             f"{tuple(own[name].shape)}")
-    missing = [n for n in own if n not in ours and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    provided = {"embed.weight", "lm_head.weight"} if shared_embeddings else set()
+    missing = [n for n in own if n not in ours and n not in provided
+               and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
     if missing:
         raise LoadError(f"{path}: weights missing for {missing[0]}")
     model.load_state_dict(ours, strict=False)
     model.to(device=device, dtype=dtype)
     model.rotary.cos = model.rotary.cos.float()
     model.rotary.sin = model.rotary.sin.float()
+    return {k: v for k, v in tensors.items() if k.startswith("specd.")}
 
 
 def checkpoint_folder(path, progress: bool = False) -> Path:
@@ -179,19 +187,54 @@ def load_tokenizer(path: Path):
 
 
 def load_model(path, device: str = "auto", dtype: str = "auto", max_positions: Optional[int] = None,
-               with_tokenizer: bool = True, progress: bool = True, widths: tuple = (1, 8)) -> LoadedModel:
+               with_tokenizer: bool = True, progress: bool = True, widths: tuple = (1, 8),
+               target: Optional["LoadedModel"] = None) -> LoadedModel:
     """``widths``: the row counts one forward will have (decode batch, verification tree), which
-    ``dtype="auto"`` weighs on a CPU (``resolve_dtype``)."""
+    ``dtype="auto"`` weighs on a CPU (``resolve_dtype``). ``target``: for a draft that shares its
+    target's embeddings (``draft_spec``), the loaded target."""
     path = Path(path)
     folder = checkpoint_folder(path, progress=progress)
     cfg, gen = read_config(folder)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev, cfg, widths)
+    shared = draft_spec(folder)
+    if shared is not None:
+        return _load_shared_draft(path, folder, cfg, gen, shared, target, dt, dev, max_positions)
     model = LlamaModel(cfg, max_positions=max_positions)
     load_weights(model, cfg, folder, dt, dev, progress=progress)
     model.eval()
     tok = load_tokenizer(folder) if with_tokenizer else None
     return LoadedModel(model, cfg, tok, path, dt, dev, gen)
+
+
+def draft_spec(folder: Path) -> Optional[dict]:
+    """The ``specd_draft`` section of a draft folder's config.json (None for an ordinary checkpoint):
+    ``{"target_embeddings": true, "draft_vocab_size": N, ...}``."""
+    spec = _read_json(folder / "config.json").get("specd_draft")
+    return spec if isinstance(spec, dict) else None
+
+
+def _load_shared_draft(path, folder, cfg, gen, spec, target, dt, dev, max_positions) -> LoadedModel:
+    """A draft that uses its target's token embeddings and head rows by reference: its files hold
+    only its decoder layers, final norm and the draft-to-target id map ``specd.d2t``."""
+    if target is None:
+        raise LoadError(f"{path}: this draft uses its target's embeddings; load it with its target")
+    tc = target.config
+    if (cfg.vocab_size, cfg.hidden_size) != (tc.vocab_size, tc.hidden_size):
+        raise LoadError(f"{path}: made for a target with vocabulary {cfg.vocab_size} and hidden size "
+                        f"{cfg.hidden_size}, not {tc.vocab_size} / {tc.hidden_size} ({target.path})")
+    cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # (one placeholder table, replaced at once)
+    model = LlamaModel(cfg, max_positions=max_positions)
+    model.embed.weight = target.model.embed.weight  # by reference: never copied, never saved
+    model.lm_head.weight = target.model.embed.weight
+    extras = load_weights(model, cfg, folder, dt, dev, shared_embeddings=True)
+    d2t = extras.get("specd.d2t")
+    if d2t is None or d2t.dim() != 1 or int(d2t.max()) >= tc.vocab_size or int(d2t.min()) < 0:
+        raise LoadError(f"{path}: missing or invalid draft-to-target id map specd.d2t")
+    d2t = d2t.to(device=dev, dtype=torch.long)
+    model.set_draft_vocab(d2t, target.model.lm_head.weight.detach().index_select(0, d2t))
+    model.eval()
+    return LoadedModel(model, cfg, None, Path(path), dt, dev, gen)
 
 
 __all__ = ["LoadError", "LoadedModel", "checkpoint_folder", "load_model", "load_tokenizer", "read_config",

@@ -236,9 +236,22 @@ class LlamaModel(nn.Module):
             x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
         return norm(x, norm_w)
 
+    d2t = None  # reduced-vocabulary draft: [N] target ids of its N head rows (see set_draft_vocab)
+
+    def set_draft_vocab(self, d2t: torch.Tensor, head_rows: torch.Tensor) -> None:
+        """Predict over N of the vocabulary's tokens only: ``head_rows`` [N, d] (the target's head
+        rows of those tokens) and ``d2t`` [N] their ids. ``compute_logits`` still returns the whole
+        vocabulary, -inf outside the N tokens, so a token outside them is simply never drafted."""
+        self.d2t, self.head_rows = d2t, head_rows
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, vocab]
+        if self.d2t is None:
+            return self.lm_head(hidden).float()  # [N, vocab]
+        small = F.linear(hidden, self.head_rows).float()  # [N, draft vocab]
+        out = torch.full((hidden.shape[0], self.cfg.vocab_size), float("-inf"), device=hidden.device)
+        out.index_copy_(1, self.d2t, small)  # [N, vocab]
+        return out
 
 
 # HF parameter names -> ours. Fused projections are assembled in load_state_dict_hf.
