@@ -364,7 +364,7 @@ class Engine:
             return []
         return self.fail_all(exc, "schedule")
 
-    def fail_all(self, exc: BaseException, stage: str = "schedule") -> list:
+    def fail_all(self, exc: BaseException, stage: str = "step") -> list:
         """End every active request with ``finish_reason: "error"`` (engine thread only)."""
         with self._lock:
             seqs = [s for s in self.seqs.values() if not s.finished]

@@ -5,6 +5,7 @@ Vocabulary (used by the engine, the servers and ``/metrics``):
 - a **stage** is one part of ``Engine.step()``: ``schedule``, ``draft``, ``forward`` (the target's
   forward pass), ``verify``, ``commit`` (KV compaction and per-request bookkeeping), ``emit``
   (tokens, stop conditions, text) and ``policy`` (feeding the adaptive speculation cost model);
+  ``step`` counts what escaped ``Engine.step()`` outside them (a bug; every active request fails);
 - a **failed request** ended with ``finish_reason: "error"`` because a stage raised while running it
   (the engine isolates it from the rest of the batch, see ``Engine.step``);
 - a **failed step** is a step in which a stage raised and no request completed its work;
@@ -24,7 +25,7 @@ import logging
 import time
 from typing import Callable, Optional
 
-STAGES = ("schedule", "draft", "forward", "verify", "commit", "emit", "policy")
+STAGES = ("schedule", "draft", "forward", "verify", "commit", "emit", "policy", "step")
 DEFAULT_MAX_FAILED_STEPS = 5
 
 

@@ -210,7 +210,7 @@ def test_failing_steps_back_off_instead_of_spinning(engine, prompts):
     async def main():
         ae = AsyncEngine(engine, max_queue=8, max_failed_steps=3)
         await ae.start()
-        engine.step, engine.fail_all = bad_step, lambda exc, stage="schedule": []
+        engine.step, engine.fail_all = bad_step, lambda exc, stage="step": []
         engine.add_request(prompts["short"], _greedy(), TREE, request_id="stuck")
         ae._wake.set()
         await asyncio.sleep(1.0)
