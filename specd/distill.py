@@ -787,6 +787,7 @@ def add_distill_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     r.add_argument("--prompt-count", type=int, default=256)
     r.add_argument("--self-prompts", type=int, default=64, help="questions the target writes itself")
     r.add_argument("--max-new-tokens", type=int, default=160)
+    r.add_argument("--data-out", default=None, help="also write the generated replies here (JSON)")
     return p
 
 

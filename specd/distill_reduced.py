@@ -62,8 +62,11 @@ def generate_data(target: str, prompts_file: str, n_prompts: int, n_self: int, m
     t0 = time.perf_counter()
     questions += self_prompts(eng, n_self, seed)
     prompts = [_chat_ids(eng.tokenizer, q) for q in questions]
-    seqs = eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_new), SpecParams("off"))
-    data = [(s.tokens[:], s.num_prompt) for s in seqs]
+    data = []
+    for i in range(0, len(prompts), 32):  # in waves, with progress
+        seqs = eng.generate(prompts[i:i + 32], SamplingParams(temperature=0.0, max_tokens=max_new), SpecParams("off"))
+        data += [(s.tokens[:], s.num_prompt) for s in seqs]
+        print(f"data: {len(data)}/{len(prompts)} replies ({time.perf_counter() - t0:.0f} s)", flush=True)
     n_tok = sum(len(t) - p for t, p in data)
     print(f"data: {len(data)} replies, {n_tok} reply tokens in {time.perf_counter() - t0:.0f} s", flush=True)
     return eng.tokenizer, data, eng.target
@@ -200,6 +203,8 @@ def run(args) -> int:
     target_dir = checkpoint_folder(args.target)
     tok, data, target = generate_data(args.target, args.prompts, args.prompt_count, args.self_prompts,
                                       args.max_new_tokens, args.seed)
+    if args.data_out:  # keep the (expensive) replies: they are the target's own outputs, reusable
+        Path(args.data_out).write_text(json.dumps(data))
     rng = random.Random(args.seed)
     rng.shuffle(data)
     held, train_data = data[:max(8, len(data) // 20)], data[max(8, len(data) // 20):]
