@@ -12,7 +12,7 @@ SHARED ?= ../shared
 HOST ?= 127.0.0.1
 PORT ?= 8765
 
-.PHONY: install run test test-slow bench eval soak proto sysdeps clean
+.PHONY: install run test test-slow bench bench-deps eval soak proto sysdeps clean
 
 install: $(STAMP)
 
@@ -33,8 +33,30 @@ test: install sysdeps
 test-slow: install
 	SPECD_SLOW=1 $(BIN)/python -m pytest -q -m slow
 
+# issue #16 item 6: the built-in pair on Spec-Bench's six categories, 256 new tokens, batch 1 and 4,
+# specd plain/chain/tree vs transformers generate / prompt lookup vs llama.cpp (plain, prompt lookup);
+# eval/out/bench_real/{summary.md,report.json,bench_real.png}. The llama.cpp systems need
+# llama-cpp-python: built here by bench-deps when it is not importable (BENCH_LLAMA=0: never); if it
+# cannot be built, those systems are skipped with a note.
+THREADS ?= 2
+BENCH_PER_CATEGORY ?= 8
+BENCH_TOKENS ?= 256
+BENCH_DRAFT ?= models/smollm2-draft
+BENCH_LLAMA ?= 1
 bench: install
-	$(BIN)/python eval/bench_decode.py --target $(SHARED)/models/stories260K --draft $(SHARED)/models/stories260K-draft-1L64
+	@test "$(BENCH_LLAMA)" = 0 || $(BIN)/python -c 'import llama_cpp' 2>/dev/null || $(MAKE) bench-deps || \
+		echo "note: llama-cpp-python did not build: the llama.cpp systems will be skipped"
+	$(BIN)/python eval/bench_real.py --target "$$($(BIN)/python -c 'from specd import builtin; print(builtin.builtin_gguf())')" \
+		--draft $(BENCH_DRAFT) --prompts $(SHARED)/data/spec_bench/question.jsonl --per-category $(BENCH_PER_CATEGORY) \
+		--max-tokens $(BENCH_TOKENS) --batch 1,4 --threads $(THREADS) --out eval/out/bench_real
+
+# optional benchmark dependency (never a runtime one): llama-cpp-python, built from source for this CPU
+# (OpenMP, -march=native, no multimodal library / tools / tests; a few minutes on 2 cores)
+LLAMA_CMAKE_ARGS ?= -DGGML_OPENMP=ON -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+bench-deps:
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc)} \
+		$(BIN)/pip install --no-binary llama-cpp-python 'llama-cpp-python>=0.3'
 
 eval: install
 	$(BIN)/python eval/acceptance.py --target $(SHARED)/models/stories260K --draft $(SHARED)/models/stories260K-draft-1L64 \

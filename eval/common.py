@@ -286,17 +286,31 @@ def parse_modes(spec: str, **kw) -> list:
     return modes
 
 
-def make_engine(mode: Mode, target, draft, device: str = "cpu"):
-    """One Engine per mode, sharing the loaded models (``off`` gets no draft at all)."""
+def make_engine(mode: Mode, target, draft, device: str = "cpu", prefix_cache: bool = True,
+                memory_bytes: int = 256 << 20, max_num_seqs: int = 4):
+    """One Engine per mode, sharing the loaded models (``off`` gets no draft at all).
+    ``prefix_cache=False``: every prompt is prefilled in full, like a peer engine without one."""
     from specd.config import CacheConfig, EngineConfig, SchedulerConfig
     from specd.engine import Engine
 
     use_draft = draft if mode.kind != "off" else None
     cfg = EngineConfig(target=str(target.path), draft=str(draft.path) if use_draft is not None else None,
                        device=device, spec=mode.spec_config(),
-                       scheduler=SchedulerConfig(max_num_seqs=4),
-                       cache=CacheConfig(memory_bytes=256 << 20))
+                       scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, enable_prefix_cache=prefix_cache),
+                       cache=CacheConfig(memory_bytes=memory_bytes))
     return Engine(cfg, target=target, draft=use_draft)
+
+
+def kv_bytes_per_token(model) -> int:
+    """KV cache bytes one token takes in a loaded model (``LoadedModel``): 2 (K, V) x layers x KV heads x head dim."""
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch_itemsize(model.dtype)
+
+
+def torch_itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # timing -----------------------------------------------------------------------------------------
@@ -500,6 +514,37 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16", "i8mm")
+
+
+def cpu_info() -> dict:
+    """The CPU a benchmark ran on: model, the SIMD flags the math kernels care about (all flags too),
+    cores and the cores this process may use (affinity), and torch's chosen kernel level."""
+    flags: list = []
+    try:
+        for ln in Path("/proc/cpuinfo").read_text().splitlines():
+            if ln.startswith(("flags", "Features")):
+                flags = ln.split(":", 1)[1].split()
+                break
+    except OSError:
+        pass
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    info = {"model": cpu_name(), "cpu_count": os.cpu_count(), "usable_cpus": usable,
+            "simd_flags": [f for f in SIMD_FLAGS if f in flags], "flags": " ".join(flags),
+            "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS")}
+    try:
+        import torch
+
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except Exception:
+        pass
+    return info
 
 
 def run_meta(argv=None, device: str = "cpu") -> dict:

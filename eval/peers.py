@@ -50,41 +50,142 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-# systems: callables ids -> output ids ------------------------------------------------------------
+# systems: callables ids -> output ids; ``batch(list of ids) -> list of outputs`` where batched ------
+class Accepted:
+    """Tokens per target forward of a peer that is not specd (from its forward calls)."""
+
+    def __init__(self, mean_accepted_length: float):
+        self.mean_accepted_length = mean_accepted_length
+
+
 class Specd:
-    def __init__(self, mode, target, draft, device, max_tokens):
+    def __init__(self, mode, target, draft, device, max_tokens, **engine_kw):
         from specd.sampling import SamplingParams
 
         self.name = f"specd:{mode.name}"
         self.mode = mode
-        self.engine = C.make_engine(mode, target, draft, device)
+        self.engine = C.make_engine(mode, target, draft, device, **engine_kw)
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         self.stats = None
 
+    def set_max_tokens(self, n: int) -> None:
+        import dataclasses
+
+        self.params = dataclasses.replace(self.params, max_tokens=n)
+
     def __call__(self, ids):
-        seq = self.engine.generate([ids], self.params, self.mode.spec_params())[0]
-        self.stats = seq.stats
-        return list(seq.output_ids)
+        return self.batch([ids])[0]
+
+    def batch(self, ids_list):
+        seqs = self.engine.generate(list(ids_list), self.params, self.mode.spec_params())
+        self.stats = C.stats_from_dicts([s.stats for s in seqs])
+        return [list(s.output_ids) for s in seqs]
+
+
+class ForwardCounter:
+    """Counts a module's forward calls (a public forward hook): a generate call's target forwards."""
+
+    def __init__(self, module):
+        self.n = 0
+        self.handle = module.register_forward_hook(self._hook)
+
+    def _hook(self, *_):
+        self.n += 1
 
 
 class HF:
-    def __init__(self, name, model, max_tokens, eos, assistant=None, assist_k=None):
+    """transformers ``generate``: plain, assisted (``assistant``, ``assist_k``) or prompt lookup
+    (``prompt_lookup``: ``prompt_lookup_num_tokens=K``). ``batch`` left-pads; each output is cut
+    after its first EOS (finished rows are padded while the others go on)."""
+
+    def __init__(self, name, model, max_tokens, eos, assistant=None, assist_k=None, prompt_lookup=None, pad_id=0):
         self.name, self.model, self.assistant = name, model, assistant
-        self.kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        self.kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id, eos_token_id=eos)
         if assistant is not None:
             self.kw["assistant_model"] = assistant
             if assist_k is not None:
                 assistant.generation_config.num_assistant_tokens = assist_k
                 assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        if prompt_lookup is not None:
+            self.kw["prompt_lookup_num_tokens"] = prompt_lookup
+        self.speculative = assistant is not None or prompt_lookup is not None
+        self.eos, self.pad = set(eos), pad_id
+        self.forwards = ForwardCounter(model)
         self.stats = None
 
+    def set_max_tokens(self, n: int) -> None:
+        self.kw["max_new_tokens"] = n
+
     def __call__(self, ids):
+        return self.batch([ids])[0]
+
+    def batch(self, ids_list):
         import torch
 
-        x = torch.tensor([ids])
+        L = max(len(p) for p in ids_list)
+        x = torch.tensor([[self.pad] * (L - len(p)) + list(p) for p in ids_list])
+        att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ids_list])
+        n0 = self.forwards.n
         with torch.no_grad():
-            out = self.model.generate(x, attention_mask=torch.ones_like(x), **self.kw)
-        return out[0, len(ids):].tolist()
+            out = self.model.generate(x, attention_mask=att, **self.kw)
+        outs = [cut_at_eos(row[L:].tolist(), self.eos) for row in out]
+        steps = self.forwards.n - n0
+        self.stats = Accepted(sum(map(len, outs)) / steps) if self.speculative and steps else None
+        return outs
+
+
+def cut_at_eos(ids: list, eos: set) -> list:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i + 1]
+    return ids
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python on a GGUF file: ``Llama.generate`` on the given prompt ids
+    (greedy: temp 0, top_k 1, no repeat penalty), stopping on ``eos`` or ``max_tokens`` like the
+    others; ``pld=K``: its prompt-lookup drafting (``LlamaPromptLookupDecoding(num_pred_tokens=K)``).
+    Its KV prefix reuse across calls is reset before each prompt (every prompt prefilled in full)."""
+
+    def __init__(self, name, gguf, threads, n_ctx, max_tokens, eos, pld=None):
+        from llama_cpp import Llama
+
+        self.name, self.max_tokens, self.eos = name, max_tokens, set(eos)
+        self.draft = counting_pld(pld) if pld else None
+        # logits_all with a draft model: llama-cpp-python 0.3.x sizes its logits buffer from the
+        # argument, not from the draft model (which turns it on), and overflows past n_batch tokens
+        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                         verbose=False, draft_model=self.draft, logits_all=self.draft is not None)
+        self.stats = None
+
+    def set_max_tokens(self, n: int) -> None:
+        self.max_tokens = n
+
+    def __call__(self, ids):
+        self.llm.reset()
+        calls0 = self.draft.calls if self.draft is not None else 0
+        out = []
+        for t in self.llm.generate(list(ids), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+            out.append(int(t))
+            if t in self.eos or len(out) >= self.max_tokens:
+                break
+        if self.draft is not None:  # one target forward for the prompt, then one after each draft call
+            self.stats = Accepted(len(out) / (1 + self.draft.calls - calls0))
+        return out
+
+
+def counting_pld(k: int):
+    """llama-cpp-python's prompt-lookup draft model, counting its calls (one per decode step)."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    class CountingPLD(LlamaPromptLookupDecoding):
+        calls = 0
+
+        def __call__(self, input_ids, /, **kw):
+            self.calls += 1
+            return super().__call__(input_ids, **kw)
+
+    return CountingPLD(num_pred_tokens=k)
 
 
 class CT2:
@@ -116,7 +217,6 @@ def main(argv=None) -> int:
     C.set_threads(a.threads)
     C.quiet_transformers()
     import torch
-    from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
     from specd.loader import load_model
@@ -157,20 +257,7 @@ def main(argv=None) -> int:
     for s in systems:
         s(warm)
 
-    rows = []
-    for qi, (p, ids) in enumerate(tqdm(list(zip(prompts, ids_list)), desc="peers", disable=a.no_progress)):
-        order = systems[qi % len(systems):] + systems[:qi % len(systems)]
-        for s in order:
-            t0, c0 = time.perf_counter(), time.process_time()
-            o = s(ids)
-            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-            r = {"prompt_id": p.id, "category": p.category, "system": s.name, "prompt_tokens": len(ids),
-                 "output_tokens": len(o), "wall_s": round(dt, 6), "cpu_s": round(cpu, 6),
-                 "tokens_per_s": round(len(o) / dt, 3) if dt > 0 else 0.0,
-                 "tokens_per_cpu_s": round(len(o) / cpu, 3) if cpu > 0 else 0.0, "output_ids": o}
-            if s.stats is not None:
-                r["mean_accepted_length"] = round(s.stats.mean_accepted_length, 4)
-            rows.append(r)
+    rows = time_rotated(systems, [([p], [ids]) for p, ids in zip(prompts, ids_list)], not a.no_progress)
 
     names = [s.name for s in systems]
     by = {n: {r["prompt_id"]: r for r in rows if r["system"] == n} for n in names}
@@ -240,6 +327,31 @@ def main(argv=None) -> int:
     print(md)
     print(f"\nwrote {out} ({meta['elapsed_s']} s)")
     return 0
+
+
+def time_rotated(systems: list, groups: list, progress: bool = True, desc: str = "peers") -> list:
+    """Every system on every group of prompts, back to back, in an order rotated from group to group
+    (load from other processes hits them alike). ``groups``: [(prompts, ids lists)]; a group of one
+    runs ``system(ids)``, a bigger one ``system.batch(ids lists)`` (one batch, timed as a whole).
+    One row per group and system (``output_ids``: a list per prompt when batched)."""
+    from tqdm import tqdm
+
+    rows = []
+    for qi, (ps, ids_list) in enumerate(tqdm(groups, desc=desc, disable=not progress)):
+        for s in systems[qi % len(systems):] + systems[:qi % len(systems)]:
+            t0, c0 = time.perf_counter(), time.process_time()
+            o = s(ids_list[0]) if len(ids_list) == 1 else s.batch(ids_list)
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+            n_out = len(o) if len(ids_list) == 1 else sum(map(len, o))
+            r = {"prompt_id": "+".join(p.id for p in ps), "category": ps[0].category, "system": s.name,
+                 "batch": len(ids_list), "prompt_tokens": sum(map(len, ids_list)),
+                 "output_tokens": n_out, "wall_s": round(dt, 6), "cpu_s": round(cpu, 6),
+                 "tokens_per_s": round(n_out / dt, 3) if dt > 0 else 0.0,
+                 "tokens_per_cpu_s": round(n_out / cpu, 3) if cpu > 0 else 0.0, "output_ids": o}
+            if s.stats is not None:
+                r["mean_accepted_length"] = round(s.stats.mean_accepted_length, 4)
+            rows.append(r)
+    return rows
 
 
 def _bar(summary: dict, path):

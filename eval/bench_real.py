@@ -1,0 +1,545 @@
+"""The real-model benchmark (issue #16 item 6): specd against transformers and llama.cpp, Spec-Bench form.
+
+    make bench          # the built-in pair: SmolLM2-135M-Instruct Q4_1 GGUF + models/smollm2-draft
+    python eval/bench_real.py --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --draft models/smollm2-draft --prompts ../shared/data/spec_bench/question.jsonl \\
+        --per-category 8 --max-tokens 256 --batch 1,4 --threads 2 --out eval/out/bench_real
+
+Systems (``--systems``, comma list; greedy; the same prompt token ids for all: the first turn through
+the target's chat template, or ``--raw``; the same ``--threads`` for all):
+
+- ``specd:MODE`` (``off``, ``chain:K``, ``tree:N``, see eval/README.md): the specd engine in process,
+  prefix cache off (every engine prefills every prompt in full, like the peers)
+- ``hf:generate``: transformers ``generate`` on the target
+- ``hf:pld[:K]``: transformers prompt-lookup decoding, ``generate(prompt_lookup_num_tokens=K)``
+- ``hf:assisted[:kK]``: transformers assisted generation with the draft; only where transformers can
+  load the draft (a specd reduced-vocabulary draft, which shares the target's embeddings, it cannot:
+  then ``hf:pld`` is the transformers speculative peer and the report says so)
+- ``llamacpp:plain``, ``llamacpp:pld[:K]``: llama.cpp (llama-cpp-python, ``make bench-deps``) on the
+  target's GGUF file, plain and with its prompt-lookup drafting; skipped with a note when
+  ``llama_cpp`` is not importable or the target is not a GGUF file
+
+Batch 1 runs every system; batch B > 1 (``--batch 1,4``) runs the systems with a batched generate
+(specd, ``hf:generate``) on groups of B prompts of one category; the others are n/a there. Per batch
+size one run, systems rotated from group to group (``peers.time_rotated``). Reported per system and
+Spec-Bench category: tokens/s (output tokens / wall time, prefill included), speedup over specd:off
+on the same prompts, mean accepted length (tokens per target forward; pooled) and greedy agreement
+with specd:off. Then a profile of one decode step of each specd mode (``profile_step``) and the
+memory-bandwidth floor of one target step. Writes ``report.json``, ``summary.md`` and
+``bench_real.png`` under ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as C  # noqa: E402
+import peers as P  # noqa: E402
+
+DEFAULT_SYSTEMS = ("specd:off,specd:chain:4,specd:tree:16,hf:generate,hf:assisted:k4,hf:pld:10,"
+                   "llamacpp:plain,llamacpp:pld:10")
+PLD_K = 10  # both libraries' default number of prompt-lookup tokens (ngram size 2 in both)
+CATEGORY_TITLES = {"mt_bench": "MT-bench", "translation": "Translation", "summarization": "Summarization",
+                   "qa": "QA", "math_reasoning": "Math", "rag": "RAG"}
+HF_DRAFT_NOTE = ("the draft is a specd reduced-vocabulary draft sharing the target's embeddings: only specd "
+                 "can load it, so transformers assisted generation cannot use it; hf:pld (prompt lookup) is "
+                 "the transformers speculative peer")
+
+
+class Skip(Exception):
+    """A system that cannot run here; the message is the report's note."""
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    C.add_model_prompt_args(ap, max_tokens=256)
+    ap.add_argument("--systems", default=DEFAULT_SYSTEMS)
+    ap.add_argument("--batch", default="1,4", help="batch sizes, one run each (comma list)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads alike")
+    ap.add_argument("--dtype", default="float32", help="specd and transformers weights (auto: specd's choice)")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--per-category", type=int, default=None)
+    ap.add_argument("--categories", default=None)
+    ap.add_argument("--profile-tokens", type=int, default=64, help="decode steps profiled per specd mode (0: none)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+# setup ------------------------------------------------------------------------------------------
+def load_pair(a):
+    from specd.loader import checkpoint_folder, draft_spec, load_model
+
+    for what, path in (("target", a.target), ("draft", a.draft)):
+        if not Path(path).exists():
+            raise SystemExit(f"bench_real: the {what} {path} does not exist (make: BENCH_DRAFT=DIR for another draft)")
+    target = load_model(a.target, "cpu", a.dtype, progress=False)
+    dtype = str(target.dtype).removeprefix("torch.")  # the draft computes in the target's dtype
+    draft = load_model(a.draft, "cpu", dtype, progress=False, target=target)
+    hf_draft_ok = draft_spec(checkpoint_folder(a.draft)) is None
+    return target, draft, hf_draft_ok
+
+
+def encode_prompts(a, target):
+    cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
+    prompts = C.load_prompts(a.prompts, a.limit, cats, a.per_category, max_turns=1)
+    tok = target.tokenizer
+    chat = a.chat_template if a.chat_template is not None else C.has_chat_template(tok)
+    max_prompt = target.config.max_position_embeddings - a.max_tokens - 1
+    ids = [C.fit_prompt(C.encode_conversation(tok, p.turns[:1], [], chat), max_prompt,
+                        target.config.bos_token_id)[0] for p in prompts]
+    return prompts, ids, chat
+
+
+def make_context(a, target, draft, hf_draft_ok, ids_list, batches):
+    longest = max(map(len, ids_list)) + a.max_tokens + 64
+    per_tok = C.kv_bytes_per_token(target) + C.kv_bytes_per_token(draft)
+    tok = target.tokenizer
+    eos = list(target.config.eos_token_ids)
+    pad = tok.pad_token_id if getattr(tok, "pad_token_id", None) is not None else eos[0]
+    return SimpleNamespace(a=a, target=target, draft=draft, hf_draft_ok=hf_draft_ok, eos=eos, pad=pad, hf=None,
+                           memory=max(256 << 20, int(1.25 * per_tok * longest * max(batches))),
+                           max_seqs=max(batches), n_ctx=max(2048, 256 * math.ceil((longest + PLD_K) / 256)))
+
+
+def _hf_model(ctx, path):
+    from transformers import AutoModelForCausalLM
+
+    from specd.loader import checkpoint_folder
+
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint_folder(path)), dtype=ctx.target.dtype).eval()
+
+
+def make_system(name: str, ctx):
+    """One system by name (see the module doc); raises Skip with the reason when it cannot run."""
+    a = ctx.a
+    kind, _, arg = name.partition(":")
+    if kind == "specd":
+        mode = C.Mode.parse(arg or "off")
+        return P.Specd(mode, ctx.target, ctx.draft, "cpu", a.max_tokens, prefix_cache=False,
+                       memory_bytes=ctx.memory, max_num_seqs=ctx.max_seqs)
+    if kind == "hf":
+        if ctx.hf is None:
+            ctx.hf = _hf_model(ctx, a.target)
+        how, _, k = arg.partition(":")
+        if how == "generate":
+            return P.HF(name, ctx.hf, a.max_tokens, ctx.eos, pad_id=ctx.pad)
+        if how == "pld":
+            return P.HF(name, ctx.hf, a.max_tokens, ctx.eos, prompt_lookup=int(k or PLD_K), pad_id=ctx.pad)
+        if how == "assisted":
+            if not ctx.hf_draft_ok:
+                raise Skip(HF_DRAFT_NOTE)
+            k_ = int(k.lstrip("k")) if k else None
+            return P.HF(name, ctx.hf, a.max_tokens, ctx.eos, assistant=_hf_model(ctx, a.draft), assist_k=k_,
+                        pad_id=ctx.pad)
+    if kind == "llamacpp":
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise Skip("llama-cpp-python is not installed (make bench-deps): llama.cpp systems skipped") from None
+        if not str(a.target).endswith(".gguf"):
+            raise Skip(f"llama.cpp needs a .gguf target, not {a.target}: skipped")
+        how, _, k = arg.partition(":")
+        if how in ("plain", "pld"):
+            return P.LlamaCpp(name, a.target, a.threads, ctx.n_ctx, a.max_tokens, ctx.eos,
+                              pld=int(k or PLD_K) if how == "pld" else None)
+    raise ValueError(f"unknown system {name!r} (see --help)")
+
+
+def build_systems(names: list, ctx) -> tuple:
+    systems, notes = [], {}
+    for n in names:
+        try:
+            systems.append(make_system(n, ctx))
+        except Skip as e:
+            notes[n] = str(e)
+            print(f"note: {n}: {e}", flush=True)
+    return systems, notes
+
+
+def batched(s) -> bool:
+    return isinstance(s, P.Specd) or (isinstance(s, P.HF) and not s.speculative)
+
+
+def warm_up(systems: list, ids: list, batch: int, max_tokens: int) -> None:
+    """One short generation each (first calls allocate and pick kernels), then back to ``max_tokens``."""
+    for s in systems:
+        s.set_max_tokens(8)
+        if batch == 1:
+            s(ids)
+        else:
+            s.batch([ids] * batch)
+        s.set_max_tokens(max_tokens)
+
+
+def groups_of(prompts: list, ids_list: list, b: int) -> list:
+    """Consecutive groups of ``b`` prompts of one category (a category's last group may be smaller)."""
+    by: dict = {}
+    for p, ids in zip(prompts, ids_list):
+        by.setdefault(p.category, []).append((p, ids))
+    out = []
+    for items in by.values():
+        for i in range(0, len(items), b):
+            chunk = items[i:i + b]
+            out.append(([p for p, _ in chunk], [x for _, x in chunk]))
+    return out
+
+
+# figures ----------------------------------------------------------------------------------------
+def summarize(rows: list, names: list, cats: list, ref: str) -> dict:
+    """Per system: per category and overall tokens/s (sum of tokens / sum of wall time), speedup over
+    ``ref`` on the same prompts, pooled mean accepted length, greedy agreement with ``ref``."""
+    out = {}
+    ref_out = {r["prompt_id"]: r["output_ids"] for r in rows if r["system"] == ref}
+    for n in names:
+        rs = [r for r in rows if r["system"] == n]
+        per = {}
+        for c in cats + ["overall"]:
+            rc = rs if c == "overall" else [r for r in rs if r["category"] == c]
+            toks, wall = sum(r["output_tokens"] for r in rc), sum(r["wall_s"] for r in rc)
+            per[c] = {"output_tokens": toks, "wall_s": round(wall, 4),
+                      "tokens_per_s": round(toks / wall, 3) if wall > 0 else 0.0}
+        spec = [r for r in rs if r.get("mean_accepted_length")]
+        steps = sum(r["output_tokens"] / r["mean_accepted_length"] for r in spec)
+        out[n] = {"per_category": per, "groups": len(rs),
+                  "mean_accepted_length": round(sum(r["output_tokens"] for r in spec) / steps, 3) if steps else None,
+                  "greedy_equal_to_ref": sum(1 for r in rs if ref_out.get(r["prompt_id"]) == r["output_ids"])}
+    base = out.get(ref, {}).get("per_category", {})
+    for n in names:
+        for c, d in out[n]["per_category"].items():
+            b = base.get(c, {}).get("tokens_per_s")
+            d["speedup"] = round(d["tokens_per_s"] / b, 4) if b else None
+    return out
+
+
+# one step, profiled -----------------------------------------------------------------------------
+class _Marks:
+    """Timestamps from public forward hooks: the target's forward starts (``tf0``), its head ends
+    (``tf1``: the step's logits are ready); the draft model's forwards add up in ``draft``."""
+
+    def __init__(self, engine):
+        tgt = engine.target.model
+        self.handles = [tgt.register_forward_pre_hook(self._tf0), tgt.lm_head.register_forward_hook(self._tf1)]
+        if engine.draft is not None and engine.draft.model is not tgt:
+            dm = engine.draft.model
+            self.handles += [dm.register_forward_pre_hook(self._d0), dm.register_forward_hook(self._d1)]
+        self.reset()
+
+    def reset(self):
+        self.tf0 = self.tf1 = None
+        self.draft, self._t = 0.0, 0.0
+
+    def _tf0(self, *_):
+        if self.tf0 is None:
+            self.tf0 = time.perf_counter()
+
+    def _tf1(self, *_):
+        self.tf1 = time.perf_counter()
+
+    def _d0(self, *_):
+        self._t = time.perf_counter()
+
+    def _d1(self, *_):
+        self.draft += time.perf_counter() - self._t
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+def profile_step(system, ids: list, tokens: int) -> dict:
+    """Mean wall time of one steady decode step of a specd system (batch 1, ``tokens`` new tokens,
+    EOS ignored), driven through ``Engine.add_request`` / ``Engine.step`` and split by the hooks of
+    ``_Marks``: draft = the draft model's forwards; target forward = the target's forward and head;
+    verify + sampling = after the logits to the step's end (acceptance, KV compaction, emitting and
+    detokenizing); other = the rest (scheduling, building inputs, the drafter's tree bookkeeping
+    and draft logits). The prompt's step and the next two (the draft catching up on the prompt)
+    are left out."""
+    from specd.sampling import SamplingParams
+
+    eng = system.engine
+    marks = _Marks(eng)
+    seq = eng.add_request(list(ids), SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+                          system.mode.spec_params())
+    acc = {"step": 0.0, "draft": 0.0, "target_forward": 0.0, "verify_sampling": 0.0, "other": 0.0}
+    n = seen = toks = 0
+    try:
+        while not seq.finished:
+            decode, before = seq.num_output > 0, seq.num_output
+            marks.reset()
+            t0 = time.perf_counter()
+            eng.step()
+            t1 = time.perf_counter()
+            if not decode or marks.tf1 is None:
+                continue
+            seen += 1
+            if seen <= 2:
+                continue
+            n, toks = n + 1, toks + seq.num_output - before
+            parts = {"step": t1 - t0, "draft": marks.draft, "target_forward": marks.tf1 - marks.tf0,
+                     "verify_sampling": t1 - marks.tf1}
+            parts["other"] = parts["step"] - parts["draft"] - parts["target_forward"] - parts["verify_sampling"]
+            for k, v in parts.items():
+                acc[k] += v
+    finally:
+        marks.close()
+    out = {"steps": n, "tokens_per_step": round(toks / n, 3) if n else None}
+    out.update({f"{k}_ms": round(1e3 * v / n, 3) if n else None for k, v in acc.items()})
+    out["ms_per_token"] = round(1e3 * acc["step"] / toks, 3) if toks else None
+    return out
+
+
+def weight_bytes(module) -> int:
+    """Bytes of a module's parameters, each tensor once (tied embeddings and head: one read per
+    step, the head's full matrix; the embedding lookup itself reads one row)."""
+    seen = {}
+    for p in module.parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
+def bandwidth(mib: int = 256, reps: int = 5) -> dict:
+    """Streaming bandwidth with torch's threads: read (``x.sum()``) and copy (``y.copy_(x)``, read +
+    write) of a ``mib`` MiB buffer, far beyond the caches; best of ``reps``."""
+    import torch
+
+    n = (mib << 20) // 4
+    x, y = torch.ones(n), torch.empty(n)
+    best_r = best_c = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        t1 = time.perf_counter()
+        y.copy_(x)
+        t2 = time.perf_counter()
+        best_r, best_c = min(best_r, t1 - t0), min(best_c, t2 - t1)
+    return {"buffer_mib": mib, "threads": torch.get_num_threads(), "read_GBps": round(n * 4 / best_r / 1e9, 2),
+            "copy_GBps": round(2 * n * 4 / best_c / 1e9, 2)}
+
+
+def bandwidth_floor(target, target_path, profile: dict) -> dict:
+    """The memory-bandwidth floor of one target step: weight bytes read / measured read GB/s, for
+    specd's (and transformers') weights and, for llama.cpp, the GGUF file's."""
+    import torch
+
+    bw = bandwidth()
+    wb = weight_bytes(target.model)
+    c = target.config
+    if target.dtype == torch.float32 and c.hidden_size <= type(target.model).FOLD_MAX_HIDDEN:
+        # small fp32 models run on folded copies: q/k projections with their RoPE-rotated rows
+        wb += c.num_layers * (c.num_heads + c.num_kv_heads) * c.head_dim * c.hidden_size * 4
+    floor_ms = 1e3 * wb / (bw["read_GBps"] * 1e9)
+    out = {"bandwidth": bw, "weights": str(target.dtype).removeprefix("torch."), "weight_bytes_read": wb,
+           "floor_ms_per_step": round(floor_ms, 3), "max_plain_tokens_per_s": round(1e3 / floor_ms, 1)}
+    plain = profile.get("specd:off", {}).get("step_ms")
+    if plain:
+        out["specd_off_step_ms"] = plain
+        out["specd_off_step_over_floor"] = round(plain / floor_ms, 2)
+    if str(target_path).endswith(".gguf"):
+        gb = Path(target_path).stat().st_size
+        out["gguf_bytes"] = gb
+        out["gguf_floor_ms_per_step"] = round(1e3 * gb / (bw["read_GBps"] * 1e9), 3)
+    return out
+
+
+# report -----------------------------------------------------------------------------------------
+def library_info(names: list) -> dict:
+    import numpy
+
+    v = dict(C.versions(), numpy=numpy.__version__)
+    info = {"versions": v}
+    if any(n.startswith("llamacpp") for n in names):
+        try:
+            import llama_cpp
+
+            v["llama_cpp_python"] = llama_cpp.__version__
+            info["llama_cpp_system_info"] = llama_cpp.llama_print_system_info().decode().strip()
+        except ImportError:
+            pass
+    return info
+
+
+def _cell(d, key="speedup"):
+    x = d.get(key)
+    return "-" if x is None else (f"{x:.2f}x" if key == "speedup" else f"{x:.1f}")
+
+
+def batch_tables(b: int, res: dict, cats: list, na: list, ref: str, sizes: dict) -> list:
+    """Spec-Bench leaderboard form (speedup per category, mean accepted length, overall speedup,
+    tokens/s), then tokens/s per category, for one batch size."""
+    titles = [CATEGORY_TITLES.get(c, c) for c in cats]
+    lead, tps = [], []
+    for n, d in res.items():
+        per = d["per_category"]
+        mal = d["mean_accepted_length"]
+        lead.append([n] + [_cell(per[c]) for c in cats]
+                    + ["-" if mal is None else f"{mal:.2f}", _cell(per["overall"]),
+                       _cell(per["overall"], "tokens_per_s"),
+                       f"{d['greedy_equal_to_ref']}/{d['groups']}"])
+        tps.append([n] + [_cell(per[c], "tokens_per_s") for c in cats + ["overall"]])
+    for n, why in na:
+        lead.append([n] + ["n/a"] * (len(cats) + 4))
+        tps.append([n] + ["n/a"] * (len(cats) + 1))
+    groups = ", ".join(f"{n} of {k}" for k, n in sizes.items())
+    how = (f"One prompt at a time ({sum(sizes.values())} prompts)." if b == 1
+           else f"Batches of up to {b} prompts of one category: {groups} prompt(s).")
+    return [f"## batch {b}", "", how, "",
+            f"Speedup over {ref} (tokens/s ratio on the same prompts), Spec-Bench form:", "",
+            C.md_table(["system"] + titles + ["mean accepted length", "overall speedup", "tokens/s",
+                                              f"greedy == {ref}"], lead), "",
+            "Tokens/s per category (output tokens / wall time, prefill included):", "",
+            C.md_table(["system"] + titles + ["overall"], tps), ""] + [f"- {n}: n/a ({why})" for n, why in na] + [""]
+
+
+def render(rep: dict) -> str:
+    m, cpu = rep["meta"], rep["meta"]["cpu_info"]
+    md = ["# specd vs transformers vs llama.cpp (Spec-Bench form)", "", f"- command: `{m['command']}`",
+          f"- date {m['date']}, commit {m['git_commit']}; CPU: {cpu['model']}, {cpu['cpu_count']} cores "
+          f"({cpu['usable_cpus']} usable); SIMD: {' '.join(cpu['simd_flags'])}; torch CPU capability "
+          f"{cpu.get('torch_cpu_capability')}",
+          f"- threads: {m['threads']} for every engine (torch.set_num_threads = {m['torch_threads']}, llama.cpp "
+          f"n_threads = n_threads_batch = {m['threads']}; OMP_NUM_THREADS={cpu['omp_num_threads_env']})",
+          "- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
+          f"- target {m['target']} ({m['dtype']} in specd and transformers), draft {m['draft']}; {m['prompts']} "
+          f"prompts (first turn, {'chat template' if m['chat_template'] else 'raw'}), greedy, max_tokens "
+          f"{m['max_tokens']}, specd prefix cache off"]
+    if m.get("llama_cpp_system_info"):
+        md.append(f"- llama.cpp: {m['llama_cpp_system_info']}")
+    md += [f"- note: {k}: {v}" for k, v in rep["notes"].items()] + [""]
+    for b, t in rep["batches"].items():
+        md += batch_tables(int(b), t["systems"], rep["categories"], t["n/a"], rep["reference"], t["group_sizes"])
+    if rep["profile"]:
+        md += ["## One decode step (batch 1, mean over steady steps, ms)", "",
+               C.md_table(["system", "steps", "tokens/step", "step", "draft", "target forward", "verify + sampling",
+                           "other", "ms/token"],
+                          [[n, p["steps"], p["tokens_per_step"], p["step_ms"], p["draft_ms"], p["target_forward_ms"],
+                            p["verify_sampling_ms"], p["other_ms"], p["ms_per_token"]]
+                           for n, p in rep["profile"].items()]), ""]
+    f = rep["bandwidth_floor"]
+    if f:
+        bw = f["bandwidth"]
+        md.append(f"Memory-bandwidth floor of one target step: {f['weight_bytes_read'] / 1e6:.1f} MB of {f['weights']} "
+                  f"weights read / {bw['read_GBps']} GB/s (read; copy {bw['copy_GBps']} GB/s, {bw['buffer_mib']} MiB, "
+                  f"{bw['threads']} threads) = {f['floor_ms_per_step']} ms, at most {f['max_plain_tokens_per_s']} "
+                  f"tokens/s without speculation"
+                  + (f"; specd:off measured {f['specd_off_step_ms']} ms per step = {f['specd_off_step_over_floor']}x "
+                     f"the floor" if "specd_off_step_ms" in f else "")
+                  + (f". The GGUF file ({f['gguf_bytes'] / 1e6:.1f} MB, what llama.cpp reads): "
+                     f"{f['gguf_floor_ms_per_step']} ms." if "gguf_bytes" in f else "."))
+    return "\n".join(md) + "\n"
+
+
+def plot(rep: dict, path) -> Path:
+    """Left: overall tokens/s per system and batch size. Right: batch-1 speedup over the reference per category."""
+    plt = C._plt()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    batches = list(rep["batches"])
+    names = list(rep["batches"][batches[0]]["systems"])
+    w = 0.8 / len(batches)
+    for i, b in enumerate(batches):
+        res = rep["batches"][b]["systems"]
+        ax1.bar([x + i * w for x in range(len(names))],
+                [res[n]["per_category"]["overall"]["tokens_per_s"] if n in res else 0 for n in names], w,
+                label=f"batch {b}")
+    ax1.set_xticks([x + w * (len(batches) - 1) / 2 for x in range(len(names))])
+    ax1.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    ax1.set_ylabel("tokens/s (all prompts)")
+    ax1.legend(fontsize=8)
+    cats = rep["categories"]
+    res = rep["batches"][batches[0]]["systems"]
+    w = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        ax2.bar([x + i * w for x in range(len(cats))], [res[n]["per_category"][c]["speedup"] or 0 for c in cats], w,
+                label=n)
+    ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax2.set_xticks([x + 0.4 - w / 2 for x in range(len(cats))])
+    ax2.set_xticklabels([CATEGORY_TITLES.get(c, c) for c in cats], fontsize=8)
+    ax2.set_ylabel(f"speedup over {rep['reference']}, batch {batches[0]}")
+    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    m = rep["meta"]
+    fig.suptitle(f"{Path(m['target']).name}, {m['threads']} threads, {m['cpu_info']['model']}", fontsize=9)
+    return C._save(fig, path)
+
+
+# run --------------------------------------------------------------------------------------------
+def na_reason(s) -> str:
+    if isinstance(s, P.LlamaCpp):
+        return "llama-cpp-python has no batched generate"
+    return "transformers assisted generation and prompt lookup run batch 1 only"
+
+
+def run_batches(systems: list, prompts: list, ids: list, batches: list, cats: list, ref: str, a) -> dict:
+    out = {}
+    for b in batches:
+        run = systems if b == 1 else [s for s in systems if batched(s)]
+        warm_up(run, ids[0][:64], b, a.max_tokens)
+        rows = P.time_rotated(run, groups_of(prompts, ids, b), not a.no_progress, desc=f"batch {b}")
+        res = summarize(rows, [s.name for s in run], cats, ref)
+        for r in rows:
+            r.pop("output_ids")
+        sizes = [len(ps) for ps, _ in groups_of(prompts, ids, b)]
+        out[str(b)] = {"systems": res, "n/a": [(s.name, na_reason(s)) for s in systems if s not in run],
+                       "group_sizes": {str(k): sizes.count(k) for k in sorted(set(sizes), reverse=True)},
+                       "requests": rows}
+        print(f"batch {b}: " + ", ".join(f"{n} {d['per_category']['overall']['tokens_per_s']:.1f} tok/s"
+                                         for n, d in res.items()), flush=True)
+    return out
+
+
+def header(meta: dict) -> str:
+    cpu = meta["cpu_info"]
+    return (f"CPU: {cpu['model']} ({cpu['cpu_count']} cores, {cpu['usable_cpus']} usable); SIMD flags: "
+            f"{' '.join(cpu['simd_flags'])}; threads: {meta['threads']} (torch {meta['torch_threads']}, "
+            f"llama.cpp n_threads {meta['threads']}, OMP_NUM_THREADS={cpu['omp_num_threads_env']}); "
+            + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    C.set_threads(a.threads)
+    C.quiet_transformers()
+    t_start = time.perf_counter()
+    names = [n.strip() for n in a.systems.split(",") if n.strip()]
+    batches = [int(x) for x in a.batch.split(",") if x.strip()]
+    meta = C.run_meta(argv if argv is not None else sys.argv)
+    if argv is not None:
+        meta["command"] = "python eval/bench_real.py " + " ".join(argv)
+    meta.update(threads=a.threads, cpu_info=C.cpu_info(), **library_info(names))
+    print(header(meta), flush=True)
+    target, draft, hf_draft_ok = load_pair(a)
+    prompts, ids, chat = encode_prompts(a, target)
+    ctx = make_context(a, target, draft, hf_draft_ok, ids, batches)
+    systems, notes = build_systems(names, ctx)
+    if not hf_draft_ok and not any(n.startswith("hf:assisted") for n in notes):
+        notes["hf:assisted"] = HF_DRAFT_NOTE
+    ref = "specd:off" if any(s.name == "specd:off" for s in systems) else systems[0].name
+    cats = list(dict.fromkeys(p.category for p in prompts))
+    out = Path(a.out) if a.out else C.default_out("bench_real")
+    out.mkdir(parents=True, exist_ok=True)
+    res = run_batches(systems, prompts, ids, batches, cats, ref, a)
+    profile = {s.name: profile_step(s, ids[0], a.profile_tokens) for s in systems
+               if isinstance(s, P.Specd) and a.profile_tokens > 0}
+    floor = bandwidth_floor(target, a.target, profile)
+    meta.update(target=str(a.target), draft=str(a.draft), prompts_file=str(a.prompts), max_tokens=a.max_tokens,
+                prompts=len(prompts), chat_template=chat, dtype=str(target.dtype).removeprefix("torch."),
+                llama_n_ctx=ctx.n_ctx, elapsed_s=round(time.perf_counter() - t_start, 1))
+    rep = {"schema": C.SCHEMA, "kind": "bench_real", "meta": meta, "reference": ref, "categories": cats,
+           "systems": [s.name for s in systems], "notes": notes, "batches": res, "profile": profile,
+           "bandwidth_floor": floor}
+    C.write_json(out / "report.json", rep)
+    md = render(rep)
+    (out / "summary.md").write_text(md, encoding="utf-8")
+    plot(rep, out / "bench_real.png")
+    print(md)
+    print(f"wrote {out} ({meta['elapsed_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
