@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of the specd Triton kernels: kernel tests on the real GPU (compiled, no interpreter),
-# then the timing table of eval/gpu_check.py, then websocket delivery vs in-process on the GPU
+# then the ahead-of-time register/spill report (python -m specd_kernels.aot), then the timing
+# table of eval/gpu_check.py, then websocket delivery vs in-process on the GPU
 # (eval/bench_server.py; GPU_CHECK_SERVER=0 skips it). Meant to finish within ~13 minutes on an H200.
 #
 #   eval/gpu_check.sh [extra args for gpu_check.py]
@@ -45,6 +46,13 @@ echo "== pytest tests/test_kernels*.py (compiled Triton on the GPU)"
 timeout 240 "$PYBIN" -m pytest -q -p no:cacheprovider tests/test_kernels*.py 2>&1 | tee "$OUT/gpu_pytest.log"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "pytest failed (rc=$rc)"; status=1; }
+
+# issue 21 item 7: the ahead-of-time report (sm_80 + sm_90a registers / spills / shared memory of every
+# launcher configuration) with this machine's triton + bundled ptxas; compile-time figures, ~1 min here
+echo "== AOT compile report (python -m specd_kernels.aot --check)"
+timeout 300 "$PYBIN" -m specd_kernels.aot --check --json "$OUT/gpu_aot.json" 2>&1 | tee "$OUT/gpu_aot.md"
+rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] || { echo "specd_kernels.aot failed or found spills (rc=$rc)"; status=1; }
 
 echo "== timing"
 timeout 330 "$PYBIN" eval/gpu_check.py --budget-s 240 "$@" 2>&1 | tee "$OUT/gpu_timing.md"

@@ -85,8 +85,9 @@ if HAS_TRITON:
             src = tl.load(src_ptr + offs_p, mask=p_mask, other=-1).to(tl.int64)
             dst = tl.load(dst_ptr + offs_p, mask=p_mask, other=-1).to(tl.int64)
             ok = p_mask & (src >= 0) & (src < num_slots) & (dst >= 0) & (dst < num_slots)
-            src = tl.where(ok, src, 0)
-            dst = tl.where(ok, dst, 0)
+            # no tl.where(ok, src, 0) clamp here: the masks keep skipped pairs off memory, and the
+            # clamp trips a Triton 3.7.1 layout bug on CUDA for BLOCK_P 32/64 ("arith.select op
+            # expected condition type to have the same shape", TritonGPURemoveLayoutConversions)
             m = ok[:, None] & e_mask[None, :]
             vals = tl.load(base + src[:, None] * E + offs_e[None, :], mask=m, other=0.0)
             tl.debug_barrier()  # every source of this slice is read before any write
@@ -159,19 +160,29 @@ def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     check_launchable(kv_layer, k, v, slot_mapping, what=what)
     if T == 0:
         return
+    for kernel, grid, args, kw in _write_kv_plan(kv_layer, k, v, slot_mapping):
+        kernel[grid](*args, **kw)
+
+
+def _write_kv_plan(kv_layer, k, v, slot_mapping) -> list:
+    """``[(kernel, grid, args, kwargs)]`` of one :func:`write_kv` call (nothing launched; used by
+    ``specd_kernels.aot`` on meta-device tensors). Tiles: up to 1024 of the ``KVH * D`` elements of
+    a token by up to 4096 elements per program."""
+    T = k.shape[0]
+    _, NB, BS, KVH, D = kv_layer.shape
     kc, vc = kv_layer[0], kv_layer[1]
     E = KVH * D
     block_e = min(next_pow2(E), 1024)
     block_t = max(1, min(next_pow2(T), 4096 // block_e))
     grid = (cdiv(T, block_t), cdiv(E, block_e))
-    _write_kv_kernel[grid](
+    args = (
         k, v, kc, vc, slot_mapping,
         T, NB * BS,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
-        HEAD_DIM=D, E=E, BLOCK_SIZE=BS, BLOCK_T=block_t, BLOCK_E=block_e,
-        num_warps=4,
     )
+    kw = {"HEAD_DIM": D, "E": E, "BLOCK_SIZE": BS, "BLOCK_T": block_t, "BLOCK_E": block_e, "num_warps": 4}
+    return [(_write_kv_kernel, grid, args, kw)]
 
 
 def write_kv_ref(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -215,6 +226,15 @@ def copy_slots(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, *, max_ti
     N = src.shape[0]
     if N == 0 or kv.numel() == 0:
         return
+    for kernel, grid, args, kw in _copy_slots_plan(kv, src, dst, max_tile):
+        kernel[grid](*args, **kw)
+
+
+def _copy_slots_plan(kv, src, dst, max_tile: Optional[int] = None) -> list:
+    """``[(kernel, grid, args, kwargs)]`` of one :func:`copy_slots` call (allocates the temporary
+    of the many-pairs path, launches nothing; used by ``specd_kernels.aot``). One tile holds all
+    pairs when ``next_pow2(N) * min(32, next_pow2(E))`` elements fit ``max_tile`` (16384)."""
+    N = src.shape[0]
     L, _, NB, BS, KVH, D = kv.shape
     E = KVH * D
     num_slots = NB * BS
@@ -235,13 +255,9 @@ def copy_slots(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, *, max_ti
         tmp = torch.empty((L * 2, N, E), dtype=kv.dtype, device=kv.device)
         stride_tmp = tmp.stride(0)
     grid = (L * 2, cdiv(E, block_e))
-    _copy_slots_kernel[grid](
-        flat, tmp, src, dst,
-        N, num_slots,
-        flat.stride(0), stride_tmp,
-        E=E, BLOCK_P=block_p, BLOCK_E=block_e, SINGLE_TILE=single,
-        num_warps=4,
-    )
+    args = (flat, tmp, src, dst, N, num_slots, flat.stride(0), stride_tmp)
+    kw = {"E": E, "BLOCK_P": block_p, "BLOCK_E": block_e, "SINGLE_TILE": single, "num_warps": 4}
+    return [(_copy_slots_kernel, grid, args, kw)]
 
 
 def copy_slots_ref(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

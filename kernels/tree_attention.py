@@ -21,10 +21,14 @@ Layout and metadata follow ``docs/architecture.md``:
 Kernel design: one program per (request, query block, KV head[, KV split]). The rows of a program
 are ``BLOCK_Q`` query tokens x the ``group`` query heads sharing that KV head, so each K/V tile is
 loaded once per KV head (GQA-friendly, and decode with a single token still fills >= 16 MMA rows).
-Flash-attention online softmax in the exp2 domain, everything upcast to fp32 after loading (the
-Triton CPU interpreter computes bf16 arithmetic wrongly, and it costs nothing on a memory-bound
-GPU kernel), fp32 accumulation, output cast to ``q.dtype``. The key loop runs in two phases:
-the prefix (positions ``< context_len``, no mask but bounds) and the new tokens (tree mask or
+Flash-attention online softmax in the exp2 domain with fp32 statistics and fp32 accumulation,
+output cast to ``q.dtype``. ``tl.dot`` operands (q, K, V and the probabilities ``p``) stay in their
+16-bit storage dtype when q and the cache share fp16 or bf16 on a GPU (f16/bf16 tensor-core MMAs;
+upcasting them ran tf32 MMAs at half that rate and spilled registers on sm_80, see
+``specd_kernels.aot``); they are upcast to fp32 after loading (``DOT_F32``) under the Triton CPU
+interpreter, whose bf16 arithmetic is wrong, and for fp32 or mixed-dtype inputs. With a tree mask,
+each query token's mask row is loaded once and broadcast over its group's rows. The key loop runs
+in two phases: the prefix (positions ``< context_len``, no mask but bounds) and the new tokens (tree mask or
 causal; in the causal case the loop stops at the query block's last token). For small batches with
 long contexts the key range is split over ``num_splits`` programs (flash-decoding) whose partial
 (max, sum, acc) are merged by a second small kernel.
@@ -36,6 +40,7 @@ row) gets an output of zeros (the reference does the same).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -57,7 +62,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _online_softmax_step(acc, m_i, l_i, q, kt, v, vis, qk_scale, PREC: tl.constexpr):
-        # q [M, D] fp32, kt [D, N] fp32, v [N, D] fp32, vis [M, N] bool; m_i in the log2 domain.
+        # q [M, D], kt [D, N], v [N, D] in one dtype (fp16/bf16 on a GPU, else fp32), vis [M, N]
+        # bool; acc, m_i (log2 domain) and l_i fp32; both dots accumulate in fp32.
         s = tl.dot(q, kt, input_precision=PREC) * qk_scale
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -66,7 +72,7 @@ if HAS_TRITON:
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         return acc, m_new, l_i
 
     @triton.jit
@@ -93,6 +99,7 @@ if HAS_TRITON:
         HAS_MASK: tl.constexpr,
         SPLIT: tl.constexpr,
         PREC: tl.constexpr,
+        DOT_F32: tl.constexpr,
     ):
         BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
         pid_q = tl.program_id(0)
@@ -127,7 +134,9 @@ if HAS_TRITON:
             q_ptr + t_idx[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
             mask=row_valid[:, None] & d_mask[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
+        if DOT_F32:
+            q = q.to(tl.float32)
 
         # key range of this program
         if not SPLIT:
@@ -163,17 +172,24 @@ if HAS_TRITON:
                 k_head + blk[None, :] * stride_kb + off[None, :] * stride_ks + offs_d[:, None],
                 mask=valid[None, :] & d_mask[:, None],
                 other=0.0,
-            ).to(tl.float32)
+            )
             v = tl.load(
                 v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :],
                 mask=valid[:, None] & d_mask[None, :],
                 other=0.0,
-            ).to(tl.float32)
+            )
+            if DOT_F32:
+                kt = kt.to(tl.float32)
+                v = v.to(tl.float32)
             vis = valid[None, :] & row_valid[:, None]
             acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, kt, v, vis, qk_scale, PREC)
 
         # ---- phase 2: the new tokens, positions ctx .. kv_hi-1 (tree mask or causal) ----
         new_lo = tl.maximum(kv_lo, ctx)
+        if HAS_MASK:
+            q_tok = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+            q_valid = q_tok < q_len
+            mask_row = mask_ptr + (q_start + q_tok).to(tl.int64) * stride_mt
         for start in range(new_lo, kv_hi, BLOCK_N):
             pos = start + offs_n
             valid = pos < kv_hi
@@ -185,20 +201,22 @@ if HAS_TRITON:
                 k_head + blk[None, :] * stride_kb + off[None, :] * stride_ks + offs_d[:, None],
                 mask=valid[None, :] & d_mask[:, None],
                 other=0.0,
-            ).to(tl.float32)
+            )
             v = tl.load(
                 v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :],
                 mask=valid[:, None] & d_mask[None, :],
                 other=0.0,
-            ).to(tl.float32)
+            )
+            if DOT_F32:
+                kt = kt.to(tl.float32)
+                v = v.to(tl.float32)
             if HAS_MASK:
-                mvalid = row_valid[:, None] & (valid & (j < mask_cols))[None, :]
-                mv = tl.load(
-                    mask_ptr + t_idx[:, None] * stride_mt + j[None, :],
-                    mask=mvalid,
-                    other=0,
-                )
-                vis = mvalid & (mv != 0)
+                # one mask row per query token, shared by its GROUP_P head rows (row = tok * GROUP_P + g):
+                # GROUP_P times fewer byte loads and live registers than loading it per row
+                mq_ok = q_valid[:, None] & (valid & (j < mask_cols))[None, :]
+                mv = tl.load(mask_row[:, None] + j[None, :], mask=mq_ok, other=0)
+                mv = tl.broadcast_to(mv[:, None, :], (BLOCK_Q, GROUP_P, BLOCK_N))
+                vis = row_valid[:, None] & (tl.reshape(mv, (BLOCK_M, BLOCK_N)) != 0)
             else:
                 vis = row_valid[:, None] & valid[None, :] & (j[None, :] <= (c_off + tok)[:, None])
             acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, kt, v, vis, qk_scale, PREC)
@@ -332,6 +350,188 @@ def _num_sms(device: torch.device) -> int:
     return _num_sms_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@dataclass(frozen=True)
+class TreeAttentionConfig:
+    """One launch configuration of ``_tree_attention_kernel``, as the launcher picks it.
+
+    ``num_stages`` None means Triton's default (3 for CUDA); ``maxnreg`` None, no register budget
+    (ptxas picks); ``splits`` > 1 means flash-decoding (each program covers ``split_len`` keys, a
+    multiple of ``block_n``) plus the combine kernel.
+    """
+
+    block_q: int  # query tokens per program
+    block_n: int  # keys per tile
+    block_d: int  # head dim padded to a power of two >= 16
+    group: int  # query heads per KV head
+    group_p: int  # group padded to a power of two
+    n_qblocks: int  # programs along the query axis (grid dim 0)
+    num_warps: int
+    num_stages: Optional[int]
+    maxnreg: Optional[int]  # PTX .maxnreg register budget; None: ptxas decides
+    splits: int
+    split_len: int
+
+    @property
+    def block_m(self) -> int:
+        """MMA rows of a program: ``block_q`` tokens x ``group_p`` heads."""
+        return self.block_q * self.group_p
+
+
+def choose_blocks(head_dim: int, group: int, max_query_len: int, *, interpret: bool,
+                  block_q: Optional[int] = None, block_n: Optional[int] = None) -> tuple[int, int]:
+    """The launcher's preferred ``(block_q, block_n)``; explicit ``block_q``/``block_n`` are rounded.
+
+    Query tokens per program fill >= 16 MMA rows (``block_q * group_p``) and aim at 64 rows, or
+    128 when the problem has that many rows, the padded head dim is < 128 and the kernel is
+    compiled. Keys per tile: 64 for a padded head dim < 128, else 32; at least 16. (Up to 2026-12
+    head_dim 128 took 128 rows and 64 keys too: ptxas spilled up to 736 bytes per thread on sm_80
+    there, see ``python -m specd_kernels.aot``.)
+    """
+    group_p = next_pow2(group)
+    wide = next_pow2(head_dim) >= 128  # the tiles are BLOCK_D = next_pow2(head_dim) wide
+    if block_q is None:
+        big = max_query_len * group_p >= 128 and not wide and not interpret
+        block_q = max(1, (128 if big else 64) // group_p)
+        block_q = min(block_q, next_pow2(max_query_len))
+    block_q = max(next_pow2(block_q), cdiv(16, group_p))
+    if block_n is None:
+        block_n = 32 if wide else 64
+    block_n = max(16, next_pow2(block_n))
+    return block_q, block_n
+
+
+def choose_warps(block_m: int, head_dim: int) -> int:
+    """8 warps for 128-row tiles and for 64-row tiles with a padded head dim >= 128 (their
+    accumulator and K/V operands need ~255 registers per thread with 4 warps on sm_80), else 4."""
+    return 8 if block_m >= 128 or (block_m >= 64 and next_pow2(head_dim) >= 128) else 4
+
+
+# Register budget (PTX .maxnreg) of compiled 16-row tiles (decode) up to 128-wide heads: without
+# one, ptxas traded a few bytes of spill (one value kept across the key loop) for occupancy at
+# 72-128 registers in some decode configurations; with 128 none spills and 4 programs of 4 warps
+# still fit an SM. Wider heads (256) need ~180-200 registers there: budget 255.
+DECODE_MAXNREG = 128
+
+
+def decode_maxnreg(head_dim: int) -> int:
+    """The register budget of a compiled 16-row tile (see ``DECODE_MAXNREG``)."""
+    return DECODE_MAXNREG if next_pow2(head_dim) <= 128 else 255
+
+
+def choose_splits(*, batch: int, num_kv_heads: int, n_qblocks: int, max_seq_len: int, block_n: int,
+                  num_sms: Optional[int], num_splits: Optional[int] = None) -> tuple[int, int]:
+    """``(splits, split_len)`` over the key range (flash-decoding).
+
+    Default: 1 when not compiled for CUDA (``num_sms`` None), else enough programs for two per SM
+    when ``batch * n_qblocks * num_kv_heads`` is small, at most one split per 256 keys and 32 in
+    all. ``split_len`` is a multiple of ``block_n``; the split count is then recomputed from it.
+    """
+    splits = num_splits
+    if splits is None:
+        if num_sms is None:
+            splits = 1
+        else:
+            base = batch * n_qblocks * num_kv_heads
+            splits = max(1, min(cdiv(2 * num_sms, base), cdiv(max_seq_len, 256), 32))
+    splits = max(1, min(int(splits), cdiv(max_seq_len, block_n)))
+    split_len = cdiv(cdiv(max_seq_len, splits), block_n) * block_n
+    if splits > 1:
+        splits = cdiv(max_seq_len, split_len)
+    return splits, split_len
+
+
+def launch_configs(*, head_dim: int, group: int, num_kv_heads: int, batch: int, max_query_len: int,
+                   max_seq_len: int, num_sms: Optional[int], interpret: bool = False,
+                   num_splits: Optional[int] = None, block_q: Optional[int] = None,
+                   block_n: Optional[int] = None) -> list[TreeAttentionConfig]:
+    """Every configuration :func:`tree_attention` may launch for one problem, in the order it tries
+    them (pure: no tensors, no device; ``num_sms`` None = interpreter / not CUDA).
+
+    The first is the launcher's choice; the others are its fallbacks when compiling raises
+    ``OutOfResources`` (shared memory / registers): one pipeline stage, then 32-key tiles, then
+    halved query blocks with 16-key tiles, then the smallest query block. Warps: :func:`choose_warps`;
+    compiled 16-row tiles get the register budget ``DECODE_MAXNREG``.
+    """
+    group_p = next_pow2(group)
+    bq, bn = choose_blocks(head_dim, group, max_query_len, interpret=interpret, block_q=block_q, block_n=block_n)
+    min_q = cdiv(16, group_p)
+    ladder = [(bq, bn, None), (bq, bn, 1), (bq, min(bn, 32), 1), (max(min_q, bq // 2), 16, 1), (min_q, 16, 1)]
+    out = []
+    for lq, ln, stages in ladder:
+        n_qblocks = cdiv(max_query_len, lq)
+        splits, split_len = choose_splits(batch=batch, num_kv_heads=num_kv_heads, n_qblocks=n_qblocks,
+                                          max_seq_len=max_seq_len, block_n=ln, num_sms=num_sms,
+                                          num_splits=num_splits)
+        out.append(TreeAttentionConfig(
+            block_q=lq, block_n=ln, block_d=max(16, next_pow2(head_dim)), group=group, group_p=group_p,
+            n_qblocks=n_qblocks, num_warps=choose_warps(lq * group_p, head_dim), num_stages=stages,
+            maxnreg=decode_maxnreg(head_dim) if (lq * group_p <= 16 and not interpret) else None,
+            splits=splits, split_len=split_len))
+    return out
+
+
+def dot_operands(q_dtype: torch.dtype, kv_dtype: torch.dtype, *, interpret: bool) -> tuple[bool, str]:
+    """``(DOT_F32, PREC)`` for the kernel.
+
+    ``DOT_F32`` (upcast q/K/V to fp32 before ``tl.dot``) is False only for a compiled launch whose
+    q and cache are both fp16 or both bf16: the dots then run f16/bf16 MMAs with fp32 accumulation.
+    The interpreter always upcasts (its bf16 arithmetic is wrong). ``PREC`` is "ieee" for fp32
+    inputs (exact fp32 dots), else "tf32" (used only by upcast 16-bit operands, which tf32 holds
+    exactly).
+    """
+    native = (not interpret) and q_dtype == kv_dtype and q_dtype in (torch.float16, torch.bfloat16)
+    prec = "ieee" if (q_dtype == torch.float32 and kv_dtype == torch.float32) else "tf32"
+    return (not native), prec
+
+
+def _launch_plan(q, kv_layer, meta, tree_mask, out, scale, cfg: TreeAttentionConfig, dot) -> list:
+    """``[(kernel, grid, args, kwargs)]``: the launches of one call, in order (nothing is launched).
+
+    ``meta`` = ``(query_start_loc, context_lens, seq_lens, block_tables)``, ``dot`` = ``(DOT_F32,
+    PREC)``. Allocates only the split-KV partials. ``specd_kernels.aot`` builds it from meta-device
+    tensors to compile exactly what the launcher launches.
+    """
+    qsl, ctx_lens, seq_lens, block_tables = meta
+    T, H, D = q.shape
+    mask_arg = tree_mask.view(torch.uint8) if tree_mask is not None and tree_mask.dtype == torch.bool else tree_mask
+    has_mask = mask_arg is not None
+    if not has_mask:
+        mask_arg = qsl  # dummy pointer, never read
+    k_cache, v_cache = kv_layer[0], kv_layer[1]
+    if cfg.splits > 1:
+        part = torch.empty((cfg.splits, T, H, D), dtype=torch.float32, device=q.device)
+        ml = torch.empty((cfg.splits, T, H, 2), dtype=torch.float32, device=q.device)
+        p_strides, ml_strides = tuple(part.stride()[:3]), tuple(ml.stride()[:3])
+    else:
+        part = ml = out  # dummies, never read
+        p_strides = ml_strides = (0, 0, 0)
+    extra = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
+    if cfg.maxnreg is not None:
+        extra["maxnreg"] = cfg.maxnreg
+    args = (
+        q, k_cache, v_cache, out,
+        qsl, ctx_lens, seq_lens, block_tables, mask_arg,
+        part, ml,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0), mask_arg.stride(0) if has_mask else 0,
+        *p_strides, *ml_strides,
+        max(1, block_tables.shape[1]), mask_arg.shape[1] if has_mask else 0, cfg.split_len, cfg.splits,
+        float(scale) * _LOG2E,
+    )
+    kw = dict(HEAD_DIM=D, BLOCK_SIZE=kv_layer.shape[2], GROUP=cfg.group, GROUP_P=cfg.group_p,
+              BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, HAS_MASK=has_mask,
+              SPLIT=cfg.splits > 1, PREC=dot[1], DOT_F32=dot[0], num_warps=cfg.num_warps, **extra)
+    plan = [(_tree_attention_kernel, (cfg.n_qblocks, qsl.shape[0] - 1, kv_layer.shape[3] * cfg.splits), args, kw)]
+    if cfg.splits > 1:
+        cargs = (part, ml, out, *p_strides, *ml_strides, out.stride(0), out.stride(1), cfg.splits)
+        ckw = dict(HEAD_DIM=D, SPLITS_P=next_pow2(cfg.splits), BLOCK_D=cfg.block_d, num_warps=4)
+        plan.append((_tree_attention_combine_kernel, (T, H), cargs, ckw))
+    return plan
+
+
 def tree_attention(
     q: torch.Tensor,
     kv_layer: torch.Tensor,
@@ -355,7 +555,9 @@ def tree_attention(
     ``seq_lens[b]`` (python ints, no host sync; they size the grid). Rows of ``q`` beyond
     ``query_start_loc[B]`` are not written. Keyword-only tuning knobs (tests use them to force
     code paths): ``num_splits`` (KV splits, default: heuristic, 1 under the interpreter),
-    ``block_n`` (keys per tile), ``block_q`` (query tokens per program).
+    ``block_n`` (keys per tile), ``block_q`` (query tokens per program). The configuration comes
+    from :func:`launch_configs`; if compiling one raises ``OutOfResources`` the next is tried, and
+    the level that worked is remembered per problem class.
     """
     what = "tree_attention"
     T, H, D, NB, BS, KVH, B = _check_args(
@@ -373,105 +575,20 @@ def tree_attention(
         out = torch.empty_like(q)
     if T == 0 or B == 0 or max_query_len <= 0 or max_seq_len <= 0:
         return out
-    group = H // KVH
-    group_p = next_pow2(group)
-    block_d = max(16, next_pow2(D))
     interp = interpreting()
-    # query tokens per program: fill >= 16 MMA rows, at most ~64-128 rows
-    if block_q is None:
-        target_m = 128 if (max_query_len * group_p >= 128 and D <= 128 and not interp) else 64
-        block_q = max(1, target_m // group_p)
-        block_q = min(block_q, next_pow2(max_query_len))
-    block_q = max(next_pow2(block_q), cdiv(16, group_p))
-    if block_n is None:
-        block_n = 64 if D <= 128 else 32
-    block_n = max(16, next_pow2(block_n))
-
-    prec = "ieee" if (q.dtype == torch.float32 and kv_layer.dtype == torch.float32) else "tf32"
-    mask_arg = tree_mask.view(torch.uint8) if tree_mask is not None and tree_mask.dtype == torch.bool else tree_mask
-    has_mask = mask_arg is not None
-    if not has_mask:
-        mask_arg = query_start_loc  # dummy pointer, never read
-    stride_mt = mask_arg.stride(0) if has_mask else 0
-    mask_cols = mask_arg.shape[1] if has_mask else 0
-    k_cache = kv_layer[0]
-    v_cache = kv_layer[1]
-    min_q = cdiv(16, group_p)
-
-    def launch(block_q: int, block_n: int, num_stages: Optional[int]) -> None:
-        block_m = block_q * group_p
-        n_qblocks = cdiv(max_query_len, block_q)
-        splits = num_splits
-        if splits is None:
-            if interp or q.device.type != "cuda":
-                splits = 1
-            else:  # flash-decoding: enough programs to fill the GPU when the batch is small
-                base = B * n_qblocks * KVH
-                target = 2 * _num_sms(q.device)
-                splits = max(1, min(cdiv(target, base), cdiv(max_seq_len, 256), 32))
-        splits = max(1, min(int(splits), cdiv(max_seq_len, block_n)))
-        split_len = cdiv(cdiv(max_seq_len, splits), block_n) * block_n
-        if splits > 1:
-            splits = cdiv(max_seq_len, split_len)
-        if splits > 1:
-            part = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
-            ml = torch.empty((splits, T, H, 2), dtype=torch.float32, device=q.device)
-            p_strides = (part.stride(0), part.stride(1), part.stride(2))
-            ml_strides = (ml.stride(0), ml.stride(1), ml.stride(2))
-        else:
-            part = out  # dummies, never read
-            ml = out
-            p_strides = (0, 0, 0)
-            ml_strides = (0, 0, 0)
-        extra = {} if num_stages is None else {"num_stages": num_stages}
-        grid = (n_qblocks, B, KVH * splits)
-        _tree_attention_kernel[grid](
-            q, k_cache, v_cache, out,
-            query_start_loc, context_lens, seq_lens, block_tables, mask_arg,
-            part, ml,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            out.stride(0), out.stride(1),
-            block_tables.stride(0), stride_mt,
-            *p_strides, *ml_strides,
-            max(1, block_tables.shape[1]), mask_cols, split_len, splits,
-            float(scale) * _LOG2E,
-            HEAD_DIM=D,
-            BLOCK_SIZE=BS,
-            GROUP=group,
-            GROUP_P=group_p,
-            BLOCK_Q=block_q,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            HAS_MASK=has_mask,
-            SPLIT=splits > 1,
-            PREC=prec,
-            num_warps=8 if block_m >= 128 else 4,
-            **extra,
-        )
-        if splits > 1:
-            _tree_attention_combine_kernel[(T, H)](
-                part, ml, out,
-                *p_strides, *ml_strides,
-                out.stride(0), out.stride(1),
-                splits,
-                HEAD_DIM=D,
-                SPLITS_P=next_pow2(splits),
-                BLOCK_D=block_d,
-                num_warps=4,
-            )
-
-    # Compiled kernels: if a configuration needs more shared memory / registers than the GPU has,
-    # fall back to smaller tiles and fewer pipeline stages (remembered per problem class).
-    key = (q.device.type, q.dtype, kv_layer.dtype, D, group_p, block_q, block_n, has_mask)
-    cands = [(block_q, block_n, None), (block_q, block_n, 1), (block_q, min(block_n, 32), 1),
-             (max(min_q, block_q // 2), 16, 1), (min_q, 16, 1)]
-    first = _CONFIG_CACHE.get(key, 0)
+    cfgs = launch_configs(
+        head_dim=D, group=H // KVH, num_kv_heads=KVH, batch=B, max_query_len=max_query_len,
+        max_seq_len=max_seq_len, num_sms=None if interp else _num_sms(q.device), interpret=interp,
+        num_splits=num_splits, block_q=block_q, block_n=block_n)
+    dot = dot_operands(q.dtype, kv_layer.dtype, interpret=interp)
+    meta = (query_start_loc, context_lens, seq_lens, block_tables)
+    top = cfgs[0]
+    key = (q.device.type, q.dtype, kv_layer.dtype, D, top.group_p, top.block_q, top.block_n, tree_mask is not None)
     last_err = None
-    for level in range(first, len(cands)):
+    for level in range(_CONFIG_CACHE.get(key, 0), len(cfgs)):
         try:
-            launch(*cands[level])
+            for kernel, grid, args, kw in _launch_plan(q, kv_layer, meta, tree_mask, out, scale, cfgs[level], dot):
+                kernel[grid](*args, **kw)
         except Exception as err:  # OutOfResources (compile time); anything else is re-raised
             if OutOfResources is None or not isinstance(err, OutOfResources):
                 raise

@@ -107,14 +107,20 @@ def greedy_verify(
     is_bonus = torch.zeros(B, dtype=torch.int8, device=dev)
     if B == 0:
         return accept_len, path, next_token, is_bonus.bool()
-    _greedy_verify_kernel[(B,)](
-        target_argmax, tokens, parents, node_offsets,
-        accept_len, path, next_token, is_bonus,
-        path.stride(0),
-        BLOCK=max(16, next_pow2(max_nodes)),
-        num_warps=1,
-    )
+    for kernel, grid, args, kw in _greedy_verify_plan(target_argmax, tokens, parents, node_offsets,
+                                                      (accept_len, path, next_token, is_bonus)):
+        kernel[grid](*args, **kw)
     return accept_len, path, next_token, is_bonus.bool()
+
+
+def _greedy_verify_plan(target_argmax, tokens, parents, node_offsets, outs) -> list:
+    """``[(kernel, grid, args, kwargs)]`` of one :func:`greedy_verify` call (launches nothing; used
+    by ``specd_kernels.aot``): one single-warp program per request, ``BLOCK`` = the node capacity
+    ``path.shape[1]`` rounded up to a power of two >= 16."""
+    accept_len, path, next_token, is_bonus = outs
+    args = (target_argmax, tokens, parents, node_offsets, accept_len, path, next_token, is_bonus, path.stride(0))
+    kw = {"BLOCK": max(16, next_pow2(path.shape[1])), "num_warps": 1}
+    return [(_greedy_verify_kernel, (node_offsets.shape[0] - 1,), args, kw)]
 
 
 def greedy_verify_ref(
