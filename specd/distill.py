@@ -788,6 +788,7 @@ def add_distill_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     r.add_argument("--self-prompts", type=int, default=64, help="questions the target writes itself")
     r.add_argument("--max-new-tokens", type=int, default=160)
     r.add_argument("--data-out", default=None, help="also write the generated replies here (JSON)")
+    r.add_argument("--data-in", default=None, help="train on replies an earlier run wrote (--data-out)")
     return p
 
 

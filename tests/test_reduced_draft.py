@@ -1,6 +1,6 @@
 """Reduced-vocabulary drafts that use the target's embeddings by reference (specd.distill_reduced).
 
-On the tiny stories260K target: a draft trained for a few steps over at most 96 of the 512 tokens (those its replies use), exported,
+On the tiny stories260K target: a draft trained for a few steps over 96 of the 512 tokens (those its replies use, then the lowest ids), exported,
 loaded beside its target. Its files hold no embeddings or head; in memory its embedding IS the
 target's tensor; it never drafts a token outside its vocabulary; and speculative greedy output equals
 plain greedy output token for token (chain and tree), whatever the draft's quality.
@@ -33,7 +33,7 @@ def draft_dir(tmp_path_factory, shared_pair):
     texts = ["Once upon a time, there was a little girl named Lily.", "The dog ran to the park and played.",
              "Tom saw a big red ball. He was very happy.", "One day, the sun was hot and the birds sang."] * 4
     data = [(tok(t)["input_ids"], 3) for t in texts]
-    d2t = DR.pick_vocab(data, N, [2])
+    d2t = DR.pick_vocab(data, N, [2], target.config.vocab_size)
     t2d = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
     t2d[d2t] = torch.arange(d2t.numel())
     embed = target.model.embed.weight.detach().float()
@@ -59,7 +59,7 @@ def test_draft_files_hold_no_embeddings_and_the_target_is_shared_by_reference(dr
     d = load_model(draft_dir, "cpu", "float32", target=target)
     assert d.model.embed.weight is target.model.embed.weight
     n = json.loads((draft_dir / "config.json").read_text())["specd_draft"]["draft_vocab_size"]
-    assert d.model.d2t.numel() == n and 2 in d.model.d2t.tolist() and n < N < 512 and d.tokenizer is None
+    assert d.model.d2t.numel() == n == N < 512 and 2 in d.model.d2t.tolist() and d.tokenizer is None
     logits = d.model.compute_logits(torch.randn(3, target.config.hidden_size))
     outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
     outside[d.model.d2t] = False
