@@ -143,9 +143,8 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int, interval_s: float) -> N
     setup_logging(logging.getLevelName(log_level))  # the server's JSON lines, on the same stderr
     import torch
 
-    from specd.engine import Engine
-
     from specd.cpu import set_threads
+    from specd.engine import Engine
 
     set_threads(cfg.threads)
     try:
@@ -224,19 +223,7 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int, interval_s: float) -> N
         else:
             failures = 0
         wait = backoff_s(max(failures, eng.health.consecutive_failed))
-        packed = []
-        urgent = False
-        for o in outs:
-            seq = o.seq
-            state = None
-            if o.finished:
-                state = _seq_state(seq)
-                first_sent.discard(o.request_id)
-            elif o.request_id not in first_sent and seq.first_token_time is not None:
-                state = _seq_state(seq)
-                first_sent.add(o.request_id)
-            urgent = urgent or state is not None
-            packed.append((o.request_id, o.token_ids, o.text, o.finished, o.finish_reason, state))
+        packed, urgent = _pack(outs, first_sent)
         now = time.monotonic()
         if packed:
             held.append((packed, now - t_step))
@@ -247,6 +234,24 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int, interval_s: float) -> N
             if not _send(out_conn, ("snapshot", _snapshot(eng))):
                 return
             cmd_conn.wait(wait)
+
+
+def _pack(outs: list, first_sent: set) -> tuple:
+    """A step's outputs as picklable tuples, with the request's state on its first token and at its
+    end (``first_sent``: requests whose first token went already); ``urgent`` when any carries it."""
+    packed, urgent = [], False
+    for o in outs:
+        seq = o.seq
+        state = None
+        if o.finished:
+            state = _seq_state(seq)
+            first_sent.discard(o.request_id)
+        elif o.request_id not in first_sent and seq.first_token_time is not None:
+            state = _seq_state(seq)
+            first_sent.add(o.request_id)
+        urgent = urgent or state is not None
+        packed.append((o.request_id, o.token_ids, o.text, o.finished, o.finish_reason, state))
+    return packed, urgent
 
 
 def _fail_all(eng, exc: Exception) -> list:
