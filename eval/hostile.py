@@ -16,7 +16,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import random
 import sys
 import time
@@ -73,16 +72,6 @@ def stage_faults(engine, prompts: dict) -> dict:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=2000)
@@ -93,13 +82,14 @@ def main(argv=None) -> int:
     import torch
 
     from specd.chaos import canary
+    from specd.cpu import cpu_info
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     engine = build_engine(a.num_blocks)
     prompts = [engine.tokenizer(p)["input_ids"] for p in ("Once upon a time", "The dog ran to the", "Lily saw a")]
     canary_ref = canary(build_engine(a.num_blocks), prompts[0])
     t0 = time.perf_counter()
-    summary = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+    summary = {"cpu": cpu_info()["model"], "threads": torch.get_num_threads(), "torch": torch.__version__,
                "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
                "random": random_cases(engine, a.cases, a.seed, prompts[0], canary_ref),
                "stages": stage_faults(engine, prompts), "health": engine.health_snapshot(),

@@ -103,14 +103,19 @@ def _int(name: str, v, lo: int | None = None, hi: int | None = None, off: str = 
     return v
 
 
-def _stop_strings(stop) -> tuple:
-    stop = (stop,) if isinstance(stop, str) else stop
+def _bounded_tuple(name: str, items, limit: int, what: str) -> tuple:
+    """``items`` as a tuple of at most ``limit`` entries (ValueError naming ``name`` otherwise)."""
     try:
-        stop = tuple(stop)
+        items = tuple(items)
     except TypeError:
-        raise ValueError(f"stop must be a sequence of strings, got {stop!r}") from None
-    if len(stop) > MAX_STOP:
-        raise ValueError(f"stop: at most {MAX_STOP} strings, got {len(stop)}")
+        raise ValueError(f"{name} must be a sequence of {what}, got {items!r:.80}") from None
+    if len(items) > limit:
+        raise ValueError(f"{name}: at most {limit} {what}, got {len(items)}")
+    return items
+
+
+def _stop_strings(stop) -> tuple:
+    stop = _bounded_tuple("stop", (stop,) if isinstance(stop, str) else stop, MAX_STOP, "strings")
     for s in stop:
         if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
             raise ValueError(f"stop strings must be non-empty strings of at most {MAX_STOP_CHARS} characters, "
@@ -119,12 +124,7 @@ def _stop_strings(stop) -> tuple:
 
 
 def _stop_ids(ids) -> tuple:
-    try:
-        ids = tuple(ids)
-    except TypeError:
-        raise ValueError(f"stop_token_ids must be a sequence of ints, got {ids!r:.80}") from None
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+    ids = _bounded_tuple("stop_token_ids", ids, MAX_STOP_TOKEN_IDS, "ints")
     return tuple(_int("stop_token_ids entry", i, 0, INT64_MAX) for i in ids)
 
 
