@@ -58,10 +58,17 @@ bench-deps:
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc)} \
 		$(BIN)/pip install --no-binary llama-cpp-python 'llama-cpp-python>=0.3'
 
+# acceptance and speedup per category on the built-in pair (Spec-Bench and MT-bench), with the theory check
+EVAL_PER_CATEGORY ?= 2
+EVAL_TOKENS ?= 128
+BUILTIN = "$$($(BIN)/python -c 'from specd import builtin; print(builtin.builtin_gguf())')"
 eval: install
-	$(BIN)/python eval/acceptance.py --target $(SHARED)/models/stories260K --draft $(SHARED)/models/stories260K-draft-1L64 \
-		--prompts $(SHARED)/data/mt_bench/question.jsonl --raw --limit 24 --max-tokens 128 \
-		--modes off,chain:4,tree:16 --temperature 0,1 --out eval/out/mt_bench
+	for set in spec_bench mt_bench; do \
+		$(BIN)/python eval/acceptance.py --target $(BUILTIN) --draft models/smollm2-draft \
+			--prompts $(SHARED)/data/$$set/question.jsonl --per-category $(EVAL_PER_CATEGORY) \
+			--max-tokens $(EVAL_TOKENS) --modes off,chain:4,tree:16 --temperature 0 --threads $(THREADS) \
+			--out eval/out/$$set || exit 1; \
+	done
 
 SOAK_CLIENTS ?= 8
 SOAK_MINUTES ?= 3

@@ -66,8 +66,8 @@ def parse_args(argv=None):
 def load_pair(target: str, draft: str, device: str = "cpu"):
     from specd.loader import load_model
 
-    return (load_model(target, device, "float32", progress=False),
-            load_model(draft, device, "float32", progress=False))
+    t = load_model(target, device, "float32", progress=False)
+    return t, load_model(draft, device, "float32", progress=False, target=t)  # (a draft may share t's embeddings)
 
 
 def run_eval(target, draft, prompts: list, modes: list, *, temperatures=(0.0,), max_tokens: int = 128,

@@ -111,7 +111,7 @@ def main(argv=None):
     from specd.loader import load_model
 
     target = load_model(a.target, "cpu", "float32")
-    draft = load_model(a.draft, "cpu", "float32", with_tokenizer=True)
+    draft = load_model(a.draft, "cpu", "float32", with_tokenizer=True, target=target)
     engines = {name: Engine(EngineConfig(target=a.target, draft=a.draft, spec=SpecConfig(adaptive=False, **kw)),
                             target=target, draft=draft)
                for name, (_, kw) in SPEC_CONFIGS.items()}

@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else C.default_out("peers")
     out.mkdir(parents=True, exist_ok=True)
     target = load_model(a.target, a.device, "float32", progress=False)
-    draft = load_model(a.draft, a.device, "float32", progress=False)
+    draft = load_model(a.draft, a.device, "float32", progress=False, target=target)
     tok = target.tokenizer
     chat = a.chat_template if a.chat_template is not None else C.has_chat_template(tok)
     eos = list(target.config.eos_token_ids)
