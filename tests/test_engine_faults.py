@@ -25,7 +25,7 @@ from specd.engine import FAIL_ALL_AFTER, RequestError
 from specd.health import RateLimitedLog, backoff_s, unhealthy_reason
 from specd.sampling import SamplingParams
 from specd.sequence import SpecParams
-from tests.conftest import http_status, serve_args, serve_engine, ws_collect
+from tests.conftest import http_get, http_status, serve_args, serve_engine, ws_collect
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -248,7 +248,7 @@ def test_health_endpoints_and_metrics_follow_failures(engine, prompts):
                 assert done["type"] == "done" and done["finish_reason"] == "error"
                 assert done["error"]["code"] == "internal" and "verify failed" in done["error"]["message"]
         assert http_status(srv.port, "/readyz") == 503 and http_status(srv.port, "/healthz") == 503
-        metrics = _get(srv.port, "/metrics")
+        metrics = http_get(srv.port, "/metrics")[1].decode()
         assert 'specd_engine_failed_requests_total{stage="verify"}' in metrics and "specd_engine_healthy 0" in metrics
         assert 'specd_requests_total{finish_reason="error"} 3' in metrics
         engine.fault_hook = None
@@ -260,13 +260,6 @@ def test_health_endpoints_and_metrics_follow_failures(engine, prompts):
     finally:
         engine.fault_hook = None
         srv.stop()
-
-
-def _get(port: int, path: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
-        return r.read().decode()
 
 
 def test_daemon_exits_nonzero_after_staying_unhealthy(engine, prompts):

@@ -6,26 +6,16 @@ from __future__ import annotations
 import os
 import signal
 import time
-import urllib.error
-import urllib.request
 
 import orjson
 import pytest
 from websockets.sync.client import connect
 
-from conftest import serve_args, ws_collect
+from conftest import http_get, serve_args, ws_collect
 
 pytestmark = pytest.mark.timeout(180)
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"]
-
-
-def _get(port, path):
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def _idle_kv(remote, timeout=20.0):
@@ -95,7 +85,7 @@ def test_streams_equal_the_in_process_engine(server, reference):
                     assert done["spec"]["draft_tokens"] > 0
     assert _idle_kv(remote)
     # the child's state reaches /metrics
-    status, body = _get(server.port, "/metrics")
+    status, body = http_get(server.port, "/metrics")
     text = body.decode()
     assert status == 200 and "specd_kv_blocks_total{cache=\"target\"} 256" in text
     assert "specd_kv_blocks_used{cache=\"target\"} 0" in text
@@ -160,10 +150,10 @@ def test_a_request_the_child_cannot_run_fails_alone(server, reference):
     assert isinstance(err, RequestError) and err.code == "internal" and "failed" in str(err), err
     assert toks == reference[PROMPTS[0], "tree"][0]
     assert _idle_kv(remote)
-    status, body = _get(server.port, "/metrics")
+    status, body = http_get(server.port, "/metrics")
     assert status == 200 and b"specd_engine_failed_requests_total" in body
     assert sum(remote.health_snapshot()["failed_requests"].values()) >= 1
-    assert _get(server.port, "/readyz")[0] == 200
+    assert http_get(server.port, "/readyz")[0] == 200
 
 
 def test_a_stuck_engine_process_turns_health_red_until_it_resumes(server):
@@ -181,14 +171,14 @@ def test_a_stuck_engine_process_turns_health_red_until_it_resumes(server):
             os.kill(remote.proc.pid, signal.SIGSTOP)
             try:
                 end = time.monotonic() + 10
-                while _get(server.port, "/healthz")[0] != 503 and time.monotonic() < end:
+                while http_get(server.port, "/healthz")[0] != 503 and time.monotonic() < end:
                     time.sleep(0.05)
-                assert _get(server.port, "/healthz")[0] == 503
+                assert http_get(server.port, "/healthz")[0] == 503
             finally:
                 os.kill(remote.proc.pid, signal.SIGCONT)
             deltas, done = ws_collect(ws, "s")
             assert done["finish_reason"] == "length"
-        assert _get(server.port, "/healthz")[0] == 200
+        assert http_get(server.port, "/healthz")[0] == 200
     finally:
         ae.watchdog_timeout_s = old
 
@@ -210,9 +200,9 @@ def test_a_dead_engine_process_fails_requests_and_health(shared_pair):
             assert done["error"]["code"] == "internal"
             # the server itself stays up: health says the engine is gone, new requests are refused
             end = time.monotonic() + 10
-            while _get(srv.port, "/healthz")[0] != 503 and time.monotonic() < end:
+            while http_get(srv.port, "/healthz")[0] != 503 and time.monotonic() < end:
                 time.sleep(0.05)
-            assert _get(srv.port, "/healthz")[0] == 503
+            assert http_get(srv.port, "/healthz")[0] == 503
             ws.send(orjson.dumps({"type": "generate", "id": "k2", "prompt": PROMPTS[0]}).decode())
             m = orjson.loads(ws.recv(timeout=10))
             assert m["type"] == "error" and m["code"] in ("shutting_down", "internal", "overloaded"), m

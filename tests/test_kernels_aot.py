@@ -16,13 +16,8 @@ from __future__ import annotations
 
 import pytest
 
-from specd_kernels import HAS_TRITON
-
-if not HAS_TRITON:  # pragma: no cover
-    pytest.skip("triton is not installed", allow_module_level=True)
-
-from specd_kernels import aot  # noqa: E402
-from specd_kernels.tree_attention import launch_configs  # noqa: E402
+from specd_kernels import aot
+from specd_kernels.tree_attention import launch_configs
 
 SHAPES = ("decode", "tree")  # the prefill and mixed shapes: `python -m specd_kernels.aot` (docs/benchmarks.md)
 BF16_GROUPS = (3,)

@@ -380,11 +380,7 @@ class AsyncEngine:
         self.num_step_errors += 1
         self._errlog.error(f"step:{type(e).__name__}", "engine step failed: %s: %s", type(e).__name__, e,
                            exc_info=e)
-        try:
-            return self.engine.fail_all(e)
-        except Exception:  # noqa: BLE001
-            log.exception("could not fail the engine's requests")
-            return []
+        return self.engine.fail_all(e)
 
     def _notify(self, outs: list, step_seconds: float) -> None:
         for f in self.listeners:

@@ -219,7 +219,7 @@ def _child_main(cfg, cmd_conn, out_conn, log_level: int, interval_s: float) -> N
             errlog.error(type(e).__name__, "engine step failed: %s: %s", type(e).__name__, e, exc_info=e)
             if not flush() or not _send(out_conn, ("step_error", f"{type(e).__name__}: {e}")):
                 return
-            outs = _fail_all(eng, e)
+            outs = eng.fail_all(e)
         else:
             failures = 0
         wait = backoff_s(max(failures, eng.health.consecutive_failed))
@@ -252,14 +252,6 @@ def _pack(outs: list, first_sent: set) -> tuple:
         urgent = urgent or state is not None
         packed.append((o.request_id, o.token_ids, o.text, o.finished, o.finish_reason, state))
     return packed, urgent
-
-
-def _fail_all(eng, exc: Exception) -> list:
-    try:
-        return eng.fail_all(exc)
-    except Exception:  # noqa: BLE001
-        log.exception("could not fail the engine's requests")
-        return []
 
 
 def _send(conn: Pipe, msg) -> bool:

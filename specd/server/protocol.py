@@ -142,8 +142,6 @@ def parse_generate(msg: dict) -> GenerateRequest:
         stop = tuple(stop)
     else:
         raise _bad("stop must be a string or a list of strings")
-    if len(stop) > RB.MAX_STOP or any(not s for s in stop):
-        raise _bad(f"stop: at most {RB.MAX_STOP} non-empty strings")
     stop_ids = msg.get("stop_token_ids")
     if stop_ids is None:
         stop_ids = ()

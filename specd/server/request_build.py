@@ -137,8 +137,6 @@ def sampling_params(max_tokens=None, temperature=None, top_p=None, top_k=None, s
             stop = [stop]
         if not isinstance(stop, Sequence) or isinstance(stop, (bytes, Mapping)):
             raise _bad("'stop' must be a string or a list of strings")
-        if len(stop) > MAX_STOP:
-            raise _bad(f"at most {MAX_STOP} stop strings, got {len(stop)}")
         kw["stop"] = tuple(stop)
     if stop_token_ids is not None:
         if isinstance(stop_token_ids, (str, bytes, Mapping)) or not isinstance(stop_token_ids, Sequence):
