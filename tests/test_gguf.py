@@ -19,6 +19,7 @@ import torch
 from tokenizers.pre_tokenizers import ByteLevel
 
 from specd import gguf as sg
+from specd.builtin import builtin_gguf
 from specd.loader import LoadError, load_model, load_tokenizer
 from tests.test_model import _our_logits
 
@@ -462,6 +463,9 @@ def test_cli_convert_exits_non_zero_without_traceback(tmp_path):
 
 
 # the real SmolLM2-135M-Instruct Q4_1 file (opt-in) ----------------------------------------------------
+BUILTIN_GGUF = builtin_gguf()  # (read before the fixtures point SPECD_CACHE_DIR at a temporary folder)
+
+
 @pytest.mark.slow
 def test_smollm2_gguf_answers_paris(tmp_path):
     """The real SmolLM2 GGUF: $SPECD_SMOLLM2_GGUF, else the built-in copy `specd setup` cached."""
@@ -470,9 +474,8 @@ def test_smollm2_gguf_answers_paris(tmp_path):
     from specd.sampling import SamplingParams
     from specd.sequence import SpecParams
 
-    from specd import builtin
-
-    src = os.environ.get("SPECD_SMOLLM2_GGUF") or str(builtin.ensure(download=False))  # (make install fetched it)
+    src = os.environ.get("SPECD_SMOLLM2_GGUF") or str(BUILTIN_GGUF)
+    assert Path(src).is_file(), f"{src} missing: `make install` (specd setup) fetches it"
     lm = load_model(src, "cpu", "float32")
     assert (lm.config.num_layers, lm.config.hidden_size, lm.config.vocab_size) == (30, 576, 49152)
     eng = Engine(EngineConfig(target=src, device="cpu", dtype="float32"), target=lm)
