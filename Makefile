@@ -12,7 +12,7 @@ SHARED ?= ../shared
 HOST ?= 127.0.0.1
 PORT ?= 8765
 
-.PHONY: install run test test-slow bench bench-deps eval soak proto sysdeps clean
+.PHONY: install run test lint test-slow bench bench-deps eval soak proto sysdeps clean
 
 install: $(STAMP)
 
@@ -27,8 +27,13 @@ $(STAMP): pyproject.toml
 run: install
 	$(BIN)/specd serve --host $(HOST) --port $(PORT) --threads 0
 
-test: install sysdeps
+test: install sysdeps lint
 	$(BIN)/python -m pytest -q
+
+# linters (issue #21): ruff rules + formatting over the whole tree
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test-slow: install
 	SPECD_SLOW=1 $(BIN)/python -m pytest -q -m slow
@@ -82,8 +87,8 @@ sysdeps:
 		echo "warning: could not install chromium/systemd (need root): the web-page and unit tests will fail"
 
 proto: install
-	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=specd/server/proto --pyi_out=specd/server/proto --grpc_python_out=specd/server/proto proto/specd/v1/specd.proto
-	perl -pi -e 's/^from specd\.v1 import/from specd.server.proto.specd.v1 import/' specd/server/proto/specd/v1/specd_pb2_grpc.py
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=specd/serving/proto --pyi_out=specd/serving/proto --grpc_python_out=specd/serving/proto proto/specd/v1/specd.proto
+	perl -pi -e 's/^from specd\.v1 import/from specd.serving.proto.specd.v1 import/' specd/serving/proto/specd/v1/specd_pb2_grpc.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -24,6 +24,7 @@ Reported per category and overall (``report.json``, ``summary.md``, plots):
   measured here; "speculation efficiency" = measured speedup / predicted speedup
 - greedy: how many outputs equal the target-only output token for token (lossless check)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,8 +44,11 @@ def parse_args(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed base (same per prompt for every mode)")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
-    ap.add_argument("--modes", default="off,chain:4,tree:16",
-                    help="comma list of off | chain:K | tree:N[:TOPK[:DEPTH]] | static:N (off is always added)")
+    ap.add_argument(
+        "--modes",
+        default="off,chain:4,tree:16",
+        help="comma list of off | chain:K | tree:N[:TOPK[:DEPTH]] | static:N (off is always added)",
+    )
     ap.add_argument("--tree-topk", type=int, default=4, help="dynamic tree: children per node / nodes per level")
     ap.add_argument("--tree-depth", type=int, default=6, help="dynamic tree: max depth")
     ap.add_argument("--limit", type=int, default=None, help="N prompts in all, round-robin over categories")
@@ -52,8 +56,12 @@ def parse_args(argv=None):
     ap.add_argument("--per-category", type=int, default=None, help="first N prompts of each category")
     ap.add_argument("--categories", default=None, help="comma list of categories to keep")
     ap.add_argument("--max-turns", type=int, default=None, help="only the first N turns of each prompt")
-    ap.add_argument("--max-prompt-tokens", type=int, default=None,
-                    help="left-truncate prompts to this (default: context - max_tokens)")
+    ap.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="left-truncate prompts to this (default: context - max_tokens)",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--out", default=None, help="output dir (default eval/out/acceptance-DATE)")
@@ -64,23 +72,37 @@ def parse_args(argv=None):
 
 # running ----------------------------------------------------------------------------------------
 def load_pair(target: str, draft: str, device: str = "cpu"):
-    from specd.loader import load_model
+    from specd.model.loader import load_model
 
     t = load_model(target, device, "float32", progress=False)
     return t, load_model(draft, device, "float32", progress=False, target=t)  # (a draft may share t's embeddings)
 
 
-def run_eval(target, draft, prompts: list, modes: list, *, temperatures=(0.0,), max_tokens: int = 128,
-             chat_template: bool = False, top_p: float = 1.0, seed: int = 0, ignore_eos: bool = False,
-             max_prompt_tokens=None, device: str = "cpu", progress: bool = True, warmup: bool = True,
-             desc: str = "eval") -> dict:
+def run_eval(
+    target,
+    draft,
+    prompts: list,
+    modes: list,
+    *,
+    temperatures=(0.0,),
+    max_tokens: int = 128,
+    chat_template: bool = False,
+    top_p: float = 1.0,
+    seed: int = 0,
+    ignore_eos: bool = False,
+    max_prompt_tokens=None,
+    device: str = "cpu",
+    progress: bool = True,
+    warmup: bool = True,
+    desc: str = "eval",
+) -> dict:
     """Run every prompt under every mode and temperature. Returns the report's ``runs`` and ``requests``.
 
-    ``target``/``draft`` are loaded models (``specd.loader.load_model``); ``modes`` are ``common.Mode``.
+    ``target``/``draft`` are loaded models (``specd.model.loader.load_model``); ``modes`` are ``common.Mode``.
     """
     from tqdm import tqdm
 
-    from specd.sampling import SamplingParams
+    from specd.engine.sampling import SamplingParams
 
     if not any(m.kind == "off" for m in modes):
         modes = [C.Mode("off", "off")] + list(modes)
@@ -105,18 +127,28 @@ def run_eval(target, draft, prompts: list, modes: list, *, temperatures=(0.0,), 
             t.reset()
         logs = {n: C.StepLog(e) for n, e in engines.items()}  # fresh engine-wide totals per temperature
         rows = []
-        bar = tqdm(total=len(prompts) * len(modes), desc=f"{desc} T={temp:g}", disable=not progress,
-                   unit="conv", dynamic_ncols=True)
+        bar = tqdm(
+            total=len(prompts) * len(modes),
+            desc=f"{desc} T={temp:g}",
+            disable=not progress,
+            unit="conv",
+            dynamic_ncols=True,
+        )
         for qi, p in enumerate(prompts):
-            order = modes[qi % len(modes):] + modes[:qi % len(modes)]
+            order = modes[qi % len(modes) :] + modes[: qi % len(modes)]
             for m in order:
                 eng = engines[m.name]
                 answers = []
                 for ti in range(len(p.turns)):
-                    ids = C.encode_conversation(tok, p.turns[:ti + 1], answers, chat_template)
+                    ids = C.encode_conversation(tok, p.turns[: ti + 1], answers, chat_template)
                     ids, truncated = C.fit_prompt(ids, max_prompt, bos)
-                    params = SamplingParams(temperature=temp, top_p=top_p, max_tokens=max_tokens,
-                                            seed=seed + 1000 * qi + ti, ignore_eos=ignore_eos)
+                    params = SamplingParams(
+                        temperature=temp,
+                        top_p=top_p,
+                        max_tokens=max_tokens,
+                        seed=seed + 1000 * qi + ti,
+                        ignore_eos=ignore_eos,
+                    )
                     logs[m.name].take()
                     t0, c0 = time.perf_counter(), time.process_time()
                     seq = eng.generate([ids], params, m.spec_params())[0]
@@ -125,26 +157,46 @@ def run_eval(target, draft, prompts: list, modes: list, *, temperatures=(0.0,), 
                     text = eng.output_text(seq)
                     answers.append(text)
                     st = C.stats_dict(seq.stats, C.tried_per_depth(steps))
-                    rows.append({
-                        "prompt_id": p.id, "category": p.category, "subcategory": p.subcategory, "turn": ti + 1,
-                        "mode": m.name, "temperature": temp, "prompt_tokens": len(ids), "truncated": truncated,
-                        "output_tokens": seq.num_output, "wall_s": round(dt, 6), "cpu_s": round(cpu, 6),
-                        "tokens_per_s": round(seq.num_output / dt, 3) if dt > 0 else 0.0,
-                        "finish_reason": seq.finish_reason, "output_ids": list(seq.output_ids), "stats": st,
-                    })
+                    rows.append(
+                        {
+                            "prompt_id": p.id,
+                            "category": p.category,
+                            "subcategory": p.subcategory,
+                            "turn": ti + 1,
+                            "mode": m.name,
+                            "temperature": temp,
+                            "prompt_tokens": len(ids),
+                            "truncated": truncated,
+                            "output_tokens": seq.num_output,
+                            "wall_s": round(dt, 6),
+                            "cpu_s": round(cpu, 6),
+                            "tokens_per_s": round(seq.num_output / dt, 3) if dt > 0 else 0.0,
+                            "finish_reason": seq.finish_reason,
+                            "output_ids": list(seq.output_ids),
+                            "stats": st,
+                        }
+                    )
                 bar.update(1)
         bar.close()
         runs.append(summarise(rows, modes, temp, timers, engines))
         for r in rows:
             r.pop("output_ids", None)  # only needed for the greedy lossless check
         requests += rows
-    return {"runs": runs, "requests": requests,
-            "prompts": {"count": len(prompts), "turns": sum(len(p.turns) for p in prompts),
-                        "categories": sorted({p.category for p in prompts}),
-                        "truncated": sum(1 for r in requests if r["truncated"] and r["mode"] == "off"
-                                         and r["temperature"] == temperatures[0]),
-                        "max_prompt_tokens": max_prompt, "chat_template": chat_template,
-                        "ids": [p.id for p in prompts]}}
+    return {
+        "runs": runs,
+        "requests": requests,
+        "prompts": {
+            "count": len(prompts),
+            "turns": sum(len(p.turns) for p in prompts),
+            "categories": sorted({p.category for p in prompts}),
+            "truncated": sum(
+                1 for r in requests if r["truncated"] and r["mode"] == "off" and r["temperature"] == temperatures[0]
+            ),
+            "max_prompt_tokens": max_prompt,
+            "chat_template": chat_template,
+            "ids": [p.id for p in prompts],
+        },
+    }
 
 
 # summarising ------------------------------------------------------------------------------------
@@ -157,11 +209,16 @@ def metrics(rows: list) -> dict:
     wall = sum(r["wall_s"] for r in rows)
     cpu = sum(r["cpu_s"] for r in rows)
     out_tok = sum(r["output_tokens"] for r in rows)
-    d = {"requests": len(rows), "prompt_tokens": sum(r["prompt_tokens"] for r in rows), "output_tokens": out_tok,
-         "wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
-         "tokens_per_s": round(out_tok / wall, 2) if wall > 0 else 0.0,
-         "tokens_per_cpu_s": round(out_tok / cpu, 2) if cpu > 0 else 0.0,
-         "median_request_tokens_per_s": round(C.median([r["tokens_per_s"] for r in rows]), 2)}
+    d = {
+        "requests": len(rows),
+        "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+        "output_tokens": out_tok,
+        "wall_s": round(wall, 4),
+        "cpu_s": round(cpu, 4),
+        "tokens_per_s": round(out_tok / wall, 2) if wall > 0 else 0.0,
+        "tokens_per_cpu_s": round(out_tok / cpu, 2) if cpu > 0 else 0.0,
+        "median_request_tokens_per_s": round(C.median([r["tokens_per_s"] for r in rows]), 2),
+    }
     d.update(C.stats_dict(st, tried))
     return d
 
@@ -169,8 +226,11 @@ def metrics(rows: list) -> dict:
 def _speedups(rows: list, base: list) -> dict:
     key = lambda r: (r["prompt_id"], r["turn"])  # noqa: E731
     b = {key(r): r for r in base}
-    ratios = [r["tokens_per_s"] / b[key(r)]["tokens_per_s"] for r in rows
-              if key(r) in b and b[key(r)]["tokens_per_s"] > 0 and r["tokens_per_s"] > 0]
+    ratios = [
+        r["tokens_per_s"] / b[key(r)]["tokens_per_s"]
+        for r in rows
+        if key(r) in b and b[key(r)]["tokens_per_s"] > 0 and r["tokens_per_s"] > 0
+    ]
     return {"median_request_speedup": round(C.median(ratios), 4)}
 
 
@@ -186,8 +246,9 @@ def summarise(rows: list, modes: list, temp: float, timers: dict, engines: dict)
         mr = by_mode[m.name]
         ov = metrics(mr)
         ov["speedup"] = round(ov["tokens_per_s"] / base_m["tokens_per_s"], 4) if base_m["tokens_per_s"] else 0.0
-        ov["speedup_cpu"] = (round(ov["tokens_per_cpu_s"] / base_m["tokens_per_cpu_s"], 4)
-                             if base_m["tokens_per_cpu_s"] else 0.0)
+        ov["speedup_cpu"] = (
+            round(ov["tokens_per_cpu_s"] / base_m["tokens_per_cpu_s"], 4) if base_m["tokens_per_cpu_s"] else 0.0
+        )
         ov.update(_speedups(mr, base))
         per_cat = {}
         for c in cats:
@@ -196,13 +257,19 @@ def summarise(rows: list, modes: list, temp: float, timers: dict, engines: dict)
             cm = metrics(cr)
             bm = metrics(cb)
             cm["speedup"] = round(cm["tokens_per_s"] / bm["tokens_per_s"], 4) if bm["tokens_per_s"] else 0.0
-            cm["speedup_cpu"] = (round(cm["tokens_per_cpu_s"] / bm["tokens_per_cpu_s"], 4)
-                                 if bm["tokens_per_cpu_s"] else 0.0)
+            cm["speedup_cpu"] = (
+                round(cm["tokens_per_cpu_s"] / bm["tokens_per_cpu_s"], 4) if bm["tokens_per_cpu_s"] else 0.0
+            )
             cm.update(_speedups(cr, cb))
             per_cat[c] = cm
         timing = timers[m.name].as_dict()
-        entry = {"mode": m.describe(), "overall": ov, "per_category": per_cat, "timing": timing,
-                 "engine_stats": C.stats_dict(engines[m.name].stats)}
+        entry = {
+            "mode": m.describe(),
+            "overall": ov,
+            "per_category": per_cat,
+            "timing": timing,
+            "engine_stats": C.stats_dict(engines[m.name].stats),
+        }
         if greedy and m.kind != "off":
             bo = {(r["prompt_id"], r["turn"]): r["output_ids"] for r in base}
             same = sum(1 for r in mr if bo.get((r["prompt_id"], r["turn"])) == r["output_ids"])
@@ -220,6 +287,7 @@ def theory(m, ov: dict, timing: dict, off_timing: dict) -> dict:
     CPU-time version (``*_cpu``) is the steadier one on a shared machine; the wall-clock version
     compares with the tokens/s speedup.
     """
+
     def ratio(x, y):
         return x / y if y else 0.0
 
@@ -231,8 +299,15 @@ def theory(m, ov: dict, timing: dict, off_timing: dict) -> dict:
         a = ov.get("alpha_iid", 0.0)
         e_iid = C.expected_tokens_iid(a, k)
         e_prod = C.expected_tokens_product(ov.get("conditional_acceptance_per_depth", [])[:k])
-        d.update({"model": "leviathan_chain", "k": k, "alpha": a, "expected_tokens_iid": round(e_iid, 4),
-                  "expected_tokens_product": round(e_prod, 4)})
+        d.update(
+            {
+                "model": "leviathan_chain",
+                "k": k,
+                "alpha": a,
+                "expected_tokens_iid": round(e_iid, 4),
+                "expected_tokens_product": round(e_prod, 4),
+            }
+        )
     else:  # same cost model: one target step + (draft forwards per step) draft forwards
         e_iid = e_prod = None
         d["model"] = "leviathan_cost_tree"
@@ -240,8 +315,9 @@ def theory(m, ov: dict, timing: dict, off_timing: dict) -> dict:
         sfx = "_cpu" if clock else ""
         c = ratio(timing[f"{clock}draft_forward_ms_mean"], off_timing[f"{clock}step_ms_mean"])
         d[f"c{sfx}"] = round(c, 4)
-        d[f"verify_cost_ratio{sfx}"] = round(ratio(timing[f"{clock}target_forward_ms_per_step"],
-                                                   off_timing[f"{clock}target_forward_ms_per_step"]), 4)
+        d[f"verify_cost_ratio{sfx}"] = round(
+            ratio(timing[f"{clock}target_forward_ms_per_step"], off_timing[f"{clock}target_forward_ms_per_step"]), 4
+        )
         if m.kind == "chain":
             pred = C.leviathan_speedup(e_iid, m.size, c)
             d[f"predicted_speedup_product{sfx}"] = round(C.leviathan_speedup(e_prod, m.size, c), 4)
@@ -256,17 +332,21 @@ def theory(m, ov: dict, timing: dict, off_timing: dict) -> dict:
 # output -----------------------------------------------------------------------------------------
 def markdown(report: dict) -> str:
     meta = report["meta"]
-    lines = ["# specd acceptance evaluation", "",
-             f"- command: `{meta['command']}`",
-             f"- date: {meta['date']}; device: {meta['device']} ({meta['cpu']}, {meta['cpu_count']} cores, "
-             f"{meta['torch_threads']} torch threads); versions: "
-             + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()) + f"; git {meta['git_commit']}",
-             f"- target `{meta['target']}`, draft `{meta['draft']}`; prompts `{meta['prompts_file']}`: "
-             f"{report['prompts']['count']} prompts / {report['prompts']['turns']} turns, categories "
-             f"{', '.join(report['prompts']['categories'])}; max_tokens {meta['max_tokens']}; "
-             f"{'chat template' if report['prompts']['chat_template'] else 'raw prompts'}; "
-             f"{report['prompts']['truncated']} prompts left-truncated to {report['prompts']['max_prompt_tokens']} tokens",
-             ""]
+    lines = [
+        "# specd acceptance evaluation",
+        "",
+        f"- command: `{meta['command']}`",
+        f"- date: {meta['date']}; device: {meta['device']} ({meta['cpu']}, {meta['cpu_count']} cores, "
+        f"{meta['torch_threads']} torch threads); versions: "
+        + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
+        + f"; git {meta['git_commit']}",
+        f"- target `{meta['target']}`, draft `{meta['draft']}`; prompts `{meta['prompts_file']}`: "
+        f"{report['prompts']['count']} prompts / {report['prompts']['turns']} turns, categories "
+        f"{', '.join(report['prompts']['categories'])}; max_tokens {meta['max_tokens']}; "
+        f"{'chat template' if report['prompts']['chat_template'] else 'raw prompts'}; "
+        f"{report['prompts']['truncated']} prompts left-truncated to {report['prompts']['max_prompt_tokens']} tokens",
+        "",
+    ]
     for run in report["runs"]:
         t = run["temperature"]
         lines += [f"## temperature {t:g} ({'greedy' if t == 0 else 'sampling'})", ""]
@@ -274,38 +354,101 @@ def markdown(report: dict) -> str:
         for e in run["modes"]:
             o = e["overall"]
             gm = e.get("greedy_match")
-            rows.append([e["mode"]["name"], o["mean_accepted_length"], o["acceptance_rate"],
-                         " ".join(f"{x:.2f}" for x in o["acceptance_per_depth"][:8]),
-                         o["tokens_per_s"], o["speedup"], o["median_request_speedup"], o["speedup_cpu"],
-                         f"{gm['equal']}/{gm['of']}" if gm else "-"])
-        lines += [C.md_table(["mode", "tokens/step", "accept rate", "P(reach depth 1..)", "tok/s", "speedup",
-                              "median speedup", "CPU-time speedup", "greedy == off"], rows), ""]
+            rows.append(
+                [
+                    e["mode"]["name"],
+                    o["mean_accepted_length"],
+                    o["acceptance_rate"],
+                    " ".join(f"{x:.2f}" for x in o["acceptance_per_depth"][:8]),
+                    o["tokens_per_s"],
+                    o["speedup"],
+                    o["median_request_speedup"],
+                    o["speedup_cpu"],
+                    f"{gm['equal']}/{gm['of']}" if gm else "-",
+                ]
+            )
+        lines += [
+            C.md_table(
+                [
+                    "mode",
+                    "tokens/step",
+                    "accept rate",
+                    "P(reach depth 1..)",
+                    "tok/s",
+                    "speedup",
+                    "median speedup",
+                    "CPU-time speedup",
+                    "greedy == off",
+                ],
+                rows,
+            ),
+            "",
+        ]
         cats = list(run["modes"][0]["per_category"])
         if len(cats) > 1:
-            hdr = ["category"] + [f"{e['mode']['name']} tok/step" for e in run["modes"] if e["mode"]["kind"] != "off"] \
+            hdr = (
+                ["category"]
+                + [f"{e['mode']['name']} tok/step" for e in run["modes"] if e["mode"]["kind"] != "off"]
                 + [f"{e['mode']['name']} speedup" for e in run["modes"] if e["mode"]["kind"] != "off"]
+            )
             crow = []
             for c in cats:
                 spec = [e for e in run["modes"] if e["mode"]["kind"] != "off"]
-                crow.append([c] + [e["per_category"][c]["mean_accepted_length"] for e in spec]
-                            + [e["per_category"][c]["speedup"] for e in spec])
+                crow.append(
+                    [c]
+                    + [e["per_category"][c]["mean_accepted_length"] for e in spec]
+                    + [e["per_category"][c]["speedup"] for e in spec]
+                )
             lines += ["Per category:", "", C.md_table(hdr, crow), ""]
         th = [e for e in run["modes"] if "theory" in e]
         if th:
             trows = []
             for e in th:
                 x = e["theory"]
-                trows.append([e["mode"]["name"], x.get("alpha", "-"), x.get("expected_tokens_iid", "-"),
-                              x["measured_tokens_per_step"], x["draft_forwards_per_step"],
-                              x["c"], x["verify_cost_ratio"], x["predicted_speedup"], x["measured_speedup"],
-                              x["speculation_efficiency"], x["c_cpu"], x["predicted_speedup_cpu"],
-                              x["measured_speedup_cpu"], x["speculation_efficiency_cpu"]])
-            lines += ["Theory check (Leviathan et al. 2023: E = (1 - alpha^(k+1)) / (1 - alpha), speedup = "
-                      "E / (k c + 1), c = draft forward / target-only step; trees: E_measured / (forwards c + 1); "
-                      "efficiency = measured / predicted; wall clock, then CPU time):", "",
-                      C.md_table(["mode", "alpha", "E iid", "E measured", "draft fwd/step", "c", "verify cost",
-                                  "predicted", "measured", "efficiency", "c (cpu)", "predicted (cpu)",
-                                  "measured (cpu)", "efficiency (cpu)"], trows), ""]
+                trows.append(
+                    [
+                        e["mode"]["name"],
+                        x.get("alpha", "-"),
+                        x.get("expected_tokens_iid", "-"),
+                        x["measured_tokens_per_step"],
+                        x["draft_forwards_per_step"],
+                        x["c"],
+                        x["verify_cost_ratio"],
+                        x["predicted_speedup"],
+                        x["measured_speedup"],
+                        x["speculation_efficiency"],
+                        x["c_cpu"],
+                        x["predicted_speedup_cpu"],
+                        x["measured_speedup_cpu"],
+                        x["speculation_efficiency_cpu"],
+                    ]
+                )
+            lines += [
+                "Theory check (Leviathan et al. 2023: E = (1 - alpha^(k+1)) / (1 - alpha), speedup = "
+                "E / (k c + 1), c = draft forward / target-only step; trees: E_measured / (forwards c + 1); "
+                "efficiency = measured / predicted; wall clock, then CPU time):",
+                "",
+                C.md_table(
+                    [
+                        "mode",
+                        "alpha",
+                        "E iid",
+                        "E measured",
+                        "draft fwd/step",
+                        "c",
+                        "verify cost",
+                        "predicted",
+                        "measured",
+                        "efficiency",
+                        "c (cpu)",
+                        "predicted (cpu)",
+                        "measured (cpu)",
+                        "efficiency (cpu)",
+                    ],
+                    trows,
+                ),
+                "",
+            ]
     return "\n".join(lines)
 
 
@@ -314,22 +457,40 @@ def plots(report: dict, out: Path) -> list:
     for run in report["runs"]:
         t = f"T{run['temperature']:g}"
         spec = [e for e in run["modes"] if e["mode"]["kind"] != "off"]
-        files.append(C.plot_acceptance_per_depth(
-            {e["mode"]["name"]: e["overall"]["acceptance_per_depth"] for e in spec},
-            out / f"acceptance_per_depth_{t}.png", f"acceptance per depth (temperature {run['temperature']:g})"))
-        files.append(C.plot_accept_hist(
-            {e["mode"]["name"]: e["overall"]["accept_len_dist"] for e in spec},
-            out / f"accept_len_hist_{t}.png", f"accepted draft tokens per step (temperature {run['temperature']:g})"))
+        files.append(
+            C.plot_acceptance_per_depth(
+                {e["mode"]["name"]: e["overall"]["acceptance_per_depth"] for e in spec},
+                out / f"acceptance_per_depth_{t}.png",
+                f"acceptance per depth (temperature {run['temperature']:g})",
+            )
+        )
+        files.append(
+            C.plot_accept_hist(
+                {e["mode"]["name"]: e["overall"]["accept_len_dist"] for e in spec},
+                out / f"accept_len_hist_{t}.png",
+                f"accepted draft tokens per step (temperature {run['temperature']:g})",
+            )
+        )
         series = {}
         for kind, key in (("chain", "k"), ("tree", "budget"), ("static", "budget")):
             es = sorted((e for e in spec if e["mode"]["kind"] == kind), key=lambda e: e["mode"][key])
             if es:
                 series[f"{kind} (x = {'k' if kind == 'chain' else 'tree budget N'})"] = (
-                    [e["mode"][key] for e in es], [e["overall"]["speedup"] for e in es])
+                    [e["mode"][key] for e in es],
+                    [e["overall"]["speedup"] for e in es],
+                )
         if series:
-            files.append(C.plot_xy(series, out / f"speedup_{t}.png", "draft tokens per step (k or N)",
-                                   "speedup over target-only", f"speedup (temperature {run['temperature']:g})",
-                                   hline=1.0, logx=True))
+            files.append(
+                C.plot_xy(
+                    series,
+                    out / f"speedup_{t}.png",
+                    "draft tokens per step (k or N)",
+                    "speedup over target-only",
+                    f"speedup (temperature {run['temperature']:g})",
+                    hline=1.0,
+                    logx=True,
+                )
+            )
     return files
 
 
@@ -353,15 +514,40 @@ def main(argv=None) -> int:
     if chat and not C.has_chat_template(target.tokenizer):
         print("acceptance: the tokenizer has no chat template; use --raw", file=sys.stderr)
         return 2
-    res = run_eval(target, draft, prompts, modes, temperatures=temps, max_tokens=a.max_tokens, chat_template=chat,
-                   top_p=a.top_p, seed=a.seed, ignore_eos=a.ignore_eos, max_prompt_tokens=a.max_prompt_tokens,
-                   device=a.device, progress=not a.no_progress)
+    res = run_eval(
+        target,
+        draft,
+        prompts,
+        modes,
+        temperatures=temps,
+        max_tokens=a.max_tokens,
+        chat_template=chat,
+        top_p=a.top_p,
+        seed=a.seed,
+        ignore_eos=a.ignore_eos,
+        max_prompt_tokens=a.max_prompt_tokens,
+        device=a.device,
+        progress=not a.no_progress,
+    )
     if argv is not None:
         meta["command"] = "python eval/acceptance.py " + " ".join(argv)
-    meta.update({"target": a.target, "draft": a.draft, "prompts_file": a.prompts, "max_tokens": a.max_tokens,
-                 "temperatures": temps, "top_p": a.top_p, "seed": a.seed, "ignore_eos": a.ignore_eos,
-                 "modes": [m.name for m in modes], "limit": a.limit, "per_category": a.per_category,
-                 "categories": cats, "elapsed_s": round(time.perf_counter() - t0, 2)})
+    meta.update(
+        {
+            "target": a.target,
+            "draft": a.draft,
+            "prompts_file": a.prompts,
+            "max_tokens": a.max_tokens,
+            "temperatures": temps,
+            "top_p": a.top_p,
+            "seed": a.seed,
+            "ignore_eos": a.ignore_eos,
+            "modes": [m.name for m in modes],
+            "limit": a.limit,
+            "per_category": a.per_category,
+            "categories": cats,
+            "elapsed_s": round(time.perf_counter() - t0, 2),
+        }
+    )
     report = {"schema": C.SCHEMA, "kind": "acceptance", "meta": meta, **res}
     C.write_json(out / "report.json", report)
     md = markdown(report)

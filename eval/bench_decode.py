@@ -8,6 +8,7 @@ Markdown table and the exact command; ``--json`` writes the figures.
     OMP_NUM_THREADS=1 python eval/bench_decode.py --target ../shared/models/stories260K \
         --draft ../shared/models/stories260K-draft-1L64 --prompts 8 --max-tokens 128
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,13 +29,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from specd.config import EngineConfig, SpecConfig  # noqa: E402
-from specd.engine import Engine  # noqa: E402
-from specd.sampling import SamplingParams  # noqa: E402
-from specd.sequence import SpecParams  # noqa: E402
+from specd.engine.engine import Engine  # noqa: E402
+from specd.engine.sampling import SamplingParams  # noqa: E402
+from specd.engine.sequence import SpecParams  # noqa: E402
 
-STORY_PROMPTS = ["Once upon a time, there was a little", "Tom had a big red ball. One day", "The cat and the dog",
-                 "Lily went to the park with her mom. She saw", "Sam was sad because", "It was a sunny day and",
-                 "The little bird wanted to fly", "Anna found a shiny key under the"]
+STORY_PROMPTS = [
+    "Once upon a time, there was a little",
+    "Tom had a big red ball. One day",
+    "The cat and the dog",
+    "Lily went to the park with her mom. She saw",
+    "Sam was sad because",
+    "It was a sunny day and",
+    "The little bird wanted to fly",
+    "Anna found a shiny key under the",
+]
 
 
 def load_prompts(tok, n, path=None):
@@ -52,7 +60,7 @@ def time_specd(eng, prompts, max_tokens, mode, batch):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rates, outs, mals = [], [], []
     for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
+        chunk = prompts[i : i + batch]
         t0 = time.perf_counter()
         seqs = eng.generate(chunk, params, SpecParams(mode=mode))
         dt = time.perf_counter() - t0
@@ -70,7 +78,7 @@ def time_hf(model, prompts, max_tokens, batch, assistant=None):
         kw["assistant_model"] = assistant
     with torch.no_grad():
         for i in range(0, len(prompts), batch):
-            chunk = prompts[i:i + batch]
+            chunk = prompts[i : i + batch]
             L = max(len(p) for p in chunk)
             ids = torch.tensor([[0] * (L - len(p)) + p for p in chunk])
             att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk])
@@ -99,22 +107,30 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-file", default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5,
-                    help="passes per configuration, interleaved across configurations (medians reported)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="passes per configuration, interleaved across configurations (medians reported)",
+    )
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import transformers
     from transformers import AutoModelForCausalLM
 
-    import transformers
-
-    from specd.loader import load_model
+    from specd.model.loader import load_model
 
     target = load_model(a.target, "cpu", "float32")
     draft = load_model(a.draft, "cpu", "float32", with_tokenizer=True, target=target)
-    engines = {name: Engine(EngineConfig(target=a.target, draft=a.draft, spec=SpecConfig(adaptive=False, **kw)),
-                            target=target, draft=draft)
-               for name, (_, kw) in SPEC_CONFIGS.items()}
+    engines = {
+        name: Engine(
+            EngineConfig(target=a.target, draft=a.draft, spec=SpecConfig(adaptive=False, **kw)),
+            target=target,
+            draft=draft,
+        )
+        for name, (_, kw) in SPEC_CONFIGS.items()
+    }
     prompts = load_prompts(target.tokenizer, a.prompts, a.prompt_file)
     hf = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).eval()
     hf_draft = AutoModelForCausalLM.from_pretrained(a.draft, dtype=torch.float32).eval()
@@ -144,27 +160,43 @@ def main(argv=None):
             res[f"{key}_b{batch}"] = med[name]
             res[f"{key}_b{batch}_mal"] = statistics.median(mals[name])
             same = sum(x == y for x, y in zip(outs[name], outs["hf"]))
-            rows.append((batch, f"specd {name}", med[name], med[name] / r_hf, statistics.median(mals[name]),
-                         f"{same}/{len(outs[name])}"))
+            rows.append(
+                (
+                    batch,
+                    f"specd {name}",
+                    med[name],
+                    med[name] / r_hf,
+                    statistics.median(mals[name]),
+                    f"{same}/{len(outs[name])}",
+                )
+            )
         rows.append((batch, "transformers generate", r_hf, 1.0, 1.0, "-"))
         if batch == 1:
             res["hf_assisted_b1"] = med["assisted"]
             rows.append((1, "transformers assisted", med["assisted"], med["assisted"] / r_hf, float("nan"), "-"))
-    cmd = "OMP_NUM_THREADS=%s python %s" % (os.environ.get("OMP_NUM_THREADS"), " ".join(sys.argv))
-    print(f"\n{time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()} {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, transformers {transformers.__version__}\n`{cmd}`\n")
-    print("| batch | engine | tokens/s (median) | vs transformers generate | mean accepted length | same tokens as HF |")
+    cmd = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} python {' '.join(sys.argv)}"
+    print(
+        f"\n{time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()} {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}\n`{cmd}`\n"
+    )
+    print(
+        "| batch | engine | tokens/s (median) | vs transformers generate | mean accepted length | same tokens as HF |"
+    )
     print("|---|---|---|---|---|---|")
     for b, name, r, ratio, mal, same in rows:
         print(f"| {b} | {name} | {r:.1f} | {ratio:.2f}x | {mal:.2f} | {same} |")
     print()
     for b in (1, 8):
-        print(f"batch {b}: specd target-only / transformers generate = "
-              f"{res[f'specd_off_b{b}'] / res[f'hf_generate_b{b}']:.2f}x")
+        print(
+            f"batch {b}: specd target-only / transformers generate = "
+            f"{res[f'specd_off_b{b}'] / res[f'hf_generate_b{b}']:.2f}x"
+        )
     spec_names = [n for n in SPEC_CONFIGS if n != "off"]
     best = max(spec_names, key=lambda n: res["specd_" + n.replace(" ", "_").replace("=", "") + "_b1"])
     best_rate = res["specd_" + best.replace(" ", "_").replace("=", "") + "_b1"]
-    print(f"batch 1: specd speculative (best: {best}) / transformers assisted = {best_rate / res['hf_assisted_b1']:.2f}x")
+    print(
+        f"batch 1: specd speculative (best: {best}) / transformers assisted = {best_rate / res['hf_assisted_b1']:.2f}x"
+    )
     if a.json:
         Path(a.json).write_text(json.dumps({"command": cmd, "results": res}, indent=1))
 

@@ -7,7 +7,7 @@
         [--p3-repeats 7]                       # defaults: ~6-7 min on 2 shared CPU cores
 
 Every figure comes from websocket clients (``websockets`` asyncio, one connection per stream) talking
-to a real ``specd`` server (``specd.server.app.ServerThread``: the daemon's ``App`` on its own event
+to a real ``specd`` server (``specd.serving.app.ServerThread``: the daemon's ``App`` on its own event
 loop thread, the engine on its own thread) started in this process with the ``specd serve`` defaults
 (``--spec-mode tree``, adaptive speculation on, requests ``speculation: auto`` unless stated), greedy.
 Client and server share one Python process (and its GIL) on purpose: the numbers include event-loop
@@ -42,6 +42,7 @@ and GIL contention, as a co-located client would see them.
 Prints Markdown (tables, the exact command, date, machine, versions) to stdout, progress to stderr,
 and writes everything (with per-repeat values) to ``--json PATH``.
 """
+
 from __future__ import annotations
 
 import os
@@ -64,7 +65,6 @@ import time  # noqa: E402
 import urllib.request  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Optional  # noqa: E402
 
 import orjson  # noqa: E402
 
@@ -73,13 +73,30 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 DEMO = (ROOT / "models" / "demo" / "target", ROOT / "models" / "demo" / "draft")
-SHARED = (ROOT.parent / "shared" / "models" / "stories260K", ROOT.parent / "shared" / "models" / "stories260K-draft-1L64")
+SHARED = (
+    ROOT.parent / "shared" / "models" / "stories260K",
+    ROOT.parent / "shared" / "models" / "stories260K-draft-1L64",
+)
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
-STORY_PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bird",
-                 "There was a girl named Sue", "The sun was hot and", "Tim had a red ball", "Mom said to Ben",
-                 "The cat sat on the mat", "Ben wanted to play", "It was a rainy day", "Sam found a box",
-                 "The old tree was", "Anna liked to draw", "A small fish swam", "The boy saw a big truck"]
+STORY_PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to the park",
+    "One day, a big bird",
+    "There was a girl named Sue",
+    "The sun was hot and",
+    "Tim had a red ball",
+    "Mom said to Ben",
+    "The cat sat on the mat",
+    "Ben wanted to play",
+    "It was a rainy day",
+    "Sam found a box",
+    "The old tree was",
+    "Anna liked to draw",
+    "A small fish swam",
+    "The boy saw a big truck",
+]
 
 
 def log(msg: str) -> None:
@@ -87,7 +104,7 @@ def log(msg: str) -> None:
 
 
 # statistics -------------------------------------------------------------------------------------
-def pct(xs: list, q: float) -> Optional[float]:
+def pct(xs: list, q: float) -> float | None:
     """Percentile with linear interpolation (numpy's default); None for no samples."""
     if not xs:
         return None
@@ -124,11 +141,12 @@ class Pair:
                 if p.is_relative_to(base):
                     return str(p.relative_to(base))
             return str(p)
+
         return f"`{rel(self.target)}` + `{rel(self.draft)}`"
 
 
 def load_pair(name: str, paths: tuple, device: str, dtype: str) -> Pair:
-    from specd.loader import load_model
+    from specd.model.loader import load_model
 
     t = load_model(paths[0], device, dtype, progress=False)
     d = load_model(paths[1], device, dtype, progress=False)
@@ -137,20 +155,40 @@ def load_pair(name: str, paths: tuple, device: str, dtype: str) -> Pair:
 
 
 def serve_args(pair: Pair, a, extra: list):
-    from specd.cli import build_parser
+    from specd.options import serve_parser
 
-    return build_parser().parse_args(
-        ["serve", "--target", str(pair.target), "--draft", str(pair.draft), "--device", a.device,
-         "--dtype", a.dtype, "--num-blocks", str(a.num_blocks), "--port", "0", "--grpc-port", "0",
-         "--log-level", "warning", "--max-queue", "1024", *extra])
+    return serve_parser().parse_args(
+        [
+            "--target",
+            str(pair.target),
+            "--draft",
+            str(pair.draft),
+            "--device",
+            a.device,
+            "--dtype",
+            a.dtype,
+            "--num-blocks",
+            str(a.num_blocks),
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--log-level",
+            "warning",
+            "--max-queue",
+            "1024",
+            *extra,
+        ]
+    )
 
 
 def start_server(pair: Pair, a, extra: list = ()):
     """A fresh Engine (sharing the loaded weights) with ``specd serve`` flags + ``extra``, warmed up,
     served by a ServerThread. Returns (server, engine, serve flags)."""
-    from specd.cli import engine_config
-    from specd.engine import Engine
-    from specd.server.app import ServerThread, warm_up
+    from specd.engine.engine import Engine
+    from specd.engine.warmup import warm_up
+    from specd.options import engine_config
+    from specd.serving.app import ServerThread
 
     sa = serve_args(pair, a, list(extra))
     eng = Engine(engine_config(sa), target=pair.loaded[0], draft=pair.loaded[1])
@@ -186,7 +224,7 @@ def http_get(port: int, path: str) -> str:
         return r.read().decode()
 
 
-def metric_value(text: str, name: str) -> Optional[float]:
+def metric_value(text: str, name: str) -> float | None:
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
@@ -218,10 +256,10 @@ class Result:
     arrivals: list = field(default_factory=list)  # (perf_counter, tokens in the delta)
     token_ids: list = field(default_factory=list)
     text: str = ""
-    done: Optional[dict] = None
+    done: dict | None = None
 
     @property
-    def ttft_ms(self) -> Optional[float]:
+    def ttft_ms(self) -> float | None:
         return (self.arrivals[0][0] - self.t_send) * 1000 if self.arrivals else None
 
     @property
@@ -296,6 +334,7 @@ def run_async(coro):
 # part 1: interactive latency under batch load ---------------------------------------------------
 async def batch_load(port: int, bodies: list, priority: str, started: list, stop: asyncio.Event, stats: dict):
     """Closed-loop streams (one connection each) until ``stop``; closing the connection cancels."""
+
     async def worker(k: int, body: dict):
         async with connect(port) as ws:
             i = 0
@@ -315,15 +354,15 @@ async def batch_load(port: int, bodies: list, priority: str, started: list, stop
     return [asyncio.ensure_future(worker(k, b)) for k, b in enumerate(bodies)]
 
 
-async def p1_condition(srv, eng, a, pair: Pair, load: Optional[str], spec: str, n_req: int,
-                       batch_tokens: int) -> dict:
+async def p1_condition(srv, eng, a, pair: Pair, load: str | None, spec: str, n_req: int, batch_tokens: int) -> dict:
     """``n_req`` interactive requests one after the other; ``load`` None (idle) or the batch streams'
     priority; every request (interactive and batch) has ``speculation: {mode: spec}``."""
     port = srv.port
     inter = prompts_for(pair, n_req, offset=0)
     sp = {"speculation": {"mode": spec}}
-    bodies = [{**b, **sp, "max_tokens": batch_tokens, "ignore_eos": True}
-              for b in prompts_for(pair, a.p1_batch, offset=100)]
+    bodies = [
+        {**b, **sp, "max_tokens": batch_tokens, "ignore_eos": True} for b in prompts_for(pair, a.p1_batch, offset=100)
+    ]
     stop = asyncio.Event()
     started: list = []
     stats = {"batch_tokens": 0, "batch_requests": 0}
@@ -342,8 +381,9 @@ async def p1_condition(srv, eng, a, pair: Pair, load: Optional[str], spec: str, 
     t0 = time.perf_counter()
     async with connect(port) as ws:
         for i, body in enumerate(inter):
-            r = await request(ws, f"i{i}", {**body, **sp, "max_tokens": a.p1_tokens, "ignore_eos": True,
-                                            "priority": "interactive"})
+            r = await request(
+                ws, f"i{i}", {**body, **sp, "max_tokens": a.p1_tokens, "ignore_eos": True, "priority": "interactive"}
+            )
             results.append(r)
             await asyncio.sleep(0.05)
     wall = time.perf_counter() - t0
@@ -375,16 +415,33 @@ async def p1_condition(srv, eng, a, pair: Pair, load: Optional[str], spec: str, 
         b = statistics.median([n for _, n in xs])
         pred = None
         if sch.t_target is not None:
-            pred = sch.t_target + sch.t_per_token * b * (1 + (sch.nodes_for_depth(d) if d else 0)) + d * (sch.t_draft or 0)
-        depth_rows.append({"depth": d, "steps": len(xs), "batch_median": b,
-                           "step_ms_median": 1000 * statistics.median([x for x, _ in xs]),
-                           "model_pred_ms": None if pred is None else 1000 * pred})
+            pred = (
+                sch.t_target + sch.t_per_token * b * (1 + (sch.nodes_for_depth(d) if d else 0)) + d * (sch.t_draft or 0)
+            )
+        depth_rows.append(
+            {
+                "depth": d,
+                "steps": len(xs),
+                "batch_median": b,
+                "step_ms_median": 1000 * statistics.median([x for x, _ in xs]),
+                "model_pred_ms": None if pred is None else 1000 * pred,
+            }
+        )
     return {
-        "load": load, "spec": spec, "requests": len(results), "tokens": toks,
+        "load": load,
+        "spec": spec,
+        "requests": len(results),
+        "tokens": toks,
         "ttft_ms": {"p50": pct(ttft, 50), "p99": pct(ttft, 99), "max": max(ttft), "samples": ttft},
         "server_ttft_ms": {"p50": pct(sttft, 50), "max": max(sttft)},
-        "itl_token_ms": {"p50": pct(itl_tok, 50), "p90": pct(itl_tok, 90), "p99": pct(itl_tok, 99),
-                         "max": max(itl_tok), "mean": statistics.mean(itl_tok), "n": len(itl_tok)},
+        "itl_token_ms": {
+            "p50": pct(itl_tok, 50),
+            "p90": pct(itl_tok, 90),
+            "p99": pct(itl_tok, 99),
+            "max": max(itl_tok),
+            "mean": statistics.mean(itl_tok),
+            "n": len(itl_tok),
+        },
         "itl_delta_ms": {"p50": pct(itl_del, 50), "p99": pct(itl_del, 99), "max": max(itl_del), "n": len(itl_del)},
         "tokens_per_delta": toks / sum(len(r.arrivals) for r in results),
         "interactive_draft_tokens_per_step": sum(x["draft_tokens"] for x in spec_st) / vsteps if vsteps else 0.0,
@@ -395,24 +452,38 @@ async def p1_condition(srv, eng, a, pair: Pair, load: Optional[str], spec: str, 
         "depth_mean": statistics.mean([d for _, d, _, _ in steps]) if steps else None,
         "drafting_steps_pct": 100 * sum(1 for _, d, _, _ in steps if d > 0) / len(steps) if steps else None,
         "by_depth": depth_rows,
-        "cost_model_end": {"t_target_ms": 1000 * (sch.t_target or 0), "t_per_token_ms": 1000 * sch.t_per_token,
-                           "t_draft_level_ms": 1000 * (sch.t_draft or 0)},
+        "cost_model_end": {
+            "t_target_ms": 1000 * (sch.t_target or 0),
+            "t_per_token_ms": 1000 * sch.t_per_token,
+            "t_draft_level_ms": 1000 * (sch.t_draft or 0),
+        },
         "batch_tokens_per_s": (tb1 - tb0) / wall if load else None,
         "wall_s": wall,
     }
 
 
-P1_CONDITIONS = (("idle", None), ("+ batch streams (priority batch)", "batch"),
-                 ("+ same streams as interactive", "interactive"))
+P1_CONDITIONS = (
+    ("idle", None),
+    ("+ batch streams (priority batch)", "batch"),
+    ("+ same streams as interactive", "interactive"),
+)
 
 
 def part1(a, pair: Pair) -> dict:
     out = {"pair": pair.name, "servers": []}
-    configs = [("default", [], [m.strip() for m in a.p1_spec.split(",") if m.strip()], a.p1_requests,
-                a.p1_batch_tokens)]
+    configs = [
+        ("default", [], [m.strip() for m in a.p1_spec.split(",") if m.strip()], a.p1_requests, a.p1_batch_tokens)
+    ]
     if a.p1_saturate:
-        configs.append((f"--max-num-seqs {a.p1_saturate}", ["--max-num-seqs", str(a.p1_saturate)],
-                        [a.p1_saturate_spec], a.p1_saturate_requests, a.p1_saturate_batch_tokens))
+        configs.append(
+            (
+                f"--max-num-seqs {a.p1_saturate}",
+                ["--max-num-seqs", str(a.p1_saturate)],
+                [a.p1_saturate_spec],
+                a.p1_saturate_requests,
+                a.p1_saturate_batch_tokens,
+            )
+        )
     for label, extra, specs, n_req, btok in configs:
         srv, eng, flags = start_server(pair, a, extra)
         try:
@@ -422,11 +493,21 @@ def part1(a, pair: Pair) -> dict:
                     log(f"part 1 [{label}, spec {spec}]: {name}")
                     conds[name] = run_async(p1_condition(srv, eng, a, pair, load, spec, n_req, btok))
                     c = conds[name]
-                    log(f"  TTFT p50 {c['ttft_ms']['p50']:.1f} ms, ITL/token p50 {c['itl_token_ms']['p50']:.2f} "
+                    log(
+                        f"  TTFT p50 {c['ttft_ms']['p50']:.1f} ms, ITL/token p50 {c['itl_token_ms']['p50']:.2f} "
                         f"p99 {c['itl_token_ms']['p99']:.2f} ms, engine step {c['engine_step_ms_mean'] or 0:.1f} ms, "
-                        f"mean depth {c['depth_mean'] or 0:.2f}, {c['wall_s']:.0f} s")
-                out["servers"].append({"label": label, "flags": flags, "spec": spec, "requests": n_req,
-                                       "batch_tokens": btok, "conditions": conds})
+                        f"mean depth {c['depth_mean'] or 0:.2f}, {c['wall_s']:.0f} s"
+                    )
+                out["servers"].append(
+                    {
+                        "label": label,
+                        "flags": flags,
+                        "spec": spec,
+                        "requests": n_req,
+                        "batch_tokens": btok,
+                        "conditions": conds,
+                    }
+                )
         finally:
             srv.stop()
     return out
@@ -448,8 +529,18 @@ def chat_len(tok, msgs: list) -> int:
 async def p2_run(servers: dict, a, pair: Pair) -> dict:
     tok = pair.loaded[0].tokenizer
     qs = mt_questions(a.mt_questions)
-    per = {k: {"turn1_ttft": [], "turn2_ttft": [], "turn2_server_ttft": [], "turn2_prompt": [], "answers": [],
-               "t2_query": 0, "t2_hit": 0} for k in servers}
+    per = {
+        k: {
+            "turn1_ttft": [],
+            "turn2_ttft": [],
+            "turn2_server_ttft": [],
+            "turn2_prompt": [],
+            "answers": [],
+            "t2_query": 0,
+            "t2_hit": 0,
+        }
+        for k in servers
+    }
     skipped = 0
     conns = {}
     for k, (srv, _, _) in servers.items():
@@ -498,15 +589,19 @@ def part2(a, pair: Pair) -> dict:
         log(f"part 2: {a.mt_questions} MT-bench questions, alternating servers")
         res = run_async(p2_run(servers, a, pair))
         out = {"pair": pair.name, "questions": res["questions"], "skipped_too_long": res["skipped"], "servers": {}}
-        for k, (srv, eng, flags) in servers.items():
+        for k, (srv, _eng, flags) in servers.items():
             p = res["per"][k]
             text = http_get(srv.port, "/metrics")
             out["servers"][k] = {
-                "flags": flags, "n": len(p["turn2_ttft"]),
+                "flags": flags,
+                "n": len(p["turn2_ttft"]),
                 "turn1_ttft_ms_p50": pct(p["turn1_ttft"], 50),
-                "turn2_ttft_ms": {"p50": pct(p["turn2_ttft"], 50), "p90": pct(p["turn2_ttft"], 90),
-                                  "mean": statistics.mean(p["turn2_ttft"]) if p["turn2_ttft"] else None,
-                                  "samples": p["turn2_ttft"]},
+                "turn2_ttft_ms": {
+                    "p50": pct(p["turn2_ttft"], 50),
+                    "p90": pct(p["turn2_ttft"], 90),
+                    "mean": statistics.mean(p["turn2_ttft"]) if p["turn2_ttft"] else None,
+                    "samples": p["turn2_ttft"],
+                },
                 "turn2_server_ttft_ms_p50": pct(p["turn2_server_ttft"], 50),
                 "turn2_prompt_tokens_mean": statistics.mean(p["turn2_prompt"]) if p["turn2_prompt"] else None,
                 "metrics_prefix_cache_hit_rate": metric_value(text, "specd_prefix_cache_hit_rate"),
@@ -525,16 +620,27 @@ def part2(a, pair: Pair) -> dict:
 async def p3_round(conns: list, bodies: list, mode: str, tag: str) -> dict:
     c0 = time.process_time()
     t0 = time.perf_counter()
-    rs = await asyncio.gather(*(request(ws, f"{tag}-{i}", {**b, "speculation": {"mode": mode}})
-                                for i, (ws, b) in enumerate(zip(conns, bodies))))
+    rs = await asyncio.gather(
+        *(
+            request(ws, f"{tag}-{i}", {**b, "speculation": {"mode": mode}})
+            for i, (ws, b) in enumerate(zip(conns, bodies))
+        )
+    )
     wall = max(r.t_end for r in rs) - t0
     cpu = time.process_time() - c0
     toks = sum(len(r.token_ids) for r in rs)
     steps = sum(r.done["spec"]["steps"] for r in rs)
     drafted = sum(r.done["spec"]["draft_tokens"] for r in rs)
-    return {"tok_s": toks / wall, "cpu_us_per_token": 1e6 * cpu / toks, "tokens": toks, "wall_s": wall, "steps": steps,
-            "draft_per_step": drafted / steps if steps else 0.0, "tokens_per_step": toks / steps if steps else 0.0,
-            "ids": [r.token_ids for r in rs]}
+    return {
+        "tok_s": toks / wall,
+        "cpu_us_per_token": 1e6 * cpu / toks,
+        "tokens": toks,
+        "wall_s": wall,
+        "steps": steps,
+        "draft_per_step": drafted / steps if steps else 0.0,
+        "tokens_per_step": toks / steps if steps else 0.0,
+        "ids": [r.token_ids for r in rs],
+    }
 
 
 def p3_repeats(a, c: int) -> int:
@@ -556,7 +662,7 @@ async def p3_run(srv, a, pair: Pair) -> dict:
         for c in conc:
             reps = {m: [] for m in modes}
             for r in range(p3_repeats(a, c)):
-                order = modes[r % 3:] + modes[:r % 3]
+                order = modes[r % 3 :] + modes[: r % 3]
                 for m in order:
                     reps[m].append(await p3_round(conns[:c], base[:c], m, f"c{c}-r{r}-{m}"))
             ref = reps["off"][0]["ids"]
@@ -566,21 +672,28 @@ async def p3_run(srv, a, pair: Pair) -> dict:
                     x.pop("ids")
             row = {"same_tokens": same, "repeats": len(reps["off"])}
             for m in modes:
-                row[m] = {"tok_s_median": med([x["tok_s"] for x in reps[m]]),
-                          "tok_s_runs": [round(x["tok_s"], 1) for x in reps[m]],
-                          "cpu_us_per_token": med([x["cpu_us_per_token"] for x in reps[m]]),
-                          "draft_per_step": med([x["draft_per_step"] for x in reps[m]]),
-                          "tokens_per_step": med([x["tokens_per_step"] for x in reps[m]])}
+                row[m] = {
+                    "tok_s_median": med([x["tok_s"] for x in reps[m]]),
+                    "tok_s_runs": [round(x["tok_s"], 1) for x in reps[m]],
+                    "cpu_us_per_token": med([x["cpu_us_per_token"] for x in reps[m]]),
+                    "draft_per_step": med([x["draft_per_step"] for x in reps[m]]),
+                    "tokens_per_step": med([x["tokens_per_step"] for x in reps[m]]),
+                }
             best_other = max(row["tree"]["tok_s_median"], row["off"]["tok_s_median"])
             row["adaptive_vs_best_other"] = row["auto"]["tok_s_median"] / best_other
-            row["cpu_best_other_vs_adaptive"] = (min(row["tree"]["cpu_us_per_token"], row["off"]["cpu_us_per_token"])
-                                                 / row["auto"]["cpu_us_per_token"])
-            spread = [abs(x - row[m]["tok_s_median"]) / row[m]["tok_s_median"]
-                      for m in modes for x in row[m]["tok_s_runs"]]
+            row["cpu_best_other_vs_adaptive"] = (
+                min(row["tree"]["cpu_us_per_token"], row["off"]["cpu_us_per_token"]) / row["auto"]["cpu_us_per_token"]
+            )
+            spread = [
+                abs(x - row[m]["tok_s_median"]) / row[m]["tok_s_median"] for m in modes for x in row[m]["tok_s_runs"]
+            ]
             row["median_abs_dev_pct"] = 100 * statistics.median(spread)
             out[c] = row
-            log(f"part 3 [{pair.name}] c={c}: " + ", ".join(f"{m} {row[m]['tok_s_median']:.0f}" for m in modes)
-                + f" tok/s (adaptive/best other {row['adaptive_vs_best_other']:.2f})")
+            log(
+                f"part 3 [{pair.name}] c={c}: "
+                + ", ".join(f"{m} {row[m]['tok_s_median']:.0f}" for m in modes)
+                + f" tok/s (adaptive/best other {row['adaptive_vs_best_other']:.2f})"
+            )
     finally:
         for ws in conns:
             await ws.close()
@@ -592,10 +705,16 @@ def part3(a, pair: Pair) -> dict:
     try:
         log(f"part 3 [{pair.name}]: concurrency {a.p3_concurrency}, {a.p3_repeats} repeats")
         rows = run_async(p3_run(srv, a, pair))
-        return {"pair": pair.name, "flags": flags, "tokens": a.p3_tokens, "repeats": a.p3_repeats,
-                "t_draft_level_ms": (eng.scheduler.t_draft or 0) * 1000,
-                "t_target_fixed_ms": (eng.scheduler.t_target or 0) * 1000,
-                "t_per_token_ms": eng.scheduler.t_per_token * 1000, "rows": rows}
+        return {
+            "pair": pair.name,
+            "flags": flags,
+            "tokens": a.p3_tokens,
+            "repeats": a.p3_repeats,
+            "t_draft_level_ms": (eng.scheduler.t_draft or 0) * 1000,
+            "t_target_fixed_ms": (eng.scheduler.t_target or 0) * 1000,
+            "t_per_token_ms": eng.scheduler.t_per_token * 1000,
+            "rows": rows,
+        }
     finally:
         srv.stop()
 
@@ -627,11 +746,19 @@ def environment(a) -> dict:
         pass
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(), "platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
         "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-        "websockets": websockets.__version__, "transformers": ver("transformers"), "orjson": ver("orjson"),
-        "uvloop": ver("uvloop"), "git_commit": git("rev-parse", "--short", "HEAD"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "websockets": websockets.__version__,
+        "transformers": ver("transformers"),
+        "orjson": ver("orjson"),
+        "uvloop": ver("uvloop"),
+        "git_commit": git("rev-parse", "--short", "HEAD"),
         "git_dirty_specd": bool(git("status", "--porcelain", "--", "specd")),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
@@ -643,43 +770,53 @@ def markdown(rep: dict, pairs: dict, a) -> str:
     L = []
     L.append("### Latency benchmark (`eval/bench_latency.py`)\n")
     L.append(f"`{rep['command']}`\n")
-    L.append(f"{env['date']} on `{env['host']}`: {env['cpu']}, {env['cpus']} CPUs, load average at start "
-             f"{' '.join(f'{x:.1f}' for x in env['loadavg_start'] or [])} / end "
-             f"{' '.join(f'{x:.1f}' for x in rep.get('loadavg_end') or [])}; Python {env['python']}, torch "
-             f"{env['torch']} ({env['torch_threads']} thread), websockets {env['websockets']}, uvloop "
-             f"{env['uvloop']}, transformers {env['transformers']}; specd {env['git_commit']}"
-             f"{' (+ uncommitted specd/ changes)' if env['git_dirty_specd'] else ''}; total {rep['wall_s']:.0f} s. "
-             f"Servers: `ServerThread` in this process, `specd serve` defaults (spec mode tree, adaptive), "
-             f"`--num-blocks {a.num_blocks}`, device {a.device}, greedy.\n")
+    L.append(
+        f"{env['date']} on `{env['host']}`: {env['cpu']}, {env['cpus']} CPUs, load average at start "
+        f"{' '.join(f'{x:.1f}' for x in env['loadavg_start'] or [])} / end "
+        f"{' '.join(f'{x:.1f}' for x in rep.get('loadavg_end') or [])}; Python {env['python']}, torch "
+        f"{env['torch']} ({env['torch_threads']} thread), websockets {env['websockets']}, uvloop "
+        f"{env['uvloop']}, transformers {env['transformers']}; specd {env['git_commit']}"
+        f"{' (+ uncommitted specd/ changes)' if env['git_dirty_specd'] else ''}; total {rep['wall_s']:.0f} s. "
+        f"Servers: `ServerThread` in this process, `specd serve` defaults (spec mode tree, adaptive), "
+        f"`--num-blocks {a.num_blocks}`, device {a.device}, greedy.\n"
+    )
     if "part1" in rep:
         p = rep["part1"]
-        L.append(f"**1. Interactive latency under batch load** — demo pair {pairs[p['pair']].short()}. "
-                 f"{a.p1_requests} interactive requests one after another ({a.p1_tokens} tokens each, ignore_eos; "
-                 f"{a.p1_saturate_requests} on the `--max-num-seqs` server), alone vs with {a.p1_batch} closed-loop "
-                 f"streams of {a.p1_batch_tokens} tokens ({a.p1_saturate_batch_tokens} on the `--max-num-seqs` "
-                 f"server) running (measured after {a.p1_settle:g} s of load); every "
-                 f"request in a block has the `speculation` mode of the spec column. Client-side: TTFT = `generate` "
-                 f"sent -> first `delta`; ITL/token = gap between consecutive deltas / tokens in the later delta (one "
-                 f"sample per token, as `specd_inter_token_latency_seconds`); per-delta = the raw gaps. Engine step = "
-                 f"engine step time over the interval (server metrics), and the median wall vs engine-thread CPU "
-                 f"time of a step (the gap is time the engine thread waited: GIL held by the event loops of the "
-                 f"server and the clients, other load on the machine); depth = mean draft depth the adaptive policy chose per step "
-                 f"(% of steps drafting).\n")
-        L.append("| server | spec | condition | TTFT p50 ms | TTFT p99 ms | ITL/token p50 ms | ITL/token p99 ms | "
-                 "p99 vs idle | per-delta gap p50 / p99 ms | tokens/delta | engine step ms mean (median wall / CPU) | "
-                 "depth (drafting %) | batch tok/s |")
+        L.append(
+            f"**1. Interactive latency under batch load** — demo pair {pairs[p['pair']].short()}. "
+            f"{a.p1_requests} interactive requests one after another ({a.p1_tokens} tokens each, ignore_eos; "
+            f"{a.p1_saturate_requests} on the `--max-num-seqs` server), alone vs with {a.p1_batch} closed-loop "
+            f"streams of {a.p1_batch_tokens} tokens ({a.p1_saturate_batch_tokens} on the `--max-num-seqs` "
+            f"server) running (measured after {a.p1_settle:g} s of load); every "
+            f"request in a block has the `speculation` mode of the spec column. Client-side: TTFT = `generate` "
+            f"sent -> first `delta`; ITL/token = gap between consecutive deltas / tokens in the later delta (one "
+            f"sample per token, as `specd_inter_token_latency_seconds`); per-delta = the raw gaps. Engine step = "
+            f"engine step time over the interval (server metrics), and the median wall vs engine-thread CPU "
+            f"time of a step (the gap is time the engine thread waited: GIL held by the event loops of the "
+            "server and the clients, other load on the machine); depth = mean draft depth the adaptive policy "
+            "chose per step "
+            f"(% of steps drafting).\n"
+        )
+        L.append(
+            "| server | spec | condition | TTFT p50 ms | TTFT p99 ms | ITL/token p50 ms | ITL/token p99 ms | "
+            "p99 vs idle | per-delta gap p50 / p99 ms | tokens/delta | engine step ms mean (median wall / CPU) | "
+            "depth (drafting %) | batch tok/s |"
+        )
         L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for s in p["servers"]:
             idle = s["conditions"]["idle"]["itl_token_ms"]["p99"]
             for name, c in s["conditions"].items():
                 ratio = c["itl_token_ms"]["p99"] / idle
                 dep = "-" if c["depth_mean"] is None else f"{c['depth_mean']:.2f} ({c['drafting_steps_pct']:.0f}%)"
-                L.append(f"| {s['label']} | {s['spec']} | {name} | {f1(c['ttft_ms']['p50'])} | {f1(c['ttft_ms']['p99'])} | "
-                         f"{f1(c['itl_token_ms']['p50'], 2)} | {f1(c['itl_token_ms']['p99'], 2)} | {ratio:.2f}x | "
-                         f"{f1(c['itl_delta_ms']['p50'], 2)} / {f1(c['itl_delta_ms']['p99'], 2)} | "
-                         f"{c['tokens_per_delta']:.2f} | {f1(c['engine_step_ms_mean'], 1)} ({f1(c['engine_step_wall_ms_median'], 1)} / "
-                         f"{f1(c['engine_step_cpu_ms_median'], 1)}) | {dep} | "
-                         f"{f1(c['batch_tokens_per_s'], 0)} |")
+                L.append(
+                    f"| {s['label']} | {s['spec']} | {name} | {f1(c['ttft_ms']['p50'])} | {f1(c['ttft_ms']['p99'])} | "
+                    f"{f1(c['itl_token_ms']['p50'], 2)} | {f1(c['itl_token_ms']['p99'], 2)} | {ratio:.2f}x | "
+                    f"{f1(c['itl_delta_ms']['p50'], 2)} / {f1(c['itl_delta_ms']['p99'], 2)} | "
+                    f"{c['tokens_per_delta']:.2f} | {f1(c['engine_step_ms_mean'], 1)} "
+                    f"({f1(c['engine_step_wall_ms_median'], 1)} / "
+                    f"{f1(c['engine_step_cpu_ms_median'], 1)}) | {dep} | "
+                    f"{f1(c['batch_tokens_per_s'], 0)} |"
+                )
         verdicts = []
         for s in p["servers"]:
             if s["label"] != "default":
@@ -693,70 +830,96 @@ def markdown(rep: dict, pairs: dict, a) -> str:
             if s["spec"] != "auto" or not c["by_depth"]:
                 continue
             cm = c["cost_model_end"]
-            L.append(f"Adaptive policy under batch load ({s['label']} server, spec auto): steps by the chosen depth, "
-                     f"measured step time vs the scheduler's cost model at the end (t_target {cm['t_target_ms']:.2f} ms "
-                     f"+ {cm['t_per_token_ms']:.3f} ms/token, draft level {cm['t_draft_level_ms']:.2f} ms):\n")
+            L.append(
+                f"Adaptive policy under batch load ({s['label']} server, spec auto): steps by the chosen depth, "
+                f"measured step time vs the scheduler's cost model at the end (t_target {cm['t_target_ms']:.2f} ms "
+                f"+ {cm['t_per_token_ms']:.3f} ms/token, draft level {cm['t_draft_level_ms']:.2f} ms):\n"
+            )
             L.append("| depth | steps | requests per step (median) | measured step ms (median) | cost-model ms |")
             L.append("|---|---|---|---|---|")
             for d in c["by_depth"]:
-                L.append(f"| {d['depth']} | {d['steps']} | {d['batch_median']:g} | {d['step_ms_median']:.1f} | "
-                         f"{f1(d['model_pred_ms'])} |")
+                L.append(
+                    f"| {d['depth']} | {d['steps']} | {d['batch_median']:g} | {d['step_ms_median']:.1f} | "
+                    f"{f1(d['model_pred_ms'])} |"
+                )
             L.append("")
     if "part2" in rep:
         p = rep["part2"]
-        L.append(f"**2. MT-bench turn-2 TTFT, prefix cache on vs off** — demo pair {pairs[p['pair']].short()} "
-                 f"(chat template; MT-bench is off-domain for this GSM8K model, which does not matter for TTFT). "
-                 f"First {p['questions']} MT-bench questions ({p['skipped_too_long']} skipped: too long for the "
-                 f"{pairs[p['pair']].max_len}-token context); turn 1 `max_tokens` {a.mt_max_tokens}, turn 2 "
-                 f"{a.mt_turn2_tokens}; the two servers run side by side, questions alternating between them. "
-                 f"Same turn-1 answers on both: {'yes' if p['same_turn1_answers'] else 'NO'}.\n")
-        L.append("| server | turns 2 | turn-2 prompt tokens (mean) | turn-2 TTFT p50 ms | p90 ms | mean ms | "
-                 "server TTFT p50 ms | turn-1 TTFT p50 ms | turn-2 cached tokens (mean) | turn-2 hit rate | "
-                 "`specd_prefix_cache_hit_rate` |")
+        L.append(
+            f"**2. MT-bench turn-2 TTFT, prefix cache on vs off** — demo pair {pairs[p['pair']].short()} "
+            f"(chat template; MT-bench is off-domain for this GSM8K model, which does not matter for TTFT). "
+            f"First {p['questions']} MT-bench questions ({p['skipped_too_long']} skipped: too long for the "
+            f"{pairs[p['pair']].max_len}-token context); turn 1 `max_tokens` {a.mt_max_tokens}, turn 2 "
+            f"{a.mt_turn2_tokens}; the two servers run side by side, questions alternating between them. "
+            f"Same turn-1 answers on both: {'yes' if p['same_turn1_answers'] else 'NO'}.\n"
+        )
+        L.append(
+            "| server | turns 2 | turn-2 prompt tokens (mean) | turn-2 TTFT p50 ms | p90 ms | mean ms | "
+            "server TTFT p50 ms | turn-1 TTFT p50 ms | turn-2 cached tokens (mean) | turn-2 hit rate | "
+            "`specd_prefix_cache_hit_rate` |"
+        )
         L.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for k, s in p["servers"].items():
-            L.append(f"| {k} | {s['n']} | {f1(s['turn2_prompt_tokens_mean'], 0)} | {f1(s['turn2_ttft_ms']['p50'])} | "
-                     f"{f1(s['turn2_ttft_ms']['p90'])} | {f1(s['turn2_ttft_ms']['mean'])} | "
-                     f"{f1(s['turn2_server_ttft_ms_p50'])} | {f1(s['turn1_ttft_ms_p50'])} | "
-                     f"{f1(s['turn2_cached_tokens_mean'], 0)} | {100 * s['turn2_hit_rate']:.0f}% | "
-                     f"{f1(s['metrics_prefix_cache_hit_rate'], 3)} |")
+            L.append(
+                f"| {k} | {s['n']} | {f1(s['turn2_prompt_tokens_mean'], 0)} | {f1(s['turn2_ttft_ms']['p50'])} | "
+                f"{f1(s['turn2_ttft_ms']['p90'])} | {f1(s['turn2_ttft_ms']['mean'])} | "
+                f"{f1(s['turn2_server_ttft_ms_p50'])} | {f1(s['turn1_ttft_ms_p50'])} | "
+                f"{f1(s['turn2_cached_tokens_mean'], 0)} | {100 * s['turn2_hit_rate']:.0f}% | "
+                f"{f1(s['metrics_prefix_cache_hit_rate'], 3)} |"
+            )
         on, off = p["servers"]["prefix cache on"], p["servers"]["prefix cache off"]
         if on["turn2_ttft_ms"]["p50"] and off["turn2_ttft_ms"]["p50"]:
-            L.append(f"\nTurn-2 TTFT p50 with the prefix cache: {on['turn2_ttft_ms']['p50'] / off['turn2_ttft_ms']['p50']:.2f}x "
-                     f"of without. (`specd_prefix_cache_hit_rate` counts every prompt, turn 1 included; the turn-2 "
-                     f"hit rate counts only turn-2 prompts.)\n")
+            L.append(
+                "\nTurn-2 TTFT p50 with the prefix cache: "
+                f"{on['turn2_ttft_ms']['p50'] / off['turn2_ttft_ms']['p50']:.2f}x "
+                f"of without. (`specd_prefix_cache_hit_rate` counts every prompt, turn 1 included; the turn-2 "
+                f"hit rate counts only turn-2 prompts.)\n"
+            )
     if "part3" in rep:
-        L.append(f"**3. Aggregate tokens/s vs concurrency** — greedy, {a.p3_tokens} tokens per request "
-                 f"(ignore_eos), c requests at once on c connections; medians of interleaved repeats "
-                 f"({', '.join(f'c={c}: {p3_repeats(a, int(c))}' for c in a.p3_concurrency.split(','))}). adaptive = `speculation: auto` (cost-model depth), fixed = `mode: tree` (the configured "
-                 f"16-node tree, depth <= 6), none = `mode: off`. draft/step = draft tokens per target step "
-                 f"(median), tok/step = tokens per target step; CPU µs/token = CPU time of this whole process (engine "
-                 f"thread, server loop, clients) per generated token, which other load on the machine distorts "
-                 f"less than tokens/s; median abs dev = spread of the repeats around their median.\n")
+        L.append(
+            f"**3. Aggregate tokens/s vs concurrency** — greedy, {a.p3_tokens} tokens per request "
+            f"(ignore_eos), c requests at once on c connections; medians of interleaved repeats "
+            f"({', '.join(f'c={c}: {p3_repeats(a, int(c))}' for c in a.p3_concurrency.split(','))}). adaptive = "
+            "`speculation: auto` (cost-model depth), fixed = `mode: tree` (the configured "
+            f"16-node tree, depth <= 6), none = `mode: off`. draft/step = draft tokens per target step "
+            f"(median), tok/step = tokens per target step; CPU µs/token = CPU time of this whole process (engine "
+            f"thread, server loop, clients) per generated token, which other load on the machine distorts "
+            f"less than tokens/s; median abs dev = spread of the repeats around their median.\n"
+        )
         for p in rep["part3"]:
-            L.append(f"{p['pair']} pair {pairs[p['pair']].short()} "
-                     f"({'GSM8K chat prompts' if p['pair'] == 'demo' else 'raw story prompts'}); cost model at the "
-                     f"end: target step fixed {p['t_target_fixed_ms']:.2f} ms + {p['t_per_token_ms']:.3f} ms/token, "
-                     f"draft level {p['t_draft_level_ms']:.2f} ms.\n")
-            L.append("| concurrency | adaptive tok/s | fixed tree tok/s | none tok/s | adaptive / best other | "
-                     "CPU µs/token adaptive / fixed / none | adaptive draft/step, tok/step | fixed tok/step | "
-                     "median abs dev % | same tokens |")
+            L.append(
+                f"{p['pair']} pair {pairs[p['pair']].short()} "
+                f"({'GSM8K chat prompts' if p['pair'] == 'demo' else 'raw story prompts'}); cost model at the "
+                f"end: target step fixed {p['t_target_fixed_ms']:.2f} ms + {p['t_per_token_ms']:.3f} ms/token, "
+                f"draft level {p['t_draft_level_ms']:.2f} ms.\n"
+            )
+            L.append(
+                "| concurrency | adaptive tok/s | fixed tree tok/s | none tok/s | adaptive / best other | "
+                "CPU µs/token adaptive / fixed / none | adaptive draft/step, tok/step | fixed tok/step | "
+                "median abs dev % | same tokens |"
+            )
             L.append("|---|---|---|---|---|---|---|---|---|---|")
             for c, r in p["rows"].items():
-                L.append(f"| {c} | {r['auto']['tok_s_median']:.0f} | {r['tree']['tok_s_median']:.0f} | "
-                         f"{r['off']['tok_s_median']:.0f} | **{r['adaptive_vs_best_other']:.2f}** | "
-                         f"{r['auto']['cpu_us_per_token']:.0f} / {r['tree']['cpu_us_per_token']:.0f} / "
-                         f"{r['off']['cpu_us_per_token']:.0f} | "
-                         f"{r['auto']['draft_per_step']:.2f}, {r['auto']['tokens_per_step']:.2f} | "
-                         f"{r['tree']['tokens_per_step']:.2f} | {r['median_abs_dev_pct']:.1f} | "
-                         f"{'yes' if r['same_tokens'] else 'NO'} |")
+                L.append(
+                    f"| {c} | {r['auto']['tok_s_median']:.0f} | {r['tree']['tok_s_median']:.0f} | "
+                    f"{r['off']['tok_s_median']:.0f} | **{r['adaptive_vs_best_other']:.2f}** | "
+                    f"{r['auto']['cpu_us_per_token']:.0f} / {r['tree']['cpu_us_per_token']:.0f} / "
+                    f"{r['off']['cpu_us_per_token']:.0f} | "
+                    f"{r['auto']['draft_per_step']:.2f}, {r['auto']['tokens_per_step']:.2f} | "
+                    f"{r['tree']['tokens_per_step']:.2f} | {r['median_abs_dev_pct']:.1f} | "
+                    f"{'yes' if r['same_tokens'] else 'NO'} |"
+                )
             v = []
             for c, r in p["rows"].items():
                 ok = r["adaptive_vs_best_other"] >= 1 - r["median_abs_dev_pct"] / 100
-                v.append(f"c={c} {r['adaptive_vs_best_other']:.2f} {'met' if ok else 'missed'} (CPU/token: best "
-                         f"other / adaptive {r['cpu_best_other_vs_adaptive']:.2f})")
-            L.append(f"\nTarget adaptive tok/s >= best of fixed/none, within the repeat spread ({p['pair']} pair): "
-                     f"**{'; '.join(v)}**.\n")
+                v.append(
+                    f"c={c} {r['adaptive_vs_best_other']:.2f} {'met' if ok else 'missed'} (CPU/token: best "
+                    f"other / adaptive {r['cpu_best_other_vs_adaptive']:.2f})"
+                )
+            L.append(
+                f"\nTarget adaptive tok/s >= best of fixed/none, within the repeat spread ({p['pair']} pair): "
+                f"**{'; '.join(v)}**.\n"
+            )
     return "\n".join(L)
 
 
@@ -772,9 +935,13 @@ def main(argv=None) -> int:
     p.add_argument("--p1-batch-tokens", type=int, default=768)
     p.add_argument("--p1-spec", default="auto,off", help="speculation modes of the part-1 requests (each a run)")
     p.add_argument("--p1-settle", type=float, default=1.0, help="seconds of batch load before measuring")
-    p.add_argument("--p1-saturate", type=int, default=8,
-                   help="also run part 1 on a server with --max-num-seqs N (= the batch streams: priority "
-                        "decides who gets a slot); 0: skip")
+    p.add_argument(
+        "--p1-saturate",
+        type=int,
+        default=8,
+        help="also run part 1 on a server with --max-num-seqs N (= the batch streams: priority "
+        "decides who gets a slot); 0: skip",
+    )
     p.add_argument("--p1-saturate-spec", default="off")
     p.add_argument("--p1-saturate-requests", type=int, default=5)
     p.add_argument("--p1-saturate-batch-tokens", type=int, default=256)
@@ -799,12 +966,24 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001
         pass
     t_start = time.monotonic()
-    rep = {"schema": "specd.bench_latency/1",
-           "command": " ".join(["OMP_NUM_THREADS=" + os.environ["OMP_NUM_THREADS"],
-                                ".venv/bin/python" if ".venv" in sys.executable else shlex.quote(sys.executable),
-                                *map(shlex.quote, [os.path.relpath(sys.argv[0], ROOT) if argv is None else
-                                                   "eval/bench_latency.py", *(sys.argv[1:] if argv is None else argv)])]),
-           "env": environment(a), "args": vars(a)}
+    rep = {
+        "schema": "specd.bench_latency/1",
+        "command": " ".join(
+            [
+                "OMP_NUM_THREADS=" + os.environ["OMP_NUM_THREADS"],
+                ".venv/bin/python" if ".venv" in sys.executable else shlex.quote(sys.executable),
+                *map(
+                    shlex.quote,
+                    [
+                        os.path.relpath(sys.argv[0], ROOT) if argv is None else "eval/bench_latency.py",
+                        *(sys.argv[1:] if argv is None else argv),
+                    ],
+                ),
+            ]
+        ),
+        "env": environment(a),
+        "args": vars(a),
+    }
     pairs = {}
     need = set()
     if parts & {"1", "2"}:

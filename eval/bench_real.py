@@ -28,6 +28,7 @@ with specd:off. Then a profile of one decode step of each specd mode (``profile_
 memory-bandwidth floor of one target step. Writes ``report.json``, ``summary.md`` and
 ``bench_real.png`` under ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,14 +43,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common as C  # noqa: E402
 import peers as P  # noqa: E402
 
-DEFAULT_SYSTEMS = ("specd:off,specd:chain:4,specd:tree:16,hf:generate,hf:assisted:k4,hf:pld:10,"
-                   "llamacpp:plain,llamacpp:pld:10")
+DEFAULT_SYSTEMS = (
+    "specd:off,specd:chain:4,specd:tree:16,hf:generate,hf:assisted:k4,hf:pld:10,llamacpp:plain,llamacpp:pld:10"
+)
 PLD_K = 10  # both libraries' default number of prompt-lookup tokens (ngram size 2 in both)
-CATEGORY_TITLES = {"mt_bench": "MT-bench", "translation": "Translation", "summarization": "Summarization",
-                   "qa": "QA", "math_reasoning": "Math", "rag": "RAG"}
-HF_DRAFT_NOTE = ("the draft is a specd reduced-vocabulary draft sharing the target's embeddings: only specd "
-                 "can load it, so transformers assisted generation cannot use it; hf:pld (prompt lookup) is "
-                 "the transformers speculative peer")
+CATEGORY_TITLES = {
+    "mt_bench": "MT-bench",
+    "translation": "Translation",
+    "summarization": "Summarization",
+    "qa": "QA",
+    "math_reasoning": "Math",
+    "rag": "RAG",
+}
+HF_DRAFT_NOTE = (
+    "the draft is a specd reduced-vocabulary draft sharing the target's embeddings: only specd "
+    "can load it, so transformers assisted generation cannot use it; hf:pld (prompt lookup) is "
+    "the transformers speculative peer"
+)
 
 
 class Skip(Exception):
@@ -74,7 +84,7 @@ def parse_args(argv=None):
 
 # setup ------------------------------------------------------------------------------------------
 def load_pair(a):
-    from specd.loader import checkpoint_folder, draft_spec, load_model
+    from specd.model.loader import checkpoint_folder, draft_spec, load_model
 
     for what, path in (("target", a.target), ("draft", a.draft)):
         if not Path(path).exists():
@@ -92,8 +102,10 @@ def encode_prompts(a, target):
     tok = target.tokenizer
     chat = a.chat_template if a.chat_template is not None else C.has_chat_template(tok)
     max_prompt = target.config.max_position_embeddings - a.max_tokens - 1
-    ids = [C.fit_prompt(C.encode_conversation(tok, p.turns[:1], [], chat), max_prompt,
-                        target.config.bos_token_id)[0] for p in prompts]
+    ids = [
+        C.fit_prompt(C.encode_conversation(tok, p.turns[:1], [], chat), max_prompt, target.config.bos_token_id)[0]
+        for p in prompts
+    ]
     return prompts, ids, chat
 
 
@@ -103,15 +115,24 @@ def make_context(a, target, draft, hf_draft_ok, ids_list, batches):
     tok = target.tokenizer
     eos = list(target.config.eos_token_ids)
     pad = tok.pad_token_id if getattr(tok, "pad_token_id", None) is not None else eos[0]
-    return SimpleNamespace(a=a, target=target, draft=draft, hf_draft_ok=hf_draft_ok, eos=eos, pad=pad, hf=None,
-                           memory=max(256 << 20, int(1.25 * per_tok * longest * max(batches))),
-                           max_seqs=max(batches), n_ctx=max(2048, 256 * math.ceil((longest + PLD_K) / 256)))
+    return SimpleNamespace(
+        a=a,
+        target=target,
+        draft=draft,
+        hf_draft_ok=hf_draft_ok,
+        eos=eos,
+        pad=pad,
+        hf=None,
+        memory=max(256 << 20, int(1.25 * per_tok * longest * max(batches))),
+        max_seqs=max(batches),
+        n_ctx=max(2048, 256 * math.ceil((longest + PLD_K) / 256)),
+    )
 
 
 def _hf_model(ctx, path):
     from transformers import AutoModelForCausalLM
 
-    from specd.loader import checkpoint_folder
+    from specd.model.loader import checkpoint_folder
 
     return AutoModelForCausalLM.from_pretrained(str(checkpoint_folder(path)), dtype=ctx.target.dtype).eval()
 
@@ -122,8 +143,16 @@ def make_system(name: str, ctx):
     kind, _, arg = name.partition(":")
     if kind == "specd":
         mode = C.Mode.parse(arg or "off")
-        return P.Specd(mode, ctx.target, ctx.draft, "cpu", a.max_tokens, prefix_cache=False,
-                       memory_bytes=ctx.memory, max_num_seqs=ctx.max_seqs)
+        return P.Specd(
+            mode,
+            ctx.target,
+            ctx.draft,
+            "cpu",
+            a.max_tokens,
+            prefix_cache=False,
+            memory_bytes=ctx.memory,
+            max_num_seqs=ctx.max_seqs,
+        )
     if kind == "hf":
         if ctx.hf is None:
             ctx.hf = _hf_model(ctx, a.target)
@@ -136,8 +165,9 @@ def make_system(name: str, ctx):
             if not ctx.hf_draft_ok:
                 raise Skip(HF_DRAFT_NOTE)
             k_ = int(k.lstrip("k")) if k else None
-            return P.HF(name, ctx.hf, a.max_tokens, ctx.eos, assistant=_hf_model(ctx, a.draft), assist_k=k_,
-                        pad_id=ctx.pad)
+            return P.HF(
+                name, ctx.hf, a.max_tokens, ctx.eos, assistant=_hf_model(ctx, a.draft), assist_k=k_, pad_id=ctx.pad
+            )
     if kind == "llamacpp":
         try:
             import llama_cpp  # noqa: F401
@@ -147,8 +177,15 @@ def make_system(name: str, ctx):
             raise Skip(f"llama.cpp needs a .gguf target, not {a.target}: skipped")
         how, _, k = arg.partition(":")
         if how in ("plain", "pld"):
-            return P.LlamaCpp(name, a.target, a.threads, ctx.n_ctx, a.max_tokens, ctx.eos,
-                              pld=int(k or PLD_K) if how == "pld" else None)
+            return P.LlamaCpp(
+                name,
+                a.target,
+                a.threads,
+                ctx.n_ctx,
+                a.max_tokens,
+                ctx.eos,
+                pld=int(k or PLD_K) if how == "pld" else None,
+            )
     raise ValueError(f"unknown system {name!r} (see --help)")
 
 
@@ -186,7 +223,7 @@ def groups_of(prompts: list, ids_list: list, b: int) -> list:
     out = []
     for items in by.values():
         for i in range(0, len(items), b):
-            chunk = items[i:i + b]
+            chunk = items[i : i + b]
             out.append(([p for p, _ in chunk], [x for _, x in chunk]))
     return out
 
@@ -203,13 +240,19 @@ def summarize(rows: list, names: list, cats: list, ref: str) -> dict:
         for c in cats + ["overall"]:
             rc = rs if c == "overall" else [r for r in rs if r["category"] == c]
             toks, wall = sum(r["output_tokens"] for r in rc), sum(r["wall_s"] for r in rc)
-            per[c] = {"output_tokens": toks, "wall_s": round(wall, 4),
-                      "tokens_per_s": round(toks / wall, 3) if wall > 0 else 0.0}
+            per[c] = {
+                "output_tokens": toks,
+                "wall_s": round(wall, 4),
+                "tokens_per_s": round(toks / wall, 3) if wall > 0 else 0.0,
+            }
         spec = [r for r in rs if r.get("mean_accepted_length")]
         steps = sum(r["output_tokens"] / r["mean_accepted_length"] for r in spec)
-        out[n] = {"per_category": per, "groups": len(rs),
-                  "mean_accepted_length": round(sum(r["output_tokens"] for r in spec) / steps, 3) if steps else None,
-                  "greedy_equal_to_ref": sum(1 for r in rs if ref_out.get(r["prompt_id"]) == r["output_ids"])}
+        out[n] = {
+            "per_category": per,
+            "groups": len(rs),
+            "mean_accepted_length": round(sum(r["output_tokens"] for r in spec) / steps, 3) if steps else None,
+            "greedy_equal_to_ref": sum(1 for r in rs if ref_out.get(r["prompt_id"]) == r["output_ids"]),
+        }
     base = out.get(ref, {}).get("per_category", {})
     for n in names:
         for c, d in out[n]["per_category"].items():
@@ -261,12 +304,13 @@ def profile_step(system, ids: list, tokens: int) -> dict:
     detokenizing); other = the rest (scheduling, building inputs, the drafter's tree bookkeeping
     and draft logits). The prompt's step and the next two (the draft catching up on the prompt)
     are left out."""
-    from specd.sampling import SamplingParams
+    from specd.engine.sampling import SamplingParams
 
     eng = system.engine
     marks = _Marks(eng)
-    seq = eng.add_request(list(ids), SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
-                          system.mode.spec_params())
+    seq = eng.add_request(
+        list(ids), SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), system.mode.spec_params()
+    )
     acc = {"step": 0.0, "draft": 0.0, "target_forward": 0.0, "verify_sampling": 0.0, "other": 0.0}
     n = seen = toks = 0
     try:
@@ -282,8 +326,12 @@ def profile_step(system, ids: list, tokens: int) -> dict:
             if seen <= 2:
                 continue
             n, toks = n + 1, toks + seq.num_output - before
-            parts = {"step": t1 - t0, "draft": marks.draft, "target_forward": marks.tf1 - marks.tf0,
-                     "verify_sampling": t1 - marks.tf1}
+            parts = {
+                "step": t1 - t0,
+                "draft": marks.draft,
+                "target_forward": marks.tf1 - marks.tf0,
+                "verify_sampling": t1 - marks.tf1,
+            }
             parts["other"] = parts["step"] - parts["draft"] - parts["target_forward"] - parts["verify_sampling"]
             for k, v in parts.items():
                 acc[k] += v
@@ -319,8 +367,12 @@ def bandwidth(mib: int = 256, reps: int = 5) -> dict:
         y.copy_(x)
         t2 = time.perf_counter()
         best_r, best_c = min(best_r, t1 - t0), min(best_c, t2 - t1)
-    return {"buffer_mib": mib, "threads": torch.get_num_threads(), "read_GBps": round(n * 4 / best_r / 1e9, 2),
-            "copy_GBps": round(2 * n * 4 / best_c / 1e9, 2)}
+    return {
+        "buffer_mib": mib,
+        "threads": torch.get_num_threads(),
+        "read_GBps": round(n * 4 / best_r / 1e9, 2),
+        "copy_GBps": round(2 * n * 4 / best_c / 1e9, 2),
+    }
 
 
 def bandwidth_floor(target, target_path, profile: dict) -> dict:
@@ -335,8 +387,13 @@ def bandwidth_floor(target, target_path, profile: dict) -> dict:
         # small fp32 models run on folded copies: q/k projections with their RoPE-rotated rows
         wb += c.num_layers * (c.num_heads + c.num_kv_heads) * c.head_dim * c.hidden_size * 4
     floor_ms = 1e3 * wb / (bw["read_GBps"] * 1e9)
-    out = {"bandwidth": bw, "weights": str(target.dtype).removeprefix("torch."), "weight_bytes_read": wb,
-           "floor_ms_per_step": round(floor_ms, 3), "max_plain_tokens_per_s": round(1e3 / floor_ms, 1)}
+    out = {
+        "bandwidth": bw,
+        "weights": str(target.dtype).removeprefix("torch."),
+        "weight_bytes_read": wb,
+        "floor_ms_per_step": round(floor_ms, 3),
+        "max_plain_tokens_per_s": round(1e3 / floor_ms, 1),
+    }
     plain = profile.get("specd:off", {}).get("step_ms")
     if plain:
         out["specd_off_step_ms"] = plain
@@ -378,60 +435,123 @@ def batch_tables(b: int, res: dict, cats: list, na: list, ref: str, sizes: dict)
     for n, d in res.items():
         per = d["per_category"]
         mal = d["mean_accepted_length"]
-        lead.append([n] + [_cell(per[c]) for c in cats]
-                    + ["-" if mal is None else f"{mal:.2f}", _cell(per["overall"]),
-                       _cell(per["overall"], "tokens_per_s"),
-                       f"{d['greedy_equal_to_ref']}/{d['groups']}"])
+        lead.append(
+            [n]
+            + [_cell(per[c]) for c in cats]
+            + [
+                "-" if mal is None else f"{mal:.2f}",
+                _cell(per["overall"]),
+                _cell(per["overall"], "tokens_per_s"),
+                f"{d['greedy_equal_to_ref']}/{d['groups']}",
+            ]
+        )
         tps.append([n] + [_cell(per[c], "tokens_per_s") for c in cats + ["overall"]])
-    for n, why in na:
+    for n, _why in na:
         lead.append([n] + ["n/a"] * (len(cats) + 4))
         tps.append([n] + ["n/a"] * (len(cats) + 1))
     groups = ", ".join(f"{n} of {k}" for k, n in sizes.items())
-    how = (f"One prompt at a time ({sum(sizes.values())} prompts)." if b == 1
-           else f"Batches of up to {b} prompts of one category: {groups} prompt(s).")
-    return [f"## batch {b}", "", how, "",
-            f"Speedup over {ref} (tokens/s ratio on the same prompts), Spec-Bench form:", "",
-            C.md_table(["system"] + titles + ["mean accepted length", "overall speedup", "tokens/s",
-                                              f"greedy == {ref}"], lead), "",
-            "Tokens/s per category (output tokens / wall time, prefill included):", "",
-            C.md_table(["system"] + titles + ["overall"], tps), ""] + [f"- {n}: n/a ({why})" for n, why in na] + [""]
+    how = (
+        f"One prompt at a time ({sum(sizes.values())} prompts)."
+        if b == 1
+        else f"Batches of up to {b} prompts of one category: {groups} prompt(s)."
+    )
+    return (
+        [
+            f"## batch {b}",
+            "",
+            how,
+            "",
+            f"Speedup over {ref} (tokens/s ratio on the same prompts), Spec-Bench form:",
+            "",
+            C.md_table(
+                ["system"] + titles + ["mean accepted length", "overall speedup", "tokens/s", f"greedy == {ref}"], lead
+            ),
+            "",
+            "Tokens/s per category (output tokens / wall time, prefill included):",
+            "",
+            C.md_table(["system"] + titles + ["overall"], tps),
+            "",
+        ]
+        + [f"- {n}: n/a ({why})" for n, why in na]
+        + [""]
+    )
 
 
 def render(rep: dict) -> str:
     m, cpu = rep["meta"], rep["meta"]["cpu_info"]
-    md = ["# specd vs transformers vs llama.cpp (Spec-Bench form)", "", f"- command: `{m['command']}`",
-          f"- date {m['date']}, commit {m['git_commit']}; CPU: {cpu['model']}, {cpu['cpu_count']} cores "
-          f"({cpu['usable_cpus']} usable); SIMD: {' '.join(cpu['simd_flags'])}; torch CPU capability "
-          f"{cpu.get('torch_cpu_capability')}",
-          f"- threads: {m['threads']} for every engine (torch.set_num_threads = {m['torch_threads']}, llama.cpp "
-          f"n_threads = n_threads_batch = {m['threads']}; OMP_NUM_THREADS={cpu['omp_num_threads_env']})",
-          "- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
-          f"- target {m['target']} ({m['dtype']} in specd and transformers), draft {m['draft']}; {m['prompts']} "
-          f"prompts (first turn, {'chat template' if m['chat_template'] else 'raw'}), greedy, max_tokens "
-          f"{m['max_tokens']}, specd prefix cache off"]
+    md = [
+        "# specd vs transformers vs llama.cpp (Spec-Bench form)",
+        "",
+        f"- command: `{m['command']}`",
+        f"- date {m['date']}, commit {m['git_commit']}; CPU: {cpu['model']}, {cpu['cpu_count']} cores "
+        f"({cpu['usable_cpus']} usable); SIMD: {' '.join(cpu['simd_flags'])}; torch CPU capability "
+        f"{cpu.get('torch_cpu_capability')}",
+        f"- threads: {m['threads']} for every engine (torch.set_num_threads = {m['torch_threads']}, llama.cpp "
+        f"n_threads = n_threads_batch = {m['threads']}; OMP_NUM_THREADS={cpu['omp_num_threads_env']})",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
+        f"- target {m['target']} ({m['dtype']} in specd and transformers), draft {m['draft']}; {m['prompts']} "
+        f"prompts (first turn, {'chat template' if m['chat_template'] else 'raw'}), greedy, max_tokens "
+        f"{m['max_tokens']}, specd prefix cache off",
+    ]
     if m.get("llama_cpp_system_info"):
         md.append(f"- llama.cpp: {m['llama_cpp_system_info']}")
     md += [f"- note: {k}: {v}" for k, v in rep["notes"].items()] + [""]
     for b, t in rep["batches"].items():
         md += batch_tables(int(b), t["systems"], rep["categories"], t["n/a"], rep["reference"], t["group_sizes"])
     if rep["profile"]:
-        md += ["## One decode step (batch 1, mean over steady steps, ms)", "",
-               C.md_table(["system", "steps", "tokens/step", "step", "draft", "target forward", "verify + sampling",
-                           "other", "ms/token"],
-                          [[n, p["steps"], p["tokens_per_step"], p["step_ms"], p["draft_ms"], p["target_forward_ms"],
-                            p["verify_sampling_ms"], p["other_ms"], p["ms_per_token"]]
-                           for n, p in rep["profile"].items()]), ""]
+        md += [
+            "## One decode step (batch 1, mean over steady steps, ms)",
+            "",
+            C.md_table(
+                [
+                    "system",
+                    "steps",
+                    "tokens/step",
+                    "step",
+                    "draft",
+                    "target forward",
+                    "verify + sampling",
+                    "other",
+                    "ms/token",
+                ],
+                [
+                    [
+                        n,
+                        p["steps"],
+                        p["tokens_per_step"],
+                        p["step_ms"],
+                        p["draft_ms"],
+                        p["target_forward_ms"],
+                        p["verify_sampling_ms"],
+                        p["other_ms"],
+                        p["ms_per_token"],
+                    ]
+                    for n, p in rep["profile"].items()
+                ],
+            ),
+            "",
+        ]
     f = rep["bandwidth_floor"]
     if f:
         bw = f["bandwidth"]
-        md.append(f"Memory-bandwidth floor of one target step: {f['weight_bytes_read'] / 1e6:.1f} MB of {f['weights']} "
-                  f"weights read / {bw['read_GBps']} GB/s (read; copy {bw['copy_GBps']} GB/s, {bw['buffer_mib']} MiB, "
-                  f"{bw['threads']} threads) = {f['floor_ms_per_step']} ms, at most {f['max_plain_tokens_per_s']} "
-                  f"tokens/s without speculation"
-                  + (f"; specd:off measured {f['specd_off_step_ms']} ms per step = {f['specd_off_step_over_floor']}x "
-                     f"the floor" if "specd_off_step_ms" in f else "")
-                  + (f". The GGUF file ({f['gguf_bytes'] / 1e6:.1f} MB, what llama.cpp reads): "
-                     f"{f['gguf_floor_ms_per_step']} ms." if "gguf_bytes" in f else "."))
+        md.append(
+            f"Memory-bandwidth floor of one target step: {f['weight_bytes_read'] / 1e6:.1f} MB of {f['weights']} "
+            f"weights read / {bw['read_GBps']} GB/s (read; copy {bw['copy_GBps']} GB/s, {bw['buffer_mib']} MiB, "
+            f"{bw['threads']} threads) = {f['floor_ms_per_step']} ms, at most {f['max_plain_tokens_per_s']} "
+            f"tokens/s without speculation"
+            + (
+                f"; specd:off measured {f['specd_off_step_ms']} ms per step = {f['specd_off_step_over_floor']}x "
+                f"the floor"
+                if "specd_off_step_ms" in f
+                else ""
+            )
+            + (
+                f". The GGUF file ({f['gguf_bytes'] / 1e6:.1f} MB, what llama.cpp reads): "
+                f"{f['gguf_floor_ms_per_step']} ms."
+                if "gguf_bytes" in f
+                else "."
+            )
+        )
     return "\n".join(md) + "\n"
 
 
@@ -444,9 +564,12 @@ def plot(rep: dict, path) -> Path:
     w = 0.8 / len(batches)
     for i, b in enumerate(batches):
         res = rep["batches"][b]["systems"]
-        ax1.bar([x + i * w for x in range(len(names))],
-                [res[n]["per_category"]["overall"]["tokens_per_s"] if n in res else 0 for n in names], w,
-                label=f"batch {b}")
+        ax1.bar(
+            [x + i * w for x in range(len(names))],
+            [res[n]["per_category"]["overall"]["tokens_per_s"] if n in res else 0 for n in names],
+            w,
+            label=f"batch {b}",
+        )
     ax1.set_xticks([x + w * (len(batches) - 1) / 2 for x in range(len(names))])
     ax1.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
     ax1.set_ylabel("tokens/s (all prompts)")
@@ -455,8 +578,9 @@ def plot(rep: dict, path) -> Path:
     res = rep["batches"][batches[0]]["systems"]
     w = 0.8 / max(1, len(names))
     for i, n in enumerate(names):
-        ax2.bar([x + i * w for x in range(len(cats))], [res[n]["per_category"][c]["speedup"] or 0 for c in cats], w,
-                label=n)
+        ax2.bar(
+            [x + i * w for x in range(len(cats))], [res[n]["per_category"][c]["speedup"] or 0 for c in cats], w, label=n
+        )
     ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax2.set_xticks([x + 0.4 - w / 2 for x in range(len(cats))])
     ax2.set_xticklabels([CATEGORY_TITLES.get(c, c) for c in cats], fontsize=8)
@@ -484,20 +608,28 @@ def run_batches(systems: list, prompts: list, ids: list, batches: list, cats: li
         for r in rows:
             r.pop("output_ids")
         sizes = [len(ps) for ps, _ in groups_of(prompts, ids, b)]
-        out[str(b)] = {"systems": res, "n/a": [(s.name, na_reason(s)) for s in systems if s not in run],
-                       "group_sizes": {str(k): sizes.count(k) for k in sorted(set(sizes), reverse=True)},
-                       "requests": rows}
-        print(f"batch {b}: " + ", ".join(f"{n} {d['per_category']['overall']['tokens_per_s']:.1f} tok/s"
-                                         for n, d in res.items()), flush=True)
+        out[str(b)] = {
+            "systems": res,
+            "n/a": [(s.name, na_reason(s)) for s in systems if s not in run],
+            "group_sizes": {str(k): sizes.count(k) for k in sorted(set(sizes), reverse=True)},
+            "requests": rows,
+        }
+        print(
+            f"batch {b}: "
+            + ", ".join(f"{n} {d['per_category']['overall']['tokens_per_s']:.1f} tok/s" for n, d in res.items()),
+            flush=True,
+        )
     return out
 
 
 def header(meta: dict) -> str:
     cpu = meta["cpu_info"]
-    return (f"CPU: {cpu['model']} ({cpu['cpu_count']} cores, {cpu['usable_cpus']} usable); SIMD flags: "
-            f"{' '.join(cpu['simd_flags'])}; threads: {meta['threads']} (torch {meta['torch_threads']}, "
-            f"llama.cpp n_threads {meta['threads']}, OMP_NUM_THREADS={cpu['omp_num_threads_env']}); "
-            + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+    return (
+        f"CPU: {cpu['model']} ({cpu['cpu_count']} cores, {cpu['usable_cpus']} usable); SIMD flags: "
+        f"{' '.join(cpu['simd_flags'])}; threads: {meta['threads']} (torch {meta['torch_threads']}, "
+        f"llama.cpp n_threads {meta['threads']}, OMP_NUM_THREADS={cpu['omp_num_threads_env']}); "
+        + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
+    )
 
 
 def main(argv=None) -> int:
@@ -523,15 +655,35 @@ def main(argv=None) -> int:
     out = Path(a.out) if a.out else C.default_out("bench_real")
     out.mkdir(parents=True, exist_ok=True)
     res = run_batches(systems, prompts, ids, batches, cats, ref, a)
-    profile = {s.name: profile_step(s, ids[0], a.profile_tokens) for s in systems
-               if isinstance(s, P.Specd) and a.profile_tokens > 0}
+    profile = {
+        s.name: profile_step(s, ids[0], a.profile_tokens)
+        for s in systems
+        if isinstance(s, P.Specd) and a.profile_tokens > 0
+    }
     floor = bandwidth_floor(target, a.target, profile)
-    meta.update(target=str(a.target), draft=str(a.draft), prompts_file=str(a.prompts), max_tokens=a.max_tokens,
-                prompts=len(prompts), chat_template=chat, dtype=str(target.dtype).removeprefix("torch."),
-                llama_n_ctx=ctx.n_ctx, elapsed_s=round(time.perf_counter() - t_start, 1))
-    rep = {"schema": C.SCHEMA, "kind": "bench_real", "meta": meta, "reference": ref, "categories": cats,
-           "systems": [s.name for s in systems], "notes": notes, "batches": res, "profile": profile,
-           "bandwidth_floor": floor}
+    meta.update(
+        target=str(a.target),
+        draft=str(a.draft),
+        prompts_file=str(a.prompts),
+        max_tokens=a.max_tokens,
+        prompts=len(prompts),
+        chat_template=chat,
+        dtype=str(target.dtype).removeprefix("torch."),
+        llama_n_ctx=ctx.n_ctx,
+        elapsed_s=round(time.perf_counter() - t_start, 1),
+    )
+    rep = {
+        "schema": C.SCHEMA,
+        "kind": "bench_real",
+        "meta": meta,
+        "reference": ref,
+        "categories": cats,
+        "systems": [s.name for s in systems],
+        "notes": notes,
+        "batches": res,
+        "profile": profile,
+        "bandwidth_floor": floor,
+    }
     C.write_json(out / "report.json", rep)
     md = render(rep)
     (out / "summary.md").write_text(md, encoding="utf-8")

@@ -26,6 +26,7 @@ Method (each choice answers a noise source measured on our 2-vCPU VM):
 - The A/A control column runs the in-process side twice per repeat and reports that ratio the same
   way: two identical runs, i.e. what noise alone shows.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,13 +50,30 @@ sys.path.insert(0, str(ROOT / "eval"))
 
 from common import child_pids  # noqa: E402
 
-PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bird",
-           "There was a girl named Sue", "The sun was hot and", "Tim had a red ball", "Mom said to Ben"]
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to the park",
+    "One day, a big bird",
+    "There was a girl named Sue",
+    "The sun was hot and",
+    "Tim had a red ball",
+    "Mom said to Ben",
+]
 
 
 def engine_args(a) -> list:
-    return ["--target", a.target, *(["--draft", a.draft] if a.draft else []), "--device", a.device,
-            "--spec-mode", a.spec, "--num-blocks", str(a.num_blocks)]
+    return [
+        "--target",
+        a.target,
+        *(["--draft", a.draft] if a.draft else []),
+        "--device",
+        a.device,
+        "--spec-mode",
+        a.spec,
+        "--num-blocks",
+        str(a.num_blocks),
+    ]
 
 
 def proc_cpu(pid) -> float:
@@ -70,8 +88,8 @@ def proc_cpu(pid) -> float:
 
 
 def in_process(engine, prompts, max_tokens, spec_mode):
-    from specd.sampling import SamplingParams
-    from specd.sequence import SpecParams
+    from specd.engine.sampling import SamplingParams
+    from specd.engine.sequence import SpecParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     c0 = time.process_time()
@@ -97,8 +115,19 @@ async def over_ws(url, prompts_text, max_tokens, spec_mode, ws):
     t0 = time.monotonic()
     first, done, tokens = {}, {}, {}
     for i, p in enumerate(prompts_text):
-        await ws.send(orjson.dumps({"type": "generate", "id": str(i), "prompt": p, "max_tokens": max_tokens,
-                                    "temperature": 0, "ignore_eos": True, "speculation": {"mode": spec_mode}}).decode())
+        await ws.send(
+            orjson.dumps(
+                {
+                    "type": "generate",
+                    "id": str(i),
+                    "prompt": p,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "speculation": {"mode": spec_mode},
+                }
+            ).decode()
+        )
     while len(done) < len(prompts_text):
         m = orjson.loads(await ws.recv())
         rid = m["id"]
@@ -124,8 +153,10 @@ async def over_raw_ws(port, prompts_text, max_tokens, spec_mode):
 
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     key = base64.b64encode(os.urandom(16)).decode()
-    writer.write(f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                 f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode())
+    writer.write(
+        f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
     head = await reader.readuntil(b"\r\n\r\n")
     if b" 101 " not in head.split(b"\r\n", 1)[0]:
         raise RuntimeError(f"websocket upgrade refused: {head[:200]!r}")
@@ -133,8 +164,17 @@ async def over_raw_ws(port, prompts_text, max_tokens, spec_mode):
     t0 = time.monotonic()
     out = bytearray()
     for i, p in enumerate(prompts_text):
-        payload = orjson.dumps({"type": "generate", "id": str(i), "prompt": p, "max_tokens": max_tokens,
-                                "temperature": 0, "ignore_eos": True, "speculation": {"mode": spec_mode}})
+        payload = orjson.dumps(
+            {
+                "type": "generate",
+                "id": str(i),
+                "prompt": p,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "speculation": {"mode": spec_mode},
+            }
+        )
         mask = os.urandom(4)
         ln = len(payload)
         hdr = bytes((0x81, 0x80 | ln)) if ln < 126 else b"\x81\xfe" + ln.to_bytes(2, "big")
@@ -162,13 +202,13 @@ async def over_raw_ws(port, prompts_text, max_tokens, spec_mode):
             if len(buf) - pos < hl:
                 break
             if ln == 126:
-                ln = int.from_bytes(buf[pos + 2:pos + 4], "big")
+                ln = int.from_bytes(buf[pos + 2 : pos + 4], "big")
             elif ln == 127:
-                ln = int.from_bytes(buf[pos + 2:pos + 10], "big")
+                ln = int.from_bytes(buf[pos + 2 : pos + 10], "big")
             if len(buf) - pos - hl < ln:
                 break
             op = buf[pos] & 0x0F
-            body = bytes(buf[pos + hl:pos + hl + ln])
+            body = bytes(buf[pos + hl : pos + hl + ln])
             pos += hl + ln
             if op != 1:
                 continue
@@ -189,12 +229,24 @@ async def over_raw_ws(port, prompts_text, max_tokens, spec_mode):
 
 
 def start_server(a):
-    from specd.server.app import ServerProcess
+    from specd.serving.app import ServerProcess
 
-    sp = ServerProcess([*engine_args(a), "--port", "0", "--grpc-port", "0", "--log-level", "info",
-                        "--max-queue", "1024", *(["--cpu-split"] if a.pin else []),
-                        *([] if a.stream_interval_ms is None else ["--stream-interval-ms", str(a.stream_interval_ms)])],
-                       cwd=ROOT).start()
+    sp = ServerProcess(
+        [
+            *engine_args(a),
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--log-level",
+            "info",
+            "--max-queue",
+            "1024",
+            *(["--cpu-split"] if a.pin else []),
+            *([] if a.stream_interval_ms is None else ["--stream-interval-ms", str(a.stream_interval_ms)]),
+        ],
+        cwd=ROOT,
+    ).start()
     return sp.proc, sp.port
 
 
@@ -217,11 +269,27 @@ class Baseline:
     def __init__(self, a, cpus):
         import subprocess
 
-        args = [sys.executable, str(Path(__file__).resolve()), "--baseline-worker", "--target", a.target,
-                *(["--draft", a.draft] if a.draft else []), "--device", a.device, "--spec", a.spec,
-                "--num-blocks", str(a.num_blocks)]
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT,
-                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+        args = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--baseline-worker",
+            "--target",
+            a.target,
+            *(["--draft", a.draft] if a.draft else []),
+            "--device",
+            a.device,
+            "--spec",
+            a.spec,
+            "--num-blocks",
+            str(a.num_blocks),
+        ]
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
         self.device = orjson.loads(self.proc.stdout.readline())["device"]
 
     def run(self, ids, max_tokens, mode):
@@ -235,11 +303,11 @@ class Baseline:
 
 
 def baseline_worker(a) -> int:
-    from specd.cli import build_parser, engine_config
-    from specd.engine import Engine
-    from specd.server.app import warm_up
+    from specd.engine.engine import Engine
+    from specd.engine.warmup import warm_up
+    from specd.options import engine_config, serve_parser
 
-    engine = Engine(engine_config(build_parser().parse_args(["serve", *engine_args(a)])))
+    engine = Engine(engine_config(serve_parser().parse_args([*engine_args(a)])))
     warm_up(engine)
     out = sys.stdout.buffer
     out.write(orjson.dumps({"device": str(engine.device)}) + b"\n")
@@ -252,7 +320,7 @@ def baseline_worker(a) -> int:
 
 
 def main(argv=None) -> int:
-    from specd.cli import demo_pair
+    from specd.options import demo_pair
 
     t, d = demo_pair()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -265,16 +333,34 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-blocks", type=int, default=1024)
-    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                   help="deployment layout: serve --cpu-split; baseline on the engine CPU, client on the server CPU")
-    p.add_argument("--stream-interval-ms", type=float, default=None, help="serve --stream-interval-ms (default: serve's)")
-    p.add_argument("--control", action=argparse.BooleanOptionalAction, default=True,
-                   help="A/A control: each repeat runs the in-process side twice; their ratio is the noise floor")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="fresh server and fresh baseline process per round (process-to-process speed varies)")
-    p.add_argument("--client", choices=["websockets", "raw"], default="websockets",
-                   help="websocket client: the websockets library, or a lean raw-socket reader that parses "
-                        "frames after the run (less client work beside the server on a small box)")
+    p.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="deployment layout: serve --cpu-split; baseline on the engine CPU, client on the server CPU",
+    )
+    p.add_argument(
+        "--stream-interval-ms", type=float, default=None, help="serve --stream-interval-ms (default: serve's)"
+    )
+    p.add_argument(
+        "--control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="A/A control: each repeat runs the in-process side twice; their ratio is the noise floor",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="fresh server and fresh baseline process per round (process-to-process speed varies)",
+    )
+    p.add_argument(
+        "--client",
+        choices=["websockets", "raw"],
+        default="websockets",
+        help="websocket client: the websockets library, or a lean raw-socket reader that parses "
+        "frames after the run (less client work beside the server on a small box)",
+    )
     p.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.baseline_worker:
@@ -286,7 +372,7 @@ def main(argv=None) -> int:
     conc = [int(x) for x in a.concurrency.split(",")]
     modes = a.modes.split(",")
 
-    from specd.loader import load_tokenizer
+    from specd.model.loader import load_tokenizer
 
     tok = load_tokenizer(Path(a.target))
     if layout:
@@ -305,14 +391,17 @@ def main(argv=None) -> int:
                     ids = [tok(x)["input_ids"] for x in texts]
                     ip, wsr, ctl = cells[mode, c]
                     for r in range(a.repeats):
-                        for side in (("ip", "ws") if r % 2 == 0 else ("ws", "ip")):  # alternate who goes first
+                        for side in ("ip", "ws") if r % 2 == 0 else ("ws", "ip"):  # alternate who goes first
                             if side == "ip":
                                 ip.append(base.run(ids, a.max_tokens, mode))
                                 if a.control:  # A/A: the same in-process run again (the noise floor)
                                     ctl.append(base.run(ids, a.max_tokens, mode)[0] / ip[-1][0])
                             else:
-                                run = (over_raw_ws(port, texts, a.max_tokens, mode) if a.client == "raw"
-                                       else over_ws(url, texts, a.max_tokens, mode, ws))
+                                run = (
+                                    over_raw_ws(port, texts, a.max_tokens, mode)
+                                    if a.client == "raw"
+                                    else over_ws(url, texts, a.max_tokens, mode, ws)
+                                )
                                 wsr.append(await with_server_cpu(pid, run))
 
     for _ in range(a.rounds):
@@ -328,13 +417,27 @@ def main(argv=None) -> int:
     rows = []
     for (mode, c), (ip, wsr, ctl) in cells.items():
         same = all(x[2] == y[2] for x, y in zip(ip, wsr))
-        rows.append((mode, c, statistics.median(x[0] for x in ip), statistics.median(x[0] for x in wsr),
-                     statistics.median(y[0] / x[0] for x, y in zip(ip, wsr)), statistics.median(ctl) if ctl else None,
-                     statistics.median(x[1] for x in ip), statistics.median(x[1] for x in wsr), same,
-                     statistics.median(x[3] for x in ip), statistics.median(x[3] for x in wsr)))
+        rows.append(
+            (
+                mode,
+                c,
+                statistics.median(x[0] for x in ip),
+                statistics.median(x[0] for x in wsr),
+                statistics.median(y[0] / x[0] for x, y in zip(ip, wsr)),
+                statistics.median(ctl) if ctl else None,
+                statistics.median(x[1] for x in ip),
+                statistics.median(x[1] for x in wsr),
+                same,
+                statistics.median(x[3] for x in ip),
+                statistics.median(x[3] for x in wsr),
+            )
+        )
     dev = device
-    print(f"\n`OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} {' '.join([sys.executable.split('/')[-1], *sys.argv])}`\n")
+    print(
+        f"\n`OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} {' '.join([sys.executable.split('/')[-1], *sys.argv])}`\n"
+    )
     load = " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+
     def short(x):
         if not x:
             return "-"
@@ -345,22 +448,30 @@ def main(argv=None) -> int:
         return str(x)
 
     si = "serve's default" if a.stream_interval_ms is None else f"{a.stream_interval_ms:g} ms"
-    place = (f"pinned: engine CPU {sorted(layout[1])}, server + client CPU {sorted(layout[0])}" if layout
-             else "unpinned")
-    print(f"target `{short(a.target)}`, draft `{short(a.draft)}`, device {dev}, "
-          f"greedy, {a.max_tokens} tokens per request (ignore_eos), medians of {a.rounds} rounds x {a.repeats} runs, "
-          f"{os.cpu_count()} CPUs ({place}), stream interval {si}, {a.client} client, load average {load}\n")
-    print("| spec | concurrency | in-process tok/s | websocket tok/s | ws / in-process | A/A control | "
-          "in-process TTFT ms | websocket TTFT ms | in-process CPU ms/token | server CPU ms/token | same tokens |")
+    place = f"pinned: engine CPU {sorted(layout[1])}, server + client CPU {sorted(layout[0])}" if layout else "unpinned"
+    print(
+        f"target `{short(a.target)}`, draft `{short(a.draft)}`, device {dev}, "
+        f"greedy, {a.max_tokens} tokens per request (ignore_eos), medians of {a.rounds} rounds x {a.repeats} runs, "
+        f"{os.cpu_count()} CPUs ({place}), stream interval {si}, {a.client} client, load average {load}\n"
+    )
+    print(
+        "| spec | concurrency | in-process tok/s | websocket tok/s | ws / in-process | A/A control | "
+        "in-process TTFT ms | websocket TTFT ms | in-process CPU ms/token | server CPU ms/token | same tokens |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, c, a1, a2, r, aa, t1, t2, same, c1, c2 in rows:
         aa = f"{100 * aa:.1f}%" if aa is not None else "-"
-        print(f"| {mode} | {c} | {a1:.0f} | {a2:.0f} | {100 * r:.1f}% | {aa} | {t1:.1f} | {t2:.1f} | {c1:.2f} | "
-              f"{c2:.2f} | {'yes' if same else 'NO'} |")
-    print("\nws / in-process: median over the repeats of each pair's ratio (the two sides alternate who goes "
-          "first). A/A control: the same in-process run twice in a row, median ratio - what this machine's noise "
-          "alone shows for two identical runs. CPU ms/token: CPU time of the processes doing the work (for websocket: the server process and "
-          "its engine process), per generated token; robust to other load on the machine, unlike tok/s.")
+        print(
+            f"| {mode} | {c} | {a1:.0f} | {a2:.0f} | {100 * r:.1f}% | {aa} | {t1:.1f} | {t2:.1f} | {c1:.2f} | "
+            f"{c2:.2f} | {'yes' if same else 'NO'} |"
+        )
+    print(
+        "\nws / in-process: median over the repeats of each pair's ratio (the two sides alternate who goes "
+        "first). A/A control: the same in-process run twice in a row, median ratio - what this machine's noise "
+        "alone shows for two identical runs. CPU ms/token: CPU time of the processes doing the work (for websocket: "
+        "the server process and "
+        "its engine process), per generated token; robust to other load on the machine, unlike tok/s."
+    )
     return 0
 
 

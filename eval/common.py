@@ -11,6 +11,7 @@ Vocabulary (as in docs/architecture.md): a *step* is one target forward; per ste
 
 Used by ``eval/acceptance.py`` (main entry), ``eval/sweep.py`` and ``eval/peers.py``.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -24,7 +25,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python eval/x.py` from a checkout without `pip install -e .`
@@ -60,24 +60,38 @@ class Prompt:
     id: str
     category: str  # reporting category (Spec-Bench: the task; MT-bench: its category)
     turns: list  # user turns (str)
-    subcategory: Optional[str] = None  # Spec-Bench's mt_bench rows keep their MT-bench category here
+    subcategory: str | None = None  # Spec-Bench's mt_bench rows keep their MT-bench category here
 
 
 def add_model_prompt_args(ap, max_tokens: int = 128) -> None:
     """The arguments every eval script shares: the pair, the prompt file, chat template or raw."""
     ap.add_argument("--target", required=True, help="target checkpoint dir (HF format)")
     ap.add_argument("--draft", required=True, help="draft checkpoint dir (same tokenizer)")
-    ap.add_argument("--prompts", required=True,
-                    help="question.jsonl (turns, category), GSM8K jsonl (question) or text, one prompt a line")
+    ap.add_argument(
+        "--prompts",
+        required=True,
+        help="question.jsonl (turns, category), GSM8K jsonl (question) or text, one prompt a line",
+    )
     g = ap.add_mutually_exclusive_group()
-    g.add_argument("--chat-template", dest="chat_template", action="store_true", default=None,
-                   help="apply the tokenizer's chat template (default when it has one)")
+    g.add_argument(
+        "--chat-template",
+        dest="chat_template",
+        action="store_true",
+        default=None,
+        help="apply the tokenizer's chat template (default when it has one)",
+    )
     g.add_argument("--raw", dest="chat_template", action="store_false", help="raw text prompts (BOS + text)")
     ap.add_argument("--max-tokens", type=int, default=max_tokens)
 
 
-def load_prompts(path, limit: Optional[int] = None, categories: Optional[list] = None,
-                 per_category: Optional[int] = None, max_turns: Optional[int] = None, start: int = 0) -> list:
+def load_prompts(
+    path,
+    limit: int | None = None,
+    categories: list | None = None,
+    per_category: int | None = None,
+    max_turns: int | None = None,
+    start: int = 0,
+) -> list:
     """Read MT-bench / Spec-Bench ``question.jsonl`` (``turns``, ``category``), GSM8K ``train.jsonl``
     (``question``; category ``gsm8k``) or plain text. ``start`` skips the file's first N prompts (e.g.
     ``--start 7273`` on GSM8K = the demo pair's 200 held-out questions).
@@ -176,13 +190,13 @@ def encode_conversation(tokenizer, turns: list, answers: list, chat_template: bo
     return list(tokenizer("\n\n".join(parts))["input_ids"])
 
 
-def fit_prompt(ids: list, max_prompt: int, bos_id: Optional[int]) -> tuple:
+def fit_prompt(ids: list, max_prompt: int, bos_id: int | None) -> tuple:
     """Left-truncate to ``max_prompt`` tokens (keeping a leading BOS). Returns (ids, truncated?)."""
     if len(ids) <= max_prompt:
         return ids, False
     if bos_id is not None and ids and ids[0] == bos_id:
-        return [ids[0]] + ids[len(ids) - (max_prompt - 1):], True
-    return ids[len(ids) - max_prompt:], True
+        return [ids[0]] + ids[len(ids) - (max_prompt - 1) :], True
+    return ids[len(ids) - max_prompt :], True
 
 
 # speculation modes ------------------------------------------------------------------------------
@@ -225,10 +239,10 @@ class Mode:
     size: int = 0  # chain: k; tree/static: node budget (draft tokens, excluding the root)
     topk: int = 4
     depth: int = 6
-    choices: Optional[tuple] = None
+    choices: tuple | None = None
 
     @classmethod
-    def parse(cls, s: str, tree_topk: int = 4, tree_depth: int = 6, rank_probs=DEFAULT_RANK_PROBS) -> "Mode":
+    def parse(cls, s: str, tree_topk: int = 4, tree_depth: int = 6, rank_probs=DEFAULT_RANK_PROBS) -> Mode:
         s = s.strip()
         parts = s.split(":")
         kind = parts[0]
@@ -258,12 +272,13 @@ class Mode:
         if self.kind == "chain":
             return SpecConfig(mode="chain", num_draft_tokens=self.size, adaptive=False)
         if self.kind == "tree":
-            return SpecConfig(mode="tree", tree_budget=self.size, tree_topk=self.topk, tree_depth=self.depth,
-                              adaptive=False)
+            return SpecConfig(
+                mode="tree", tree_budget=self.size, tree_topk=self.topk, tree_depth=self.depth, adaptive=False
+            )
         return SpecConfig(mode="static", tree_budget=self.size, static_tree=self.choices, adaptive=False)
 
     def spec_params(self):
-        from specd.sequence import SpecParams
+        from specd.engine.sequence import SpecParams
 
         return SpecParams(mode="off") if self.kind == "off" else SpecParams(mode="auto")
 
@@ -286,18 +301,29 @@ def parse_modes(spec: str, **kw) -> list:
     return modes
 
 
-def make_engine(mode: Mode, target, draft, device: str = "cpu", prefix_cache: bool = True,
-                memory_bytes: int = 256 << 20, max_num_seqs: int = 4):
+def make_engine(
+    mode: Mode,
+    target,
+    draft,
+    device: str = "cpu",
+    prefix_cache: bool = True,
+    memory_bytes: int = 256 << 20,
+    max_num_seqs: int = 4,
+):
     """One Engine per mode, sharing the loaded models (``off`` gets no draft at all).
     ``prefix_cache=False``: every prompt is prefilled in full, like a peer engine without one."""
     from specd.config import CacheConfig, EngineConfig, SchedulerConfig
-    from specd.engine import Engine
+    from specd.engine.engine import Engine
 
     use_draft = draft if mode.kind != "off" else None
-    cfg = EngineConfig(target=str(target.path), draft=str(draft.path) if use_draft is not None else None,
-                       device=device, spec=mode.spec_config(),
-                       scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, enable_prefix_cache=prefix_cache),
-                       cache=CacheConfig(memory_bytes=memory_bytes))
+    cfg = EngineConfig(
+        target=str(target.path),
+        draft=str(draft.path) if use_draft is not None else None,
+        device=device,
+        spec=mode.spec_config(),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, enable_prefix_cache=prefix_cache),
+        cache=CacheConfig(memory_bytes=memory_bytes),
+    )
     return Engine(cfg, target=target, draft=use_draft)
 
 
@@ -352,8 +378,7 @@ class StepTimer:
     def as_dict(self) -> dict:
         n_steps = max(1, self.n["step"])
         nd = self.n["draft_forward"]
-        d = {"steps": self.n["step"], "draft_forwards": nd,
-             "draft_forwards_per_step": nd / n_steps}
+        d = {"steps": self.n["step"], "draft_forwards": nd, "draft_forwards_per_step": nd / n_steps}
         for clock, src in (("", self.t), ("cpu_", self.c)):
             d[f"{clock}step_s"] = src["step"]
             for p in ("_draft", "_target_forward", "_verify", "_commit"):
@@ -369,17 +394,22 @@ class StepTimer:
 # stats ------------------------------------------------------------------------------------------
 def stats_from_dicts(ds: list):
     """Merge per-request ``SpecStats`` (as objects or ``as_dict()``-style dicts) into one SpecStats."""
-    from specd.sequence import SpecStats
+    from specd.engine.sequence import SpecStats
 
     tot = SpecStats()
     for d in ds:
         if isinstance(d, SpecStats):
             tot.merge(d)
             continue
-        s = SpecStats(steps=d["steps"], draft_tokens=d["draft_tokens"], accepted_tokens=d["accepted_tokens"],
-                      emitted_tokens=d.get("emitted_tokens", 0),
-                      accepted_per_depth=list(d["accepted_per_depth"]),
-                      drafted_per_depth=list(d["drafted_per_depth"]), accept_len_hist=list(d["accept_len_hist"]))
+        s = SpecStats(
+            steps=d["steps"],
+            draft_tokens=d["draft_tokens"],
+            accepted_tokens=d["accepted_tokens"],
+            emitted_tokens=d.get("emitted_tokens", 0),
+            accepted_per_depth=list(d["accepted_per_depth"]),
+            drafted_per_depth=list(d["drafted_per_depth"]),
+            accept_len_hist=list(d["accept_len_hist"]),
+        )
         tot.merge(s)
     return tot
 
@@ -391,7 +421,7 @@ class StepLog:
     clears the steps logged since the last call (one request at a time in these scripts)."""
 
     def __init__(self, engine):
-        from specd.sequence import SpecStats
+        from specd.engine.sequence import SpecStats
 
         log = self.steps = []
 
@@ -429,7 +459,7 @@ def add_lists(a: list, b: list) -> list:
     return out
 
 
-def stats_dict(st, tried: Optional[list] = None) -> dict:
+def stats_dict(st, tried: list | None = None) -> dict:
     """``SpecStats.as_dict()`` plus raw per-depth counts, the normalised accepted-length histogram and,
     given ``tried`` (see :func:`tried_per_depth`), the conditional per-position acceptance alpha_d and
     the i.i.d. alpha (accepted / positions tried; Leviathan et al.'s alpha)."""
@@ -442,8 +472,9 @@ def stats_dict(st, tried: Optional[list] = None) -> dict:
     if tried is not None:
         d["tried_per_depth"] = list(tried)
         acc = st.accepted_per_depth
-        d["conditional_acceptance_per_depth"] = [round((acc[i] if i < len(acc) else 0) / t, 4) if t else 0.0
-                                                 for i, t in enumerate(tried)]
+        d["conditional_acceptance_per_depth"] = [
+            round((acc[i] if i < len(acc) else 0) / t, 4) if t else 0.0 for i, t in enumerate(tried)
+        ]
         d["alpha_iid"] = round(sum(acc) / sum(tried), 4) if sum(tried) else 0.0
     return d
 
@@ -480,8 +511,12 @@ def versions() -> dict:
         specd_v = version("specd")
     except Exception:
         specd_v = "unknown"
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "specd": specd_v}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "specd": specd_v,
+    }
 
 
 def child_pids(pid: int) -> list:
@@ -495,12 +530,16 @@ def child_pids(pid: int) -> list:
     return out
 
 
-def git_commit() -> Optional[str]:
+def git_commit() -> str | None:
     try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=5)
+        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         return r.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if r.returncode == 0 else None
     except Exception:
         return None
@@ -516,8 +555,26 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-              "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve", "bf16", "i8mm")
+SIMD_FLAGS = (
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "sve",
+    "bf16",
+    "i8mm",
+)
 
 
 def cpu_info() -> dict:
@@ -535,9 +592,14 @@ def cpu_info() -> dict:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = os.cpu_count()
-    info = {"model": cpu_name(), "cpu_count": os.cpu_count(), "usable_cpus": usable,
-            "simd_flags": [f for f in SIMD_FLAGS if f in flags], "flags": " ".join(flags),
-            "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS")}
+    info = {
+        "model": cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "usable_cpus": usable,
+        "simd_flags": [f for f in SIMD_FLAGS if f in flags],
+        "flags": " ".join(flags),
+        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
+    }
     try:
         import torch
 
@@ -645,8 +707,9 @@ def plot_accept_hist(series: dict, path, title: str = "accepted draft tokens per
     return _save(fig, path)
 
 
-def plot_xy(series: dict, path, xlabel: str, ylabel: str, title: str, hline: Optional[float] = None,
-            logx: bool = False) -> Path:
+def plot_xy(
+    series: dict, path, xlabel: str, ylabel: str, title: str, hline: float | None = None, logx: bool = False
+) -> Path:
     """series: {label: (xs, ys)} -> line plot (speedup vs k / tree budget, accepted length, ...)."""
     plt = _plt()
     from matplotlib.ticker import ScalarFormatter

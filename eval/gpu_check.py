@@ -38,8 +38,12 @@ def parse_args(argv=None):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=25)
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new problems after this")
-    ap.add_argument("--ref-max-tokens", type=int, default=64 * 2048,
-                    help="skip the torch reference when batch * context exceeds this")
+    ap.add_argument(
+        "--ref-max-tokens",
+        type=int,
+        default=64 * 2048,
+        help="skip the torch reference when batch * context exceeds this",
+    )
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -149,8 +153,18 @@ def fmt_bw(nbytes, t):
 
 def dry_run():
     assert sk.interpreting(), "dry run needs the Triton interpreter"
-    args, mask1 = build_problem(1, 8, 512, 64, heads=ARGS.heads, kv_heads=ARGS.kv_heads,
-                                block_size=ARGS.block_size, dtype=torch.bfloat16, device="cpu", seed=ARGS.seed)
+    args, mask1 = build_problem(
+        1,
+        8,
+        512,
+        64,
+        heads=ARGS.heads,
+        kv_heads=ARGS.kv_heads,
+        block_size=ARGS.block_size,
+        dtype=torch.bfloat16,
+        device="cpu",
+        seed=ARGS.seed,
+    )
     t0 = time.time()
     out = sk.tree_attention(**args)
     t_tri = time.time() - t0
@@ -167,6 +181,46 @@ def dry_run():
     return 0 if ok else 1
 
 
+def run_problem(b: int, t: int, c: int, d: int, dtype, dev) -> float:
+    """Time one problem (Triton, torch reference, sdpa, gather+sdpa), print its row; the max abs error
+    of Triton vs sdpa. Its tensors are freed on return."""
+    torch.cuda.empty_cache()
+    args, mask1 = build_problem(
+        b,
+        t,
+        c,
+        d,
+        heads=ARGS.heads,
+        kv_heads=ARGS.kv_heads,
+        block_size=ARGS.block_size,
+        dtype=dtype,
+        device=dev,
+        seed=ARGS.seed,
+    )
+    nbytes = 2 * b * (c + t) * ARGS.kv_heads * d * args["kv_layer"].element_size()
+    out = torch.empty_like(args["q"])
+    t_tri = time_cuda(lambda: sk.tree_attention(**args, out=out), ARGS.warmup, ARGS.iters)
+    t_ref = None
+    if b * c <= ARGS.ref_max_tokens:
+        t_ref = time_cuda(lambda: sk.tree_attention_ref(**args), 1, max(3, ARGS.iters // 5))
+    k, v = gather_dense(args, b, t, c)
+    am = dense_mask(mask1, c)
+    t_sdpa = time_cuda(lambda: sdpa_attention(args["q"], k, v, am, b, t, args["scale"]), ARGS.warmup, ARGS.iters)
+    t_gs = time_cuda(
+        lambda: sdpa_attention(args["q"], *gather_dense(args, b, t, c), am, b, t, args["scale"]),
+        2,
+        max(5, ARGS.iters // 3),
+    )
+    sk.tree_attention(**args, out=out)
+    err = (out.float() - sdpa_attention(args["q"], k, v, am, b, t, args["scale"]).float()).abs().max().item()
+    print(
+        f"| {b} | {t} | {c} | {d} | {fmt_t(t_tri)} | {fmt_bw(nbytes, t_tri)} | {fmt_t(t_ref)} "
+        f"| {fmt_t(t_sdpa)} | {fmt_bw(nbytes, t_sdpa)} | {fmt_t(t_gs)} | {err:.3g} |",
+        flush=True,
+    )
+    return err
+
+
 def main(argv=None):
     global ARGS
     ARGS = parse_args(argv)
@@ -178,47 +232,38 @@ def main(argv=None):
     dev = torch.device("cuda")
     dtype = torch.bfloat16
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    problems = [(b, t, c, d) for d in ints(ARGS.head_dims) for c in ints(ARGS.contexts)
-                for b in ints(ARGS.batches) for t in ints(ARGS.trees)]
-    print(f"# tree attention, {torch.cuda.get_device_name()}, bf16, H={ARGS.heads} KVH={ARGS.kv_heads} "
-          f"block={ARGS.block_size}, median of {ARGS.iters} (warmup {ARGS.warmup}), times in us, "
-          f"bandwidth = K/V bytes of the problem / time in GB/s\n")
-    print("| B | tree | ctx | D | triton us | GB/s | torch ref us | sdpa us | GB/s | gather+sdpa us "
-          "| max abs err tri-sdpa |")
+    problems = [
+        (b, t, c, d)
+        for d in ints(ARGS.head_dims)
+        for c in ints(ARGS.contexts)
+        for b in ints(ARGS.batches)
+        for t in ints(ARGS.trees)
+    ]
+    print(
+        f"# tree attention, {torch.cuda.get_device_name()}, bf16, H={ARGS.heads} KVH={ARGS.kv_heads} "
+        f"block={ARGS.block_size}, median of {ARGS.iters} (warmup {ARGS.warmup}), times in us, "
+        f"bandwidth = K/V bytes of the problem / time in GB/s\n"
+    )
+    print(
+        "| B | tree | ctx | D | triton us | GB/s | torch ref us | sdpa us | GB/s | gather+sdpa us "
+        "| max abs err tri-sdpa |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     t_start = time.time()
     skipped = []
     failures = 0
-    for (b, t, c, d) in problems:
+    for b, t, c, d in problems:
         if time.time() - t_start > ARGS.budget_s:
             skipped.append((b, t, c, d))
             continue
-        torch.cuda.empty_cache()
-        args, mask1 = build_problem(b, t, c, d, heads=ARGS.heads, kv_heads=ARGS.kv_heads,
-                                    block_size=ARGS.block_size, dtype=dtype, device=dev, seed=ARGS.seed)
-        nbytes = 2 * b * (c + t) * ARGS.kv_heads * d * args["kv_layer"].element_size()
-        out = torch.empty_like(args["q"])
-        t_tri = time_cuda(lambda: sk.tree_attention(**args, out=out), ARGS.warmup, ARGS.iters)
-        t_ref = None
-        if b * c <= ARGS.ref_max_tokens:
-            t_ref = time_cuda(lambda: sk.tree_attention_ref(**args), 1, max(3, ARGS.iters // 5))
-        k, v = gather_dense(args, b, t, c)
-        am = dense_mask(mask1, c)
-        t_sdpa = time_cuda(lambda: sdpa_attention(args["q"], k, v, am, b, t, args["scale"]), ARGS.warmup, ARGS.iters)
-        t_gs = time_cuda(lambda: sdpa_attention(args["q"], *gather_dense(args, b, t, c), am, b, t, args["scale"]),
-                         2, max(5, ARGS.iters // 3))
-        sk.tree_attention(**args, out=out)
-        err = (out.float() - sdpa_attention(args["q"], k, v, am, b, t, args["scale"]).float()).abs().max().item()
-        if not err < 5e-2:
-            failures += 1
-        print(f"| {b} | {t} | {c} | {d} | {fmt_t(t_tri)} | {fmt_bw(nbytes, t_tri)} | {fmt_t(t_ref)} "
-              f"| {fmt_t(t_sdpa)} | {fmt_bw(nbytes, t_sdpa)} | {fmt_t(t_gs)} | {err:.3g} |", flush=True)
-        del args, k, v, out
+        failures += not run_problem(b, t, c, d, dtype, dev) < 5e-2  # NaN counts as a failure
     print()
     print(f"torch ref skipped where B*ctx > {ARGS.ref_max_tokens} (python loop per request, too slow).")
     if skipped:
-        print(f"time budget ({ARGS.budget_s:.0f}s) spent; not run: "
-              + ", ".join(f"B={b}/tree={t}/ctx={c}/D={d}" for b, t, c, d in skipped))
+        print(
+            f"time budget ({ARGS.budget_s:.0f}s) spent; not run: "
+            + ", ".join(f"B={b}/tree={t}/ctx={c}/D={d}" for b, t, c, d in skipped)
+        )
     print(f"total {time.time() - t_start:.0f}s; {failures} problem(s) with max abs err >= 5e-2")
     return 1 if failures else 0
 

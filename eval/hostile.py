@@ -2,14 +2,15 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python eval/hostile.py --cases 2000 --seed 0 --json eval/out/hostile.json
 
-Part 1 runs ``--cases`` random cases (``specd.chaos.random_case``: 1-5 requests over the whole
+Part 1 runs ``--cases`` random cases (``specd.engine.chaos.random_case``: 1-5 requests over the whole
 accepted parameter range, a quarter with a value validation refuses forced in past it, half the cases
 with a fault injected in a random stage for one request; small KV cache, so preemption happens) and
-checks the oracle of ``specd.chaos.run_checked`` after each: every request ends once, no request that
+checks the oracle of ``specd.engine.chaos.run_checked`` after each: every request ends once, no request that
 is neither hostile nor the fault's target fails, no KV block is held, and the greedy canary equals a
 fresh engine's output. Part 2 injects a fault in each stage for one request of a fixed mix and counts
 the other requests whose tokens differ from their clean run (must be 0). Prints one JSON summary.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,17 +27,30 @@ SHARED = Path(os.environ.get("SPECD_SHARED", ROOT.parent / "shared"))
 
 
 def build_engine(num_blocks: int):
-    from specd.cli import build_parser, engine_config
-    from specd.engine import Engine
+    from specd.engine.engine import Engine
+    from specd.options import engine_config, serve_parser
 
-    a = build_parser().parse_args(["serve", "--target", str(SHARED / "models" / "stories260K"), "--draft",
-                                   str(SHARED / "models" / "stories260K-draft-1L64"), "--device", "cpu", "--dtype",
-                                   "float32", "--num-blocks", str(num_blocks), "--prefill-chunk", "24"])
+    a = serve_parser().parse_args(
+        [
+            "--target",
+            str(SHARED / "models" / "stories260K"),
+            "--draft",
+            str(SHARED / "models" / "stories260K-draft-1L64"),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-blocks",
+            str(num_blocks),
+            "--prefill-chunk",
+            "24",
+        ]
+    )
     return Engine(engine_config(a))
 
 
 def random_cases(engine, n: int, seed: int, canary_prompt, canary_ref) -> dict:
-    from specd.chaos import random_case, run_checked
+    from specd.engine.chaos import random_case, run_checked
 
     rng = random.Random(seed)
     tot = collections.Counter()
@@ -49,20 +63,26 @@ def random_cases(engine, n: int, seed: int, canary_prompt, canary_ref) -> dict:
 
 def stage_faults(engine, prompts: dict) -> dict:
     """A fault in each stage for one request of a fixed mix: the others' tokens vs their clean run."""
-    from specd.chaos import STEP_STAGES, FaultInjector, Req, check_clean, run_case, with_hook
-    from specd.sampling import SamplingParams
-    from specd.sequence import SpecParams
+    from specd.engine.chaos import STEP_STAGES, FaultInjector, Req, check_clean, run_case, with_hook
+    from specd.engine.sampling import SamplingParams
+    from specd.engine.sequence import SpecParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=12, ignore_eos=True)
-    mix = [Req("g-tree", prompts[0], greedy, SpecParams("tree")), Req("g-chain", prompts[1], greedy, SpecParams("chain")),
-           Req("s-tree", prompts[0], sampled, SpecParams("tree")), Req("g-off", prompts[2], greedy, SpecParams("off"))]
+    mix = [
+        Req("g-tree", prompts[0], greedy, SpecParams("tree")),
+        Req("g-chain", prompts[1], greedy, SpecParams("chain")),
+        Req("s-tree", prompts[0], sampled, SpecParams("tree")),
+        Req("g-off", prompts[2], greedy, SpecParams("off")),
+    ]
     clean = run_case(engine, mix)
     out = {"innocent_requests": 0, "innocent_differing": 0, "culprits_failed": 0}
     for stage in STEP_STAGES:
         for skip in (0, 2):
             bad = Req("bad", prompts[1], sampled, SpecParams("tree"))
-            res = with_hook(engine, FaultInjector(stage, {"bad"}, skip=skip), lambda: run_case(engine, mix + [bad]))
+            res = with_hook(
+                engine, FaultInjector(stage, {"bad"}, skip=skip), lambda bad=bad: run_case(engine, mix + [bad])
+            )
             out["culprits_failed"] += res.reasons["bad"] == "error"
             for r in mix:
                 out["innocent_requests"] += 1
@@ -81,19 +101,24 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
 
-    from specd.chaos import canary
-    from specd.cpu import cpu_info
+    from specd.engine.chaos import canary
+    from specd.model.cpu import cpu_info
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     engine = build_engine(a.num_blocks)
     prompts = [engine.tokenizer(p)["input_ids"] for p in ("Once upon a time", "The dog ran to the", "Lily saw a")]
     canary_ref = canary(build_engine(a.num_blocks), prompts[0])
     t0 = time.perf_counter()
-    summary = {"cpu": cpu_info()["model"], "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-               "random": random_cases(engine, a.cases, a.seed, prompts[0], canary_ref),
-               "stages": stage_faults(engine, prompts), "health": engine.health_snapshot(),
-               "kv_blocks_held_after": list(engine.kv_blocks_used())}
+    summary = {
+        "cpu": cpu_info()["model"],
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "random": random_cases(engine, a.cases, a.seed, prompts[0], canary_ref),
+        "stages": stage_faults(engine, prompts),
+        "health": engine.health_snapshot(),
+        "kv_blocks_held_after": list(engine.kv_blocks_used()),
+    }
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(summary, indent=1)
     print(text)

@@ -22,6 +22,7 @@ other processes hits them alike. Reported: per-system median tokens/s over promp
 CPU time), aggregate tokens/s, the greedy outputs' agreement with ``specd:off`` token for token, and
 ratios as medians over prompts of per-prompt ratios (e.g. specd:chain:4 / hf:assisted:k4).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,7 @@ class Accepted:
 
 class Specd:
     def __init__(self, mode, target, draft, device, max_tokens, **engine_kw):
-        from specd.sampling import SamplingParams
+        from specd.engine.sampling import SamplingParams
 
         self.name = f"specd:{mode.name}"
         self.mode = mode
@@ -137,7 +138,7 @@ class HF:
 def cut_at_eos(ids: list, eos: set) -> list:
     for i, t in enumerate(ids):
         if t in eos:
-            return ids[:i + 1]
+            return ids[: i + 1]
     return ids
 
 
@@ -154,8 +155,15 @@ class LlamaCpp:
         self.draft = counting_pld(pld) if pld else None
         # logits_all with a draft model: llama-cpp-python 0.3.x sizes its logits buffer from the
         # argument, not from the draft model (which turns it on), and overflows past n_batch tokens
-        self.llm = Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                         verbose=False, draft_model=self.draft, logits_all=self.draft is not None)
+        self.llm = Llama(
+            model_path=str(gguf),
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=n_ctx,
+            verbose=False,
+            draft_model=self.draft,
+            logits_all=self.draft is not None,
+        )
         self.stats = None
 
     def set_max_tokens(self, n: int) -> None:
@@ -205,9 +213,15 @@ class CT2:
         self.stats = None
 
     def __call__(self, ids):
-        r = self.gen.generate_batch([self.tok.convert_ids_to_tokens(ids)], max_length=self.max_tokens,
-                                    sampling_topk=1, beam_size=1, include_prompt_in_result=False,
-                                    end_token=self.end, return_end_token=True)
+        r = self.gen.generate_batch(
+            [self.tok.convert_ids_to_tokens(ids)],
+            max_length=self.max_tokens,
+            sampling_topk=1,
+            beam_size=1,
+            include_prompt_in_result=False,
+            end_token=self.end,
+            return_end_token=True,
+        )
         return list(r[0].sequences_ids[0])
 
 
@@ -219,7 +233,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specd.loader import load_model
+    from specd.model.loader import load_model
 
     t_start = time.perf_counter()
     meta = C.run_meta(argv if argv is not None else sys.argv, a.device)  # at the start: the code that runs
@@ -233,8 +247,10 @@ def main(argv=None) -> int:
     chat = a.chat_template if a.chat_template is not None else C.has_chat_template(tok)
     eos = list(target.config.eos_token_ids)
     max_prompt = target.config.max_position_embeddings - a.max_tokens - 1
-    ids_list = [C.fit_prompt(C.encode_conversation(tok, p.turns[:1], [], chat), max_prompt,
-                             target.config.bos_token_id)[0] for p in prompts]
+    ids_list = [
+        C.fit_prompt(C.encode_conversation(tok, p.turns[:1], [], chat), max_prompt, target.config.bos_token_id)[0]
+        for p in prompts
+    ]
 
     systems = [Specd(m, target, draft, a.device, a.max_tokens) for m in C.parse_modes(a.modes)]
     hf_t = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).eval()
@@ -268,19 +284,22 @@ def main(argv=None) -> int:
         wall = sum(r["wall_s"] for r in rs)
         cpu = sum(r["cpu_s"] for r in rs)
         toks = sum(r["output_tokens"] for r in rs)
-        summary[n] = {"prompts": len(rs), "output_tokens": toks,
-                      "median_tokens_per_s": round(C.median([r["tokens_per_s"] for r in rs]), 2),
-                      "median_tokens_per_cpu_s": round(C.median([r["tokens_per_cpu_s"] for r in rs]), 2),
-                      "tokens_per_s": round(toks / wall, 2) if wall else 0.0,
-                      "tokens_per_cpu_s": round(toks / cpu, 2) if cpu else 0.0,
-                      "greedy_equal_to_specd_off": sum(1 for pid, r in by[n].items()
-                                                       if ref.get(pid, {}).get("output_ids") == r["output_ids"])}
+        summary[n] = {
+            "prompts": len(rs),
+            "output_tokens": toks,
+            "median_tokens_per_s": round(C.median([r["tokens_per_s"] for r in rs]), 2),
+            "median_tokens_per_cpu_s": round(C.median([r["tokens_per_cpu_s"] for r in rs]), 2),
+            "tokens_per_s": round(toks / wall, 2) if wall else 0.0,
+            "tokens_per_cpu_s": round(toks / cpu, 2) if cpu else 0.0,
+            "greedy_equal_to_specd_off": sum(
+                1 for pid, r in by[n].items() if ref.get(pid, {}).get("output_ids") == r["output_ids"]
+            ),
+        }
         if any("mean_accepted_length" in r for r in rs):
             summary[n]["mean_accepted_length"] = round(C.median([r.get("mean_accepted_length") for r in rs]), 3)
 
     def ratio(a_, b_, key="tokens_per_s"):
-        xs = [by[a_][pid][key] / by[b_][pid][key] for pid in by[a_]
-              if pid in by[b_] and by[b_][pid][key] > 0]
+        xs = [by[a_][pid][key] / by[b_][pid][key] for pid in by[a_] if pid in by[b_] and by[b_][pid][key] > 0]
         return round(C.median(xs), 4) if xs else None
 
     pairs = []
@@ -296,31 +315,61 @@ def main(argv=None) -> int:
         base = "specd:off" if x.startswith("specd:") else "hf:generate"
         if base in by:
             pairs.append((x, base))
-    ratios = [{"a": x, "b": y, "median_ratio": ratio(x, y), "median_ratio_cpu": ratio(x, y, "tokens_per_cpu_s")}
-              for x, y in pairs]
+    ratios = [
+        {"a": x, "b": y, "median_ratio": ratio(x, y), "median_ratio_cpu": ratio(x, y, "tokens_per_cpu_s")}
+        for x, y in pairs
+    ]
     for r in rows:
         r.pop("output_ids")
     if argv is not None:
         meta["command"] = "python eval/peers.py " + " ".join(argv)
-    meta.update({"target": a.target, "draft": a.draft, "prompts_file": a.prompts, "max_tokens": a.max_tokens,
-                 "prompts": len(prompts), "categories": sorted({p.category for p in prompts}),
-                 "chat_template": chat, "peers": notes, "elapsed_s": round(time.perf_counter() - t_start, 2)})
-    report = {"schema": C.SCHEMA, "kind": "peers", "meta": meta, "systems": summary, "ratios": ratios,
-              "requests": rows}
+    meta.update(
+        {
+            "target": a.target,
+            "draft": a.draft,
+            "prompts_file": a.prompts,
+            "max_tokens": a.max_tokens,
+            "prompts": len(prompts),
+            "categories": sorted({p.category for p in prompts}),
+            "chat_template": chat,
+            "peers": notes,
+            "elapsed_s": round(time.perf_counter() - t_start, 2),
+        }
+    )
+    report = {"schema": C.SCHEMA, "kind": "peers", "meta": meta, "systems": summary, "ratios": ratios, "requests": rows}
     C.write_json(out / "report.json", report)
-    md = ["# specd vs peers", "", f"- command: `{meta['command']}`",
-          f"- date {meta['date']}; {meta['device']} ({meta['cpu']}, {meta['cpu_count']} cores, "
-          f"{meta['torch_threads']} torch threads); " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
-          + "".join(f", {k} {v}" for k, v in notes.items()),
-          f"- {len(prompts)} prompts (first turn), greedy, max_tokens {a.max_tokens}, batch 1", "",
-          C.md_table(["system", "median tok/s", "median tok/CPU-s", "aggregate tok/s", "tokens/step",
-                      "greedy == specd:off"],
-                     [[n, s["median_tokens_per_s"], s["median_tokens_per_cpu_s"], s["tokens_per_s"],
-                       s.get("mean_accepted_length", "-"), f"{s['greedy_equal_to_specd_off']}/{s['prompts']}"]
-                      for n, s in summary.items()]), "",
-          "Ratios (median over prompts of per-prompt tokens/s ratios):", "",
-          C.md_table(["a / b", "wall clock", "CPU time"],
-                     [[f"{r['a']} / {r['b']}", r["median_ratio"], r["median_ratio_cpu"]] for r in ratios])]
+    md = [
+        "# specd vs peers",
+        "",
+        f"- command: `{meta['command']}`",
+        f"- date {meta['date']}; {meta['device']} ({meta['cpu']}, {meta['cpu_count']} cores, "
+        f"{meta['torch_threads']} torch threads); "
+        + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
+        + "".join(f", {k} {v}" for k, v in notes.items()),
+        f"- {len(prompts)} prompts (first turn), greedy, max_tokens {a.max_tokens}, batch 1",
+        "",
+        C.md_table(
+            ["system", "median tok/s", "median tok/CPU-s", "aggregate tok/s", "tokens/step", "greedy == specd:off"],
+            [
+                [
+                    n,
+                    s["median_tokens_per_s"],
+                    s["median_tokens_per_cpu_s"],
+                    s["tokens_per_s"],
+                    s.get("mean_accepted_length", "-"),
+                    f"{s['greedy_equal_to_specd_off']}/{s['prompts']}",
+                ]
+                for n, s in summary.items()
+            ],
+        ),
+        "",
+        "Ratios (median over prompts of per-prompt tokens/s ratios):",
+        "",
+        C.md_table(
+            ["a / b", "wall clock", "CPU time"],
+            [[f"{r['a']} / {r['b']}", r["median_ratio"], r["median_ratio_cpu"]] for r in ratios],
+        ),
+    ]
     md = "\n".join(md)
     (out / "summary.md").write_text(md + "\n", encoding="utf-8")
     _bar(summary, out / "peers_tokens_per_s.png")
@@ -338,16 +387,24 @@ def time_rotated(systems: list, groups: list, progress: bool = True, desc: str =
 
     rows = []
     for qi, (ps, ids_list) in enumerate(tqdm(groups, desc=desc, disable=not progress)):
-        for s in systems[qi % len(systems):] + systems[:qi % len(systems)]:
+        for s in systems[qi % len(systems) :] + systems[: qi % len(systems)]:
             t0, c0 = time.perf_counter(), time.process_time()
             o = s(ids_list[0]) if len(ids_list) == 1 else s.batch(ids_list)
             dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             n_out = len(o) if len(ids_list) == 1 else sum(map(len, o))
-            r = {"prompt_id": "+".join(p.id for p in ps), "category": ps[0].category, "system": s.name,
-                 "batch": len(ids_list), "prompt_tokens": sum(map(len, ids_list)),
-                 "output_tokens": n_out, "wall_s": round(dt, 6), "cpu_s": round(cpu, 6),
-                 "tokens_per_s": round(n_out / dt, 3) if dt > 0 else 0.0,
-                 "tokens_per_cpu_s": round(n_out / cpu, 3) if cpu > 0 else 0.0, "output_ids": o}
+            r = {
+                "prompt_id": "+".join(p.id for p in ps),
+                "category": ps[0].category,
+                "system": s.name,
+                "batch": len(ids_list),
+                "prompt_tokens": sum(map(len, ids_list)),
+                "output_tokens": n_out,
+                "wall_s": round(dt, 6),
+                "cpu_s": round(cpu, 6),
+                "tokens_per_s": round(n_out / dt, 3) if dt > 0 else 0.0,
+                "tokens_per_cpu_s": round(n_out / cpu, 3) if cpu > 0 else 0.0,
+                "output_ids": o,
+            }
             if s.stats is not None:
                 r["mean_accepted_length"] = round(s.stats.mean_accepted_length, 4)
             rows.append(r)

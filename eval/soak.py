@@ -18,13 +18,15 @@ reply has exactly one right answer. Checked for every request:
   distinct pair, when the models are local), else the first reply seen for that pair (so all modes
   and repeats must agree);
 - no ``error`` frame (the load stays under ``--max-queue``);
-- server memory (VmRSS from /proc/PID/status, engine process included; needs the PID: own server or ``--pid``) is flat after
+- server memory (VmRSS from /proc/PID/status, engine process included; needs the PID: own server or ``--pid``) is flat
+after
   warm-up: end RSS <= warm-up RSS * 1.1 + 20 MB (warm-up = the first ``--warmup-frac`` of the run);
 - afterwards every KV block is free again (``specd_kv_blocks_used`` on /metrics is 0 for both caches).
 
 Prints a summary (clients, duration, requests, tokens, errors, RSS start/warm/end/peak, latencies)
 and writes it as JSON with ``--json PATH``. Exit status 0 when every check passed, 1 otherwise.
 """
+
 from __future__ import annotations
 
 import os
@@ -57,8 +59,16 @@ sys.path.insert(0, str(ROOT / "eval"))
 
 from common import child_pids  # noqa: E402
 
-PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day, a big bird",
-           "There was a girl named Sue", "The sun was hot and", "Tim had a red ball", "Mom said to Ben"]
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to the park",
+    "One day, a big bird",
+    "There was a girl named Sue",
+    "The sun was hot and",
+    "Tim had a red ball",
+    "Mom said to Ben",
+]
 MODES = ("off", "chain", "tree", "auto")
 MB = 1 << 20
 
@@ -81,13 +91,32 @@ def rss_bytes(pid: int):
 
 def start_server(a):
     """``specd serve`` on a free loopback port; returns (Popen, ws url, its stderr lines)."""
-    from specd.server.app import ServerProcess
+    from specd.serving.app import ServerProcess
 
-    args = ["--target", a.target, *(["--draft", a.draft] if a.draft else []), "--device", a.device,
-            "--num-blocks", str(a.num_blocks), "--port", "0", "--grpc-port", "0", "--max-queue", str(a.max_queue),
-            "--log-level", "info", "--drain-timeout", "10"]  # info: the "listening"/"ready" lines
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("SPECD_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")}
+    args = [
+        "--target",
+        a.target,
+        *(["--draft", a.draft] if a.draft else []),
+        "--device",
+        a.device,
+        "--num-blocks",
+        str(a.num_blocks),
+        "--port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--max-queue",
+        str(a.max_queue),
+        "--log-level",
+        "info",
+        "--drain-timeout",
+        "10",
+    ]  # info: the "listening"/"ready" lines
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SPECD_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")
+    }
     sp = ServerProcess(args, env=env, cwd=ROOT).start()
     return sp.proc, f"ws://127.0.0.1:{sp.port}/ws", sp.logs
 
@@ -99,8 +128,9 @@ def http_base(ws_url: str) -> str:
 
 def kv_blocks_used(ws_url: str, api_key):
     """(target, draft) from /metrics' specd_kv_blocks_used, or None."""
-    req = urllib.request.Request(http_base(ws_url) + "/metrics",
-                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    req = urllib.request.Request(
+        http_base(ws_url) + "/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {}
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             text = r.read().decode()
@@ -122,11 +152,12 @@ class References:
         self.table: dict = {}
         self.source = "first-reply"
         if target:
-            from specd.cli import engine_config, build_parser
+            from specd.options import engine_config, serve_parser
 
-            a = build_parser().parse_args(["generate", "--target", target, *(["--draft", draft] if draft else []),
-                                           "--device", device, "--num-blocks", "512"])
-            from specd.engine import Engine
+            a = serve_parser().parse_args(
+                ["--target", target, *(["--draft", draft] if draft else []), "--device", device, "--num-blocks", "512"]
+            )
+            from specd.engine.engine import Engine
 
             self.engine = Engine(engine_config(a))
             self.source = "in-process Engine.generate"
@@ -134,14 +165,15 @@ class References:
     def precompute(self, prompts, max_tokens_set) -> None:
         if self.engine is None:
             return
-        from specd.sampling import SamplingParams
-        from specd.sequence import SpecParams
+        from specd.engine.sampling import SamplingParams
+        from specd.engine.sequence import SpecParams
 
         for p in prompts:
             ids = self.engine.tokenizer(p)["input_ids"]
             for m in max_tokens_set:
-                seq = self.engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=m),
-                                           SpecParams(mode="off"))[0]
+                seq = self.engine.generate(
+                    [ids], SamplingParams(temperature=0.0, max_tokens=m), SpecParams(mode="off")
+                )[0]
                 self.table[p, m] = (list(seq.output_ids), self.engine.output_text(seq))
 
     def check(self, prompt, m, ids, text):
@@ -186,26 +218,41 @@ async def client(k: int, url: str, a, refs: References, stats: Stats, deadline: 
     serial = 0
     while time.monotonic() < deadline:
         try:
-            async with connect(url, compression=None, open_timeout=60, max_size=None,
-                               additional_headers=headers) as ws:
+            async with connect(url, compression=None, open_timeout=60, max_size=None, additional_headers=headers) as ws:
                 live: dict = {}  # id -> state
                 sent_on_conn = 0
 
-                async def send_one():
+                async def send_one(live=live):
                     nonlocal serial, sent_on_conn
                     serial += 1
                     sent_on_conn += 1
                     rid = f"c{k}-{serial}"
                     prompt, m, mode = rng.choice(PROMPTS), rng.choice(a.max_tokens_set), rng.choice(MODES)
-                    live[rid] = {"prompt": prompt, "m": m, "seq": 0, "ids": [], "text": [], "t0": time.monotonic(),
-                                 "first": None}
+                    live[rid] = {
+                        "prompt": prompt,
+                        "m": m,
+                        "seq": 0,
+                        "ids": [],
+                        "text": [],
+                        "t0": time.monotonic(),
+                        "first": None,
+                    }
                     stats.modes[mode] += 1
-                    await ws.send(orjson.dumps({"type": "generate", "id": rid, "prompt": prompt, "max_tokens": m,
-                                                "temperature": 0, "speculation": {"mode": mode}}).decode())
+                    await ws.send(
+                        orjson.dumps(
+                            {
+                                "type": "generate",
+                                "id": rid,
+                                "prompt": prompt,
+                                "max_tokens": m,
+                                "temperature": 0,
+                                "speculation": {"mode": mode},
+                            }
+                        ).decode()
+                    )
 
                 while True:
-                    while (len(live) < a.inflight and sent_on_conn < a.requests_per_conn
-                           and time.monotonic() < deadline):
+                    while len(live) < a.inflight and sent_on_conn < a.requests_per_conn and time.monotonic() < deadline:
                         await send_one()
                     if not live:
                         break
@@ -218,8 +265,9 @@ async def client(k: int, url: str, a, refs: References, stats: Stats, deadline: 
                         continue
                     if typ == "delta":
                         if msg["seq"] != st["seq"]:
-                            stats.bad(f"{rid}: delta seq {msg['seq']}, expected {st['seq']} "
-                                      f"(lost/duplicated/reordered)")
+                            stats.bad(
+                                f"{rid}: delta seq {msg['seq']}, expected {st['seq']} (lost/duplicated/reordered)"
+                            )
                         st["seq"] = msg["seq"] + 1
                         if st["first"] is None:
                             st["first"] = time.monotonic()
@@ -239,8 +287,10 @@ async def client(k: int, url: str, a, refs: References, stats: Stats, deadline: 
                         stats.errors[(msg.get("error") or {}).get("code", "internal")] += 1
                     stats.tokens += len(st["ids"])
                     if msg["usage"]["completion_tokens"] != len(st["ids"]):
-                        stats.bad(f"{rid}: usage.completion_tokens {msg['usage']['completion_tokens']} "
-                                  f"!= {len(st['ids'])} tokens received")
+                        stats.bad(
+                            f"{rid}: usage.completion_tokens {msg['usage']['completion_tokens']} "
+                            f"!= {len(st['ids'])} tokens received"
+                        )
                     if msg["finish_reason"] not in ("stop", "length"):
                         stats.bad(f"{rid}: finish_reason {msg['finish_reason']}")
                     problem = refs.check(st["prompt"], st["m"], st["ids"], "".join(st["text"]))
@@ -291,7 +341,7 @@ def pct(xs, q):
 
 
 def main(argv=None) -> int:
-    from specd.cli import demo_pair
+    from specd.options import demo_pair
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="ws://HOST:PORT/ws of a running server (default: start one)")
@@ -363,26 +413,46 @@ def main(argv=None) -> int:
     if proc is not None:
         checks["server_exit_0"] = exit_status == 0
     summary = {
-        "url": url, "own_server": proc is not None, "target": a.target, "draft": a.draft, "clients": a.clients,
+        "url": url,
+        "own_server": proc is not None,
+        "target": a.target,
+        "draft": a.draft,
+        "clients": a.clients,
         "inflight_per_client": a.inflight,
-        "minutes": a.minutes, "duration_s": round(duration, 1), "requests": stats.requests, "tokens": stats.tokens,
-        "deltas": stats.deltas, "tokens_per_s": round(stats.tokens / duration, 1) if duration else 0.0,
+        "minutes": a.minutes,
+        "duration_s": round(duration, 1),
+        "requests": stats.requests,
+        "tokens": stats.tokens,
+        "deltas": stats.deltas,
+        "tokens_per_s": round(stats.tokens / duration, 1) if duration else 0.0,
         "requests_per_s": round(stats.requests / duration, 2) if duration else 0.0,
-        "errors": dict(stats.errors), "violations": stats.num_violations, "violation_examples": stats.violations[:10],
-        "disconnects": stats.disconnects, "modes": dict(stats.modes), "reference": refs.source,
-        "reference_pairs": len(refs.table), "reference_s": round(t_ref, 1),
+        "errors": dict(stats.errors),
+        "violations": stats.num_violations,
+        "violation_examples": stats.violations[:10],
+        "disconnects": stats.disconnects,
+        "modes": dict(stats.modes),
+        "reference": refs.source,
+        "reference_pairs": len(refs.table),
+        "reference_s": round(t_ref, 1),
         "ttft_ms": {"p50": pct(stats.ttft_ms, 0.5), "p99": pct(stats.ttft_ms, 0.99)},
         "latency_ms": {"p50": pct(stats.total_ms, 0.5), "p99": pct(stats.total_ms, 0.99)},
-        "rss_mb": {k: round(v / MB, 1) for k, v in rss.items()}, "kv_blocks_used_after": kv,
-        "server_exit_status": exit_status, "checks": checks, "ok": all(checks.values()),
+        "rss_mb": {k: round(v / MB, 1) for k, v in rss.items()},
+        "kv_blocks_used_after": kv,
+        "server_exit_status": exit_status,
+        "checks": checks,
+        "ok": all(checks.values()),
     }
     r = summary["rss_mb"]
-    print(f"soak: {a.clients} clients x {a.inflight} in flight, {duration:.0f} s: {stats.requests} requests, "
-          f"{stats.tokens} tokens ({summary['tokens_per_s']} tok/s), errors {dict(stats.errors) or 0}, "
-          f"violations {stats.num_violations}, disconnects {stats.disconnects}")
-    print(f"      ttft p50/p99 {summary['ttft_ms']['p50']}/{summary['ttft_ms']['p99']} ms, latency p50/p99 "
-          f"{summary['latency_ms']['p50']}/{summary['latency_ms']['p99']} ms; server RSS start {r.get('start')} MB, "
-          f"warm-up {r.get('warm')} MB, end {r.get('end')} MB, peak {r.get('peak')} MB; KV after {kv}")
+    print(
+        f"soak: {a.clients} clients x {a.inflight} in flight, {duration:.0f} s: {stats.requests} requests, "
+        f"{stats.tokens} tokens ({summary['tokens_per_s']} tok/s), errors {dict(stats.errors) or 0}, "
+        f"violations {stats.num_violations}, disconnects {stats.disconnects}"
+    )
+    print(
+        f"      ttft p50/p99 {summary['ttft_ms']['p50']}/{summary['ttft_ms']['p99']} ms, latency p50/p99 "
+        f"{summary['latency_ms']['p50']}/{summary['latency_ms']['p99']} ms; server RSS start {r.get('start')} MB, "
+        f"warm-up {r.get('warm')} MB, end {r.get('end')} MB, peak {r.get('peak')} MB; KV after {kv}"
+    )
     for v in stats.violations[:10]:
         print("      violation:", v)
     print("      checks:", " ".join(f"{k}={'ok' if v else 'FAIL'}" for k, v in checks.items()))

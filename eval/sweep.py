@@ -15,6 +15,7 @@ target's own greedy continuations of the prompts, with transformers; ``--no-fit`
 Writes report.json (the acceptance report plus a ``sweep`` table), summary.md, and plots:
 speedup vs k / N, mean accepted length vs k / N. Prints the best setting for this pair and machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,7 +68,7 @@ def measure_rank_probs(target_dir: str, draft_dir: str, prompt_ids: list, max_to
             n = x.shape[1]
             if full.shape[1] <= n:
                 continue
-            logits = drf(full[:, :-1]).logits[0, n - 1:]  # [new, V]: draft's prediction of each new token
+            logits = drf(full[:, :-1]).logits[0, n - 1 :]  # [new, V]: draft's prediction of each new token
             truth = full[0, n:]
             ranks = (logits > logits.gather(1, truth[:, None])).sum(1)  # strictly better tokens
             for r in ranks.tolist():
@@ -105,46 +106,117 @@ def main(argv=None) -> int:
     rank_probs, rank_tokens = list(C.DEFAULT_RANK_PROBS), 0
     if not a.no_static:
         if not a.no_fit:
-            ids = [C.fit_prompt(C.encode_conversation(target.tokenizer, p.turns[:1], [], chat),
-                                target.config.max_position_embeddings - a.max_tokens - 1,
-                                target.config.bos_token_id)[0] for p in prompts]
+            ids = [
+                C.fit_prompt(
+                    C.encode_conversation(target.tokenizer, p.turns[:1], [], chat),
+                    target.config.max_position_embeddings - a.max_tokens - 1,
+                    target.config.bos_token_id,
+                )[0]
+                for p in prompts
+            ]
             rank_probs, rank_tokens = measure_rank_probs(a.target, a.draft, ids, a.max_tokens)
             print(f"draft rank agreement (r = 0..7, {rank_tokens} tokens): {rank_probs}", file=sys.stderr)
         modes += [C.Mode.parse(f"static:{n}", rank_probs=rank_probs) for n in budgets]
-    res = A.run_eval(target, draft, prompts, modes, temperatures=(a.temperature,), max_tokens=a.max_tokens,
-                     chat_template=chat, seed=a.seed, device=a.device, progress=not a.no_progress, desc="sweep")
+    res = A.run_eval(
+        target,
+        draft,
+        prompts,
+        modes,
+        temperatures=(a.temperature,),
+        max_tokens=a.max_tokens,
+        chat_template=chat,
+        seed=a.seed,
+        device=a.device,
+        progress=not a.no_progress,
+        desc="sweep",
+    )
     run = res["runs"][0]
     table = []
     for e in run["modes"]:
         o, m = e["overall"], e["mode"]
         th = e.get("theory", {})
-        table.append({"mode": m["name"], "kind": m["kind"], "size": m.get("k", m.get("budget", 0)),
-                      "mean_accepted_length": o["mean_accepted_length"], "acceptance_rate": o["acceptance_rate"],
-                      "tokens_per_s": o["tokens_per_s"], "speedup": o["speedup"], "speedup_cpu": o["speedup_cpu"],
-                      "median_request_speedup": o["median_request_speedup"],
-                      "predicted_speedup": th.get("predicted_speedup"),
-                      "draft_forwards_per_step": e["timing"]["draft_forwards_per_step"]})
+        table.append(
+            {
+                "mode": m["name"],
+                "kind": m["kind"],
+                "size": m.get("k", m.get("budget", 0)),
+                "mean_accepted_length": o["mean_accepted_length"],
+                "acceptance_rate": o["acceptance_rate"],
+                "tokens_per_s": o["tokens_per_s"],
+                "speedup": o["speedup"],
+                "speedup_cpu": o["speedup_cpu"],
+                "median_request_speedup": o["median_request_speedup"],
+                "predicted_speedup": th.get("predicted_speedup"),
+                "draft_forwards_per_step": e["timing"]["draft_forwards_per_step"],
+            }
+        )
     best = max(table, key=lambda r: r["speedup"])
     best_cpu = max(table, key=lambda r: r["speedup_cpu"])
     best_len = max(table, key=lambda r: r["mean_accepted_length"])
     if argv is not None:
         meta["command"] = "python eval/sweep.py " + " ".join(argv)
-    meta.update({"target": a.target, "draft": a.draft, "prompts_file": a.prompts, "max_tokens": a.max_tokens,
-                 "temperatures": [a.temperature], "rank_probs": rank_probs, "rank_tokens": rank_tokens,
-                 "elapsed_s": round(time.perf_counter() - t0, 2)})
-    report = {"schema": C.SCHEMA, "kind": "sweep", "meta": meta, **res,
-              "sweep": {"table": table, "best": best["mode"], "best_cpu": best_cpu["mode"],
-                        "best_accepted_length": best_len["mode"]}}
+    meta.update(
+        {
+            "target": a.target,
+            "draft": a.draft,
+            "prompts_file": a.prompts,
+            "max_tokens": a.max_tokens,
+            "temperatures": [a.temperature],
+            "rank_probs": rank_probs,
+            "rank_tokens": rank_tokens,
+            "elapsed_s": round(time.perf_counter() - t0, 2),
+        }
+    )
+    report = {
+        "schema": C.SCHEMA,
+        "kind": "sweep",
+        "meta": meta,
+        **res,
+        "sweep": {
+            "table": table,
+            "best": best["mode"],
+            "best_cpu": best_cpu["mode"],
+            "best_accepted_length": best_len["mode"],
+        },
+    }
     C.write_json(out / "report.json", report)
-    rows = [[r["mode"], r["mean_accepted_length"], r["acceptance_rate"], r["draft_forwards_per_step"],
-             r["tokens_per_s"], r["speedup"], r["median_request_speedup"], r["speedup_cpu"],
-             r["predicted_speedup"] if r["predicted_speedup"] is not None else "-"] for r in table]
-    md = A.markdown(report) + "\n## sweep\n\n" + C.md_table(
-        ["mode", "tokens/step", "accept rate", "draft fwd/step", "tok/s", "speedup", "median speedup",
-         "CPU-time speedup", "predicted"], rows)
-    verdict = (f"\n\nbest (tokens/s): **{best['mode']}** ({best['speedup']:.2f}x); best by CPU time: "
-               f"**{best_cpu['mode']}** ({best_cpu['speedup_cpu']:.2f}x); most tokens per step: "
-               f"**{best_len['mode']}** ({best_len['mean_accepted_length']:.2f})")
+    rows = [
+        [
+            r["mode"],
+            r["mean_accepted_length"],
+            r["acceptance_rate"],
+            r["draft_forwards_per_step"],
+            r["tokens_per_s"],
+            r["speedup"],
+            r["median_request_speedup"],
+            r["speedup_cpu"],
+            r["predicted_speedup"] if r["predicted_speedup"] is not None else "-",
+        ]
+        for r in table
+    ]
+    md = (
+        A.markdown(report)
+        + "\n## sweep\n\n"
+        + C.md_table(
+            [
+                "mode",
+                "tokens/step",
+                "accept rate",
+                "draft fwd/step",
+                "tok/s",
+                "speedup",
+                "median speedup",
+                "CPU-time speedup",
+                "predicted",
+            ],
+            rows,
+        )
+    )
+    verdict = (
+        f"\n\nbest (tokens/s): **{best['mode']}** ({best['speedup']:.2f}x); best by CPU time: "
+        f"**{best_cpu['mode']}** ({best_cpu['speedup_cpu']:.2f}x); most tokens per step: "
+        f"**{best_len['mode']}** ({best_len['mean_accepted_length']:.2f})"
+    )
     if best["mode"] == "off":
         verdict += " -- no speculative setting beats target-only decoding on this pair/hardware"
     md += verdict + "\n"
@@ -153,16 +225,33 @@ def main(argv=None) -> int:
     t = f"T{a.temperature:g}"
     series_len = {}
     series_sp = {}
-    for kind, label in (("chain", "chain (x = k)"), ("tree", "dynamic tree (x = N)"), ("static", "static tree (x = N)")):
+    for kind, label in (
+        ("chain", "chain (x = k)"),
+        ("tree", "dynamic tree (x = N)"),
+        ("static", "static tree (x = N)"),
+    ):
         rs = sorted((r for r in table if r["kind"] == kind), key=lambda r: r["size"])
         if rs:
             series_len[label] = ([r["size"] for r in rs], [r["mean_accepted_length"] for r in rs])
             series_sp[label] = ([r["size"] for r in rs], [r["speedup"] for r in rs])
             series_sp[label + ", CPU time"] = ([r["size"] for r in rs], [r["speedup_cpu"] for r in rs])
-    C.plot_xy(series_len, out / f"accepted_length_vs_size_{t}.png", "draft tokens per step (k or N)",
-              "mean accepted length (tokens / target forward)", "accepted length vs draft size", logx=True)
-    C.plot_xy(series_sp, out / f"sweep_speedup_{t}.png", "draft tokens per step (k or N)",
-              "speedup over target-only", "speedup vs draft size", hline=1.0, logx=True)
+    C.plot_xy(
+        series_len,
+        out / f"accepted_length_vs_size_{t}.png",
+        "draft tokens per step (k or N)",
+        "mean accepted length (tokens / target forward)",
+        "accepted length vs draft size",
+        logx=True,
+    )
+    C.plot_xy(
+        series_sp,
+        out / f"sweep_speedup_{t}.png",
+        "draft tokens per step (k or N)",
+        "speedup over target-only",
+        "speedup vs draft size",
+        hline=1.0,
+        logx=True,
+    )
     print(md)
     print(f"\nwrote {out} ({meta['elapsed_s']} s)")
     return 0

@@ -14,7 +14,7 @@ Steps:
      calculator annotations stripped, the final ``#### N`` line becomes ``The answer is N.``);
   3. train a byte-level BPE tokenizer on the training chats (special tokens + chat template);
   4. train the target (LlamaForCausalLM, fp32) on packed sequences of the training chats;
-  5. distil a 1-layer draft from it (KL(target||draft) + CE, ``specd.distill``), embeddings
+  5. distil a 1-layer draft from it (KL(target||draft) + CE, ``specd.training.distill``), embeddings
      initialised from the target's, decoder layer initialised from the target's first layer;
   6. evaluate held-out loss and greedy draft/target agreement, save both in HF format (bf16) under
      ``--out``/target and ``--out``/draft, reload them with transformers and generate.
@@ -40,7 +40,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from specd.distill import build_draft, greedy_agreement, heldout_loss, lr_at, train_draft  # noqa: E402
+from specd.training.distill import build_draft, greedy_agreement, heldout_loss, lr_at, train_draft  # noqa: E402
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHAT_TEMPLATE = (
@@ -82,10 +82,12 @@ def load_gsm8k(path: Path) -> list[list[dict]]:
         for line in f:
             if line.strip():
                 r = json.loads(line)
-                chats.append([
-                    {"role": "user", "content": r["question"].strip()},
-                    {"role": "assistant", "content": format_answer(r["answer"])},
-                ])
+                chats.append(
+                    [
+                        {"role": "user", "content": r["question"].strip()},
+                        {"role": "assistant", "content": format_answer(r["answer"])},
+                    ]
+                )
     return chats
 
 
@@ -272,14 +274,20 @@ def main() -> int:
     cfg.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(args.seed)
     target = LlamaForCausalLM(cfg).float()
-    log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.3f}M params, {args.layers} layers, d={args.hidden}")
+    log(
+        f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.3f}M params, {args.layers} layers, "
+        f"d={args.hidden}"
+    )
 
     L = args.seq_len + 1
     n_chunks = stream.numel() // L
     chunks = stream[: n_chunks * L].view(n_chunks, L)
     steps_per_epoch = max(1, n_chunks // args.batch_size)
-    log(f"target training: {n_chunks} packed chunks of {L} tokens, {steps_per_epoch} steps/epoch, {args.target_steps} steps "
-        f"({args.target_steps / steps_per_epoch:.2f} epochs)")
+    log(
+        f"target training: {n_chunks} packed chunks of {L} tokens, {steps_per_epoch} steps/epoch, "
+        f"{args.target_steps} steps "
+        f"({args.target_steps / steps_per_epoch:.2f} epochs)"
+    )
     gen = torch.Generator().manual_seed(args.seed)
     order: list[int] = []
 
@@ -292,8 +300,11 @@ def main() -> int:
 
     decay = [p for p in target.parameters() if p.dim() >= 2]
     no_decay = [p for p in target.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.target_lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.target_lr,
+        betas=(0.9, 0.95),
+    )
     warmup = max(1, min(50, args.target_steps // 10))
     t, c = time.time(), time.process_time()
     target.train()
@@ -316,8 +327,10 @@ def main() -> int:
         bar.set_postfix(loss=f"{ema:.3f}")
         if step % args.log_every == 0 or step == args.target_steps - 1:
             el = time.time() - t
-            log(f"[target] step {step}/{args.target_steps} loss {lv:.4f} (ema {ema:.4f}) lr {lr:.2e} "
-                f"elapsed {el:.0f}s ({el / (step + 1):.2f}s/step)")
+            log(
+                f"[target] step {step}/{args.target_steps} loss {lv:.4f} (ema {ema:.4f}) lr {lr:.2e} "
+                f"elapsed {el:.0f}s ({el / (step + 1):.2f}s/step)"
+            )
     bar.close()
     target.eval()
     times["target_train_s"] = time.time() - t
@@ -326,7 +339,10 @@ def main() -> int:
 
     # ---- draft
     draft, info = build_draft(target, layers=1, freeze_embeddings=False, copy_layers=True, seed=args.seed)
-    log(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.3f}M params, 1 layer, d={draft.config.hidden_size}; init {info}")
+    log(
+        f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.3f}M params, 1 layer, "
+        f"d={draft.config.hidden_size}; init {info}"
+    )
     dgen = torch.Generator().manual_seed(args.seed + 1)
 
     def draft_batch(step: int) -> torch.Tensor:
@@ -335,10 +351,18 @@ def main() -> int:
 
     t, c = time.time(), time.process_time()
     hist = train_draft(
-        target, draft, draft_batch,
-        steps=args.draft_steps, lr=args.draft_lr, weight_decay=0.0,
-        kl_weight=args.kl_weight, ce_weight=args.ce_weight,
-        progress=not args.no_progress, log_every=args.log_every, log=log, desc="draft",
+        target,
+        draft,
+        draft_batch,
+        steps=args.draft_steps,
+        lr=args.draft_lr,
+        weight_decay=0.0,
+        kl_weight=args.kl_weight,
+        ce_weight=args.ce_weight,
+        progress=not args.no_progress,
+        log_every=args.log_every,
+        log=log,
+        desc="draft",
     )
     times["draft_train_s"] = time.time() - t
     times["draft_train_cpu_s"] = time.process_time() - c
@@ -348,9 +372,11 @@ def main() -> int:
     t = time.time()
     ev = evaluate(target, draft, held_ids, held_mask, asst_mask)
     times["eval_s"] = time.time() - t
-    log(f"held-out ({HELDOUT} examples): target loss {ev['target_loss']:.4f} (ppl {math.exp(ev['target_loss']):.2f}), "
+    log(
+        f"held-out ({HELDOUT} examples): target loss {ev['target_loss']:.4f} (ppl {math.exp(ev['target_loss']):.2f}), "
         f"draft loss {ev['draft_loss']:.4f} (ppl {math.exp(ev['draft_loss']):.2f}); "
-        f"greedy agreement all {ev['agreement_all']:.4f}, assistant {ev['agreement_assistant']:.4f}")
+        f"greedy agreement all {ev['agreement_all']:.4f}, assistant {ev['agreement_assistant']:.4f}"
+    )
 
     # ---- save + reload check
     t = time.time()
@@ -361,15 +387,24 @@ def main() -> int:
         m = AutoModelForCausalLM.from_pretrained(d)
         tk = AutoTokenizer.from_pretrained(d)
         q = held_chats[0][0]["content"]
-        enc_p = tk.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        enc_p = tk.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         o = m.generate(**enc_p, max_new_tokens=96, do_sample=False)
-        txt = tk.decode(o[0, enc_p["input_ids"].shape[1]:], skip_special_tokens=False)
+        txt = tk.decode(o[0, enc_p["input_ids"].shape[1] :], skip_special_tokens=False)
         log(f"[{name}] reload ok ({m.dtype}); Q: {q[:80]}...\n[{name}] A: {txt!r}")
-    ev_bf16 = evaluate(AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval(),
-                       AutoModelForCausalLM.from_pretrained(out / "draft", dtype=torch.float32).eval(),
-                       held_ids, held_mask, asst_mask)
-    log(f"after bf16 save/reload (fp32 compute): target loss {ev_bf16['target_loss']:.4f}, draft loss {ev_bf16['draft_loss']:.4f}, "
-        f"agreement all {ev_bf16['agreement_all']:.4f}, assistant {ev_bf16['agreement_assistant']:.4f}")
+    ev_bf16 = evaluate(
+        AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval(),
+        AutoModelForCausalLM.from_pretrained(out / "draft", dtype=torch.float32).eval(),
+        held_ids,
+        held_mask,
+        asst_mask,
+    )
+    log(
+        f"after bf16 save/reload (fp32 compute): target loss {ev_bf16['target_loss']:.4f}, draft loss "
+        f"{ev_bf16['draft_loss']:.4f}, "
+        f"agreement all {ev_bf16['agreement_all']:.4f}, assistant {ev_bf16['agreement_assistant']:.4f}"
+    )
     times["save_s"] = time.time() - t
     times["total_s"] = time.time() - T0
     times["total_cpu_s"] = time.process_time() - C0

@@ -41,7 +41,6 @@ import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -78,8 +77,10 @@ def _check_compiled_kernels() -> None:
     from ._common import interpreting
 
     if interpreting():
-        raise RuntimeError("specd_kernels.aot: TRITON_INTERPRET was set when specd_kernels was imported; "
-                           "use run_clean() or run `python -m specd_kernels.aot` without it")
+        raise RuntimeError(
+            "specd_kernels.aot: TRITON_INTERPRET was set when specd_kernels was imported; "
+            "use run_clean() or run `python -m specd_kernels.aot` without it"
+        )
 
 
 def attention_cases(shapes, dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, groups=GROUPS, targets=tuple(TARGETS)):
@@ -96,10 +97,27 @@ def attention_cases(shapes, dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, groups=GR
                         sh = SHAPES[sname]
                         for batch, max_seq_len in PROBLEMS:
                             cfg = ta.launch_configs(
-                                head_dim=d, group=g, num_kv_heads=NUM_KV_HEADS, batch=batch,
-                                max_query_len=sh.max_query_len, max_seq_len=max_seq_len, num_sms=NUM_SMS[cap])[0]
-                            cases.append({"target": tname, "cap": cap, "dtype": dname, "head_dim": d, "group": g,
-                                          "shape": sname, "batch": batch, "max_seq_len": max_seq_len, "cfg": cfg})
+                                head_dim=d,
+                                group=g,
+                                num_kv_heads=NUM_KV_HEADS,
+                                batch=batch,
+                                max_query_len=sh.max_query_len,
+                                max_seq_len=max_seq_len,
+                                num_sms=NUM_SMS[cap],
+                            )[0]
+                            cases.append(
+                                {
+                                    "target": tname,
+                                    "cap": cap,
+                                    "dtype": dname,
+                                    "head_dim": d,
+                                    "group": g,
+                                    "shape": sname,
+                                    "batch": batch,
+                                    "max_seq_len": max_seq_len,
+                                    "cfg": cfg,
+                                }
+                            )
     return cases
 
 
@@ -113,8 +131,12 @@ def _attention_plan(case, dot_f32=None):
     meta = dict(device="meta", dtype=torch.int32)
     q = torch.empty(t, h, d, dtype=dt, device="meta")
     kv = torch.empty(2, batch * max_blocks + 1, BLOCK_SIZE, NUM_KV_HEADS, d, dtype=dt, device="meta")
-    ints = (torch.empty(batch + 1, **meta), torch.empty(batch, **meta), torch.empty(batch, **meta),
-            torch.empty(batch, max_blocks, **meta))
+    ints = (
+        torch.empty(batch + 1, **meta),
+        torch.empty(batch, **meta),
+        torch.empty(batch, **meta),
+        torch.empty(batch, max_blocks, **meta),
+    )
     mask = torch.empty(t, sh.max_query_len, dtype=torch.bool, device="meta") if sh.masked else None
     dot = ta.dot_operands(dt, dt, interpret=False)
     if dot_f32 is not None:
@@ -134,14 +156,22 @@ def _other_plans(dname, d):
         slots = torch.empty(t, dtype=torch.int64, device="meta")
         out.append(("write_kv", sname, kv_ops._write_kv_plan(kv, k, k, slots)))
     full = torch.empty(24, 2, 1024, BLOCK_SIZE, NUM_KV_HEADS, d, dtype=dt, device="meta")
-    for sname, n in (("1 pair", 1), ("16 pairs", 16), ("32 pairs", 32), ("64 pairs", 64), ("512 pairs", 512),
-                     ("4096 pairs", 4096)):  # one tile of BLOCK_P = 1 .. 512, then the temporary
+    for sname, n in (
+        ("1 pair", 1),
+        ("16 pairs", 16),
+        ("32 pairs", 32),
+        ("64 pairs", 64),
+        ("512 pairs", 512),
+        ("4096 pairs", 4096),
+    ):  # one tile of BLOCK_P = 1 .. 512, then the temporary
         idx = torch.empty(n, dtype=torch.int64, device="meta")
         out.append(("copy_slots", sname, kv_ops._copy_slots_plan(full, idx, idx)))
     if dname == "fp16" and d == HEAD_DIMS[0]:  # dtype- and head-dim-free
         i64 = torch.empty(64 * 17, dtype=torch.int64, device="meta")
-        outs = tuple(torch.empty(shape, dtype=dt, device="meta") for shape, dt in
-                     ((64, torch.int32), ((64, 17), torch.int32), (64, torch.int64), (64, torch.int8)))
+        outs = tuple(
+            torch.empty(shape, dtype=dt, device="meta")
+            for shape, dt in ((64, torch.int32), ((64, 17), torch.int32), (64, torch.int64), (64, torch.int8))
+        )
         offs = torch.empty(65, dtype=torch.int32, device="meta")
         out.append(("greedy_verify", "17 nodes", verify._greedy_verify_plan(i64, i64, i64, offs, outs)))
     return out
@@ -159,8 +189,15 @@ def compile_spec(kernel, args, kw, cap: int) -> dict:
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*args, **kw)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kw, bound, specialization, options)
-    return {"module": kernel.fn.__module__, "name": kernel.fn.__name__, "cap": cap, "signature": signature,
-            "constexprs": constexprs, "attrs": attrs, "options": options.__dict__}
+    return {
+        "module": kernel.fn.__module__,
+        "name": kernel.fn.__name__,
+        "cap": cap,
+        "signature": signature,
+        "constexprs": constexprs,
+        "attrs": attrs,
+        "options": options.__dict__,
+    }
 
 
 _PTXAS_LOG = "specd_ptxas.log"
@@ -219,18 +256,39 @@ def compile_one(spec: dict) -> dict:
     """Compile ``spec`` (from :func:`compile_spec`) and measure it (runs in a worker process)."""
     kernel, log = _compile_and_log(spec)
     row = parse_ptxas(log)
-    row.update(shared_bytes=int(kernel.metadata.shared), stages=int(kernel.metadata.num_stages),
-               warps=int(kernel.metadata.num_warps), maxnreg=kernel.metadata.maxnreg, mma=mma_kinds(kernel.asm["ptx"]))
+    row.update(
+        shared_bytes=int(kernel.metadata.shared),
+        stages=int(kernel.metadata.num_stages),
+        warps=int(kernel.metadata.num_warps),
+        maxnreg=kernel.metadata.maxnreg,
+        mma=mma_kinds(kernel.asm["ptx"]),
+    )
     return row
 
 
 def _key(spec: dict) -> str:
-    return repr((spec["name"], spec["cap"], sorted(spec["signature"].items()), sorted(spec["constexprs"].items()),
-                 sorted(spec["attrs"].items()), sorted((k, str(v)) for k, v in spec["options"].items())))
+    return repr(
+        (
+            spec["name"],
+            spec["cap"],
+            sorted(spec["signature"].items()),
+            sorted(spec["constexprs"].items()),
+            sorted(spec["attrs"].items()),
+            sorted((k, str(v)) for k, v in spec["options"].items()),
+        )
+    )
 
 
-def build_jobs(shapes, *, dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, groups=GROUPS, targets=tuple(TARGETS),
-               dot_f32=None, others=True) -> list:
+def build_jobs(
+    shapes,
+    *,
+    dtypes=tuple(DTYPES),
+    head_dims=HEAD_DIMS,
+    groups=GROUPS,
+    targets=tuple(TARGETS),
+    dot_f32=None,
+    others=True,
+) -> list:
     """``[(row, spec)]``: one row per kernel launch of every case (rows without measurements)."""
     jobs = []
     for case in attention_cases(shapes, dtypes, head_dims, groups, targets):
@@ -246,15 +304,26 @@ def build_jobs(shapes, *, dtypes=tuple(DTYPES), head_dims=HEAD_DIMS, groups=GROU
                 for d in head_dims:
                     for label, sname, plan in _other_plans(dname, d):
                         free = label == "greedy_verify"  # token ids only: no dtype, no head dim
-                        row = {"kernel": label, "target": tname, "dtype": None if free else dname,
-                               "head_dim": None if free else d, "group": None, "batch": None, "max_seq_len": None,
-                               "shape": sname, "block_q": None, "block_n": None, "block_m": None, "split_kv": None}
+                        row = {
+                            "kernel": label,
+                            "target": tname,
+                            "dtype": None if free else dname,
+                            "head_dim": None if free else d,
+                            "group": None,
+                            "batch": None,
+                            "max_seq_len": None,
+                            "shape": sname,
+                            "block_q": None,
+                            "block_n": None,
+                            "block_m": None,
+                            "split_kv": None,
+                        }
                         for kernel, _grid, args, kw in plan:
                             jobs.append((row, compile_spec(kernel, args, kw, TARGETS[tname])))
     return jobs
 
 
-def measure(jobs, workers: Optional[int] = None) -> list:
+def measure(jobs, workers: int | None = None) -> list:
     """Compile the distinct specs of ``jobs`` in ``workers`` processes; the rows with figures."""
     _check_compiled_kernels()
     uniq = {}
@@ -294,12 +363,19 @@ def _cells(per: dict, key: tuple, targets) -> list:
     any_row = next(iter(per.values()))
     splits = sorted({r["split_kv"] for r in per.values() if r["split_kv"] is not None})
     cells = ["-" if v is None else str(v) for v in key[:-1]]
-    cells += ["/".join(map(str, splits)) or "-", str(any_row["warps"]), str(any_row["stages"]),
-              str(any_row["maxnreg"] or "-")]
+    cells += [
+        "/".join(map(str, splits)) or "-",
+        str(any_row["warps"]),
+        str(any_row["stages"]),
+        str(any_row["maxnreg"] or "-"),
+    ]
     for t in targets:
         r = per.get(t)
-        cells.append("-" if r is None else
-                     f"{r['registers']} / {r['spill_stores']}+{r['spill_loads']} / {r['shared_bytes'] / 1024:.1f} KiB")
+        cells.append(
+            "-"
+            if r is None
+            else f"{r['registers']} / {r['spill_stores']}+{r['spill_loads']} / {r['shared_bytes'] / 1024:.1f} KiB"
+        )
     return cells + [_mma_cell(per)]
 
 
@@ -317,8 +393,24 @@ def to_markdown(rows) -> str:
     for key, per in merged.items():
         cells = _cells(per, key, targets)
         lines.setdefault(tuple(cells[:1] + cells[2:]), []).append(cells[1])
-    head = ["kernel", "dtype", "D", "group", "shape", "batch", "BLOCK_Q", "BLOCK_N", "splits", "warps", "stages",
-            "maxnreg"] + [f"{t} regs / spills / smem" for t in targets] + ["MMA"]
+    head = (
+        [
+            "kernel",
+            "dtype",
+            "D",
+            "group",
+            "shape",
+            "batch",
+            "BLOCK_Q",
+            "BLOCK_N",
+            "splits",
+            "warps",
+            "stages",
+            "maxnreg",
+        ]
+        + [f"{t} regs / spills / smem" for t in targets]
+        + ["MMA"]
+    )
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cells, dtypes in lines.items():
         out.append("| " + " | ".join([cells[0], ", ".join(dict.fromkeys(dtypes)), *cells[1:]]) + " |")
@@ -362,9 +454,15 @@ def _csv(s: str) -> list:
 def main(argv=None) -> int:
     """Print the markdown table (or the JSON rows with ``--json -``); PROBLEM lines on stderr."""
     a = _parse_args(argv)
-    jobs = build_jobs(_csv(a.shapes), dtypes=_csv(a.dtypes), head_dims=[int(x) for x in _csv(a.head_dims)],
-                      groups=[int(x) for x in _csv(a.groups)], targets=_csv(a.targets),
-                      dot_f32=True if a.dot_f32 else None, others=not a.no_others)
+    jobs = build_jobs(
+        _csv(a.shapes),
+        dtypes=_csv(a.dtypes),
+        head_dims=[int(x) for x in _csv(a.head_dims)],
+        groups=[int(x) for x in _csv(a.groups)],
+        targets=_csv(a.targets),
+        dot_f32=True if a.dot_f32 else None,
+        others=not a.no_others,
+    )
     rows = measure(jobs, a.workers)
     if a.json == "-":
         print(json.dumps(rows))
@@ -386,8 +484,13 @@ def run_clean(argv, timeout: float = 600) -> list:
     """Run ``python -m specd_kernels.aot --json - *argv`` without ``TRITON_INTERPRET`` (usable from a
     process whose kernels are interpreted, e.g. the test suite); returns the rows."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "specd_kernels.aot", "--json", "-", *argv], env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-m", "specd_kernels.aot", "--json", "-", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"specd_kernels.aot failed (rc={r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

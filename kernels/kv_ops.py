@@ -19,8 +19,6 @@ Each ``copy_slots`` program owns a disjoint slice (one layer, K or V, a range of
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ._common import FLOAT_DTYPES, HAS_TRITON, cdiv, check_dims, check_dtype, check_launchable, next_pow2
@@ -31,10 +29,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _write_kv_kernel(
-        k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-        T, num_slots,
-        stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_cb, stride_cs, stride_ch,
+        k_ptr,
+        v_ptr,
+        kc_ptr,
+        vc_ptr,
+        slot_ptr,
+        T,
+        num_slots,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cb,
+        stride_cs,
+        stride_ch,
         HEAD_DIM: tl.constexpr,
         E: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
@@ -65,9 +73,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _copy_slots_kernel(
-        kv_ptr, tmp_ptr, src_ptr, dst_ptr,
-        N, num_slots,
-        stride_lc, stride_tmp_lc,
+        kv_ptr,
+        tmp_ptr,
+        src_ptr,
+        dst_ptr,
+        N,
+        num_slots,
+        stride_lc,
+        stride_tmp_lc,
         E: tl.constexpr,
         BLOCK_P: tl.constexpr,
         BLOCK_E: tl.constexpr,
@@ -139,9 +152,7 @@ def _check_write_kv(kv_layer, k, v, slot_mapping, what):
     _, NB, BS, KVH, D = kv_layer.shape
     T = k.shape[0]
     if tuple(k.shape) != (T, KVH, D) or tuple(v.shape) != (T, KVH, D):
-        raise ValueError(
-            f"{what}: k and v must be [T, KVH={KVH}, D={D}], got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
+        raise ValueError(f"{what}: k and v must be [T, KVH={KVH}, D={D}], got {tuple(k.shape)} and {tuple(v.shape)}")
     if slot_mapping.shape[0] != T:
         raise ValueError(f"{what}: slot_mapping must have T={T} entries, got {slot_mapping.shape[0]}")
     if k.stride(2) != 1 or v.stride(2) != 1:
@@ -176,10 +187,20 @@ def _write_kv_plan(kv_layer, k, v, slot_mapping) -> list:
     block_t = max(1, min(next_pow2(T), 4096 // block_e))
     grid = (cdiv(T, block_t), cdiv(E, block_e))
     args = (
-        k, v, kc, vc, slot_mapping,
-        T, NB * BS,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kc.stride(0), kc.stride(1), kc.stride(2),
+        k,
+        v,
+        kc,
+        vc,
+        slot_mapping,
+        T,
+        NB * BS,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        kc.stride(2),
     )
     kw = {"HEAD_DIM": D, "E": E, "BLOCK_SIZE": BS, "BLOCK_T": block_t, "BLOCK_E": block_e, "num_warps": 4}
     return [(_write_kv_kernel, grid, args, kw)]
@@ -214,7 +235,7 @@ def _check_copy_slots(kv, src, dst, what):
         raise ValueError(f"{what}: src and dst must be contiguous")
 
 
-def copy_slots(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, *, max_tile: Optional[int] = None) -> None:
+def copy_slots(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, *, max_tile: int | None = None) -> None:
     """Copy every layer's K and V from slot ``src[i]`` to slot ``dst[i]`` of ``kv [L, 2, NB, BS, KVH, D]``.
 
     One launch for all pairs of all requests; snapshot semantics (see the module docstring).
@@ -230,7 +251,7 @@ def copy_slots(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, *, max_ti
         kernel[grid](*args, **kw)
 
 
-def _copy_slots_plan(kv, src, dst, max_tile: Optional[int] = None) -> list:
+def _copy_slots_plan(kv, src, dst, max_tile: int | None = None) -> list:
     """``[(kernel, grid, args, kwargs)]`` of one :func:`copy_slots` call (allocates the temporary
     of the many-pairs path, launches nothing; used by ``specd_kernels.aot``). One tile holds all
     pairs when ``next_pow2(N) * min(32, next_pow2(E))`` elements fit ``max_tile`` (16384)."""

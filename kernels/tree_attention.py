@@ -11,7 +11,8 @@ Layout and metadata follow ``docs/architecture.md``:
 * ``tree_mask``    ``[T, max_new]`` bool/uint8 or ``None``. ``None`` = causal among the new tokens
   (local query ``i`` sees new token ``j`` iff ``j <= i``; in general, when a request has fewer
   queries than new tokens ``seq_lens - context_lens``, bottom-right aligned: ``j <= i + (seq_lens[b]
-  - context_lens[b] - q_len_b)``, as the torch backend of ``specd.attention`` does); otherwise query row ``t`` sees new token
+  - context_lens[b] - q_len_b)``, as the torch backend of ``specd.model.attention`` does); otherwise query row ``t``
+  sees new token
   ``j`` of its request iff ``tree_mask[t, j]``. The mask is read **dense** (one byte per entry,
   a ``bool`` tensor is reinterpreted as ``uint8``, nonzero = visible), only for the key tiles that
   hold new tokens; columns ``>= max_new`` read as invisible. The mask may be any pattern (it is not
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -77,17 +77,39 @@ if HAS_TRITON:
 
     @triton.jit
     def _tree_attention_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr,
-        qsl_ptr, ctx_ptr, seqlen_ptr, bt_ptr, mask_ptr,
-        part_ptr, ml_ptr,
-        stride_qt, stride_qh,
-        stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh,
-        stride_ot, stride_oh,
-        stride_btb, stride_mt,
-        stride_ps, stride_pt, stride_ph,
-        stride_mls, stride_mlt, stride_mlh,
-        max_blocks, mask_cols, split_len, num_splits,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        o_ptr,
+        qsl_ptr,
+        ctx_ptr,
+        seqlen_ptr,
+        bt_ptr,
+        mask_ptr,
+        part_ptr,
+        ml_ptr,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        stride_btb,
+        stride_mt,
+        stride_ps,
+        stride_pt,
+        stride_ph,
+        stride_mls,
+        stride_mlt,
+        stride_mlh,
+        max_blocks,
+        mask_cols,
+        split_len,
+        num_splits,
         qk_scale,
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
@@ -231,8 +253,7 @@ if HAS_TRITON:
             )
         else:
             tl.store(
-                part_ptr + split * stride_ps + t_idx[:, None] * stride_pt
-                + head[:, None] * stride_ph + offs_d[None, :],
+                part_ptr + split * stride_ps + t_idx[:, None] * stride_pt + head[:, None] * stride_ph + offs_d[None, :],
                 acc,
                 mask=row_valid[:, None] & d_mask[None, :],
             )
@@ -242,10 +263,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _tree_attention_combine_kernel(
-        part_ptr, ml_ptr, o_ptr,
-        stride_ps, stride_pt, stride_ph,
-        stride_mls, stride_mlt, stride_mlh,
-        stride_ot, stride_oh,
+        part_ptr,
+        ml_ptr,
+        o_ptr,
+        stride_ps,
+        stride_pt,
+        stride_ph,
+        stride_mls,
+        stride_mlt,
+        stride_mlh,
+        stride_ot,
+        stride_oh,
         num_splits,
         HEAD_DIM: tl.constexpr,
         SPLITS_P: tl.constexpr,
@@ -259,11 +287,11 @@ if HAS_TRITON:
         d_mask = offs_d < HEAD_DIM
         ml_off = offs_s * stride_mls + t * stride_mlt + h * stride_mlh
         m = tl.load(ml_ptr + ml_off, mask=s_mask, other=float("-inf"))
-        l = tl.load(ml_ptr + ml_off + 1, mask=s_mask, other=0.0)
+        l_sum = tl.load(ml_ptr + ml_off + 1, mask=s_mask, other=0.0)
         m_max = tl.max(m, 0)
         m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
         w = tl.exp2(m - m_safe)  # 0 for empty splits (m = -inf)
-        l_tot = tl.sum(w * l, 0)
+        l_tot = tl.sum(w * l_sum, 0)
         acc = tl.load(
             part_ptr + offs_s[:, None] * stride_ps + t * stride_pt + h * stride_ph + offs_d[None, :],
             mask=s_mask[:, None] & d_mask[None, :],
@@ -339,7 +367,7 @@ def _check_args(q, kv_layer, query_start_loc, context_lens, seq_lens, block_tabl
     return T, H, D, NB, BS, KVH, B
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms_of(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -366,8 +394,8 @@ class TreeAttentionConfig:
     group_p: int  # group padded to a power of two
     n_qblocks: int  # programs along the query axis (grid dim 0)
     num_warps: int
-    num_stages: Optional[int]
-    maxnreg: Optional[int]  # PTX .maxnreg register budget; None: ptxas decides
+    num_stages: int | None
+    maxnreg: int | None  # PTX .maxnreg register budget; None: ptxas decides
     splits: int
     split_len: int
 
@@ -377,8 +405,15 @@ class TreeAttentionConfig:
         return self.block_q * self.group_p
 
 
-def choose_blocks(head_dim: int, group: int, max_query_len: int, *, interpret: bool,
-                  block_q: Optional[int] = None, block_n: Optional[int] = None) -> tuple[int, int]:
+def choose_blocks(
+    head_dim: int,
+    group: int,
+    max_query_len: int,
+    *,
+    interpret: bool,
+    block_q: int | None = None,
+    block_n: int | None = None,
+) -> tuple[int, int]:
     """The launcher's preferred ``(block_q, block_n)``; explicit ``block_q``/``block_n`` are rounded.
 
     Query tokens per program fill >= 16 MMA rows (``block_q * group_p``) and aim at 64 rows, or
@@ -418,8 +453,16 @@ def decode_maxnreg(head_dim: int) -> int:
     return DECODE_MAXNREG if next_pow2(head_dim) <= 128 else 255
 
 
-def choose_splits(*, batch: int, num_kv_heads: int, n_qblocks: int, max_seq_len: int, block_n: int,
-                  num_sms: Optional[int], num_splits: Optional[int] = None) -> tuple[int, int]:
+def choose_splits(
+    *,
+    batch: int,
+    num_kv_heads: int,
+    n_qblocks: int,
+    max_seq_len: int,
+    block_n: int,
+    num_sms: int | None,
+    num_splits: int | None = None,
+) -> tuple[int, int]:
     """``(splits, split_len)`` over the key range (flash-decoding).
 
     Default: 1 when not compiled for CUDA (``num_sms`` None), else enough programs for two per SM
@@ -440,10 +483,20 @@ def choose_splits(*, batch: int, num_kv_heads: int, n_qblocks: int, max_seq_len:
     return splits, split_len
 
 
-def launch_configs(*, head_dim: int, group: int, num_kv_heads: int, batch: int, max_query_len: int,
-                   max_seq_len: int, num_sms: Optional[int], interpret: bool = False,
-                   num_splits: Optional[int] = None, block_q: Optional[int] = None,
-                   block_n: Optional[int] = None) -> list[TreeAttentionConfig]:
+def launch_configs(
+    *,
+    head_dim: int,
+    group: int,
+    num_kv_heads: int,
+    batch: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_sms: int | None,
+    interpret: bool = False,
+    num_splits: int | None = None,
+    block_q: int | None = None,
+    block_n: int | None = None,
+) -> list[TreeAttentionConfig]:
     """Every configuration :func:`tree_attention` may launch for one problem, in the order it tries
     them (pure: no tensors, no device; ``num_sms`` None = interpreter / not CUDA).
 
@@ -459,14 +512,30 @@ def launch_configs(*, head_dim: int, group: int, num_kv_heads: int, batch: int, 
     out = []
     for lq, ln, stages in ladder:
         n_qblocks = cdiv(max_query_len, lq)
-        splits, split_len = choose_splits(batch=batch, num_kv_heads=num_kv_heads, n_qblocks=n_qblocks,
-                                          max_seq_len=max_seq_len, block_n=ln, num_sms=num_sms,
-                                          num_splits=num_splits)
-        out.append(TreeAttentionConfig(
-            block_q=lq, block_n=ln, block_d=max(16, next_pow2(head_dim)), group=group, group_p=group_p,
-            n_qblocks=n_qblocks, num_warps=choose_warps(lq * group_p, head_dim), num_stages=stages,
-            maxnreg=decode_maxnreg(head_dim) if (lq * group_p <= 16 and not interpret) else None,
-            splits=splits, split_len=split_len))
+        splits, split_len = choose_splits(
+            batch=batch,
+            num_kv_heads=num_kv_heads,
+            n_qblocks=n_qblocks,
+            max_seq_len=max_seq_len,
+            block_n=ln,
+            num_sms=num_sms,
+            num_splits=num_splits,
+        )
+        out.append(
+            TreeAttentionConfig(
+                block_q=lq,
+                block_n=ln,
+                block_d=max(16, next_pow2(head_dim)),
+                group=group,
+                group_p=group_p,
+                n_qblocks=n_qblocks,
+                num_warps=choose_warps(lq * group_p, head_dim),
+                num_stages=stages,
+                maxnreg=decode_maxnreg(head_dim) if (lq * group_p <= 16 and not interpret) else None,
+                splits=splits,
+                split_len=split_len,
+            )
+        )
     return out
 
 
@@ -509,21 +578,52 @@ def _launch_plan(q, kv_layer, meta, tree_mask, out, scale, cfg: TreeAttentionCon
     if cfg.maxnreg is not None:
         extra["maxnreg"] = cfg.maxnreg
     args = (
-        q, k_cache, v_cache, out,
-        qsl, ctx_lens, seq_lens, block_tables, mask_arg,
-        part, ml,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        block_tables.stride(0), mask_arg.stride(0) if has_mask else 0,
-        *p_strides, *ml_strides,
-        max(1, block_tables.shape[1]), mask_arg.shape[1] if has_mask else 0, cfg.split_len, cfg.splits,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        qsl,
+        ctx_lens,
+        seq_lens,
+        block_tables,
+        mask_arg,
+        part,
+        ml,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        mask_arg.stride(0) if has_mask else 0,
+        *p_strides,
+        *ml_strides,
+        max(1, block_tables.shape[1]),
+        mask_arg.shape[1] if has_mask else 0,
+        cfg.split_len,
+        cfg.splits,
         float(scale) * _LOG2E,
     )
-    kw = dict(HEAD_DIM=D, BLOCK_SIZE=kv_layer.shape[2], GROUP=cfg.group, GROUP_P=cfg.group_p,
-              BLOCK_Q=cfg.block_q, BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, HAS_MASK=has_mask,
-              SPLIT=cfg.splits > 1, PREC=dot[1], DOT_F32=dot[0], num_warps=cfg.num_warps, **extra)
+    kw = dict(
+        HEAD_DIM=D,
+        BLOCK_SIZE=kv_layer.shape[2],
+        GROUP=cfg.group,
+        GROUP_P=cfg.group_p,
+        BLOCK_Q=cfg.block_q,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=cfg.block_d,
+        HAS_MASK=has_mask,
+        SPLIT=cfg.splits > 1,
+        PREC=dot[1],
+        DOT_F32=dot[0],
+        num_warps=cfg.num_warps,
+        **extra,
+    )
     plan = [(_tree_attention_kernel, (cfg.n_qblocks, qsl.shape[0] - 1, kv_layer.shape[3] * cfg.splits), args, kw)]
     if cfg.splits > 1:
         cargs = (part, ml, out, *p_strides, *ml_strides, out.stride(0), out.stride(1), cfg.splits)
@@ -539,15 +639,15 @@ def tree_attention(
     context_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
-    tree_mask: Optional[torch.Tensor],
+    tree_mask: torch.Tensor | None,
     scale: float,
     max_query_len: int,
     max_seq_len: int,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
     *,
-    num_splits: Optional[int] = None,
-    block_n: Optional[int] = None,
-    block_q: Optional[int] = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    block_q: int | None = None,
 ) -> torch.Tensor:
     """Triton paged tree/causal attention. Returns ``out`` ``[T, H, D]`` in ``q.dtype``.
 
@@ -577,9 +677,18 @@ def tree_attention(
         return out
     interp = interpreting()
     cfgs = launch_configs(
-        head_dim=D, group=H // KVH, num_kv_heads=KVH, batch=B, max_query_len=max_query_len,
-        max_seq_len=max_seq_len, num_sms=None if interp else _num_sms(q.device), interpret=interp,
-        num_splits=num_splits, block_q=block_q, block_n=block_n)
+        head_dim=D,
+        group=H // KVH,
+        num_kv_heads=KVH,
+        batch=B,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        num_sms=None if interp else _num_sms(q.device),
+        interpret=interp,
+        num_splits=num_splits,
+        block_q=block_q,
+        block_n=block_n,
+    )
     dot = dot_operands(q.dtype, kv_layer.dtype, interpret=interp)
     meta = (query_start_loc, context_lens, seq_lens, block_tables)
     top = cfgs[0]
@@ -606,11 +715,11 @@ def tree_attention_ref(
     context_lens: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
-    tree_mask: Optional[torch.Tensor],
+    tree_mask: torch.Tensor | None,
     scale: float,
     max_query_len: int,
     max_seq_len: int,
-    out: Optional[torch.Tensor] = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference of :func:`tree_attention` (any device, fp32 math, one request at a time)."""
     what = "tree_attention_ref"

@@ -16,12 +16,11 @@ correction.
 
 Outputs: ``accept_len [B]`` int32 (accepted draft nodes, root excluded), ``path [B, max_nodes]``
 int32 (local node indices of the accepted nodes in order, padded with -1), ``next_token [B]``
-int64, ``is_bonus [B]`` bool (a request with no node gets length 0, next token -1, not bonus). ``max_nodes`` (python int) must be >= every request's node count.
+int64, ``is_bonus [B]`` bool (a request with no node gets length 0, next token -1, not bonus). ``max_nodes`` (python
+int) must be >= every request's node count.
 """
 
 from __future__ import annotations
-
-from typing import Tuple
 
 import torch
 
@@ -33,8 +32,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _greedy_verify_kernel(
-        target_ptr, tokens_ptr, parents_ptr, offs_ptr,
-        len_ptr, path_ptr, next_ptr, bonus_ptr,
+        target_ptr,
+        tokens_ptr,
+        parents_ptr,
+        offs_ptr,
+        len_ptr,
+        path_ptr,
+        next_ptr,
+        bonus_ptr,
         stride_path,
         BLOCK: tl.constexpr,
     ):
@@ -94,7 +99,7 @@ def greedy_verify(
     parents: torch.Tensor,
     node_offsets: torch.Tensor,
     max_nodes: int,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton greedy tree walk; returns ``(accept_len, path, next_token, is_bonus)``."""
     what = "greedy_verify"
     B = _check(target_argmax, tokens, parents, node_offsets, what)
@@ -107,8 +112,9 @@ def greedy_verify(
     is_bonus = torch.zeros(B, dtype=torch.int8, device=dev)
     if B == 0:
         return accept_len, path, next_token, is_bonus.bool()
-    for kernel, grid, args, kw in _greedy_verify_plan(target_argmax, tokens, parents, node_offsets,
-                                                      (accept_len, path, next_token, is_bonus)):
+    for kernel, grid, args, kw in _greedy_verify_plan(
+        target_argmax, tokens, parents, node_offsets, (accept_len, path, next_token, is_bonus)
+    ):
         kernel[grid](*args, **kw)
     return accept_len, path, next_token, is_bonus.bool()
 
@@ -129,7 +135,7 @@ def greedy_verify_ref(
     parents: torch.Tensor,
     node_offsets: torch.Tensor,
     max_nodes: int,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-python reference of :func:`greedy_verify`."""
     B = _check(target_argmax, tokens, parents, node_offsets, "greedy_verify_ref")
     dev = target_argmax.device

@@ -1,9 +1,9 @@
 """Frozen, validated configuration dataclasses. Each component gets only its own sub-config."""
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -25,31 +25,49 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # Qwen2: q/k/v carry a bias
-    rope_scaling: Optional[dict] = None  # llama3-style {"rope_type": "llama3", "factor": ...}
-    sliding_window: Optional[int] = None
-    bos_token_id: Optional[int] = None
+    rope_scaling: dict | None = None  # llama3-style {"rope_type": "llama3", "factor": ...}
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
     eos_token_ids: tuple = ()
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"config.json: {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
-                             f"num_key_value_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
 
     @classmethod
-    def from_hf(cls, cfg: dict, generation_config: Optional[dict] = None) -> "ModelConfig":
+    def from_hf(cls, cfg: dict, generation_config: dict | None = None) -> ModelConfig:
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                       "mistral": "MistralForCausalLM"}.get(cfg.get("model_type", ""), "?")
+        arch = (
+            archs[0]
+            if archs
+            else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
+                cfg.get("model_type", ""), "?"
+            )
+        )
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r} (model_type {cfg.get('model_type')!r}); "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(
+                f"unsupported architecture {arch!r} (model_type {cfg.get('model_type')!r}); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -93,9 +111,9 @@ class CacheConfig:
     """Paged KV cache. ``num_blocks`` wins over ``memory_bytes`` when both are given."""
 
     block_size: int = 16
-    num_blocks: Optional[int] = None
-    memory_bytes: Optional[int] = None  # budget for target + draft caches together
-    draft_fraction: Optional[float] = None  # share of the budget for the draft (default: by size)
+    num_blocks: int | None = None
+    memory_bytes: int | None = None  # budget for target + draft caches together
+    draft_fraction: float | None = None  # share of the budget for the draft (default: by size)
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -115,7 +133,7 @@ class SpecConfig:
     tree_budget: int = 16  # dynamic tree: nodes kept (excluding the root)
     tree_topk: int = 4  # dynamic tree: children per expanded node and nodes expanded per level
     tree_depth: int = 6  # dynamic tree: max depth
-    static_tree: Optional[tuple] = None  # Medusa-style choices for mode "static"
+    static_tree: tuple | None = None  # Medusa-style choices for mode "static"
     adaptive: bool = True
 
     def __post_init__(self):
@@ -128,7 +146,7 @@ class SpecConfig:
         if self.mode == "static":
             if not self.static_tree:
                 raise ValueError("speculation mode 'static' needs static_tree choices")
-            from specd.spec.tree import static_tree_choices
+            from specd.speculation.tree import static_tree_choices
 
             static_tree_choices(self.static_tree)  # validates (every prefix present, ranks >= 0)
 
@@ -155,11 +173,11 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     target: str
-    draft: Optional[str] = None
+    draft: str | None = None
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
-    threads: Optional[int] = None  # CPU math threads, applied by the launchers (specd.cpu.set_threads)
+    threads: int | None = None  # CPU math threads, applied by the launchers (specd.model.cpu.set_threads)
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,4 +1,5 @@
 """Test set-up. TRITON_INTERPRET must be set before anything imports triton."""
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -41,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def shared_pair():
     """(target LoadedModel, draft LoadedModel) for the shared stories260K pair, loaded once."""
-    from specd.loader import load_model
+    from specd.model.loader import load_model
 
     return load_model(TARGET, "cpu", "float32"), load_model(DRAFT, "cpu", "float32")
 
@@ -57,9 +58,27 @@ def serve_args(num_blocks: int = 512, log_level: str = "warning", **kw):
     """`specd serve` arguments for an in-process server on the shared pair (loopback, free ports)."""
     from specd.cli import build_parser
 
-    a = build_parser().parse_args(["serve", "--target", str(TARGET), "--draft", str(DRAFT), "--device", "cpu",
-                                   "--dtype", "float32", "--num-blocks", str(num_blocks), "--port", "0",
-                                   "--grpc-port", "0", "--log-level", log_level])
+    a = build_parser().parse_args(
+        [
+            "serve",
+            "--target",
+            str(TARGET),
+            "--draft",
+            str(DRAFT),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-blocks",
+            str(num_blocks),
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--log-level",
+            log_level,
+        ]
+    )
     for k, v in kw.items():
         setattr(a, k, v)
     return a
@@ -68,7 +87,7 @@ def serve_args(num_blocks: int = 512, log_level: str = "warning", **kw):
 def serve_engine(shared_pair, **kw):
     """An Engine configured like `specd serve` with ``serve_args(**kw)``, on the shared loaded pair."""
     from specd.cli import engine_config
-    from specd.engine import Engine
+    from specd.engine.engine import Engine
 
     t, d = shared_pair
     return Engine(engine_config(serve_args(**kw)), target=t, draft=d)

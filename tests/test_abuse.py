@@ -6,6 +6,7 @@ Invariants: afterwards no request is left in the engine, both KV caches hold zer
 the server's loop; other clients keep getting complete streams; refusals are immediate ``overloaded``
 errors and service resumes once the load drops.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -16,11 +17,10 @@ import time
 
 import orjson
 import pytest
+from conftest import serve_args, serve_engine
 from websockets.asyncio.client import connect as aconnect
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
-
-from conftest import serve_args, serve_engine
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -46,7 +46,7 @@ def engine(shared_pair):
 
 @pytest.fixture
 def make_server(engine):
-    from specd.server.app import ServerThread
+    from specd.serving.app import ServerThread
 
     started = []
 
@@ -70,11 +70,20 @@ def wait_clean(srv, tasks_before: int, timeout: float = 30.0) -> dict:
     eng = srv.app.ae.engine
     end = time.monotonic() + timeout
     while True:
-        left = {"engine_work": eng.has_work(), "requests": srv.app.ae.num_requests,
-                "kv_blocks": eng.kv_blocks_used(), "connections": srv.call(lambda: len(srv.app.ws.conns)),
-                "extra_tasks": n_tasks(srv) - tasks_before}
-        if (not left["engine_work"] and left["requests"] == 0 and left["kv_blocks"] == (0, 0)
-                and left["connections"] == 0 and left["extra_tasks"] <= 0):
+        left = {
+            "engine_work": eng.has_work(),
+            "requests": srv.app.ae.num_requests,
+            "kv_blocks": eng.kv_blocks_used(),
+            "connections": srv.call(lambda: len(srv.app.ws.conns)),
+            "extra_tasks": n_tasks(srv) - tasks_before,
+        }
+        if (
+            not left["engine_work"]
+            and left["requests"] == 0
+            and left["kv_blocks"] == (0, 0)
+            and left["connections"] == 0
+            and left["extra_tasks"] <= 0
+        ):
             return {}
         if time.monotonic() > end:
             return left
@@ -82,8 +91,9 @@ def wait_clean(srv, tasks_before: int, timeout: float = 30.0) -> dict:
 
 
 def gen(rid, prompt, max_tokens, **kw) -> str:
-    return orjson.dumps({"type": "generate", "id": rid, "prompt": prompt, "max_tokens": max_tokens,
-                         "temperature": 0.0, **kw}).decode()
+    return orjson.dumps(
+        {"type": "generate", "id": rid, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **kw}
+    ).decode()
 
 
 # churn -------------------------------------------------------------------------------------------
@@ -103,8 +113,15 @@ async def _cycle(port: int, rng: random.Random, stats: dict) -> None:
         ids = [f"c{k}" for k in range(n_req)]
         if action >= 1:
             for rid in ids:
-                await ws.send(gen(rid, rng.choice(PROMPTS), rng.randint(1, 12), ignore_eos=rng.random() < 0.5,
-                                  speculation={"mode": rng.choice(["off", "chain", "tree", "auto"])}))
+                await ws.send(
+                    gen(
+                        rid,
+                        rng.choice(PROMPTS),
+                        rng.randint(1, 12),
+                        ignore_eos=rng.random() < 0.5,
+                        speculation={"mode": rng.choice(["off", "chain", "tree", "auto"])},
+                    )
+                )
         if action in (1, 2):  # close (or drop) right after sending
             if action == 2:
                 ws.transport.abort()
@@ -196,8 +213,10 @@ def _raw_client(port: int, rcvbuf: int = 2048) -> socket.socket:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     s.settimeout(10)
     s.connect(("127.0.0.1", port))
-    s.sendall(b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    s.sendall(
+        b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
     buf = b""
     while b"\r\n\r\n" not in buf:
         buf += s.recv(1)  # byte by byte: leave nothing of the first frames consumed
@@ -244,23 +263,23 @@ def test_slow_readers_do_not_stall_others(make_server, engine):
     assert toks == 64 and m["finish_reason"] == "length"
     slow = []
     try:
-        for k in range(4):
+        for _ in range(4):
             s = _raw_client(srv.port)
             # a slow link: shrink the server side's send buffer too (loopback buffers are megabytes)
             end = time.monotonic() + 10  # the server registers the connection just after the 101
-            while srv.call(lambda: _shrink_sndbuf(srv, s.getsockname()[1])) != 1:
+            while srv.call(lambda s=s: _shrink_sndbuf(srv, s.getsockname()[1])) != 1:
                 assert time.monotonic() < end, "the slow reader's connection never showed up"
                 time.sleep(0.02)
             for j in range(12):
-                s.sendall(_ws_text_frame(gen(f"s{j}", PROMPTS[j % 4], 400, ignore_eos=True,
-                                             speculation={"mode": "off"})))
+                s.sendall(
+                    _ws_text_frame(gen(f"s{j}", PROMPTS[j % 4], 400, ignore_eos=True, speculation={"mode": "off"}))
+                )
             slow.append(s)
         # wait until the server is really blocked on them: bytes queued in the writers' buffers
         end = time.monotonic() + 60
         blocked = 0
         while time.monotonic() < end:
-            blocked = srv.call(lambda: sum(1 for c in srv.app.ws.conns
-                                           if c.ws.transport.get_write_buffer_size() > 0))
+            blocked = srv.call(lambda: sum(1 for c in srv.app.ws.conns if c.ws.transport.get_write_buffer_size() > 0))
             if blocked == len(slow):
                 break
             time.sleep(0.1)
@@ -302,11 +321,14 @@ def test_reader_that_never_reads_is_dropped_by_keepalive(make_server, engine):
 def _grpc_generate_status(port: int):
     import grpc
 
-    from specd.server.proto.specd.v1 import specd_pb2 as pb
+    from specd.serving.proto.specd.v1 import specd_pb2 as pb
 
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        call = ch.unary_stream("/specd.v1.Specd/Generate", request_serializer=pb.GenerateRequest.SerializeToString,
-                               response_deserializer=pb.GenerateResponse.FromString)
+        call = ch.unary_stream(
+            "/specd.v1.Specd/Generate",
+            request_serializer=pb.GenerateRequest.SerializeToString,
+            response_deserializer=pb.GenerateResponse.FromString,
+        )
         try:
             list(call(pb.GenerateRequest(id="g", prompt="Hi", max_tokens=4), timeout=30))
             return grpc.StatusCode.OK
@@ -402,7 +424,7 @@ def test_api_key_enforced_on_every_surface(make_server, engine):
     import grpc
     from websockets.exceptions import InvalidStatus
 
-    from specd.server.proto.specd.v1 import specd_pb2 as pb
+    from specd.serving.proto.specd.v1 import specd_pb2 as pb
 
     key = "s3cret-key"
     grpc_port = _free_port()
@@ -435,8 +457,11 @@ def test_api_key_enforced_on_every_surface(make_server, engine):
             m = orjson.loads(ws.recv(timeout=30))
         assert m["type"] == "done" and m["finish_reason"] == "length"
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
-        call = ch.unary_stream("/specd.v1.Specd/Generate", request_serializer=pb.GenerateRequest.SerializeToString,
-                               response_deserializer=pb.GenerateResponse.FromString)
+        call = ch.unary_stream(
+            "/specd.v1.Specd/Generate",
+            request_serializer=pb.GenerateRequest.SerializeToString,
+            response_deserializer=pb.GenerateResponse.FromString,
+        )
         req = pb.GenerateRequest(id="g", prompt="Hi", max_tokens=4)
         for md in (None, (("authorization", "Bearer nope"),)):
             with pytest.raises(grpc.RpcError) as ei:

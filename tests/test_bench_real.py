@@ -2,6 +2,7 @@
 with positive tokens/s, the specd systems' greedy outputs agree token for token, and the llama.cpp
 systems are skipped with a note when llama-cpp-python is not importable (made so here, whether or
 not it is installed)."""
+
 import json
 import sys
 
@@ -17,11 +18,32 @@ SYSTEMS = ["specd:off", "specd:chain", "hf:generate", "hf:pld"]
 def test_bench_real_smoke(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
     out = tmp_path / "out"
-    rc = bench_real.main(["--target", str(TARGET), "--draft", str(DRAFT),
-                          "--prompts", str(SHARED / "data" / "mt_bench" / "question.jsonl"), "--raw",
-                          "--limit", "2", "--max-tokens", "8", "--batch", "1", "--threads", "1",
-                          "--systems", ",".join(SYSTEMS + ["llamacpp:plain", "llamacpp:pld:4"]),
-                          "--profile-tokens", "12", "--out", str(out), "--no-progress"])
+    rc = bench_real.main(
+        [
+            "--target",
+            str(TARGET),
+            "--draft",
+            str(DRAFT),
+            "--prompts",
+            str(SHARED / "data" / "mt_bench" / "question.jsonl"),
+            "--raw",
+            "--limit",
+            "2",
+            "--max-tokens",
+            "8",
+            "--batch",
+            "1",
+            "--threads",
+            "1",
+            "--systems",
+            ",".join(SYSTEMS + ["llamacpp:plain", "llamacpp:pld:4"]),
+            "--profile-tokens",
+            "12",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
     assert rep["kind"] == "bench_real" and rep["systems"] == SYSTEMS

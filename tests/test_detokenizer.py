@@ -1,8 +1,9 @@
 """Streamed pieces joined == full decode, for byte-level BPE (gpt2) and sentencepiece (mistral)."""
+
 import pytest
 from transformers import AutoTokenizer
 
-from specd.detokenizer import IncrementalDetokenizer
+from specd.engine.detokenizer import IncrementalDetokenizer
 from tests.conftest import SHARED
 
 TEXTS = [
@@ -23,11 +24,11 @@ def test_streamed_text_equals_full_decode(name, text, chunk):
     d = IncrementalDetokenizer(tok, prompt)
     pieces = []
     for i in range(0, len(ids), chunk):
-        piece = d.add(ids[i:i + chunk])
+        piece = d.add(ids[i : i + chunk])
         assert "\ufffd" not in piece, "emitted a broken character"
         pieces.append(piece)
     pieces.append(d.flush())
-    full = tok.decode(prompt + ids, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)):]
+    full = tok.decode(prompt + ids, skip_special_tokens=True)[len(tok.decode(prompt, skip_special_tokens=True)) :]
     assert "".join(pieces) == full
     if name == "mistral7b":  # sentencepiece: the leading space of the first word survives streaming
         assert full.startswith(" ") or text[0] in "中"

@@ -1,4 +1,4 @@
-"""Tests for specd.distill (draft distillation) and the built-in demo pair in models/demo/.
+"""Tests for specd.training.distill (draft distillation) and the built-in demo pair in models/demo/.
 
 CPU only, fast: one short distillation run (~20 s) on the shared stories260K target.
 """
@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from specd.distill import (  # noqa: E402
+from specd.training.distill import (  # noqa: E402
     TokenStream,
     add_distill_args,
     build_draft,
@@ -141,7 +141,13 @@ def test_distill_output_loads_and_generates(distilled, stories_target):
 
     out, res = distilled
     target, _ = stories_target
-    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert (out / name).is_file(), name
     draft = AutoModelForCausalLM.from_pretrained(out).eval()
     tok = AutoTokenizer.from_pretrained(out)
@@ -191,7 +197,10 @@ def test_token_stream_windows():
 
 
 def _demo_ready() -> bool:
-    return all((DEMO / n / "model.safetensors").is_file() and (DEMO / n / "tokenizer.json").is_file() for n in ("target", "draft"))
+    return all(
+        (DEMO / n / "model.safetensors").is_file() and (DEMO / n / "tokenizer.json").is_file()
+        for n in ("target", "draft")
+    )
 
 
 def test_demo_pair_loads_and_chat_template_renders():
@@ -208,7 +217,9 @@ def test_demo_pair_loads_and_chat_template_renders():
         model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         assert text == "<|bos|><|user|>" + msgs[0]["content"] + "<|end|><|assistant|>"
-        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+            "input_ids"
+        ]
         assert ids[0, 0].item() == tok.bos_token_id
         assert ids[0, -1].item() == tok.convert_tokens_to_ids("<|assistant|>")
         end_id = tok.convert_tokens_to_ids("<|end|>")
@@ -229,9 +240,9 @@ def test_demo_pair_loads_and_chat_template_renders():
 def test_specd_serves_the_distilled_draft_losslessly(distilled):
     """The distilled draft plugs into specd: greedy speculative output == target-only output."""
     from specd.config import EngineConfig, SpecConfig
-    from specd.engine import Engine
-    from specd.sampling import SamplingParams
-    from specd.sequence import SpecParams
+    from specd.engine.engine import Engine
+    from specd.engine.sampling import SamplingParams
+    from specd.engine.sequence import SpecParams
 
     out, _ = distilled
     eng = Engine(EngineConfig(target=str(STORIES), draft=str(out), spec=SpecConfig(adaptive=False)))

@@ -1,4 +1,5 @@
 """Target-only generation: transformers parity, batch invariance, stop conditions, the CLI."""
+
 import json
 import subprocess
 import sys
@@ -7,13 +8,21 @@ import pytest
 import torch
 
 from specd.config import CacheConfig, EngineConfig, SchedulerConfig
-from specd.engine import Engine, RequestError
-from specd.sampling import SamplingParams
-from specd.sequence import SpecParams
+from specd.engine.engine import Engine, RequestError
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import SpecParams
 from tests.conftest import ROOT, TARGET
 
-PROMPTS = ["Once upon a time, there was a little", "The dog", "Tom and Sue went to the big park to play with the ball",
-           "One day", "Lily saw a bird in the sky. It was", "He", "The sun was hot and the", "A girl named Mia had a red"]
+PROMPTS = [
+    "Once upon a time, there was a little",
+    "The dog",
+    "Tom and Sue went to the big park to play with the ball",
+    "One day",
+    "Lily saw a bird in the sky. It was",
+    "He",
+    "The sun was hot and the",
+    "A girl named Mia had a red",
+]
 OFF = SpecParams(mode="off")
 
 
@@ -29,8 +38,9 @@ def _ids(engine, prompts=PROMPTS):
 
 def test_greedy_equals_transformers(engine, hf_target):
     for ids in _ids(engine)[:4]:
-        ref = hf_target.generate(torch.tensor([ids]), max_new_tokens=60, do_sample=False, eos_token_id=[2, 1],
-                                 pad_token_id=0)[0, len(ids):].tolist()
+        ref = hf_target.generate(
+            torch.tensor([ids]), max_new_tokens=60, do_sample=False, eos_token_id=[2, 1], pad_token_id=0
+        )[0, len(ids) :].tolist()
         seq = engine.generate([ids], SamplingParams(temperature=0, max_tokens=60), OFF)[0]
         assert seq.output_ids == ref
     assert engine.kv_blocks_used() == (0, 0)
@@ -38,8 +48,10 @@ def test_greedy_equals_transformers(engine, hf_target):
 
 def test_batch_invariance_greedy_and_seeded_sampling(engine):
     ids = _ids(engine)
-    for params in (SamplingParams(temperature=0, max_tokens=40),
-                   SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=40)):
+    for params in (
+        SamplingParams(temperature=0, max_tokens=40),
+        SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=40),
+    ):
         alone = [engine.generate([x], params, OFF)[0].output_ids for x in ids]
         together = [s.output_ids for s in engine.generate(ids, params, OFF)]
         assert together == alone
@@ -110,8 +122,14 @@ def test_invalid_requests_are_refused_cleanly(engine):
 
 def test_kv_exhaustion_is_not_a_crash(shared_pair):
     t, _ = shared_pair
-    eng = Engine(EngineConfig(target=str(TARGET), cache=CacheConfig(block_size=4, num_blocks=40),
-                              scheduler=SchedulerConfig(max_num_seqs=8)), target=t)
+    eng = Engine(
+        EngineConfig(
+            target=str(TARGET),
+            cache=CacheConfig(block_size=4, num_blocks=40),
+            scheduler=SchedulerConfig(max_num_seqs=8),
+        ),
+        target=t,
+    )
     ids = [eng.tokenizer(p)["input_ids"] for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=60)
     ref = [Engine(EngineConfig(target=str(TARGET)), target=t).generate([x], params, OFF)[0].output_ids for x in ids]
@@ -122,11 +140,32 @@ def test_kv_exhaustion_is_not_a_crash(shared_pair):
 
 
 def test_cli_generate_matches_reference_text():
-    cmd = [sys.executable, "-m", "specd", "generate", "--target", str(TARGET), "--raw", "--prompt",
-           "Once upon a time, there was a little", "--max-tokens", "200", "--temperature", "0", "--spec", "off",
-           "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
-                         env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "specd",
+        "generate",
+        "--target",
+        str(TARGET),
+        "--raw",
+        "--prompt",
+        "Once upon a time, there was a little",
+        "--max-tokens",
+        "200",
+        "--temperature",
+        "0",
+        "--spec",
+        "off",
+        "--json",
+    ]
+    out = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout.strip().splitlines()[-1])
     ref_md = (TARGET / "stories260K.md").read_text()
@@ -143,10 +182,10 @@ def test_serve_config_file_rejects_unknown_keys(tmp_path):
 
     sub = build_parser()._subparsers._group_actions[0].choices["serve"]
     good = tmp_path / "ok.toml"
-    good.write_text('port = 9001\nmax_queue = 7\n')
+    good.write_text("port = 9001\nmax_queue = 7\n")
     a = apply_env_and_toml(sub, ["--config", str(good), "--port", "9002"], "serve")
     assert a.port == 9002 and a.max_queue == 7  # flags win over the file
     bad = tmp_path / "bad.toml"
-    bad.write_text('prot = 9001\n')
+    bad.write_text("prot = 9001\n")
     with pytest.raises(SystemExit):
         apply_env_and_toml(sub, ["--config", str(bad)], "serve")

@@ -10,6 +10,7 @@
   after ``max_failed_steps``; ``/readyz`` and ``/healthz`` 503 and the daemon exits 1 after
   ``--unhealthy-exit-s``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,11 +21,11 @@ import orjson
 import pytest
 from websockets.sync.client import connect
 
-from specd.chaos import STEP_STAGES, FaultInjector, InjectedFault, Req, canary, check_clean, run_case, with_hook
-from specd.engine import FAIL_ALL_AFTER, RequestError
-from specd.health import RateLimitedLog, backoff_s, unhealthy_reason
-from specd.sampling import SamplingParams
-from specd.sequence import SpecParams
+from specd.engine.chaos import STEP_STAGES, FaultInjector, InjectedFault, Req, canary, check_clean, run_case, with_hook
+from specd.engine.engine import FAIL_ALL_AFTER, RequestError
+from specd.engine.health import RateLimitedLog, backoff_s, unhealthy_reason
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import SpecParams
 from tests.conftest import http_get, http_status, serve_args, serve_engine, ws_collect
 
 pytestmark = pytest.mark.timeout(300)
@@ -42,8 +43,11 @@ def engine(shared_pair):
 def prompts(engine):
     tok = engine.tokenizer
     long = " ".join(["Once upon a time, there was a little girl named Lily who liked to play."] * 4)
-    return {"short": tok("Once upon a time")["input_ids"], "dog": tok("The dog ran to the")["input_ids"],
-            "long": tok(long)["input_ids"]}
+    return {
+        "short": tok("Once upon a time")["input_ids"],
+        "dog": tok("The dog ran to the")["input_ids"],
+        "long": tok(long)["input_ids"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +63,34 @@ def _greedy(n=10):
 def _innocents(prompts) -> list:
     """Requests of fixed speculation modes (so a clean run is reproducible token for token)."""
     sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=10, ignore_eos=True)
-    return [Req("g-tree", prompts["dog"], _greedy(), TREE), Req("g-chain", prompts["short"], _greedy(), CHAIN),
-            Req("s-tree", prompts["dog"], sampled, TREE), Req("g-long", prompts["long"], _greedy(6), OFF),
-            Req("s-off", prompts["short"], sampled, OFF)]
+    return [
+        Req("g-tree", prompts["dog"], _greedy(), TREE),
+        Req("g-chain", prompts["short"], _greedy(), CHAIN),
+        Req("s-tree", prompts["dog"], sampled, TREE),
+        Req("g-long", prompts["long"], _greedy(6), OFF),
+        Req("s-off", prompts["short"], sampled, OFF),
+    ]
 
 
 # validation at the edge ----------------------------------------------------------------------------
-@pytest.mark.parametrize("kw, field", [
-    (dict(top_k=2 ** 63), "top_k"), (dict(top_k=-2), "top_k"), (dict(temperature=101.0), "temperature"),
-    (dict(temperature=float("nan")), "temperature"), (dict(top_p=0.0), "top_p"), (dict(max_tokens=2 ** 63), "max_tokens"),
-    (dict(stop=["x" * 257]), "stop"), (dict(stop=["a"] * 17), "stop"), (dict(stop_token_ids=[2 ** 63]), "stop_token_ids"),
-    (dict(stop_token_ids=list(range(257))), "stop_token_ids"), (dict(seed=1.5), "seed")])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(top_k=2**63), "top_k"),
+        (dict(top_k=-2), "top_k"),
+        (dict(temperature=101.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(max_tokens=2**63), "max_tokens"),
+        (dict(stop=["x" * 257]), "stop"),
+        (dict(stop=["a"] * 17), "stop"),
+        (dict(stop_token_ids=[2**63]), "stop_token_ids"),
+        (dict(stop_token_ids=list(range(257))), "stop_token_ids"),
+        (dict(seed=1.5), "seed"),
+    ],
+)
 def test_validation_refuses_what_the_engine_cannot_represent(kw, field):
-    from specd.server import request_build as RB
+    from specd.serving import request_build as RB
 
     with pytest.raises(RequestError) as ei:
         RB.sampling_params(**{"max_tokens": 4, **kw})
@@ -79,14 +98,14 @@ def test_validation_refuses_what_the_engine_cannot_represent(kw, field):
 
 
 def test_representable_extremes_are_accepted_and_normalized(engine, prompts):
-    p = SamplingParams(top_k=2 ** 63 - 1, seed=-1, temperature=1e-9, top_p=1e-300, max_tokens=2)
-    assert p.seed == 2 ** 64 - 1 and p.temperature == 0.0 and p.top_p == 1e-6
+    p = SamplingParams(top_k=2**63 - 1, seed=-1, temperature=1e-9, top_p=1e-300, max_tokens=2)
+    assert p.seed == 2**64 - 1 and p.temperature == 0.0 and p.top_p == 1e-6
     with pytest.raises(RequestError) as ei:  # stop ids are checked against the vocabulary
         engine.validate(prompts["short"], SamplingParams(stop_token_ids=(engine.vocab_size,)))
     assert "stop_token_ids" in str(ei.value)
     # top_k at or above the vocabulary is off: the same seeded sample as top_k = 0
     outs = []
-    for k in (0, engine.vocab_size, 2 ** 63 - 1):
+    for k in (0, engine.vocab_size, 2**63 - 1):
         sp = SamplingParams(temperature=1.0, top_k=k, seed=7, max_tokens=12, ignore_eos=True)
         outs.append(engine.generate([prompts["dog"]], sp, TREE)[0].output_ids)
     assert outs[0] == outs[1] == outs[2]
@@ -94,14 +113,27 @@ def test_representable_extremes_are_accepted_and_normalized(engine, prompts):
 
 # the reproducer -------------------------------------------------------------------------------------
 def test_reproducer_refused_over_the_websocket(engine, prompts):
-    from specd.server.app import ServerThread
+    from specd.serving.app import ServerThread
 
     srv = ServerThread(serve_args(num_blocks=256), engine).start()
     try:
-        a = {"type": "generate", "id": "a", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
-             "speculation": {"mode": "tree"}}
-        b = {"type": "generate", "id": "b", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 1,
-             "top_k": 9223372036854775808, "speculation": {"mode": "tree"}}
+        a = {
+            "type": "generate",
+            "id": "a",
+            "prompt": "Once upon a time",
+            "max_tokens": 8,
+            "temperature": 0,
+            "speculation": {"mode": "tree"},
+        }
+        b = {
+            "type": "generate",
+            "id": "b",
+            "prompt": "Once upon a time",
+            "max_tokens": 4,
+            "temperature": 1,
+            "top_k": 9223372036854775808,
+            "speculation": {"mode": "tree"},
+        }
         with connect(f"ws://127.0.0.1:{srv.port}/ws") as ws:
             ws.send(orjson.dumps(a).decode())
             first, done = ws_collect(ws, "a")
@@ -121,7 +153,7 @@ def test_reproducer_refused_over_the_websocket(engine, prompts):
 def test_reproducer_with_validation_bypassed_fails_alone(engine, prompts, canary_ref):
     """top_k = 2**63 forced past validation: it fails in its step alone; a request running beside
     it and every later request produce exactly their clean tokens; nothing leaks."""
-    hostile = Req("b", prompts["short"], SamplingParams(temperature=1.0, max_tokens=4), TREE, hostile=("top_k", 2 ** 63))
+    hostile = Req("b", prompts["short"], SamplingParams(temperature=1.0, max_tokens=4), TREE, hostile=("top_k", 2**63))
     beside = Req("a", prompts["short"], _greedy(12), TREE)
     res = run_case(engine, [beside, hostile])
     assert res.reasons == {"a": "length", "b": "error"} and "Overflow" in res.errors["b"]
@@ -197,7 +229,7 @@ def test_schedule_failures_fail_everyone_after_three_then_recover(engine, prompt
 def test_failing_steps_back_off_instead_of_spinning(engine, prompts):
     """An exception escaping ``Engine.step()`` with work that cannot be failed: the loop backs off
     (a handful of steps a second, not thousands), turns unhealthy, and recovers when steps do."""
-    from specd.server.engine_loop import AsyncEngine
+    from specd.serving.engine_loop import AsyncEngine
 
     assert [backoff_s(n) for n in (0, 1, 2, 20)] == [0.0, 0.02, 0.04, 1.0]
     calls = [0]
@@ -233,13 +265,18 @@ def test_failing_steps_back_off_instead_of_spinning(engine, prompts):
 
 
 def test_health_endpoints_and_metrics_follow_failures(engine, prompts):
-    from specd.server.app import ServerThread
+    from specd.serving.app import ServerThread
 
     srv = ServerThread(serve_args(num_blocks=256, max_failed_steps=2), engine).start()
     try:
         base = f"ws://127.0.0.1:{srv.port}/ws"
-        msg = {"type": "generate", "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0,
-               "speculation": {"mode": "tree"}}
+        msg = {
+            "type": "generate",
+            "prompt": "Once upon a time",
+            "max_tokens": 6,
+            "temperature": 0,
+            "speculation": {"mode": "tree"},
+        }
         engine.fault_hook = FaultInjector("verify", {f"ws{k}:r{i}" for k in range(8) for i in range(3)})
         with connect(base) as ws:
             for i in range(3):
@@ -265,7 +302,7 @@ def test_health_endpoints_and_metrics_follow_failures(engine, prompts):
 def test_daemon_exits_nonzero_after_staying_unhealthy(engine, prompts):
     """``App.main`` (what ``specd serve`` runs) returns 1 once the engine has been unhealthy for
     ``--unhealthy-exit-s``: systemd's ``Restart=`` brings up a fresh process."""
-    from specd.server.app import App
+    from specd.serving.app import App
 
     broken = _BrokenSchedule(engine.scheduler.schedule)
     app = App(serve_args(num_blocks=256, max_failed_steps=1, unhealthy_exit_s=0.3), engine)

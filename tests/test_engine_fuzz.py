@@ -1,11 +1,11 @@
 """Engine-level fuzzing (hypothesis), in process, on the shared stories260K pair.
 
-Each case (``specd.chaos.random_case``, driven by hypothesis' random source) is a mix of 1-5 requests
+Each case (``specd.engine.chaos.random_case``, driven by hypothesis' random source) is a mix of 1-5 requests
 with generated parameters (every sampling field across its whole accepted range, edges often;
 speculation modes, priorities, prompts of random token ids), added and cancelled at generated steps,
 a quarter carrying a value validation refuses forced in after validation (``HOSTILE_VALUES``), half
 the cases with a fault injected in a random stage for one request. The KV cache is small, so
-requests are preempted and recomputed. Oracle after every case (``specd.chaos.run_checked``):
+requests are preempted and recomputed. Oracle after every case (``specd.engine.chaos.run_checked``):
 
 - every request ends exactly once; a request that is neither hostile nor the fault's target never
   ends with ``error`` and never emits more than its ``max_tokens``;
@@ -14,6 +14,7 @@ requests are preempted and recomputed. Oracle after every case (``specd.chaos.ru
 
 ``make test`` runs a derandomized short version; ``make test-slow`` runs 10,000 random cases.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specd.chaos import canary, random_case, run_checked
+from specd.engine.chaos import canary, random_case, run_checked
 from tests.conftest import serve_engine
 
 pytestmark = pytest.mark.timeout(3600)

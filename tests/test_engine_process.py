@@ -1,6 +1,7 @@
 """The engine in its own process (the default of `specd serve`): same streams as the in-process engine,
 cancellation and disconnects free the child's KV blocks, /metrics reports the child's state, and a
 child that dies fails its requests and turns /healthz red while the server stays up."""
+
 from __future__ import annotations
 
 import os
@@ -9,9 +10,8 @@ import time
 
 import orjson
 import pytest
-from websockets.sync.client import connect
-
 from conftest import http_get, serve_args, ws_collect
+from websockets.sync.client import connect
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,7 +29,7 @@ def _idle_kv(remote, timeout=20.0):
 
 @pytest.fixture(scope="module")
 def server():
-    from specd.server.app import ServerThread
+    from specd.serving.app import ServerThread
 
     a = serve_args(num_blocks=256, log_level="warning")
     assert a.engine_thread is False  # the default: an engine process
@@ -41,9 +41,9 @@ def server():
 @pytest.fixture(scope="module")
 def reference(shared_pair):
     from specd.cli import engine_config
-    from specd.engine import Engine
-    from specd.sampling import SamplingParams
-    from specd.sequence import SpecParams
+    from specd.engine.engine import Engine
+    from specd.engine.sampling import SamplingParams
+    from specd.engine.sequence import SpecParams
 
     t, d = shared_pair
     eng = Engine(engine_config(serve_args(num_blocks=256)), target=t, draft=d)
@@ -57,15 +57,25 @@ def reference(shared_pair):
 
 
 def test_streams_equal_the_in_process_engine(server, reference):
-    from specd.server.engine_proc import RemoteEngine
+    from specd.serving.engine_proc import RemoteEngine
 
     remote = server.app.ae.engine
     assert isinstance(remote, RemoteEngine) and remote.proc.pid != os.getpid() and remote.alive
     with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
         for i, p in enumerate(PROMPTS):  # concurrent requests, speculation off and on
             for mode in ("off", "tree"):
-                ws.send(orjson.dumps({"type": "generate", "id": f"{mode}{i}", "prompt": p, "max_tokens": 32,
-                                      "temperature": 0, "speculation": {"mode": mode}}).decode())
+                ws.send(
+                    orjson.dumps(
+                        {
+                            "type": "generate",
+                            "id": f"{mode}{i}",
+                            "prompt": p,
+                            "max_tokens": 32,
+                            "temperature": 0,
+                            "speculation": {"mode": mode},
+                        }
+                    ).decode()
+                )
         frames: dict = {}
         end = time.monotonic() + 60
         while sum(1 for v in frames.values() if v and v[-1]["type"] != "delta") < 2 * len(PROMPTS):
@@ -87,16 +97,17 @@ def test_streams_equal_the_in_process_engine(server, reference):
     # the child's state reaches /metrics
     status, body = http_get(server.port, "/metrics")
     text = body.decode()
-    assert status == 200 and "specd_kv_blocks_total{cache=\"target\"} 256" in text
-    assert "specd_kv_blocks_used{cache=\"target\"} 0" in text
+    assert status == 200 and 'specd_kv_blocks_total{cache="target"} 256' in text
+    assert 'specd_kv_blocks_used{cache="target"} 0' in text
     accepted = [ln for ln in text.splitlines() if ln.startswith("specd_spec_decode_num_draft_tokens_total")]
     assert accepted and float(accepted[0].split()[-1]) > 0
 
 
 def test_too_long_is_refused_by_the_server_process(server):
     with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
-        ws.send(orjson.dumps({"type": "generate", "id": "big", "prompt": "Once upon a time",
-                              "max_tokens": 100000}).decode())
+        ws.send(
+            orjson.dumps({"type": "generate", "id": "big", "prompt": "Once upon a time", "max_tokens": 100000}).decode()
+        )
         m = orjson.loads(ws.recv(timeout=10))
     assert m["type"] == "error" and m["code"] == "too_long", m
 
@@ -104,8 +115,11 @@ def test_too_long_is_refused_by_the_server_process(server):
 def test_cancel_and_disconnect_free_the_childs_kv(server):
     remote = server.app.ae.engine
     with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
-        ws.send(orjson.dumps({"type": "generate", "id": "c", "prompt": PROMPTS[0], "max_tokens": 400,
-                              "ignore_eos": True}).decode())
+        ws.send(
+            orjson.dumps(
+                {"type": "generate", "id": "c", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True}
+            ).decode()
+        )
         first = orjson.loads(ws.recv(timeout=30))
         assert first["type"] == "delta"
         ws.send(orjson.dumps({"type": "cancel", "id": "c"}).decode())
@@ -113,8 +127,11 @@ def test_cancel_and_disconnect_free_the_childs_kv(server):
         assert done["finish_reason"] == "cancelled"
     assert _idle_kv(remote)
     with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
-        ws.send(orjson.dumps({"type": "generate", "id": "d", "prompt": PROMPTS[1], "max_tokens": 400,
-                              "ignore_eos": True}).decode())
+        ws.send(
+            orjson.dumps(
+                {"type": "generate", "id": "d", "prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True}
+            ).decode()
+        )
         assert orjson.loads(ws.recv(timeout=30))["type"] == "delta"
     # (the connection closed mid-stream)
     assert _idle_kv(remote)
@@ -126,24 +143,29 @@ def test_a_request_the_child_cannot_run_fails_alone(server, reference):
     child's KV is free afterwards and /metrics counts the failure by stage; health stays green."""
     import asyncio
 
-    from specd.engine import RequestError
-    from specd.sampling import SamplingParams
-    from specd.sequence import SpecParams
+    from specd.engine.engine import RequestError
+    from specd.engine.sampling import SamplingParams
+    from specd.engine.sequence import SpecParams
 
     remote = server.app.ae.engine
     ids = remote.tokenizer(PROMPTS[0])["input_ids"]
     bad = SamplingParams(temperature=1.0, max_tokens=8)
-    object.__setattr__(bad, "top_k", -(2 ** 63) - 1)  # (pickled to the child as is)
+    object.__setattr__(bad, "top_k", -(2**63) - 1)  # (pickled to the child as is)
     good = SamplingParams(temperature=0.0, max_tokens=32)
 
     async def both():
         async def run(params, rid):
             try:
-                return [t for o in [o async for o in server.app.ae.generate(ids, params, SpecParams("tree"),
-                                                                             "interactive", rid)]
-                        for t in o.token_ids]
+                return [
+                    t
+                    for o in [
+                        o async for o in server.app.ae.generate(ids, params, SpecParams("tree"), "interactive", rid)
+                    ]
+                    for t in o.token_ids
+                ]
             except RequestError as e:
                 return e
+
         return await asyncio.gather(run(bad, "hostile"), run(good, "beside"))
 
     err, toks = server.call(both)
@@ -165,8 +187,18 @@ def test_a_stuck_engine_process_turns_health_red_until_it_resumes(server):
     ae.watchdog_timeout_s = 0.5
     try:
         with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
-            ws.send(orjson.dumps({"type": "generate", "id": "s", "prompt": PROMPTS[0], "max_tokens": 300,
-                                  "ignore_eos": True, "speculation": {"mode": "off"}}).decode())
+            ws.send(
+                orjson.dumps(
+                    {
+                        "type": "generate",
+                        "id": "s",
+                        "prompt": PROMPTS[0],
+                        "max_tokens": 300,
+                        "ignore_eos": True,
+                        "speculation": {"mode": "off"},
+                    }
+                ).decode()
+            )
             assert orjson.loads(ws.recv(timeout=30))["type"] == "delta"
             os.kill(remote.proc.pid, signal.SIGSTOP)
             try:
@@ -185,14 +217,17 @@ def test_a_stuck_engine_process_turns_health_red_until_it_resumes(server):
 
 def test_a_dead_engine_process_fails_requests_and_health(shared_pair):
     """Runs last (kills its own server's child)."""
-    from specd.server.app import ServerThread
+    from specd.serving.app import ServerThread
 
     srv = ServerThread(serve_args(num_blocks=128, log_level="error")).start()
     try:
         remote = srv.app.ae.engine
         with connect(f"ws://127.0.0.1:{srv.port}/ws") as ws:
-            ws.send(orjson.dumps({"type": "generate", "id": "k", "prompt": PROMPTS[0], "max_tokens": 400,
-                                  "ignore_eos": True}).decode())
+            ws.send(
+                orjson.dumps(
+                    {"type": "generate", "id": "k", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True}
+                ).decode()
+            )
             assert orjson.loads(ws.recv(timeout=30))["type"] == "delta"
             os.kill(remote.proc.pid, signal.SIGKILL)
             deltas, done = ws_collect(ws, "k")
@@ -218,13 +253,15 @@ def test_cpu_split_pins_the_server_to_the_first_cpu_and_the_engine_to_the_rest()
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs 2+ CPUs")
-    code = ("import os, subprocess, sys, threading\n"
-            "from specd.server.engine_proc import _split_cpus\n"
-            "t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
-            "_split_cpus(p.pid)\n"
-            "print(sorted(os.sched_getaffinity(0)))\nprint(sorted(os.sched_getaffinity(p.pid)))\n"
-            "p.kill()\n")
+    code = (
+        "import os, subprocess, sys, threading\n"
+        "from specd.serving.engine_proc import _split_cpus\n"
+        "t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+        "_split_cpus(p.pid)\n"
+        "print(sorted(os.sched_getaffinity(0)))\nprint(sorted(os.sched_getaffinity(p.pid)))\n"
+        "p.kill()\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     server, engine = (orjson.loads(x) for x in out.stdout.splitlines())
     assert server == cpus[:1] and engine == cpus[1:], out.stdout
@@ -234,8 +271,8 @@ def _drive(remote, prompts_ids, max_tokens, tag):
     """Run requests on a RemoteEngine by hand: (pipe messages, step records per request, tokens)."""
     import select
 
-    from specd.sampling import SamplingParams
-    from specd.sequence import SpecParams
+    from specd.engine.sampling import SamplingParams
+    from specd.engine.sequence import SpecParams
 
     pipe = remote._out
     read, msgs = pipe.read, []
@@ -248,8 +285,13 @@ def _drive(remote, prompts_ids, max_tokens, tag):
     pipe.read = counting_read
     try:
         for i, ids in enumerate(prompts_ids):
-            remote.add_request(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens), SpecParams(mode="off"),
-                               "interactive", f"{tag}{i}")
+            remote.add_request(
+                ids,
+                SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                SpecParams(mode="off"),
+                "interactive",
+                f"{tag}{i}",
+            )
         steps: dict = {}
         toks: dict = {}
         end = time.monotonic() + 60
@@ -270,7 +312,7 @@ def test_stream_interval_holds_short_steps_but_never_first_or_last_tokens(shared
     message (each step still arrives as its own record, in order), but a request's first token and its
     finish go out at once; with 0 every step is its own message. Tokens equal the in-process engine's."""
     from specd.cli import engine_config
-    from specd.server.engine_proc import RemoteEngine
+    from specd.serving.engine_proc import RemoteEngine
 
     tok = shared_pair[0].tokenizer
     ids = [tok(p)["input_ids"] for p in PROMPTS]
@@ -290,8 +332,15 @@ def test_stream_interval_holds_short_steps_but_never_first_or_last_tokens(shared
             assert max(per_msg) == 1
             continue
         assert len(msgs) < sum(per_msg) / 2, per_msg  # sub-millisecond steps: several per message
-        firsts = [m for m in msgs if any(st is not None and "first_token_time" in st and not fin
-                                         for step, _ in m[1] for (_, _, _, fin, _, st) in step)]
+        firsts = [
+            m
+            for m in msgs
+            if any(
+                st is not None and "first_token_time" in st and not fin
+                for step, _ in m[1]
+                for (_, _, _, fin, _, st) in step
+            )
+        ]
         lasts = [m for m in msgs if any(fin for step, _ in m[1] for (_, _, _, fin, _, _) in step)]
         assert firsts and lasts
         for m in firsts + lasts:  # urgent outputs end their message: nothing after them was held back

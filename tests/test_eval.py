@@ -6,19 +6,18 @@
 - the JSON report's totals equal the sum of the per-request stats and the engine-wide stats;
 - the plots are written and non-empty.
 """
+
 import json
 import shutil
 import sys
 
 import pytest
-
 from conftest import DRAFT, ROOT, TARGET
 
 sys.path.insert(0, str(ROOT / "eval"))
 
 import acceptance  # noqa: E402
 import common as C  # noqa: E402
-
 
 PROMPTS = ["Once upon a time, there was a little", "Tom and Lily went to the park", "The cat sat"]
 
@@ -30,7 +29,7 @@ def _threads():
 
 @pytest.fixture(scope="module")
 def target_lm():
-    from specd.loader import load_model
+    from specd.model.loader import load_model
 
     return load_model(TARGET, "cpu", "float32", progress=False)
 
@@ -47,8 +46,16 @@ def _overall(res, temp, name):
 def test_self_draft_accepts_everything(target_lm):
     k = 4
     modes = [C.Mode.parse(f"chain:{k}"), C.Mode.parse("tree:8:2:4")]
-    res = acceptance.run_eval(target_lm, target_lm, _prompts(), modes, temperatures=(0.0,),
-                              max_tokens=6 * (k + 1), ignore_eos=True, progress=False)
+    res = acceptance.run_eval(
+        target_lm,
+        target_lm,
+        _prompts(),
+        modes,
+        temperatures=(0.0,),
+        max_tokens=6 * (k + 1),
+        ignore_eos=True,
+        progress=False,
+    )
     chain = _overall(res, 0.0, f"chain:{k}")
     o = chain["overall"]
     assert o["acceptance_rate"] == 1.0
@@ -73,7 +80,7 @@ def test_random_draft_accepts_almost_nothing(target_lm, tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specd.loader import load_model
+    from specd.model.loader import load_model
 
     torch.manual_seed(0)
     cfg = LlamaConfig.from_pretrained(str(TARGET))
@@ -82,8 +89,16 @@ def test_random_draft_accepts_almost_nothing(target_lm, tmp_path):
         if (TARGET / f).exists():
             shutil.copy(TARGET / f, tmp_path / f)
     rnd = load_model(tmp_path, "cpu", "float32", progress=False)
-    res = acceptance.run_eval(target_lm, rnd, _prompts(), [C.Mode.parse("chain:4")], temperatures=(0.0, 1.0),
-                              max_tokens=40, ignore_eos=True, progress=False)
+    res = acceptance.run_eval(
+        target_lm,
+        rnd,
+        _prompts(),
+        [C.Mode.parse("chain:4")],
+        temperatures=(0.0, 1.0),
+        max_tokens=40,
+        ignore_eos=True,
+        progress=False,
+    )
     for temp in (0.0, 1.0):
         o = _overall(res, temp, "chain:4")["overall"]
         assert o["steps"] > 0 and o["draft_tokens"] > 0
@@ -97,9 +112,26 @@ def test_report_totals_and_plots(tmp_path):
     pf = tmp_path / "prompts.txt"
     pf.write_text("\n".join(PROMPTS) + "\n")
     out = tmp_path / "out"
-    rc = acceptance.main(["--target", str(TARGET), "--draft", str(DRAFT), "--prompts", str(pf), "--raw",
-                          "--max-tokens", "24", "--modes", "chain:3,tree:8,static:6", "--temperature", "0,0.8",
-                          "--out", str(out), "--no-progress"])
+    rc = acceptance.main(
+        [
+            "--target",
+            str(TARGET),
+            "--draft",
+            str(DRAFT),
+            "--prompts",
+            str(pf),
+            "--raw",
+            "--max-tokens",
+            "24",
+            "--modes",
+            "chain:3,tree:8,static:6",
+            "--temperature",
+            "0,0.8",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
     assert rep["schema"] == C.SCHEMA and rep["kind"] == "acceptance"
@@ -129,8 +161,12 @@ def test_report_totals_and_plots(tmp_path):
     md = (out / "summary.md").read_text()
     assert "chain:3" in md and "tree:8" in md and "static:6" in md
     pngs = sorted(out.glob("*.png"))
-    assert {p.name for p in pngs} >= {"acceptance_per_depth_T0.png", "accept_len_hist_T0.png", "speedup_T0.png",
-                                      "acceptance_per_depth_T0.8.png"}
+    assert {p.name for p in pngs} >= {
+        "acceptance_per_depth_T0.png",
+        "accept_len_hist_T0.png",
+        "speedup_T0.png",
+        "acceptance_per_depth_T0.8.png",
+    }
     for p in pngs:
         assert p.stat().st_size > 1000 and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

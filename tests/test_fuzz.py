@@ -18,6 +18,7 @@ Text frames with invalid UTF-8 are a websocket protocol violation: the server cl
 
 The default run uses derandomized examples (stable CI); `-m slow` runs many more random ones.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,12 +30,11 @@ import time
 
 import orjson
 import pytest
+from conftest import DRAFT, ROOT, TARGET
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
-
-from conftest import DRAFT, ROOT, TARGET
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,13 +66,32 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(shared_pair):
     from specd.cli import build_parser, engine_config
-    from specd.engine import Engine
-    from specd.server.app import ServerThread
+    from specd.engine.engine import Engine
+    from specd.serving.app import ServerThread
 
-    a = build_parser().parse_args(["serve", "--target", str(TARGET), "--draft", str(DRAFT), "--device", "cpu",
-                                   "--dtype", "float32", "--num-blocks", "256", "--port", "0",
-                                   "--grpc-port", str(_free_port()), "--log-level", "error",
-                                   "--max-message-bytes", str(MAX_MESSAGE_BYTES)])
+    a = build_parser().parse_args(
+        [
+            "serve",
+            "--target",
+            str(TARGET),
+            "--draft",
+            str(DRAFT),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-blocks",
+            "256",
+            "--port",
+            "0",
+            "--grpc-port",
+            str(_free_port()),
+            "--log-level",
+            "error",
+            "--max-message-bytes",
+            str(MAX_MESSAGE_BYTES),
+        ]
+    )
     t, d = shared_pair
     engine = Engine(engine_config(a), target=t, draft=d)
     srv = ServerThread(a, engine).start()
@@ -102,8 +121,9 @@ class Probe:
 
     def _conn(self):
         if self.ws is None:
-            self.ws = connect(f"ws://127.0.0.1:{self.srv.port}/ws", compression=None, max_size=None,
-                              open_timeout=30).__enter__()
+            self.ws = connect(
+                f"ws://127.0.0.1:{self.srv.port}/ws", compression=None, max_size=None, open_timeout=30
+            ).__enter__()
         return self.ws
 
     def close(self):
@@ -223,16 +243,17 @@ def _fresh_ids():
 
 
 json_scalars = st.one_of(
-    st.none(), st.booleans(),
+    st.none(),
+    st.booleans(),
     st.integers(min_value=-(2**70), max_value=2**70),
     st.sampled_from([0, -1, 1, 2**31, 2**63, -(2**63), 2**64, 10**30]),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=40),
     st.text(alphabet=st.characters(codec=None), max_size=10),  # includes lone surrogates
 )
-json_values = st.recursive(json_scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c,
-                                                                                              max_size=4),
-                           max_leaves=12)
+json_values = st.recursive(
+    json_scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12
+)
 
 
 def _maybe(valid, bad=json_values):
@@ -242,12 +263,22 @@ def _maybe(valid, bad=json_values):
 PROMPTS = ["Once upon a time", "The little dog", "Hi", "Lily and Tom went to the park"]
 gen_fields = {
     "prompt": _maybe(st.sampled_from(PROMPTS) | st.text(min_size=0, max_size=60)),
-    "messages": _maybe(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
-                                                       "content": st.text(max_size=40)}), max_size=3)),
-    "max_tokens": _maybe(st.integers(min_value=-5, max_value=40),
-                         st.sampled_from([0, -1, 10**6, 2**63, 1e20, 512, 511, "8", None, True, 8.0])),
-    "temperature": _maybe(st.sampled_from([0, 0.0, 0.7, 1, 2.5]),
-                          st.sampled_from([-1, float("nan"), float("inf"), -float("inf"), 1e308, "0", True])),
+    "messages": _maybe(
+        st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=40)}
+            ),
+            max_size=3,
+        )
+    ),
+    "max_tokens": _maybe(
+        st.integers(min_value=-5, max_value=40),
+        st.sampled_from([0, -1, 10**6, 2**63, 1e20, 512, 511, "8", None, True, 8.0]),
+    ),
+    "temperature": _maybe(
+        st.sampled_from([0, 0.0, 0.7, 1, 2.5]),
+        st.sampled_from([-1, float("nan"), float("inf"), -float("inf"), 1e308, "0", True]),
+    ),
     "top_p": _maybe(st.floats(min_value=0.01, max_value=1.0), st.sampled_from([0, -0.5, 1.5, float("nan"), "1"])),
     "top_k": _maybe(st.integers(min_value=-1, max_value=600), st.sampled_from([-2, 2**64, 1.5])),
     "seed": _maybe(st.integers(min_value=-(2**64), max_value=2**64), st.sampled_from([1.5, "7", 2**200])),
@@ -255,9 +286,15 @@ gen_fields = {
     "stop_token_ids": _maybe(st.lists(st.integers(min_value=-10, max_value=2**40), max_size=3)),
     "ignore_eos": _maybe(st.booleans()),
     "priority": _maybe(st.sampled_from(["interactive", "batch"]), st.sampled_from(["urgent", "", 1])),
-    "speculation": _maybe(st.fixed_dictionaries({}, optional={
-        "mode": st.sampled_from(["auto", "off", "chain", "tree", "static", "", None]),
-        "max_draft_tokens": st.one_of(st.integers(min_value=-2, max_value=300), json_scalars)})),
+    "speculation": _maybe(
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "mode": st.sampled_from(["auto", "off", "chain", "tree", "static", "", None]),
+                "max_draft_tokens": st.one_of(st.integers(min_value=-2, max_value=300), json_scalars),
+            },
+        )
+    ),
     "unknown_field": json_values,
 }
 
@@ -301,23 +338,41 @@ def _has_surrogate(obj) -> bool:
 
 raw_text_frames = st.one_of(
     st.text(max_size=200),
-    st.sampled_from(["", " ", "null", "[]", "{}", "0", '"generate"', "{", '{"type":', '{"type":null}',
-                     '{"type":"generate"}', '{"type":"generate","id":"a"}', '{"type":"cancel"}',
-                     '{"type":"generate","id":"n","prompt":"Hi","temperature":NaN}',
-                     '{"type":"generate","id":"i","prompt":"Hi","max_tokens":Infinity}',
-                     '{"type":"generate","id":"e","prompt":"Hi","max_tokens":1e999}',
-                     '{"type":"generate","id":"h","prompt":"Hi","max_tokens":123456789012345678901234567890}',
-                     '{"type":"generate","id":"d","id":"d2","prompt":"Hi","max_tokens":2}',
-                     '{"type":"generate","id":"z","prompt":"Hi\\u0000there","max_tokens":2}',
-                     '{"type":"generate","id":"s","prompt":"\\ud800","max_tokens":2}',
-                     '\ufeff{"type":"auth"}', '{"type":"auth","key":"k"}']),
+    st.sampled_from(
+        [
+            "",
+            " ",
+            "null",
+            "[]",
+            "{}",
+            "0",
+            '"generate"',
+            "{",
+            '{"type":',
+            '{"type":null}',
+            '{"type":"generate"}',
+            '{"type":"generate","id":"a"}',
+            '{"type":"cancel"}',
+            '{"type":"generate","id":"n","prompt":"Hi","temperature":NaN}',
+            '{"type":"generate","id":"i","prompt":"Hi","max_tokens":Infinity}',
+            '{"type":"generate","id":"e","prompt":"Hi","max_tokens":1e999}',
+            '{"type":"generate","id":"h","prompt":"Hi","max_tokens":123456789012345678901234567890}',
+            '{"type":"generate","id":"d","id":"d2","prompt":"Hi","max_tokens":2}',
+            '{"type":"generate","id":"z","prompt":"Hi\\u0000there","max_tokens":2}',
+            '{"type":"generate","id":"s","prompt":"\\ud800","max_tokens":2}',
+            '\ufeff{"type":"auth"}',
+            '{"type":"auth","key":"k"}',
+        ]
+    ),
     st.integers(1, 5000).map(lambda n: "[" * n + "]" * n),
     st.integers(1, 5000).map(lambda n: '{"a":' * n + "1" + "}" * n),
     st.integers(1, 3000).map(lambda n: '{"type":"generate","id":"deep","prompt":' + "[" * n + "]" * n + "}"),
     st.integers(MAX_MESSAGE_BYTES - 64, MAX_MESSAGE_BYTES * 2).map(
-        lambda n: '{"type":"generate","id":"big","max_tokens":2,"prompt":"' + "a" * n + '"}'),
-    st.integers(1, 3000).map(lambda n: '{"type":"generate","id":"long","max_tokens":4,"prompt":"' +
-                             "Once upon a time " * n + '"}'),
+        lambda n: '{"type":"generate","id":"big","max_tokens":2,"prompt":"' + "a" * n + '"}'
+    ),
+    st.integers(1, 3000).map(
+        lambda n: '{"type":"generate","id":"long","max_tokens":4,"prompt":"' + "Once upon a time " * n + '"}'
+    ),
     json_values.map(lambda v: json.dumps(v, allow_nan=True)),
 )
 
@@ -332,8 +387,11 @@ def probe(server):
 
 def _check_after(probe, srv):
     """The connection still serves a normal request, and the server is idle with no KV held."""
-    replies = probe.exchange(orjson.dumps({"type": "generate", "id": f"ok{probe.n}", "prompt": "Once upon a time",
-                                           "max_tokens": 3, "temperature": 0}).decode())
+    replies = probe.exchange(
+        orjson.dumps(
+            {"type": "generate", "id": f"ok{probe.n}", "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}
+        ).decode()
+    )
     assert replies and replies[-1]["type"] == "done", replies
     assert _idle(srv), f"KV blocks still held: {srv.app.ae.engine.kv_blocks_used()}"
 
@@ -350,9 +408,14 @@ def _run_json_fuzz(probe, server, n, opts):
 
 def _run_binary_fuzz(probe, server, n, opts):
     @settings(max_examples=n, **opts)
-    @given(frame=st.one_of(st.binary(max_size=300), st.just(b""),
-                           st.sampled_from([b'{"type":"generate","id":"b","prompt":"Hi"}', b"\x00" * 1000]),
-                           st.integers(MAX_MESSAGE_BYTES - 8, MAX_MESSAGE_BYTES + 8).map(lambda k: b"x" * k)))
+    @given(
+        frame=st.one_of(
+            st.binary(max_size=300),
+            st.just(b""),
+            st.sampled_from([b'{"type":"generate","id":"b","prompt":"Hi"}', b"\x00" * 1000]),
+            st.integers(MAX_MESSAGE_BYTES - 8, MAX_MESSAGE_BYTES + 8).map(lambda k: b"x" * k),
+        )
+    )
     def run(frame):
         probe.exchange(frame, binary=True)
 
@@ -401,8 +464,10 @@ def test_invalid_utf8_text_frame_closes_1007_and_server_survives(server):
 
 def _raw_ws(port) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
-    s.sendall(b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    s.sendall(
+        b"GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
     buf = b""
     while b"\r\n\r\n" not in buf:
         chunk = s.recv(4096)
@@ -449,7 +514,7 @@ def _run_raw_fuzz(server, n, opts):
             s.settimeout(0.3)
             try:
                 reply = s.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 reply = None  # an incomplete frame: the server waits for the rest
             except ConnectionResetError:
                 reply = b""
@@ -479,10 +544,14 @@ def test_fuzz_grpc_malformed_bytes(server):
 def _run_grpc_fuzz(server, n, opts):
     import grpc
 
-    from specd.server.proto.specd.v1 import specd_pb2 as pb
+    from specd.serving.proto.specd.v1 import specd_pb2 as pb
 
-    allowed = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-               grpc.StatusCode.CANCELLED}
+    allowed = {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+    }
     valid = pb.GenerateRequest(id="g", prompt="Once upon a time", max_tokens=4, temperature=0.0).SerializeToString()
     seen = {}
     with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as ch:
@@ -506,20 +575,36 @@ def _run_grpc_fuzz(server, n, opts):
                 seen[code.name] = seen.get(code.name, 0) + 1
 
         @settings(max_examples=n, **opts)
-        @given(raw=st.one_of(
-            st.binary(max_size=200),
-            st.tuples(st.integers(0, len(valid) - 1), st.integers(0, 255)).map(
-                lambda t: valid[:t[0]] + bytes([t[1]]) + valid[t[0] + 1:]),
-            st.integers(0, len(valid) - 1).map(lambda k: valid[:k]),
-            st.sampled_from([b"\xff" * 20, b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01",
-                             b"\x12\x02\xc3\x28", b"\x08" + b"\xff" * 10 + b"\x01"])))
+        @given(
+            raw=st.one_of(
+                st.binary(max_size=200),
+                st.tuples(st.integers(0, len(valid) - 1), st.integers(0, 255)).map(
+                    lambda t: valid[: t[0]] + bytes([t[1]]) + valid[t[0] + 1 :]
+                ),
+                st.integers(0, len(valid) - 1).map(lambda k: valid[:k]),
+                st.sampled_from(
+                    [
+                        b"\xff" * 20,
+                        b"\x0a\xff\xff\xff\xff\x0f",
+                        b"\x12\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01",
+                        b"\x12\x02\xc3\x28",
+                        b"\x08" + b"\xff" * 10 + b"\x01",
+                    ]
+                ),
+            )
+        )
         def run(raw):
             once(raw)
 
         run()
         # still serving
-        out = list(ch.unary_stream("/specd.v1.Specd/Generate", request_serializer=None,
-                                   response_deserializer=pb.GenerateResponse.FromString)(valid, timeout=30))
+        out = list(
+            ch.unary_stream(
+                "/specd.v1.Specd/Generate",
+                request_serializer=None,
+                response_deserializer=pb.GenerateResponse.FromString,
+            )(valid, timeout=30)
+        )
         assert out and out[-1].WhichOneof("event") == "done" and out[-1].done.finish_reason == "length", out
     assert seen.get("INVALID_ARGUMENT", 0) > 0, seen
     assert _idle(server)
@@ -529,5 +614,12 @@ def test_nonfinite_floats_in_the_oracle():
     """Sanity of the oracle: the JSON the fuzzer writes for NaN/Infinity is refused as invalid_json."""
     f = json.dumps({"type": "generate", "id": "x", "prompt": "Hi", "temperature": math.nan}, allow_nan=True)
     assert expectation(f, False) == {"reply": ("invalid_json", None)}
-    assert CODES >= {"invalid_json", "invalid_request", "unknown_type", "too_long", "overloaded", "internal",
-                     "message_too_large"}
+    assert CODES >= {
+        "invalid_json",
+        "invalid_request",
+        "unknown_type",
+        "too_long",
+        "overloaded",
+        "internal",
+        "message_too_large",
+    }

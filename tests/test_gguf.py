@@ -4,6 +4,7 @@ Small synthetic GGUF files are written here with ``gguf.GGUFWriter`` the way lla
 lays them out (q/k rows permuted for Llama, norms in F32, ggml dims innermost first), so the tests
 need no download. The real SmolLM2 file is only used by the opt-in slow test (SPECD_SMOLLM2_GGUF).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,9 @@ import pytest
 import torch
 from tokenizers.pre_tokenizers import ByteLevel
 
-from specd import gguf as sg
-from specd.builtin import builtin_gguf
-from specd.loader import LoadError, load_model, load_tokenizer
+from specd.model import gguf as sg
+from specd.model.builtin import builtin_gguf
+from specd.model.loader import LoadError, load_model, load_tokenizer
 from tests.test_model import _our_logits
 
 Q = gguf.GGMLQuantizationType
@@ -29,11 +30,19 @@ TOL = 1e-4
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim|>"]  # control tokens (type 3)
 USER_DEFINED = "<think>"  # type 4: an added token that is not special
 WORDS = ["Hello", "Ġworld", "Ġthe", "Ġcapital", "Ġof", "ĠFrance", "Ġis", "ĠParis", "user", "assistant", "Ċ"]
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # hidden and intermediate sizes are multiples of 256, the K-quant block
-SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=128, rms_norm_eps=1e-5)
+SIZES = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+)
 
 
 # a tiny byte-level BPE vocabulary ---------------------------------------------------------------------
@@ -64,14 +73,25 @@ def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gguf_name(hf: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf in fixed:
         return fixed[hf]
     _, _, i, *rest = hf.split(".")
-    part = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-            "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}[".".join(rest[:-1])]
+    part = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }[".".join(rest[:-1])]
     return f"blk.{i}.{part}.{rest[-1]}"
 
 
@@ -79,11 +99,16 @@ def k_quant_bytes(w: np.ndarray, qtype, rng) -> np.ndarray:
     """gguf-py cannot quantize K-quants: random blocks with their fp16 scale fields set small."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (w.shape[0], w.shape[1] // block, size), dtype=np.uint8)
-    fields = {Q.Q2_K: [(size - 4, 3e-3), (size - 2, 3e-3)], Q.Q3_K: [(size - 2, 3e-3)],
-              Q.Q4_K: [(0, 2e-4), (2, 2e-4)], Q.Q5_K: [(0, 1e-4), (2, 1e-4)], Q.Q6_K: [(size - 2, 2e-4)],
-              Q.IQ2_XXS: [(0, 1e-3)]}[qtype]
+    fields = {
+        Q.Q2_K: [(size - 4, 3e-3), (size - 2, 3e-3)],
+        Q.Q3_K: [(size - 2, 3e-3)],
+        Q.Q4_K: [(0, 2e-4), (2, 2e-4)],
+        Q.Q5_K: [(0, 1e-4), (2, 1e-4)],
+        Q.Q6_K: [(size - 2, 2e-4)],
+        Q.IQ2_XXS: [(0, 1e-3)],
+    }[qtype]
     for at, scale in fields:
-        raw[..., at:at + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
+        raw[..., at : at + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)
     return raw.reshape(w.shape[0], -1)
 
 
@@ -99,17 +124,31 @@ def encode(w: np.ndarray, qtype, rng):
         return k_quant_bytes(w, qtype, rng), qtype
 
 
-def write_gguf(path: Path, arch: str, cfg: dict, weights: dict, qtype=Q.F32, *, tokenizer: bool = True,
-               meta: dict | None = None, types: dict | None = None, name: str = "tiny",
-               extra: dict | None = None) -> Path:
+def write_gguf(
+    path: Path,
+    arch: str,
+    cfg: dict,
+    weights: dict,
+    qtype=Q.F32,
+    *,
+    tokenizer: bool = True,
+    meta: dict | None = None,
+    types: dict | None = None,
+    name: str = "tiny",
+    extra: dict | None = None,
+) -> Path:
     """A GGUF file of HF-named ``weights`` (float32 numpy) laid out as llama.cpp does; ``types``
     overrides ``qtype`` per weight, ``extra`` adds F32 tensors under their GGUF names."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_string("general.name", name)
-    for key, val in {"block_count": cfg["num_hidden_layers"], "context_length": cfg["max_position_embeddings"],
-                     "embedding_length": cfg["hidden_size"], "feed_forward_length": cfg["intermediate_size"],
-                     "attention.head_count": cfg["num_attention_heads"],
-                     "attention.head_count_kv": cfg["num_key_value_heads"]}.items():
+    for key, val in {
+        "block_count": cfg["num_hidden_layers"],
+        "context_length": cfg["max_position_embeddings"],
+        "embedding_length": cfg["hidden_size"],
+        "feed_forward_length": cfg["intermediate_size"],
+        "attention.head_count": cfg["num_attention_heads"],
+        "attention.head_count_kv": cfg["num_key_value_heads"],
+    }.items():
         w.add_uint32(f"{arch}.{key}", val)
     w.add_float32(f"{arch}.rope.freq_base", cfg.get("rope_theta", 10000.0))
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
@@ -119,13 +158,24 @@ def write_gguf(path: Path, arch: str, cfg: dict, weights: dict, qtype=Q.F32, *, 
         w.add_array("tokenizer.ggml.tokens", TOKENS)
         w.add_array("tokenizer.ggml.token_type", TOKEN_TYPES)
         w.add_array("tokenizer.ggml.merges", MERGES)
-        for key, tok in (("bos", "<|im_start|>"), ("eos", "<|im_end|>"), ("padding", "<|im_end|>"),
-                         ("unknown", "<|endoftext|>")):
+        for key, tok in (
+            ("bos", "<|im_start|>"),
+            ("eos", "<|im_end|>"),
+            ("padding", "<|im_end|>"),
+            ("unknown", "<|endoftext|>"),
+        ):
             w.add_uint32(f"tokenizer.ggml.{key}_token_id", TOKENS.index(tok))
         w.add_string("tokenizer.chat_template", CHATML)
     for key, val in (meta or {}).items():
-        (w.add_string if isinstance(val, str) else w.add_bool if isinstance(val, bool)
-         else w.add_float32 if isinstance(val, float) else w.add_uint32)(key, val)
+        (
+            w.add_string
+            if isinstance(val, str)
+            else w.add_bool
+            if isinstance(val, bool)
+            else w.add_float32
+            if isinstance(val, float)
+            else w.add_uint32
+        )(key, val)
     rng = np.random.default_rng(0)
     for hf, t in weights.items():
         if arch == "llama" and (".q_proj." in hf or ".k_proj." in hf):
@@ -145,9 +195,11 @@ def hf_model(arch: str, layers: int = 2, **over):
     """A random transformers model with weights big enough to give logits of a few units."""
     import transformers
 
-    cls_cfg, cls_model = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-                          "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-                          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+    cls_cfg, cls_model = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
     kw = dict(SIZES, vocab_size=len(TOKENS), num_hidden_layers=layers, tie_word_embeddings=False)
     kw.update(over)
     torch.manual_seed(0)
@@ -161,13 +213,22 @@ def hf_model(arch: str, layers: int = 2, **over):
 def model_gguf(tmp_path: Path, arch: str, qtype=Q.F32, layers: int = 2, **over) -> tuple[Path, object]:
     """(GGUF path, the transformers model it was written from); Mistral is written as "llama"."""
     model = hf_model(arch, layers, **over)
-    weights = {k: v.detach().numpy() for k, v in model.state_dict().items()
-               if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+    weights = {
+        k: v.detach().numpy()
+        for k, v in model.state_dict().items()
+        if not (k == "lm_head.weight" and model.config.tie_word_embeddings)
+    }
     cfg = model.config.to_dict()
     cfg["rope_theta"] = model.config.rope_parameters["rope_theta"]
     gguf_arch = "llama" if arch == "mistral" else arch
-    path = write_gguf(tmp_path / f"{arch}-{qtype.name}.gguf", gguf_arch, cfg, weights, qtype,
-                      name="Tiny-Mistral" if arch == "mistral" else "tiny")
+    path = write_gguf(
+        tmp_path / f"{arch}-{qtype.name}.gguf",
+        gguf_arch,
+        cfg,
+        weights,
+        qtype,
+        name="Tiny-Mistral" if arch == "mistral" else "tiny",
+    )
     return path, model
 
 
@@ -222,12 +283,16 @@ def test_unpermute_inverts_llamacpp_permute():
 
 
 # logits -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch,over", [
-    ("llama", {}),
-    ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
-    ("qwen2", {}),
-    ("mistral", {"sliding_window": None}),
-], ids=["llama", "llama-tied-mha", "qwen2", "mistral"])
+@pytest.mark.parametrize(
+    "arch,over",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+        ("qwen2", {}),
+        ("mistral", {"sliding_window": None}),
+    ],
+    ids=["llama", "llama-tied-mha", "qwen2", "mistral"],
+)
 def test_f32_round_trip_equals_the_original_model(tmp_path, arch, over):
     """HF model -> GGUF (llama.cpp layout) -> specd: the original transformers logits, so the name
     map, the un-permute and the config are right."""
@@ -240,12 +305,16 @@ def test_f32_round_trip_equals_the_original_model(tmp_path, arch, over):
     assert (_our_logits(lm, ids, [5, 1, len(ids) - 6]) - ref).abs().max().item() < TOL
 
 
-@pytest.mark.parametrize("arch,qtypes", [
-    ("llama", (Q.Q4_1, Q.Q8_0)),
-    ("llama", (Q.Q4_K, Q.Q6_K)),
-    ("qwen2", (Q.Q5_0, Q.Q5_K)),
-    ("qwen2", (Q.BF16, Q.Q3_K)),
-], ids=["llama-Q4_1-Q8_0", "llama-Q4_K-Q6_K", "qwen2-Q5_0-Q5_K", "qwen2-BF16-Q3_K"])
+@pytest.mark.parametrize(
+    "arch,qtypes",
+    [
+        ("llama", (Q.Q4_1, Q.Q8_0)),
+        ("llama", (Q.Q4_K, Q.Q6_K)),
+        ("qwen2", (Q.Q5_0, Q.Q5_K)),
+        ("qwen2", (Q.BF16, Q.Q3_K)),
+    ],
+    ids=["llama-Q4_1-Q8_0", "llama-Q4_K-Q6_K", "qwen2-Q5_0-Q5_K", "qwen2-BF16-Q3_K"],
+)
 def test_converted_folder_in_transformers_equals_specd_on_the_gguf(tmp_path, arch, qtypes):
     """Quantized files (second type for the embedding and down projections): transformers on the
     converted folder and specd on the .gguf give the same fp32 logits."""
@@ -266,8 +335,14 @@ def test_converted_folder_in_transformers_equals_specd_on_the_gguf(tmp_path, arc
 def test_llama3_rope_freqs_become_llama3_rope_scaling(tmp_path):
     """Llama 3.x files keep RoPE scaling only as a rope_freqs.weight tensor of frequency divisors
     (a short original context here, so the scaling changes the logits of a short prompt)."""
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 10000.0,
+    }
     model = hf_model("llama", rope_parameters=rope)
     wavelen = 2 * np.pi * 10000.0 ** (np.arange(0, 64, 2) / 64)
     smooth = np.clip((16 / wavelen - 1) / 3, 0, 1)
@@ -281,8 +356,9 @@ def test_llama3_rope_freqs_become_llama3_rope_scaling(tmp_path):
     assert lm.config.rope_scaling == rope
     ids = _ids(40)
     assert (_our_logits(lm, ids, [len(ids)]) - _hf_logits(model, ids)).abs().max().item() < TOL
-    odd = write_gguf(tmp_path / "odd.gguf", "llama", cfg, weights, meta=meta,
-                     extra={"rope_freqs.weight": divisors[::-1].copy()})
+    odd = write_gguf(
+        tmp_path / "odd.gguf", "llama", cfg, weights, meta=meta, extra={"rope_freqs.weight": divisors[::-1].copy()}
+    )
     with pytest.raises(LoadError, match="rope_freqs.weight does not match Llama 3 rope scaling"):
         load_model(odd, "cpu", "float32")
 
@@ -305,10 +381,15 @@ def test_tokenizer_and_chat_template_come_through(tmp_path):
     assert ids[1] == TOKENS.index("<|fim|>") and ids[3] == TOKENS.index(USER_DEFINED) and len(ids) == 5
     assert tok.decode(ids, skip_special_tokens=True) == "ab<think>c"
     assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == (
-        "<|im_start|>", "<|im_end|>", "<|im_end|>", "<|endoftext|>")
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+    )
     msgs = [{"role": "user", "content": "Hello"}]
     assert tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == (
-        "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    )
     lm = load_model(path, "cpu", "float32")  # the engine's view: eos ids and the same tokenizer
     assert lm.config.eos_token_ids == (TOKENS.index("<|im_end|>"),)
     assert load_tokenizer(path).get_vocab() == tok.get_vocab() == lm.tokenizer.get_vocab()
@@ -325,15 +406,22 @@ def test_tokenizer_matches_transformers_own_gguf_tokenizer(tmp_path):
         assert ours(s)["input_ids"] == ref(s)["input_ids"]
 
 
-@pytest.mark.parametrize("pre,words", [
-    ("default", ["abc", "Ġ12345"]),
-    ("smollm", ["abc", "Ġ", "1", "2", "3", "4", "5"]),
-    ("llama-bpe", ["abc", "Ġ", "123", "45"]),
-    ("qwen2", ["abc", "Ġ", "1", "2", "3", "4", "5"]),
-])
+@pytest.mark.parametrize(
+    "pre,words",
+    [
+        ("default", ["abc", "Ġ12345"]),
+        ("smollm", ["abc", "Ġ", "1", "2", "3", "4", "5"]),
+        ("llama-bpe", ["abc", "Ġ", "123", "45"]),
+        ("qwen2", ["abc", "Ġ", "1", "2", "3", "4", "5"]),
+    ],
+)
 def test_pre_tokenizer_follows_tokenizer_ggml_pre(pre, words):
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": TOKENS,
-            "tokenizer.ggml.merges": MERGES}
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": TOKENS,
+        "tokenizer.ggml.merges": MERGES,
+    }
     tk, _, _ = sg.build_tokenizer(meta, Path("x.gguf"))
     assert [w for w, _ in tk.pre_tokenizer.pre_tokenize_str("abc 12345")] == words
 
@@ -342,18 +430,44 @@ def test_sentencepiece_tokenizer_from_scores(tmp_path):
     """Llama/Mistral sentencepiece vocabularies: merges rebuilt from scores, byte fallback, BOS added."""
     from transformers import PreTrainedTokenizerFast
 
-    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "▁he", "▁hello", "▁w", "or", "▁wor",
-              "ld", "▁world"]
+    pieces = [
+        "▁",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "he",
+        "ll",
+        "llo",
+        "▁he",
+        "▁hello",
+        "▁w",
+        "or",
+        "▁wor",
+        "ld",
+        "▁world",
+    ]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
-    meta = {"general.architecture": "llama", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": types, "tokenizer.ggml.scores": scores, "tokenizer.ggml.bos_token_id": 1,
-            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    meta = {
+        "general.architecture": "llama",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
     tk, config, _ = sg.build_tokenizer(meta, tmp_path / "x.gguf")
     tk.save(str(tmp_path / "tokenizer.json"))
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), **{
-        k: v for k, v in config.items() if k.endswith("_token")})
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "tokenizer.json"), **{k: v for k, v in config.items() if k.endswith("_token")}
+    )
     ids = tok("hello world")["input_ids"]
     assert ids == [1, tokens.index("▁hello"), tokens.index("▁world")]
     ids = tok("hé")["input_ids"]
@@ -361,13 +475,19 @@ def test_sentencepiece_tokenizer_from_scores(tmp_path):
     assert tok.decode(ids, skip_special_tokens=True) == "hé"
 
 
-@pytest.mark.parametrize("meta,expect", [
-    ({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": TOKENS}, "unsupported tokenizer model 'bert'"),
-    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": TOKENS}, "tokenizer.ggml.merges missing"),
-    ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": ["a c"]},
-     "invalid tokenizer in the metadata"),
-    ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b"]}, "tokenizer.ggml.scores missing"),
-], ids=["bert", "no-merges", "bad-merge", "no-scores"])
+@pytest.mark.parametrize(
+    "meta,expect",
+    [
+        ({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": TOKENS}, "unsupported tokenizer model 'bert'"),
+        ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": TOKENS}, "tokenizer.ggml.merges missing"),
+        (
+            {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": ["a c"]},
+            "invalid tokenizer in the metadata",
+        ),
+        ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a", "b"]}, "tokenizer.ggml.scores missing"),
+    ],
+    ids=["bert", "no-merges", "bad-merge", "no-scores"],
+)
 def test_unusable_tokenizer_metadata_is_a_load_error(meta, expect):
     with pytest.raises(LoadError, match=f"^x.gguf: .*{expect}"):
         sg.build_tokenizer(meta, Path("x.gguf"))
@@ -381,8 +501,14 @@ def test_convert_writes_a_folder_transformers_loads(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["convert", str(path), str(out)]) == 0
     assert "wrote" in capsys.readouterr().err
-    assert {p.name for p in out.iterdir()} == {"model.safetensors", "config.json", "generation_config.json",
-                                              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
+    assert {p.name for p in out.iterdir()} == {
+        "model.safetensors",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    }
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["num_hidden_layers"] == 1
     assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == CHATML
@@ -415,23 +541,34 @@ def _bad_files(tmp_path: Path) -> dict:
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     cfg = dict(model.config.to_dict(), rope_theta=10000.0)
     data = good.read_bytes()
-    files = {"empty": (tmp_path / "empty.gguf", b""), "truncated": (tmp_path / "cut.gguf", data[:len(data) * 3 // 5]),
-             "truncated-header": (tmp_path / "cut2.gguf", data[:40]),
-             "png": (tmp_path / "picture.gguf", b"\x89PNG\r\n\x1a\n" + bytes(range(200))),
-             "random": (tmp_path / "noise.bin", np.random.default_rng(0).bytes(4096))}
+    files = {
+        "empty": (tmp_path / "empty.gguf", b""),
+        "truncated": (tmp_path / "cut.gguf", data[: len(data) * 3 // 5]),
+        "truncated-header": (tmp_path / "cut2.gguf", data[:40]),
+        "png": (tmp_path / "picture.gguf", b"\x89PNG\r\n\x1a\n" + bytes(range(200))),
+        "random": (tmp_path / "noise.bin", np.random.default_rng(0).bytes(4096)),
+    }
     for p, content in files.values():
         p.write_bytes(content)
-    cases = {"empty": (files["empty"][0], "empty file"), "truncated": (files["truncated"][0], "truncated or corrupt"),
-             "truncated-header": (files["truncated-header"][0], "truncated or corrupt"),
-             "png": (files["png"][0], "not a GGUF file"), "random": (files["random"][0], "not a GGUF file")}
+    cases = {
+        "empty": (files["empty"][0], "empty file"),
+        "truncated": (files["truncated"][0], "truncated or corrupt"),
+        "truncated-header": (files["truncated-header"][0], "truncated or corrupt"),
+        "png": (files["png"][0], "not a GGUF file"),
+        "random": (files["random"][0], "not a GGUF file"),
+    }
     for arch in ("gpt2", "mamba"):
-        cases[arch] = (write_gguf(tmp_path / f"{arch}.gguf", arch, cfg, weights),
-                       f"unsupported architecture '{arch}'")
-    cases["tensor-type"] = (write_gguf(tmp_path / "iq.gguf", "llama", cfg, weights,
-                                       types={"model.layers.0.self_attn.q_proj.weight": Q.IQ2_XXS}),
-                            "unsupported tensor type IQ2_XXS for blk.0.attn_q.weight")
-    cases["no-tokenizer"] = (write_gguf(tmp_path / "notok.gguf", "llama", cfg, weights, tokenizer=False),
-                             "no tokenizer in the file's metadata")
+        cases[arch] = (write_gguf(tmp_path / f"{arch}.gguf", arch, cfg, weights), f"unsupported architecture '{arch}'")
+    cases["tensor-type"] = (
+        write_gguf(
+            tmp_path / "iq.gguf", "llama", cfg, weights, types={"model.layers.0.self_attn.q_proj.weight": Q.IQ2_XXS}
+        ),
+        "unsupported tensor type IQ2_XXS for blk.0.attn_q.weight",
+    )
+    cases["no-tokenizer"] = (
+        write_gguf(tmp_path / "notok.gguf", "llama", cfg, weights, tokenizer=False),
+        "no tokenizer in the file's metadata",
+    )
     cases["missing"] = (tmp_path / "nope.gguf", "cannot read the GGUF file")
     return cases
 
@@ -456,8 +593,14 @@ def test_cli_convert_exits_non_zero_without_traceback(tmp_path):
     bad = tmp_path / "picture.gguf"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "specd", "convert", str(bad), str(tmp_path / "out")], cwd=ROOT,
-                       capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "specd", "convert", str(bad), str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.startswith(f"specd convert: error: {bad}: not a GGUF file") and r.stderr.count("\n") == 1
 
@@ -470,16 +613,20 @@ BUILTIN_GGUF = builtin_gguf()  # (read before the fixtures point SPECD_CACHE_DIR
 def test_smollm2_gguf_answers_paris(tmp_path):
     """The real SmolLM2 GGUF: $SPECD_SMOLLM2_GGUF, else the built-in copy `specd setup` cached."""
     from specd.config import EngineConfig
-    from specd.engine import Engine
-    from specd.sampling import SamplingParams
-    from specd.sequence import SpecParams
+    from specd.engine.engine import Engine
+    from specd.engine.sampling import SamplingParams
+    from specd.engine.sequence import SpecParams
 
     src = os.environ.get("SPECD_SMOLLM2_GGUF") or str(BUILTIN_GGUF)
     assert Path(src).is_file(), f"{src} missing: `make install` (specd setup) fetches it"
     lm = load_model(src, "cpu", "float32")
     assert (lm.config.num_layers, lm.config.hidden_size, lm.config.vocab_size) == (30, 576, 49152)
     eng = Engine(EngineConfig(target=src, device="cpu", dtype="float32"), target=lm)
-    ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     seq = eng.generate([list(ids)], SamplingParams(temperature=0.0, max_tokens=24), SpecParams(mode="off"))[0]
     assert "Paris" in eng.output_text(seq)

@@ -1,6 +1,7 @@
 """The gRPC front end, end to end on loopback: a real Engine on the shared tiny pair, stepped by the
 AsyncEngine thread, served by ``start_grpc_server`` in an asyncio loop of its own thread; the tests
 are plain (sync) grpc clients."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,13 +17,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from specd.config import CacheConfig, EngineConfig
-from specd.engine import Engine, RequestError
-from specd.sampling import SamplingParams
-from specd.server.engine_loop import AsyncEngine
-from specd.server.grpc_server import start_grpc_server
-from specd.server.proto.specd.v1 import specd_pb2 as pb
-from specd.server.proto.specd.v1 import specd_pb2_grpc
-from specd.server.request_build import build_request, prompt_ids_from, summarize
+from specd.engine.engine import Engine, RequestError
+from specd.engine.sampling import SamplingParams
+from specd.serving.engine_loop import AsyncEngine
+from specd.serving.grpc_server import start_grpc_server
+from specd.serving.proto.specd.v1 import specd_pb2 as pb
+from specd.serving.proto.specd.v1 import specd_pb2_grpc
+from specd.serving.request_build import build_request, prompt_ids_from, summarize
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,8 +33,13 @@ DEADLINE = 30.0  # seconds, every client call
 
 def make_engine(pair) -> Engine:
     t, d = pair
-    cfg = EngineConfig(target=str(t.path), draft=str(d.path), device="cpu", dtype="float32",
-                       cache=CacheConfig(block_size=16, num_blocks=96))
+    cfg = EngineConfig(
+        target=str(t.path),
+        draft=str(d.path),
+        device="cpu",
+        dtype="float32",
+        cache=CacheConfig(block_size=16, num_blocks=96),
+    )
     return Engine(cfg, target=t, draft=d)
 
 
@@ -124,17 +130,29 @@ def rpc_error(fn) -> grpc.RpcError:
 
 # --- streaming -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", [pb.SPECULATION_MODE_UNSPECIFIED, pb.SPECULATION_MODE_CHAIN,
-                                  pb.SPECULATION_MODE_OFF], ids=["auto", "chain", "off"])
+
+@pytest.mark.parametrize(
+    "mode",
+    [pb.SPECULATION_MODE_UNSPECIFIED, pb.SPECULATION_MODE_CHAIN, pb.SPECULATION_MODE_OFF],
+    ids=["auto", "chain", "off"],
+)
 def test_greedy_stream_matches_engine_generate(ref_engine, daemon, stub, mode):
     ids = ref_engine.tokenizer(PROMPT)["input_ids"]
-    spec = {pb.SPECULATION_MODE_UNSPECIFIED: "auto", pb.SPECULATION_MODE_CHAIN: "chain",
-            pb.SPECULATION_MODE_OFF: "off"}[mode]
-    ref = off_main_thread(ref_engine.generate, [ids], SamplingParams(temperature=0.0, max_tokens=60),
-                          build_request(ref_engine.tokenizer, prompt=PROMPT, speculation={"mode": spec}).spec)[0]
+    spec = {
+        pb.SPECULATION_MODE_UNSPECIFIED: "auto",
+        pb.SPECULATION_MODE_CHAIN: "chain",
+        pb.SPECULATION_MODE_OFF: "off",
+    }[mode]
+    ref = off_main_thread(
+        ref_engine.generate,
+        [ids],
+        SamplingParams(temperature=0.0, max_tokens=60),
+        build_request(ref_engine.tokenizer, prompt=PROMPT, speculation={"mode": spec}).spec,
+    )[0]
 
-    req = pb.GenerateRequest(id="r1", prompt=PROMPT, max_tokens=60, temperature=0.0,
-                             speculation=pb.Speculation(mode=mode))
+    req = pb.GenerateRequest(
+        id="r1", prompt=PROMPT, max_tokens=60, temperature=0.0, speculation=pb.Speculation(mode=mode)
+    )
     responses = list(stub.Generate(req, timeout=DEADLINE))
     assert all(r.id == "r1" for r in responses)
     deltas, done = collect(responses)
@@ -151,7 +169,8 @@ def test_greedy_stream_matches_engine_generate(ref_engine, daemon, stub, mode):
     else:  # one Delta per step, several tokens per step when drafts are accepted
         assert done.spec.draft_tokens > 0
         assert done.spec.mean_accepted_length == pytest.approx(
-            1 + done.spec.accepted_tokens / done.spec.steps, abs=1e-3)
+            1 + done.spec.accepted_tokens / done.spec.steps, abs=1e-3
+        )
         assert sum(len(d.token_ids) for d in deltas) == done.spec.steps + done.spec.accepted_tokens
     assert 0 <= done.timing.queue_ms <= done.timing.ttft_ms <= done.timing.total_ms
     assert done.timing.total_ms > 0
@@ -162,8 +181,9 @@ def test_greedy_stream_matches_engine_generate(ref_engine, daemon, stub, mode):
 def test_chat_messages_and_stop_strings(daemon, stub):
     tok = daemon.engine.tokenizer
     msgs = [pb.ChatMessage(role="user", content="Once upon a time")]
-    deltas, done = collect(stub.Generate(pb.GenerateRequest(messages=msgs, max_tokens=12, temperature=0.0),
-                                         timeout=DEADLINE))
+    deltas, done = collect(
+        stub.Generate(pb.GenerateRequest(messages=msgs, max_tokens=12, temperature=0.0), timeout=DEADLINE)
+    )
     # the tiny pair's tokenizer has no chat template: the content is the raw prompt
     assert done.usage.prompt_tokens == len(tok("Once upon a time")["input_ids"])
     assert done.usage.completion_tokens == sum(len(d.token_ids) for d in deltas) > 0
@@ -172,33 +192,47 @@ def test_chat_messages_and_stop_strings(daemon, stub):
     words = text.split()
     assert len(words) >= 3
     stop = " " + words[2]
-    deltas, done = collect(stub.Generate(pb.GenerateRequest(messages=msgs, max_tokens=12, temperature=0.0,
-                                                            stop=[stop]), timeout=DEADLINE))
+    deltas, done = collect(
+        stub.Generate(pb.GenerateRequest(messages=msgs, max_tokens=12, temperature=0.0, stop=[stop]), timeout=DEADLINE)
+    )
     assert done.finish_reason == "stop"
-    assert "".join(d.text for d in deltas) == text[:text.index(stop)]
+    assert "".join(d.text for d in deltas) == text[: text.index(stop)]
 
 
 def test_defaults_stop_token_ids_ignore_eos(daemon, stub):
     n_prompt = len(daemon.engine.tokenizer(PROMPT)["input_ids"])
     # unset max_tokens: min(256, context - prompt), as on the websocket
-    deltas, done = collect(stub.Generate(pb.GenerateRequest(prompt=PROMPT, temperature=0.0, ignore_eos=True),
-                                         timeout=DEADLINE))
+    deltas, done = collect(
+        stub.Generate(pb.GenerateRequest(prompt=PROMPT, temperature=0.0, ignore_eos=True), timeout=DEADLINE)
+    )
     assert done.finish_reason == "length"
     assert done.usage.completion_tokens == min(256, daemon.engine.max_model_len - n_prompt)
     out = [t for d in deltas for t in d.token_ids]
     # stop_token_ids: generation ends with the first occurrence of the stop token
     stop_id = out[5]
-    deltas, done = collect(stub.Generate(pb.GenerateRequest(prompt=PROMPT, temperature=0.0, ignore_eos=True,
-                                                            max_tokens=40, stop_token_ids=[stop_id]),
-                                         timeout=DEADLINE))
+    deltas, done = collect(
+        stub.Generate(
+            pb.GenerateRequest(
+                prompt=PROMPT, temperature=0.0, ignore_eos=True, max_tokens=40, stop_token_ids=[stop_id]
+            ),
+            timeout=DEADLINE,
+        )
+    )
     assert done.finish_reason == "stop"
-    assert [t for d in deltas for t in d.token_ids] == out[:out.index(stop_id) + 1]
+    assert [t for d in deltas for t in d.token_ids] == out[: out.index(stop_id) + 1]
 
 
 def test_seeded_sampling_is_reproducible(daemon, stub):
-    req = pb.GenerateRequest(prompt=PROMPT, max_tokens=24, temperature=0.8, top_p=0.9, top_k=40, seed=7,
-                             priority=pb.PRIORITY_BATCH,
-                             speculation=pb.Speculation(mode=pb.SPECULATION_MODE_TREE, max_draft_tokens=8))
+    req = pb.GenerateRequest(
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0.8,
+        top_p=0.9,
+        top_k=40,
+        seed=7,
+        priority=pb.PRIORITY_BATCH,
+        speculation=pb.Speculation(mode=pb.SPECULATION_MODE_TREE, max_draft_tokens=8),
+    )
     a, _ = collect(stub.Generate(req, timeout=DEADLINE))
     b, _ = collect(stub.Generate(req, timeout=DEADLINE))
     assert [list(d.token_ids) for d in a] == [list(d.token_ids) for d in b]
@@ -215,8 +249,9 @@ def test_cancel_mid_stream_frees_kv(daemon, how):
     try:
         ch = daemon.channel()
         stub = specd_pb2_grpc.SpecdStub(ch)
-        call = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=400, temperature=0.0, ignore_eos=True),
-                             timeout=DEADLINE)
+        call = stub.Generate(
+            pb.GenerateRequest(prompt=PROMPT, max_tokens=400, temperature=0.0, ignore_eos=True), timeout=DEADLINE
+        )
         first = next(call)
         assert first.HasField("delta")
         assert eng.kv_blocks_used()[0] > 0
@@ -236,34 +271,47 @@ def test_cancel_mid_stream_frees_kv(daemon, how):
         ch.close()
     # still serving
     with daemon.channel() as ch2:
-        _, done = collect(specd_pb2_grpc.SpecdStub(ch2).Generate(
-            pb.GenerateRequest(prompt=PROMPT, max_tokens=4, temperature=0.0), timeout=DEADLINE))
+        _, done = collect(
+            specd_pb2_grpc.SpecdStub(ch2).Generate(
+                pb.GenerateRequest(prompt=PROMPT, max_tokens=4, temperature=0.0), timeout=DEADLINE
+            )
+        )
     assert done.usage.completion_tokens == 4
 
 
 # --- errors ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw, status, code", [
-    (dict(prompt=PROMPT, temperature=math.nan), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(prompt=PROMPT, temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(prompt=PROMPT, top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(prompt=PROMPT, max_tokens=-5), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(prompt=PROMPT, max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(prompt=PROMPT, messages=[pb.ChatMessage(role="user", content="x")]),
-     grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(messages=[pb.ChatMessage(role="", content="x")]), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(prompt=PROMPT, stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(prompt=PROMPT, speculation=pb.Speculation(max_draft_tokens=1000)),
-     grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(prompt=PROMPT, priority=7), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(prompt=PROMPT, stop=["a"] * 17), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(prompt=PROMPT, id="x" * 257), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
-    (dict(prompt=PROMPT * 40), grpc.StatusCode.OUT_OF_RANGE, "too_long"),
-    (dict(prompt=PROMPT, max_tokens=600), grpc.StatusCode.OUT_OF_RANGE, "too_long"),
-    (dict(prompt=PROMPT * 40, max_tokens=8), grpc.StatusCode.OUT_OF_RANGE, "too_long"),
-])
+
+@pytest.mark.parametrize(
+    "kw, status, code",
+    [
+        (dict(prompt=PROMPT, temperature=math.nan), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+        (dict(prompt=PROMPT, temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+        (dict(prompt=PROMPT, top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+        (dict(prompt=PROMPT, max_tokens=-5), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+        (dict(prompt=PROMPT, max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+        (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+        (dict(), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+        (
+            dict(prompt=PROMPT, messages=[pb.ChatMessage(role="user", content="x")]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_request",
+        ),
+        (dict(messages=[pb.ChatMessage(role="", content="x")]), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+        (dict(prompt=PROMPT, stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+        (
+            dict(prompt=PROMPT, speculation=pb.Speculation(max_draft_tokens=1000)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_request",
+        ),
+        (dict(prompt=PROMPT, priority=7), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+        (dict(prompt=PROMPT, stop=["a"] * 17), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+        (dict(prompt=PROMPT, id="x" * 257), grpc.StatusCode.INVALID_ARGUMENT, "invalid_request"),
+        (dict(prompt=PROMPT * 40), grpc.StatusCode.OUT_OF_RANGE, "too_long"),
+        (dict(prompt=PROMPT, max_tokens=600), grpc.StatusCode.OUT_OF_RANGE, "too_long"),
+        (dict(prompt=PROMPT * 40, max_tokens=8), grpc.StatusCode.OUT_OF_RANGE, "too_long"),
+    ],
+)
 def test_invalid_arguments(daemon, stub, kw, status, code):
     e = rpc_error(lambda: list(stub.Generate(pb.GenerateRequest(**kw), timeout=DEADLINE)))
     assert e.code() == status, e.details()
@@ -274,15 +322,17 @@ def test_invalid_arguments(daemon, stub, kw, status, code):
 
 def test_malformed_payload_is_rejected_and_server_keeps_serving(daemon, stub):
     with daemon.channel() as ch:
-        raw = ch.unary_stream("/specd.v1.Specd/Generate", request_serializer=lambda b: b,
-                              response_deserializer=lambda b: b)
+        raw = ch.unary_stream(
+            "/specd.v1.Specd/Generate", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
         for garbage in (b"\xff\xff\xff\xff\xff", b"\x1a\x02\xff\xfe", b"\x0a\x10short"):
-            e = rpc_error(lambda: list(raw(garbage, timeout=DEADLINE)))
+            e = rpc_error(lambda garbage=garbage: list(raw(garbage, timeout=DEADLINE)))
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert e.details().startswith("invalid_request: malformed GenerateRequest")
         # a well-formed request sent the same way works
-        out = list(raw(pb.GenerateRequest(prompt=PROMPT, max_tokens=3, temperature=0.0).SerializeToString(),
-                       timeout=DEADLINE))
+        out = list(
+            raw(pb.GenerateRequest(prompt=PROMPT, max_tokens=3, temperature=0.0).SerializeToString(), timeout=DEADLINE)
+        )
         assert pb.GenerateResponse.FromString(out[-1]).done.usage.completion_tokens == 3
         e = rpc_error(lambda: ch.unary_unary("/specd.v1.Specd/Nope")(b"", timeout=DEADLINE))
         assert e.code() == grpc.StatusCode.UNIMPLEMENTED
@@ -296,7 +346,7 @@ def test_api_key(daemon):
         stub = specd_pb2_grpc.SpecdStub(ch)
         req = pb.GenerateRequest(prompt=PROMPT, max_tokens=3, temperature=0.0)
         for md in (None, (("authorization", "Bearer wrong"),), (("authorization", "s3cret"),)):
-            e = rpc_error(lambda: list(stub.Generate(req, metadata=md, timeout=DEADLINE)))
+            e = rpc_error(lambda md=md: list(stub.Generate(req, metadata=md, timeout=DEADLINE)))
             assert e.code() == grpc.StatusCode.UNAUTHENTICATED
             assert e.details().startswith("unauthorized: ")
         _, done = collect(stub.Generate(req, metadata=(("authorization", "Bearer s3cret"),), timeout=DEADLINE))
@@ -312,6 +362,7 @@ def test_port_in_use_raises(daemon):
 
 
 # --- health, reflection ----------------------------------------------------------------------------
+
 
 def test_health_serving(daemon):
     with daemon.channel() as ch:
@@ -351,8 +402,10 @@ def test_overloaded_then_draining(shared_pair):
 
             drain = asyncio.run_coroutine_threadsafe(d.ae.drain(20.0), d.loop)
             end = time.monotonic() + 5
-            while h.Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE).status != \
-                    health_pb2.HealthCheckResponse.NOT_SERVING:
+            while (
+                h.Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE).status
+                != health_pb2.HealthCheckResponse.NOT_SERVING
+            ):
                 assert time.monotonic() < end, "health never turned NOT_SERVING"
                 time.sleep(0.05)
             e = rpc_error(lambda: list(stub.Generate(req, timeout=DEADLINE)))
@@ -385,9 +438,11 @@ def test_set_serving_hook(daemon):
 
 # --- the shared request builder --------------------------------------------------------------------
 
-CHAT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
-                 "{{ raise_exception('system message must come first') }}{% endif %}"
-                 "{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('system message must come first') }}{% endif %}"
+    "{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def test_chat_template_end_to_end(daemon, stub):
@@ -400,12 +455,22 @@ def test_chat_template_end_to_end(daemon, stub):
         want = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
         assert want == tok("system: Tell a story.\nuser: A cat\nassistant:", add_special_tokens=False)["input_ids"]
         assert prompt_ids_from(tok, messages=msgs) == want
-        _, done = collect(stub.Generate(pb.GenerateRequest(
-            messages=[pb.ChatMessage(**m) for m in msgs], max_tokens=3, temperature=0.0), timeout=DEADLINE))
+        _, done = collect(
+            stub.Generate(
+                pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in msgs], max_tokens=3, temperature=0.0),
+                timeout=DEADLINE,
+            )
+        )
         assert done.usage.prompt_tokens == len(want)
         # the template's own errors are the client's: invalid_request
-        e = rpc_error(lambda: list(stub.Generate(pb.GenerateRequest(
-            messages=[pb.ChatMessage(**m) for m in msgs[::-1]], max_tokens=3), timeout=DEADLINE)))
+        e = rpc_error(
+            lambda: list(
+                stub.Generate(
+                    pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in msgs[::-1]], max_tokens=3),
+                    timeout=DEADLINE,
+                )
+            )
+        )
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "system message must come first" in e.details()
     finally:
@@ -415,15 +480,29 @@ def test_chat_template_end_to_end(daemon, stub):
 def test_request_build_validation(ref_engine):
     eng = ref_engine
     tok = eng.tokenizer
-    r = build_request(tok, prompt=PROMPT, temperature=0.5, seed=3, stop="x", priority="batch",
-                      speculation={"mode": "chain", "max_draft_tokens": 4})
+    r = build_request(
+        tok,
+        prompt=PROMPT,
+        temperature=0.5,
+        seed=3,
+        stop="x",
+        priority="batch",
+        speculation={"mode": "chain", "max_draft_tokens": 4},
+    )
     assert r.prompt_ids == tok(PROMPT)["input_ids"] and r.priority == "batch"
     assert r.params.temperature == 0.5 and r.params.seed == 3 and r.params.stop == ("x",)
     assert r.spec.mode == "chain" and r.spec.max_draft_tokens == 4
-    for bad in (dict(prompt=PROMPT, priority="urgent"), dict(prompt=PROMPT, speculation={"mode": "wide"}),
-                dict(prompt=PROMPT, speculation={"depth": 3}), dict(prompt=PROMPT, top_k=-2),
-                dict(prompt=PROMPT, stop=[1]), dict(messages="hi"), dict(messages=[]),
-                dict(messages=[{"role": "user", "content": 3}]), dict(prompt=3)):
+    for bad in (
+        dict(prompt=PROMPT, priority="urgent"),
+        dict(prompt=PROMPT, speculation={"mode": "wide"}),
+        dict(prompt=PROMPT, speculation={"depth": 3}),
+        dict(prompt=PROMPT, top_k=-2),
+        dict(prompt=PROMPT, stop=[1]),
+        dict(messages="hi"),
+        dict(messages=[]),
+        dict(messages=[{"role": "user", "content": 3}]),
+        dict(prompt=3),
+    ):
         with pytest.raises(RequestError) as ei:
             build_request(tok, **bad)
         assert ei.value.code == "invalid_request", bad

@@ -20,7 +20,7 @@ import random
 import pytest
 
 import specd_kernels as sk
-from specd.spec.tree import DraftTree
+from specd.speculation.tree import DraftTree
 from specd_kernels import (
     copy_slots,
     copy_slots_ref,
@@ -278,8 +278,8 @@ def test_causal_fewer_queries_than_new_tokens(dtype):
 
 
 def test_matches_torch_backend_of_specd_attention():
-    # integration: the kernel agrees with specd.attention's torch backend on metadata it builds
-    attn = pytest.importorskip("specd.attention")
+    # integration: the kernel agrees with specd.model.attention's torch backend on metadata it builds
+    attn = pytest.importorskip("specd.model.attention")
     rng = random.Random(3)
     dtype = torch.float32
     qlens, ctxs = [7, 1, 12], [9, 30, 0]
@@ -291,9 +291,20 @@ def test_matches_torch_backend_of_specd_attention():
     kv = torch.nan_to_num(args["kv_layer"])  # the torch backend reads padding slots (then masks)
     want = attn.TorchAttention.attention(args["q"], kv, meta, args["scale"])
     out = torch.full_like(args["q"], float("nan"))
-    tree_attention(args["q"], kv, meta.query_start_loc, meta.context_lens, meta.seq_lens, meta.block_tables,
-                   meta.tree_mask, args["scale"], meta.max_query_len, meta.max_seq_len, out=out)
-    assert_close(out, want, dtype, "vs specd.attention torch backend")
+    tree_attention(
+        args["q"],
+        kv,
+        meta.query_start_loc,
+        meta.context_lens,
+        meta.seq_lens,
+        meta.block_tables,
+        meta.tree_mask,
+        args["scale"],
+        meta.max_query_len,
+        meta.max_seq_len,
+        out=out,
+    )
+    assert_close(out, want, dtype, "vs specd.model.attention torch backend")
 
 
 def test_no_visible_key_gives_zeros():
@@ -522,7 +533,7 @@ def compaction_pairs(ctxs, trees, paths, block_tables, bs, rng):
             ps, pd = ctxs[b] + node, ctxs[b] + new_i
             if ps == pd:
                 continue
-            slot = lambda p: block_tables[b][p // bs] * bs + p % bs  # noqa: E731
+            slot = lambda p, b=b: block_tables[b][p // bs] * bs + p % bs  # noqa: E731
             src.append(slot(ps))
             dst.append(slot(pd))
     return torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64)

@@ -28,8 +28,9 @@ WANT = {"fp16": "f16", "bf16": "bf16"}
 def rows():
     shapes = ["--shapes", ",".join(SHAPES)]
     fp16 = aot.run_clean([*shapes, "--dtypes", "fp16"], timeout=1200)
-    bf16 = aot.run_clean([*shapes, "--dtypes", "bf16", "--groups", ",".join(map(str, BF16_GROUPS)), "--no-others"],
-                         timeout=1200)
+    bf16 = aot.run_clean(
+        [*shapes, "--dtypes", "bf16", "--groups", ",".join(map(str, BF16_GROUPS)), "--no-others"], timeout=1200
+    )
     return fp16 + bf16
 
 
@@ -38,10 +39,20 @@ def _what(r):
 
 
 def test_every_configuration_compiles_for_both_targets(rows):
-    attn = {(r["target"], r["dtype"], r["head_dim"], r["group"], r["shape"], r["batch"])
-            for r in rows if r["kernel"] == "tree_attention"}
-    want = {(t, dt, d, g, s, b) for t in aot.TARGETS for dt in aot.DTYPES for d in aot.HEAD_DIMS
-            for g in (aot.GROUPS if dt == "fp16" else BF16_GROUPS) for s in SHAPES for b, _ in aot.PROBLEMS}
+    attn = {
+        (r["target"], r["dtype"], r["head_dim"], r["group"], r["shape"], r["batch"])
+        for r in rows
+        if r["kernel"] == "tree_attention"
+    }
+    want = {
+        (t, dt, d, g, s, b)
+        for t in aot.TARGETS
+        for dt in aot.DTYPES
+        for d in aot.HEAD_DIMS
+        for g in (aot.GROUPS if dt == "fp16" else BF16_GROUPS)
+        for s in SHAPES
+        for b, _ in aot.PROBLEMS
+    }
     assert attn == want
     split = [r for r in rows if r["kernel"] == "tree_attention" and r["split_kv"] > 1]
     assert {r["batch"] for r in split} == {1}, "the single long sequence, and only it, splits the KV range"
@@ -52,15 +63,21 @@ def test_every_configuration_compiles_for_both_targets(rows):
 
 
 def test_no_register_spills(rows):
-    spilled = [f"{_what(r)}: {r['spill_stores']} B stores, {r['spill_loads']} B loads, {r['registers']} regs"
-               for r in rows if r["spill_stores"] or r["spill_loads"]]
+    spilled = [
+        f"{_what(r)}: {r['spill_stores']} B stores, {r['spill_loads']} B loads, {r['registers']} regs"
+        for r in rows
+        if r["spill_stores"] or r["spill_loads"]
+    ]
     assert not spilled, "\n".join(spilled)
     assert all(0 < r["registers"] <= 255 for r in rows)
 
 
 def test_shared_memory_fits_the_target(rows):
-    over = [f"{_what(r)}: {r['shared_bytes']} B" for r in rows
-            if r["shared_bytes"] > aot.SMEM_LIMIT[aot.TARGETS[r["target"]]]]
+    over = [
+        f"{_what(r)}: {r['shared_bytes']} B"
+        for r in rows
+        if r["shared_bytes"] > aot.SMEM_LIMIT[aot.TARGETS[r["target"]]]
+    ]
     assert not over, "\n".join(over)  # so the launcher's OutOfResources fallback is never needed there
 
 
@@ -70,16 +87,17 @@ def test_dots_take_16bit_operands(rows):
     assert not wrong, "\n".join(wrong)
     # sm_80 runs mma.sync; sm_90a runs wgmma once a program has >= 64 rows (one warpgroup)
     assert all(m.startswith("mma.sync") for r in attn if r["target"] == "sm_80" for m in r["mma"])
-    assert all("wgmma " + WANT[r["dtype"]] in r["mma"] for r in attn
-               if r["target"] == "sm_90a" and r["block_m"] >= 64)
+    assert all("wgmma " + WANT[r["dtype"]] in r["mma"] for r in attn if r["target"] == "sm_90a" and r["block_m"] >= 64)
     assert not aot.problems(rows)
 
 
 def test_fp32_upcast_would_be_caught():
     """The old kernel's path (q/K/V upcast to fp32 before tl.dot) compiles to tf32 MMAs, and the
     report flags it, on the headline configuration (SmolLM2-style head_dim 64, GQA group 3)."""
-    up = aot.run_clean(["--shapes", "tree", "--dtypes", "fp16", "--head-dims", "64", "--groups", "3",
-                        "--no-others", "--dot-f32"], timeout=600)
+    up = aot.run_clean(
+        ["--shapes", "tree", "--dtypes", "fp16", "--head-dims", "64", "--groups", "3", "--no-others", "--dot-f32"],
+        timeout=600,
+    )
     attn = [r for r in up if r["kernel"] == "tree_attention"]
     assert {r["target"] for r in attn} == set(aot.TARGETS)
     assert all(m.split()[1] == "tf32" for r in attn for m in r["mma"]) and all(r["mma"] for r in attn)
@@ -87,19 +105,33 @@ def test_fp32_upcast_would_be_caught():
 
 
 def test_report_parsing_flags_spills_and_upcasts():
-    log = ("ptxas info    : Function properties for _tree_attention_kernel\n"
-           "    48 bytes stack frame, 52 bytes spill stores, 48 bytes spill loads\n"
-           "ptxas info    : Used 255 registers, used 1 barriers, 48 bytes cumulative stack size\n")
+    log = (
+        "ptxas info    : Function properties for _tree_attention_kernel\n"
+        "    48 bytes stack frame, 52 bytes spill stores, 48 bytes spill loads\n"
+        "ptxas info    : Used 255 registers, used 1 barriers, 48 bytes cumulative stack size\n"
+    )
     assert aot.parse_ptxas(log) == {"registers": 255, "spill_stores": 52, "spill_loads": 48}
     with pytest.raises(ValueError):
         aot.parse_ptxas("ptxas info    : Compile time = 1 ms")
-    ptx = ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%r1}, {%r2}, {%r3}, {%r4};\n"
-           "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {%r5}, %rd1, %rd2, p, 1, 1;\n"
-           "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%r5}, %rd1, %rd2, p, 1, 1;\n")
+    ptx = (
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%r1}, {%r2}, {%r3}, {%r4};\n"
+        "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {%r5}, %rd1, %rd2, p, 1, 1;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%r5}, %rd1, %rd2, p, 1, 1;\n"
+    )
     assert aot.mma_kinds(ptx) == ["mma.sync f16", "wgmma bf16", "wgmma tf32"]
-    row = {"kernel": "tree_attention", "target": "sm_80", "dtype": "fp16", "head_dim": 64, "group": 3,
-           "shape": "tree", "registers": 255, "spill_stores": 0, "spill_loads": 0, "shared_bytes": 1024,
-           "mma": ["mma.sync f16"]}
+    row = {
+        "kernel": "tree_attention",
+        "target": "sm_80",
+        "dtype": "fp16",
+        "head_dim": 64,
+        "group": 3,
+        "shape": "tree",
+        "registers": 255,
+        "spill_stores": 0,
+        "spill_loads": 0,
+        "shared_bytes": 1024,
+        "mma": ["mma.sync f16"],
+    }
     assert aot.problems([row]) == []
     assert len(aot.problems([dict(row, spill_stores=4, spill_loads=4)])) == 1
     assert len(aot.problems([dict(row, mma=["mma.sync tf32"])])) == 1
@@ -111,8 +143,15 @@ def test_launch_configs_is_pure_and_spill_safe():
     at most 64-row tiles with 8 warps; compiled 16-row (decode) tiles get a 128-register budget."""
     common = dict(num_kv_heads=3, batch=64, max_seq_len=512, num_sms=108)
     tree = launch_configs(head_dim=64, group=3, max_query_len=17, **common)[0]
-    assert (tree.block_q, tree.block_n, tree.block_m, tree.num_warps, tree.num_stages, tree.maxnreg, tree.splits) == \
-        (16, 64, 64, 4, None, None, 1)
+    assert (tree.block_q, tree.block_n, tree.block_m, tree.num_warps, tree.num_stages, tree.maxnreg, tree.splits) == (
+        16,
+        64,
+        64,
+        4,
+        None,
+        None,
+        1,
+    )
     prefill = launch_configs(head_dim=64, group=1, max_query_len=256, **common)[0]
     assert (prefill.block_m, prefill.block_n, prefill.num_warps) == (128, 64, 8)
     for group, mql in ((8, 17), (1, 256), (4, 256)):
@@ -120,7 +159,8 @@ def test_launch_configs_is_pure_and_spill_safe():
         assert (big.block_n, big.block_m, big.num_warps) == (32, 64, 8)
     dec = launch_configs(head_dim=64, group=8, max_query_len=1, **dict(common, batch=1, max_seq_len=16384))[0]
     assert (dec.block_m, dec.num_stages, dec.maxnreg, dec.splits) == (16, None, 128, 32)
-    interp = launch_configs(head_dim=64, group=8, max_query_len=1, num_kv_heads=3, batch=1, max_seq_len=16384,
-                            num_sms=None, interpret=True)
+    interp = launch_configs(
+        head_dim=64, group=8, max_query_len=1, num_kv_heads=3, batch=1, max_seq_len=16384, num_sms=None, interpret=True
+    )
     assert (interp[0].num_stages, interp[0].maxnreg, interp[0].splits) == (None, None, 1)
     assert [c.num_stages for c in interp[1:]] == [1, 1, 1, 1]

@@ -1,11 +1,16 @@
 """Block pool / block table invariants under random allocate/append/truncate/free sequences."""
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specd.kv_cache import BlockPool, SeqBlocks
+from specd.engine.kv_cache import BlockPool, SeqBlocks
 
-ops = st.lists(st.tuples(st.sampled_from(["reserve", "truncate", "free", "share", "cache"]),
-                         st.integers(0, 7), st.integers(0, 80)), max_size=80)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["reserve", "truncate", "free", "share", "cache"]), st.integers(0, 7), st.integers(0, 80)
+    ),
+    max_size=80,
+)
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,12 +1,13 @@
 """Our model == transformers (fp32, 1e-4) on the shared checkpoint and random tiny Llama/Qwen2/Mistral."""
+
 import json
 
 import pytest
 import torch
 
-from specd.attention import build_metadata, get_backend
-from specd.kv_cache import KVCache
-from specd.loader import LoadError, load_model
+from specd.engine.kv_cache import KVCache
+from specd.model.attention import build_metadata, get_backend
+from specd.model.loader import LoadError, load_model
 from tests.conftest import TARGET
 
 TOL = 1e-4
@@ -27,7 +28,7 @@ def _our_logits(lm, ids, chunks):
     out, pos = [], 0
     for n in chunks:
         meta = build_metadata([n], [pos], [seq.blocks], seq.slots(pos, pos + n), 4, torch.device("cpu"))
-        h = m(torch.tensor(ids[pos:pos + n]), torch.arange(pos, pos + n), cache.kv, meta)
+        h = m(torch.tensor(ids[pos : pos + n]), torch.arange(pos, pos + n), cache.kv, meta)
         out.append(m.compute_logits(h))
         pos += n
     return torch.cat(out)
@@ -64,8 +65,17 @@ def _tiny_checkpoint(tmp_path, arch, **over):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     }[arch]
-    kw = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
-              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    kw = dict(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     kw.update(over)
     torch.manual_seed(0)
     model = cls_model(cls_cfg(**kw)).eval()
@@ -79,15 +89,28 @@ def _tiny_checkpoint(tmp_path, arch, **over):
     return d
 
 
-@pytest.mark.parametrize("arch,over", [
-    ("llama", {}),
-    ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 6}),
-    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-               "rope_theta": 500000.0}),
-    ("qwen2", {}),
-    ("mistral", {"sliding_window": None}),
-])
+@pytest.mark.parametrize(
+    "arch,over",
+    [
+        ("llama", {}),
+        ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 6}),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                },
+                "rope_theta": 500000.0,
+            },
+        ),
+        ("qwen2", {}),
+        ("mistral", {"sliding_window": None}),
+    ],
+)
 def test_random_tiny_models_match_transformers(tmp_path, arch, over):
     d = _tiny_checkpoint(tmp_path, arch, **over)
     assert (d / "model.safetensors.index.json").exists()
@@ -132,7 +155,7 @@ def test_load_errors_are_one_line(tmp_path):
 
 
 def test_dtype_and_device_resolution():
-    from specd.loader import resolve_device, resolve_dtype
+    from specd.model.loader import resolve_device, resolve_dtype
 
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16

@@ -15,6 +15,7 @@ The hang is injected without any daemon support: the subprocess runs a small boo
 ``Engine.__init__`` to install ``Engine.step_hook`` (the engine's test hook), which blocks forever in
 the engine thread ("specd-engine"; the warm-up runs in another thread, so readiness is unaffected).
 """
+
 from __future__ import annotations
 
 import os
@@ -27,10 +28,9 @@ import time
 
 import orjson
 import pytest
-from websockets.sync.client import connect
-
 from conftest import DRAFT, ROOT, TARGET
 from conftest import http_status as _http
+from websockets.sync.client import connect
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,7 +38,7 @@ WATCHDOG_USEC = 2_000_000  # pings every 1 s; a step running > 1 s counts as stu
 
 HANG_BOOTSTRAP = """
 import sys, threading
-import specd.engine as E
+import specd.engine.engine as E
 
 _init = E.Engine.__init__
 
@@ -54,8 +54,6 @@ E.Engine.__init__ = _init_with_hang
 from specd.cli import main
 sys.exit(main(sys.argv[1:]))
 """
-
-
 
 
 class FakeSystemd:
@@ -75,16 +73,44 @@ class FakeSystemd:
         self.ready_logged = threading.Event()
         self.stop = threading.Event()
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_") and k != "WATCHDOG_PID"}
-        env.update(NOTIFY_SOCKET=self.sock_path, WATCHDOG_USEC=str(WATCHDOG_USEC), OMP_NUM_THREADS="1",
-                   HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
-        args = ["serve", "--target", str(TARGET), "--draft", str(DRAFT), "--device", "cpu", "--dtype", "float32",
-                "--num-blocks", "256", "--port", "0", "--grpc-port", "0", "--drain-timeout", "10"]
+        env.update(
+            NOTIFY_SOCKET=self.sock_path,
+            WATCHDOG_USEC=str(WATCHDOG_USEC),
+            OMP_NUM_THREADS="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            PYTHONUNBUFFERED="1",
+            PYTHONFAULTHANDLER="1",
+        )
+        args = [
+            "serve",
+            "--target",
+            str(TARGET),
+            "--draft",
+            str(DRAFT),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-blocks",
+            "256",
+            "--port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--drain-timeout",
+            "10",
+        ]
         # the hang is injected into an Engine in the server process (--engine-thread); a stuck engine
         # process is covered in test_engine_process.py
-        cmd = ([sys.executable, "-c", HANG_BOOTSTRAP, *args, "--engine-thread"] if hang
-               else [sys.executable, "-m", "specd", *args])
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     text=True)
+        cmd = (
+            [sys.executable, "-c", HANG_BOOTSTRAP, *args, "--engine-thread"]
+            if hang
+            else [sys.executable, "-m", "specd", *args]
+        )
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+        )
         self.threads = [threading.Thread(target=f, daemon=True) for f in (self._read_logs, self._read_notify)]
         for t in self.threads:
             t.start()
@@ -109,7 +135,7 @@ class FakeSystemd:
         while not self.stop.is_set():
             try:
                 data = self.sock.recv(4096).decode()
-            except (socket.timeout, BlockingIOError):
+            except (TimeoutError, BlockingIOError):
                 continue
             except OSError:
                 return
@@ -159,8 +185,19 @@ def _stream(port, prompt, max_tokens, seconds):
         while time.monotonic() < end:
             rid = f"s{n}"
             n += 1
-            ws.send(orjson.dumps({"type": "generate", "id": rid, "prompt": prompt, "max_tokens": max_tokens,
-                                  "ignore_eos": True, "temperature": 0.0, "speculation": {"mode": "off"}}).decode())
+            ws.send(
+                orjson.dumps(
+                    {
+                        "type": "generate",
+                        "id": rid,
+                        "prompt": prompt,
+                        "max_tokens": max_tokens,
+                        "ignore_eos": True,
+                        "temperature": 0.0,
+                        "speculation": {"mode": "off"},
+                    }
+                ).decode()
+            )
             while True:
                 m = orjson.loads(ws.recv(timeout=60))
                 if m["type"] == "delta":
@@ -228,7 +265,7 @@ def test_ready_watchdog_stopping(daemons):
         assert sd.proc.wait(60) == 0, "".join(sd.logs[-30:])
         states = sd.states()
         assert states.index("READY=1") < states.index("STOPPING=1")
-        assert "READY=1" not in states[states.index("STOPPING=1"):]
+        assert "READY=1" not in states[states.index("STOPPING=1") :]
     finally:
         sd.close()
 
@@ -242,8 +279,9 @@ def test_engine_hang_stops_watchdog(daemons):
         time.sleep(1.5)
         assert sd.times("WATCHDOG=1", time.monotonic() - 1.5), "no watchdog pings before the hang"
         with connect(f"ws://127.0.0.1:{sd.port}/ws") as ws:
-            ws.send(orjson.dumps({"type": "generate", "id": "h", "prompt": "Once upon a time",
-                                  "max_tokens": 8}).decode())
+            ws.send(
+                orjson.dumps({"type": "generate", "id": "h", "prompt": "Once upon a time", "max_tokens": 8}).decode()
+            )
             end = time.monotonic() + 30
             while not any(r.get("msg") == "test-hang" for _, r in list(sd.recs)):
                 assert time.monotonic() < end, "the engine step never started"

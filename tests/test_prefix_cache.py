@@ -1,8 +1,9 @@
 """Prefix cache: turn 2 of a chat prefills only the new message; output unchanged with and without hits."""
+
 from specd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from specd.engine import Engine
-from specd.sampling import SamplingParams
-from specd.sequence import SpecParams
+from specd.engine.engine import Engine
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import SpecParams
 from tests.conftest import DRAFT, TARGET
 
 G = SamplingParams(temperature=0, max_tokens=40)
@@ -10,9 +11,17 @@ G = SamplingParams(temperature=0, max_tokens=40)
 
 def _engine(shared_pair, prefix=True, **cache):
     t, d = shared_pair
-    return Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), cache=CacheConfig(block_size=4, **cache),
-                               spec=SpecConfig(adaptive=False),
-                               scheduler=SchedulerConfig(enable_prefix_cache=prefix)), target=t, draft=d)
+    return Engine(
+        EngineConfig(
+            target=str(TARGET),
+            draft=str(DRAFT),
+            cache=CacheConfig(block_size=4, **cache),
+            spec=SpecConfig(adaptive=False),
+            scheduler=SchedulerConfig(enable_prefix_cache=prefix),
+        ),
+        target=t,
+        draft=d,
+    )
 
 
 def test_second_turn_reuses_first_turn_blocks_and_output_is_unchanged(shared_pair):

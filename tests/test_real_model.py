@@ -8,6 +8,7 @@
 Spec-Bench first turns are evaluation data only in the other direction: these prompts are read,
 never trained on).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,18 +16,21 @@ import json
 import pytest
 import torch
 
-from specd import builtin
 from specd.config import CacheConfig, EngineConfig, SpecConfig
-from specd.engine import Engine
-from specd.loader import checkpoint_folder
-from specd.sampling import SamplingParams
-from specd.sequence import SpecParams
+from specd.engine.engine import Engine
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import SpecParams
+from specd.model import builtin
+from specd.model.loader import checkpoint_folder
 from tests.conftest import SHARED
 
 pytestmark = pytest.mark.timeout(3600)
 NEAR_TIE = 1e-3  # logit gap (fp32) under which transformers and specd may break a tie differently
-SHORT = ["What is the capital of France?", "Tom has 3 apples and buys 4 more. How many apples does he have?",
-         "Write a haiku about the sea."]
+SHORT = [
+    "What is the capital of France?",
+    "Tom has 3 apples and buys 4 more. How many apples does he have?",
+    "Write a haiku about the sea.",
+]
 
 
 def _prompts(n: int) -> list:
@@ -40,21 +44,30 @@ def _prompts(n: int) -> list:
 def engine():
     draft = builtin.draft_path()
     assert draft is not None, "models/smollm2-draft is missing"
-    return Engine(EngineConfig(target=str(builtin.builtin_gguf()), draft=str(draft), dtype="float32",
-                               cache=CacheConfig(num_blocks=256), spec=SpecConfig(adaptive=False)))
+    return Engine(
+        EngineConfig(
+            target=str(builtin.builtin_gguf()),
+            draft=str(draft),
+            dtype="float32",
+            cache=CacheConfig(num_blocks=256),
+            spec=SpecConfig(adaptive=False),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def hf():
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(checkpoint_folder(builtin.builtin_gguf())),
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        str(checkpoint_folder(builtin.builtin_gguf())), dtype=torch.float32
+    ).eval()
 
 
 def _ids(engine, text: str) -> list:
-    ids = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False)
+    ids = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -72,16 +85,16 @@ def check(engine, hf, texts: list, max_tokens: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     plain = [s.output_ids for s in engine.generate(prompts, params, SpecParams("off"))]
     for ids, out in zip(prompts, plain):
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)[0, len(ids):].tolist()
-        ref = ref[:len(out)] if len(ref) > len(out) else ref
-        if ref != out[:len(ref)]:
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)[0, len(ids) :].tolist()
+        ref = ref[: len(out)] if len(ref) > len(out) else ref
+        if ref != out[: len(ref)]:
             gap = _tie_gap(hf, ids, ref, out)
             assert gap < NEAR_TIE, f"specd and transformers differ where the target's top-2 gap is {gap}"
     for mode in ("chain", "tree"):
         for batch in (1, 4):
             got = []
             for i in range(0, len(prompts), batch):
-                got += [s.output_ids for s in engine.generate(prompts[i:i + batch], params, SpecParams(mode))]
+                got += [s.output_ids for s in engine.generate(prompts[i : i + batch], params, SpecParams(mode))]
             assert got == plain, (mode, batch)
     assert engine.kv_blocks_used() == (0, 0)
 

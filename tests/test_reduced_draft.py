@@ -1,10 +1,12 @@
-"""Reduced-vocabulary drafts that use the target's embeddings by reference (specd.distill_reduced).
+"""Reduced-vocabulary drafts that use the target's embeddings by reference (specd.training.distill_reduced).
 
-On the tiny stories260K target: a draft trained for a few steps over 96 of the 512 tokens (those its replies use, then the lowest ids), exported,
+On the tiny stories260K target: a draft trained for a few steps over 96 of the 512 tokens (those its replies use, then
+the lowest ids), exported,
 loaded beside its target. Its files hold no embeddings or head; in memory its embedding IS the
 target's tensor; it never drafts a token outside its vocabulary; and speculative greedy output equals
 plain greedy output token for token (chain and tree), whatever the draft's quality.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,12 +16,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specd import distill_reduced as DR
 from specd.config import CacheConfig, EngineConfig, SpecConfig
-from specd.engine import Engine
-from specd.loader import LoadError, load_model
-from specd.sampling import SamplingParams
-from specd.sequence import SpecParams
+from specd.engine.engine import Engine
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import SpecParams
+from specd.model.loader import LoadError, load_model
+from specd.training import distill_reduced as DR
 from tests.conftest import TARGET
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,8 +32,12 @@ N = 96
 def draft_dir(tmp_path_factory, shared_pair):
     target, _ = shared_pair
     tok = target.tokenizer
-    texts = ["Once upon a time, there was a little girl named Lily.", "The dog ran to the park and played.",
-             "Tom saw a big red ball. He was very happy.", "One day, the sun was hot and the birds sang."] * 4
+    texts = [
+        "Once upon a time, there was a little girl named Lily.",
+        "The dog ran to the park and played.",
+        "Tom saw a big red ball. He was very happy.",
+        "One day, the sun was hot and the birds sang.",
+    ] * 4
     data = [(tok(t)["input_ids"], 3) for t in texts]
     d2t = DR.pick_vocab(data, N, [2], target.config.vocab_size)
     t2d = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
@@ -71,9 +77,17 @@ def test_draft_files_hold_no_embeddings_and_the_target_is_shared_by_reference(dr
 def test_speculative_greedy_equals_plain_with_a_reduced_vocabulary_draft(draft_dir, shared_pair):
     target, _ = shared_pair
     draft = load_model(draft_dir, "cpu", "float32", target=target)
-    eng = Engine(EngineConfig(target=str(TARGET), draft=str(draft_dir), dtype="float32",
-                              cache=CacheConfig(num_blocks=256), spec=SpecConfig(adaptive=False)),
-                 target=target, draft=draft)
+    eng = Engine(
+        EngineConfig(
+            target=str(TARGET),
+            draft=str(draft_dir),
+            dtype="float32",
+            cache=CacheConfig(num_blocks=256),
+            spec=SpecConfig(adaptive=False),
+        ),
+        target=target,
+        draft=draft,
+    )
     tok = eng.tokenizer
     prompts = [tok(p)["input_ids"] for p in ("Once upon a time", "The dog", "Lily saw a big", "Tom and Sue")]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

@@ -1,6 +1,8 @@
-"""Tests for specd.sampling: params validation, logits -> probs, per-request sampling."""
+"""Tests for specd.engine.sampling: params validation, logits -> probs, per-request sampling."""
+
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -8,8 +10,15 @@ import pytest
 import scipy.stats
 import torch
 
-from specd.sampling import (SamplingParams, draw_uniforms, logits_to_probs, make_generator, sample,
-                            sample_from_uniform, sampling_tensors)
+from specd.engine.sampling import (
+    SamplingParams,
+    draw_uniforms,
+    logits_to_probs,
+    make_generator,
+    sample,
+    sample_from_uniform,
+    sampling_tensors,
+)
 
 
 # ------------------------------------------------------------------------------- SamplingParams
@@ -21,21 +30,40 @@ def test_params_defaults_and_normalisation():
     assert q.stop == ("\n\n", "END") and q.stop_token_ids == (2, 7)
     assert SamplingParams(stop="x").stop == ("x",)
     hash(q)  # frozen and hashable
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         q.temperature = 1.0  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(temperature=-0.1), dict(temperature=math.nan), dict(temperature=math.inf),
-    dict(temperature="1"), dict(temperature=True), dict(temperature=None),
-    dict(top_p=0.0), dict(top_p=1.5), dict(top_p=-1.0), dict(top_p=math.nan),
-    dict(top_k=-2), dict(top_k=1.5), dict(top_k=True),
-    dict(seed=1.5), dict(seed="7"),
-    dict(max_tokens=0), dict(max_tokens=-5), dict(max_tokens=2.0),
-    dict(stop=[""]), dict(stop=[1]), dict(stop=5),
-    dict(stop_token_ids=[-1]), dict(stop_token_ids=[1.0]), dict(stop_token_ids=3),
-    dict(ignore_eos="yes"),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=-0.1),
+        dict(temperature=math.nan),
+        dict(temperature=math.inf),
+        dict(temperature="1"),
+        dict(temperature=True),
+        dict(temperature=None),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_p=-1.0),
+        dict(top_p=math.nan),
+        dict(top_k=-2),
+        dict(top_k=1.5),
+        dict(top_k=True),
+        dict(seed=1.5),
+        dict(seed="7"),
+        dict(max_tokens=0),
+        dict(max_tokens=-5),
+        dict(max_tokens=2.0),
+        dict(stop=[""]),
+        dict(stop=[1]),
+        dict(stop=5),
+        dict(stop_token_ids=[-1]),
+        dict(stop_token_ids=[1.0]),
+        dict(stop_token_ids=3),
+        dict(ignore_eos="yes"),
+    ],
+)
 def test_params_validation(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
@@ -45,7 +73,10 @@ def test_params_valid_edges():
     SamplingParams(top_k=-1)
     SamplingParams(top_k=1, top_p=1e-9, temperature=1e-6, max_tokens=1, seed=2**70)
     assert sampling_tensors([SamplingParams(temperature=0.5, top_k=3, top_p=0.9)] * 2) == (
-        [0.5, 0.5], [3, 3], [0.9, 0.9])
+        [0.5, 0.5],
+        [3, 3],
+        [0.9, 0.9],
+    )
 
 
 # ------------------------------------------------------------------------------ logits_to_probs
@@ -128,7 +159,7 @@ def test_top_p_keeps_at_least_one_token_and_top_k_one():
     for i in range(16):
         s = torch.sort(full[i], descending=True).values
         n_keep = int((probs[i] > 0).sum())
-        assert s[:n_keep].sum() >= 0.9 - 1e-6 and (n_keep == 1 or s[:n_keep - 1].sum() < 0.9)
+        assert s[:n_keep].sum() >= 0.9 - 1e-6 and (n_keep == 1 or s[: n_keep - 1].sum() < 0.9)
 
 
 def test_logits_to_probs_bad_shapes():
@@ -153,9 +184,10 @@ def test_sample_distribution():
 
 
 def test_sample_from_uniform_edges():
-    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0],
-                          [0.3, 0.0, 0.0, 0.7, 0.0]], dtype=torch.float64)
-    top = torch.full((3,), 1.0 - 2.0 ** -53, dtype=torch.float64)  # largest uniform below 1
+    probs = torch.tensor(
+        [[0.0, 0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 2.0], [0.3, 0.0, 0.0, 0.7, 0.0]], dtype=torch.float64
+    )
+    top = torch.full((3,), 1.0 - 2.0**-53, dtype=torch.float64)  # largest uniform below 1
     assert sample_from_uniform(probs, top).tolist() == [2, 4, 3]
     assert sample_from_uniform(probs, torch.zeros(3, dtype=torch.float64)).tolist() == [1, 4, 0]
     assert sample_from_uniform(probs, torch.full((3,), 0.5, dtype=torch.float64)).tolist() == [2, 4, 3]

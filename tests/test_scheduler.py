@@ -1,11 +1,12 @@
 """Scheduler policy with a fake clock and no model (deterministic)."""
+
 import torch
 
 from specd.config import SchedulerConfig, SpecConfig
-from specd.kv_cache import KVCache
-from specd.sampling import SamplingParams
-from specd.scheduler import Scheduler
-from specd.sequence import Sequence, SpecParams, Status
+from specd.engine.kv_cache import KVCache
+from specd.engine.sampling import SamplingParams
+from specd.engine.scheduler import Scheduler
+from specd.engine.sequence import Sequence, SpecParams, Status
 
 
 class Clock:
@@ -25,8 +26,9 @@ def _sched(num_blocks=64, block_size=4, spec=None, **cfg):
 
 
 def _seq(clock, rid, n=10, prio="interactive", mode="off", max_tokens=50):
-    return Sequence(rid, list(range(3, 3 + n)), SamplingParams(max_tokens=max_tokens), SpecParams(mode=mode), prio,
-                    arrival=clock())
+    return Sequence(
+        rid, list(range(3, 3 + n)), SamplingParams(max_tokens=max_tokens), SpecParams(mode=mode), prio, arrival=clock()
+    )
 
 
 def _run(s, out):
@@ -181,7 +183,7 @@ def test_batch_work_rotates_in_small_groups_while_interactive_runs():
     out = s.schedule()
     assert len(out.scheduled) == 6  # no interactive work: batch uses the whole step
     _run(s, out)
-    s.add(i := _seq(clock, "i"))
+    s.add(_seq(clock, "i"))
     served = set()
     for _ in range(3):
         out = s.schedule()

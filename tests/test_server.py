@@ -2,6 +2,7 @@
 drain. One in-process server (background thread) on the shared stories260K pair; the engine is shared
 by the servers started here (one at a time), and reference outputs come from the same engine in
 process before the server owns it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,11 +13,10 @@ import urllib.request
 
 import orjson
 import pytest
+from conftest import serve_args, serve_engine, ws_collect
 from websockets.asyncio.client import connect as aconnect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
-
-from conftest import serve_args, serve_engine, ws_collect
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,8 +37,8 @@ def engine(shared_pair):
 @pytest.fixture(scope="module")
 def reference(engine):
     """(prompt, mode) -> (output ids, text) from in-process Engine.generate (greedy)."""
-    from specd.sampling import SamplingParams
-    from specd.sequence import SpecParams
+    from specd.engine.sampling import SamplingParams
+    from specd.engine.sequence import SpecParams
 
     ref = {}
     for p in PROMPTS:
@@ -52,7 +52,7 @@ def reference(engine):
 @pytest.fixture
 def make_server(engine, reference):
     """Start in-process servers on the shared engine (one at a time; stopped after the test)."""
-    from specd.server.app import ServerThread
+    from specd.serving.app import ServerThread
 
     started = []
 
@@ -134,16 +134,29 @@ def test_stream_equals_in_process_greedy(server, reference, mode):
 def test_messages_without_chat_template_are_a_raw_prompt(server, reference):
     """stories260K has no chat template: message contents are joined with newlines into a raw prompt."""
     with connect(url(server)) as ws:
-        send(ws, type="generate", id="m", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=N_TOK,
-             temperature=0.0, speculation={"mode": "tree"})
+        send(
+            ws,
+            type="generate",
+            id="m",
+            messages=[{"role": "user", "content": PROMPTS[1]}],
+            max_tokens=N_TOK,
+            temperature=0.0,
+            speculation={"mode": "tree"},
+        )
         deltas, done = collect(ws, "m")
     assert [t for d in deltas for t in d["token_ids"]] == reference[PROMPTS[1], "tree"][0]
 
 
 def test_sixteen_concurrent_streams(server, engine, reference):
     async def one(ws, rid, prompt, mode, temperature, seed):
-        msg = {"type": "generate", "id": rid, "prompt": prompt, "max_tokens": N_TOK, "temperature": temperature,
-               "speculation": {"mode": mode}}
+        msg = {
+            "type": "generate",
+            "id": rid,
+            "prompt": prompt,
+            "max_tokens": N_TOK,
+            "temperature": temperature,
+            "speculation": {"mode": mode},
+        }
         if seed is not None:
             msg["seed"] = seed
         await ws.send(orjson.dumps(msg).decode())
@@ -192,8 +205,16 @@ def test_sixteen_concurrent_streams(server, engine, reference):
 # cancellation and disconnects free the KV cache ---------------------------------------------------
 def test_cancel_mid_stream_frees_kv(server, engine):
     with connect(url(server)) as ws:
-        send(ws, type="generate", id="long", prompt=PROMPTS[0], max_tokens=400, ignore_eos=True, temperature=0.0,
-             speculation={"mode": "off"})
+        send(
+            ws,
+            type="generate",
+            id="long",
+            prompt=PROMPTS[0],
+            max_tokens=400,
+            ignore_eos=True,
+            temperature=0.0,
+            speculation={"mode": "off"},
+        )
         first = recv(ws)
         assert first["type"] == "delta"
         send(ws, type="cancel", id="long")
@@ -212,8 +233,17 @@ def test_cancel_mid_stream_frees_kv(server, engine):
 def test_disconnect_mid_stream_frees_kv(server, engine):
     ws = connect(url(server)).__enter__()
     for i in range(3):
-        send(ws, type="generate", id=f"d{i}", prompt=PROMPTS[i], max_tokens=400, ignore_eos=True, temperature=0.7,
-             seed=i, speculation={"mode": MODES[i]})
+        send(
+            ws,
+            type="generate",
+            id=f"d{i}",
+            prompt=PROMPTS[i],
+            max_tokens=400,
+            ignore_eos=True,
+            temperature=0.7,
+            seed=i,
+            speculation={"mode": MODES[i]},
+        )
     assert recv(ws)["type"] == "delta"
     ws.close()
     assert wait_idle(engine, server)
@@ -232,8 +262,11 @@ BAD = [
     ('{"type": "generate", "prompt": "x"}', None, "invalid_request"),
     ('{"type": "generate", "id": 5, "prompt": "x"}', None, "invalid_request"),
     ('{"type": "generate", "id": "a"}', "a", "invalid_request"),
-    ('{"type": "generate", "id": "a", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}', "a",
-     "invalid_request"),
+    (
+        '{"type": "generate", "id": "a", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}',
+        "a",
+        "invalid_request",
+    ),
     ('{"type": "generate", "id": "a", "prompt": 7}', "a", "invalid_request"),
     ('{"type": "generate", "id": "a", "messages": "hi"}', "a", "invalid_request"),
     ('{"type": "generate", "id": "a", "messages": [{"role": "user"}]}', "a", "invalid_request"),
@@ -249,8 +282,7 @@ BAD = [
     ('{"type": "generate", "id": "a", "prompt": "x", "stop": [""]}', "a", "invalid_request"),
     ('{"type": "generate", "id": "a", "prompt": "x", "priority": "urgent"}', "a", "invalid_request"),
     ('{"type": "generate", "id": "a", "prompt": "x", "speculation": {"mode": "wide"}}', "a", "invalid_request"),
-    ('{"type": "generate", "id": "a", "prompt": "x", "speculation": {"max_draft_tokens": -1}}', "a",
-     "invalid_request"),
+    ('{"type": "generate", "id": "a", "prompt": "x", "speculation": {"max_draft_tokens": -1}}', "a", "invalid_request"),
     ('{"type": "generate", "id": "a", "prompt": "x", "speculation": "tree"}', "a", "invalid_request"),
     ('{"type": "generate", "id": "a", "prompt": "x", "max_tokens": 100000}', "a", "too_long"),
     ('{"type": "cancel"}', None, "invalid_request"),
@@ -274,8 +306,16 @@ def test_malformed_messages_get_errors_and_connection_survives(server):
 
 def test_duplicate_live_id(server):
     with connect(url(server)) as ws:
-        send(ws, type="generate", id="dup", prompt=PROMPTS[0], max_tokens=300, ignore_eos=True, temperature=0.0,
-             speculation={"mode": "off"})
+        send(
+            ws,
+            type="generate",
+            id="dup",
+            prompt=PROMPTS[0],
+            max_tokens=300,
+            ignore_eos=True,
+            temperature=0.0,
+            speculation={"mode": "off"},
+        )
         send(ws, type="generate", id="dup", prompt=PROMPTS[1], max_tokens=3)
         seen_err = None
         while True:
@@ -323,21 +363,35 @@ def test_metrics_parse(server):
     from prometheus_client.parser import text_string_to_metric_families
 
     with connect(url(server)) as ws:  # make sure there is some traffic
-        send(ws, type="generate", id="mx", prompt=PROMPTS[0], max_tokens=8, temperature=0.0,
-             speculation={"mode": "tree"})
+        send(
+            ws, type="generate", id="mx", prompt=PROMPTS[0], max_tokens=8, temperature=0.0, speculation={"mode": "tree"}
+        )
         collect(ws, "mx")
         send(ws, type="bogus")
         recv(ws)
     st, body, hdr = http_get(server, "/metrics")
     assert st == 200 and hdr["Content-Type"].startswith("text/plain")
     fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
-    for name in ("specd_requests_running", "specd_requests_waiting", "specd_time_to_first_token_seconds",
-                 "specd_inter_token_latency_seconds", "specd_kv_blocks_used", "specd_kv_blocks_total",
-                 "specd_spec_decode_num_drafts", "specd_spec_decode_num_draft_tokens",
-                 "specd_spec_decode_num_accepted_tokens", "specd_spec_decode_num_accepted_tokens_per_pos",
-                 "specd_preemptions", "specd_spec_budget", "specd_requests", "specd_request_errors",
-                 "specd_prefix_cache_hit_rate", "specd_spec_depth", "specd_engine_step_errors",
-                 "specd_engine_healthy"):
+    for name in (
+        "specd_requests_running",
+        "specd_requests_waiting",
+        "specd_time_to_first_token_seconds",
+        "specd_inter_token_latency_seconds",
+        "specd_kv_blocks_used",
+        "specd_kv_blocks_total",
+        "specd_spec_decode_num_drafts",
+        "specd_spec_decode_num_draft_tokens",
+        "specd_spec_decode_num_accepted_tokens",
+        "specd_spec_decode_num_accepted_tokens_per_pos",
+        "specd_preemptions",
+        "specd_spec_budget",
+        "specd_requests",
+        "specd_request_errors",
+        "specd_prefix_cache_hit_rate",
+        "specd_spec_depth",
+        "specd_engine_step_errors",
+        "specd_engine_healthy",
+    ):
         assert name in fams, name
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
     assert samples[("specd_kv_blocks_total", (("cache", "target"),))] == 512
@@ -414,8 +468,16 @@ def test_overloaded_at_once(make_server, engine):
     s = make_server(max_queue=2)
     with connect(url(s)) as ws:
         for i in range(3):
-            send(ws, type="generate", id=f"o{i}", prompt=PROMPTS[0], max_tokens=300, ignore_eos=True,
-                 temperature=0.0, speculation={"mode": "off"})
+            send(
+                ws,
+                type="generate",
+                id=f"o{i}",
+                prompt=PROMPTS[0],
+                max_tokens=300,
+                ignore_eos=True,
+                temperature=0.0,
+                speculation={"mode": "off"},
+            )
         m = recv(ws)
         while m["type"] == "delta":
             m = recv(ws)
@@ -439,8 +501,16 @@ def test_engine_step_failure_fails_requests_and_recovers(make_server, engine):
     engine.step_hook = hook
     try:
         with connect(url(s)) as ws:
-            send(ws, type="generate", id="f", prompt=PROMPTS[0], max_tokens=200, ignore_eos=True, temperature=0.0,
-                 speculation={"mode": "off"})
+            send(
+                ws,
+                type="generate",
+                id="f",
+                prompt=PROMPTS[0],
+                max_tokens=200,
+                ignore_eos=True,
+                temperature=0.0,
+                speculation={"mode": "off"},
+            )
             _, done = collect(ws, "f")
             assert done["type"] == "done" and done["finish_reason"] == "error"
             assert done["error"]["code"] == "internal" and "simulated" in done["error"]["message"]
@@ -479,8 +549,16 @@ def test_watchdog_and_healthz_when_a_step_hangs(make_server, engine):
 def test_drain_readyz_503_and_shutting_down(make_server, engine):
     s = make_server(drain_timeout=30.0)
     with connect(url(s)) as ws:
-        send(ws, type="generate", id="run", prompt=PROMPTS[0], max_tokens=60, ignore_eos=True, temperature=0.0,
-             speculation={"mode": "off"})
+        send(
+            ws,
+            type="generate",
+            id="run",
+            prompt=PROMPTS[0],
+            max_tokens=60,
+            ignore_eos=True,
+            temperature=0.0,
+            speculation={"mode": "off"},
+        )
         assert recv(ws)["type"] == "delta"
         fut = __import__("concurrent.futures").futures.ThreadPoolExecutor(1).submit(s.call, s.app.shutdown, 60)
         end = time.monotonic() + 5
@@ -505,8 +583,16 @@ def test_drain_readyz_503_and_shutting_down(make_server, engine):
 def test_drain_deadline_cancels(make_server, engine):
     s = make_server(drain_timeout=0.3)
     with connect(url(s)) as ws:
-        send(ws, type="generate", id="slow", prompt=PROMPTS[0], max_tokens=400, ignore_eos=True, temperature=0.0,
-             speculation={"mode": "off"})
+        send(
+            ws,
+            type="generate",
+            id="slow",
+            prompt=PROMPTS[0],
+            max_tokens=400,
+            ignore_eos=True,
+            temperature=0.0,
+            speculation={"mode": "off"},
+        )
         assert recv(ws)["type"] == "delta"
         engine.step_hook = lambda eng: time.sleep(0.02)
         try:
@@ -522,15 +608,16 @@ def test_drain_deadline_cancels(make_server, engine):
 def test_chat_client_once(server, reference, capsys):
     from argparse import Namespace
 
-    from specd.server.chat_client import run_chat
+    from specd.serving.chat_client import run_chat
 
     args = Namespace(url=url(server), api_key=None, max_tokens=N_TOK, temperature=0.0, raw=True, once=PROMPTS[2])
     assert run_chat(args) == 0
     out = capsys.readouterr()
     assert out.out == reference[PROMPTS[2], "tree"][1] + "\n"
     assert "tokens" in out.err and "TTFT" in out.err
-    bad = Namespace(url=f"ws://127.0.0.1:{server.port}/nope", api_key=None, max_tokens=4, temperature=0.0,
-                    raw=True, once="x")
+    bad = Namespace(
+        url=f"ws://127.0.0.1:{server.port}/nope", api_key=None, max_tokens=4, temperature=0.0, raw=True, once="x"
+    )
     assert run_chat(bad) == 2
 
 
@@ -547,5 +634,5 @@ def test_benchmark_raw_client_reads_the_same_stream(server, reference):
     tps, ttft, toks = asyncio.run(bench_server.over_raw_ws(server.port, PROMPTS, N_TOK, "off"))
     for got, p in zip(toks, PROMPTS):  # (the client asks ignore_eos: the reference may stop earlier)
         ref = reference[p, "off"][0]
-        assert got[:len(ref)] == ref and len(got) == N_TOK
+        assert got[: len(ref)] == ref and len(got) == N_TOK
     assert tps > 0 and ttft > 0

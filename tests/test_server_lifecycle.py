@@ -1,4 +1,5 @@
 """`specd serve` as a real process: systemd notifications, SIGTERM drains running requests, exit 0."""
+
 from __future__ import annotations
 
 import os
@@ -11,12 +12,11 @@ import time
 
 import orjson
 import pytest
+from conftest import DRAFT, ROOT, TARGET
+from conftest import http_status as _http
 from websockets.sync.client import connect
 
-from conftest import DRAFT, ROOT, TARGET
-
-from specd.server.app import ServerProcess
-from conftest import http_status as _http
+from specd.serving.app import ServerProcess
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -33,12 +33,12 @@ def _drain(s: socket.socket) -> list:
     while True:
         try:
             out.append(s.recv(4096).decode())
-        except (socket.timeout, BlockingIOError):
+        except (TimeoutError, BlockingIOError):
             return out
 
 
 def test_notify_abstract_and_path(tmp_path, monkeypatch):
-    from specd.server.notify import notify, watchdog_interval
+    from specd.serving.notify import notify, watchdog_interval
 
     name = f"specd-test-{os.getpid()}-{time.monotonic_ns()}"
     s = _dgram_socket("\0" + name)
@@ -66,11 +66,34 @@ def test_notify_abstract_and_path(tmp_path, monkeypatch):
 def test_sigterm_drains_streaming_request_and_exits_0():
     name = f"specd-test-{os.getpid()}-{time.monotonic_ns()}"
     ns = _dgram_socket("\0" + name)
-    env = dict(os.environ, NOTIFY_SOCKET="@" + name, WATCHDOG_USEC="1000000", OMP_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = dict(
+        os.environ,
+        NOTIFY_SOCKET="@" + name,
+        WATCHDOG_USEC="1000000",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("SPECD_API_KEY", None)
-    cmd = ["--target", str(TARGET), "--draft", str(DRAFT), "--device", "cpu", "--dtype", "float32",
-           "--num-blocks", "256", "--port", "0", "--grpc-port", "0", "--drain-timeout", "60"]
+    cmd = [
+        "--target",
+        str(TARGET),
+        "--draft",
+        str(DRAFT),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--num-blocks",
+        "256",
+        "--port",
+        "0",
+        "--grpc-port",
+        "0",
+        "--drain-timeout",
+        "60",
+    ]
     sp = ServerProcess(cmd, env=env, cwd=ROOT).launch()
     proc, logs = sp.proc, sp.logs
     msgs: list = []
@@ -86,8 +109,19 @@ def test_sigterm_drains_streaming_request_and_exits_0():
         port = sp.wait_ready(90).port
         assert _http(port, "/readyz") == 200 and _http(port, "/healthz") == 200
         with connect(f"ws://127.0.0.1:{port}/ws") as ws:
-            ws.send(orjson.dumps({"type": "generate", "id": "s", "prompt": "Once upon a time", "max_tokens": 300,
-                                  "ignore_eos": True, "temperature": 0.0, "speculation": {"mode": "off"}}).decode())
+            ws.send(
+                orjson.dumps(
+                    {
+                        "type": "generate",
+                        "id": "s",
+                        "prompt": "Once upon a time",
+                        "max_tokens": 300,
+                        "ignore_eos": True,
+                        "temperature": 0.0,
+                        "speculation": {"mode": "off"},
+                    }
+                ).decode()
+            )
             first = orjson.loads(ws.recv(timeout=30))
             assert first["type"] == "delta"
             proc.send_signal(signal.SIGTERM)
@@ -124,8 +158,12 @@ def test_serve_with_a_bad_model_exits_with_a_clear_error(tmp_path):
     bad = tmp_path / "bad-model"
     bad.mkdir()
     (bad / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
-    proc = subprocess.run([sys.executable, "-m", "specd", "serve", "--target", str(bad), "--port", "0",
-                           "--grpc-port", "0"], capture_output=True, text=True, timeout=20,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "specd", "serve", "--target", str(bad), "--port", "0", "--grpc-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode != 0
     assert "unsupported architecture 'GPT2LMHeadModel'" in proc.stderr + proc.stdout

@@ -1,4 +1,5 @@
 """Unit tests of the serving pieces without sockets: message validation, metrics text, AsyncEngine."""
+
 from __future__ import annotations
 
 import asyncio
@@ -8,8 +9,8 @@ import time
 
 import pytest
 
-from specd.server import protocol as P
-from specd.server import request_build as RB
+from specd.serving import protocol as P
+from specd.serving import request_build as RB
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,24 +23,54 @@ def test_parse_generate_defaults_and_fields():
     r = P.parse_generate(gen())
     assert (r.id, r.prompt, r.messages, r.max_tokens, r.priority) == ("r", "hi", None, None, "interactive")
     assert r.sampling["temperature"] == 1.0 and r.spec.mode == "auto"
-    r = P.parse_generate({"type": "generate", "id": "x", "messages": [{"role": "user", "content": "a", "name": "n"}],
-                          "max_tokens": 5, "temperature": 0, "top_p": 0.5, "top_k": 3, "seed": 9, "stop": "\n",
-                          "stop_token_ids": [2], "ignore_eos": True, "priority": "batch",
-                          "speculation": {"mode": "chain", "max_draft_tokens": 4}, "future_field": 1})
+    r = P.parse_generate(
+        {
+            "type": "generate",
+            "id": "x",
+            "messages": [{"role": "user", "content": "a", "name": "n"}],
+            "max_tokens": 5,
+            "temperature": 0,
+            "top_p": 0.5,
+            "top_k": 3,
+            "seed": 9,
+            "stop": "\n",
+            "stop_token_ids": [2],
+            "ignore_eos": True,
+            "priority": "batch",
+            "speculation": {"mode": "chain", "max_draft_tokens": 4},
+            "future_field": 1,
+        }
+    )
     assert r.messages == [{"role": "user", "content": "a"}] and r.max_tokens == 5
-    assert r.sampling == dict(temperature=0.0, top_p=0.5, top_k=3, seed=9, stop=("\n",), stop_token_ids=(2,),
-                              ignore_eos=True)
+    assert r.sampling == dict(
+        temperature=0.0, top_p=0.5, top_k=3, seed=9, stop=("\n",), stop_token_ids=(2,), ignore_eos=True
+    )
     assert (r.spec.mode, r.spec.max_draft_tokens, r.priority) == ("chain", 4, "batch")
     p = RB.sampling_params(r.max_tokens, **r.sampling)
     assert p.max_tokens == 5 and p.stop == ("\n",)
 
 
-@pytest.mark.parametrize("bad", [
-    dict(temperature=math.inf), dict(temperature=True), dict(top_p=1.5), dict(max_tokens=0), dict(seed=1.0),
-    dict(stop=["a"] * 17), dict(stop_token_ids=[1, "2"]), dict(ignore_eos="yes"), dict(priority=None or 3), dict(priority=[]), dict(priority={}),
-    dict(speculation={"mode": "tree", "max_draft_tokens": 1000}), dict(id=""), dict(id="x" * 257),
-    dict(prompt=""), dict(prompt=None),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=math.inf),
+        dict(temperature=True),
+        dict(top_p=1.5),
+        dict(max_tokens=0),
+        dict(seed=1.0),
+        dict(stop=["a"] * 17),
+        dict(stop_token_ids=[1, "2"]),
+        dict(ignore_eos="yes"),
+        dict(priority=None or 3),
+        dict(priority=[]),
+        dict(priority={}),
+        dict(speculation={"mode": "tree", "max_draft_tokens": 1000}),
+        dict(id=""),
+        dict(id="x" * 257),
+        dict(prompt=""),
+        dict(prompt=None),
+    ],
+)
 def test_parse_generate_rejects(bad):
     with pytest.raises(P.ProtocolError) as ei:
         P.parse_generate(gen(**bad))
@@ -47,14 +78,28 @@ def test_parse_generate_rejects(bad):
 
 
 def test_decode_errors():
-    for frame, code in (("{", "invalid_json"), ("3", "invalid_json"), ('{"type": 1}', "invalid_request"),
-                        (b"{}", "invalid_request")):
+    for frame, code in (
+        ("{", "invalid_json"),
+        ("3", "invalid_json"),
+        ('{"type": 1}', "invalid_request"),
+        (b"{}", "invalid_request"),
+    ):
         with pytest.raises(P.ProtocolError) as ei:
             P.decode(frame)
         assert ei.value.code == code
     assert P.decode('{"type": "cancel", "id": "a"}') == {"type": "cancel", "id": "a"}
-    assert set(P.ERROR_CODES) == {"invalid_json", "invalid_request", "unknown_type", "too_long", "overloaded",
-                                  "shutting_down", "unauthorized", "duplicate_id", "message_too_large", "internal"}
+    assert set(P.ERROR_CODES) == {
+        "invalid_json",
+        "invalid_request",
+        "unknown_type",
+        "too_long",
+        "overloaded",
+        "shutting_down",
+        "unauthorized",
+        "duplicate_id",
+        "message_too_large",
+        "internal",
+    }
 
 
 def test_error_codes_are_documented():
@@ -74,15 +119,20 @@ class _Tok:
 
 def test_encode_prompt_without_chat_template_joins_contents():
     tok = _Tok()
-    r = P.parse_generate({"type": "generate", "id": "a",
-                          "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "yz"}]})
+    r = P.parse_generate(
+        {
+            "type": "generate",
+            "id": "a",
+            "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "yz"}],
+        }
+    )
     assert RB.encode_prompt(tok, r.messages, r.prompt) == tok("x\nyz")["input_ids"]
 
 
 def test_histogram_and_render_parse():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from specd.server.metrics import Histogram, Metrics
+    from specd.serving.metrics import Histogram, Metrics
 
     h = Histogram((0.1, 1.0))
     h.observe(0.05)
@@ -118,7 +168,7 @@ class FakeEngine:
         self._lock = self.lock
 
     def add_request(self, prompt, params, spec, priority, rid):
-        from specd.engine import RequestError
+        from specd.engine.engine import RequestError
 
         if not prompt:
             raise RequestError("invalid_request", "prompt is empty")
@@ -173,8 +223,8 @@ def run(coro):
 
 
 def test_async_engine_streams_overload_and_abort():
-    from specd.engine import RequestError
-    from specd.server.engine_loop import AsyncEngine
+    from specd.engine.engine import RequestError
+    from specd.serving.engine_loop import AsyncEngine
 
     async def main():
         fe = FakeEngine(n=5)
@@ -204,10 +254,12 @@ def test_async_engine_streams_overload_and_abort():
                 break
             await asyncio.sleep(0.01)
         assert not fe.reqs
+
         # cancellation of the consuming task aborts too
         async def consume():
             async for _ in ae.generate([1], None, None, "interactive", "f"):
                 await asyncio.sleep(10)
+
         t = asyncio.ensure_future(consume())
         await asyncio.sleep(0.05)
         t.cancel()
@@ -230,7 +282,7 @@ def test_async_engine_streams_overload_and_abort():
 def test_async_engine_merges_outputs_that_queued_behind_a_slow_consumer():
     """A consumer that falls behind gets everything queued meanwhile as one output (fewer messages
     exactly when sending is the bottleneck); nothing is lost, and an error still ends the stream."""
-    from specd.server.engine_loop import AsyncEngine
+    from specd.serving.engine_loop import AsyncEngine
 
     async def main():
         fe = FakeEngine(n=40)
@@ -249,8 +301,8 @@ def test_async_engine_merges_outputs_that_queued_behind_a_slow_consumer():
 
 
 def test_async_engine_step_exception_fails_running_requests():
-    from specd.engine import RequestError
-    from specd.server.engine_loop import AsyncEngine
+    from specd.engine.engine import RequestError
+    from specd.serving.engine_loop import AsyncEngine
 
     async def main():
         fe = FakeEngine(n=50, fail_at=3)
@@ -270,7 +322,7 @@ def test_async_engine_step_exception_fails_running_requests():
 
 
 def test_async_engine_drain_deadline_aborts_and_idle_thread_sleeps():
-    from specd.server.engine_loop import AsyncEngine
+    from specd.serving.engine_loop import AsyncEngine
 
     async def main():
         fe = FakeEngine(n=10_000)
@@ -354,8 +406,8 @@ def test_engine_process_mode_relays_on_the_loop_and_fails_cleanly():
     """No engine thread: the loop reads the engine's pipe. Outputs reach their streams and the step
     listeners; a failed request's error output ends its stream with `internal`; a dead engine fails the rest,
     turns health red, and nothing hangs."""
-    from specd.engine import RequestError
-    from specd.server.engine_loop import AsyncEngine
+    from specd.engine.engine import RequestError
+    from specd.serving.engine_loop import AsyncEngine
 
     async def main():
         fr = FakeRemote()
@@ -394,7 +446,7 @@ def test_engine_process_mode_relays_on_the_loop_and_fails_cleanly():
 def test_handoff_holds_short_steps_within_the_interval_only():
     """HandOff: a step's outputs are held only while the next step still ends within the interval of
     the last hand-off; urgent outputs, an unsteady engine, long steps and interval 0 go at once."""
-    from specd.server.engine_loop import HandOff
+    from specd.serving.engine_loop import HandOff
 
     h = HandOff(0.001)
     assert h.now(10.0, 0.0004, urgent=True, steady=True)  # first token: at once
@@ -415,7 +467,7 @@ def test_handoff_holds_short_steps_within_the_interval_only():
 def test_engine_thread_mode_holds_outputs_but_streams_everything():
     """Engine-thread mode with a long interval: the loop is woken fewer times than there are steps,
     yet every request gets all its tokens in order and its end."""
-    from specd.server.engine_loop import AsyncEngine
+    from specd.serving.engine_loop import AsyncEngine
 
     eng = FakeEngine(n=12)
 
@@ -452,7 +504,7 @@ def test_pipe_frames_survive_partial_reads_and_close_is_idempotent():
     end of file after the writer closes; closing twice never closes a reused descriptor."""
     import os
 
-    from specd.server.engine_proc import Pipe
+    from specd.serving.engine_proc import Pipe
 
     r, w = os.pipe()
     reader, writer = Pipe(r, reader=True), Pipe(w, reader=False)

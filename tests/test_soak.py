@@ -4,6 +4,7 @@ in-process greedy text, zero errors, flat server RSS after warm-up, every KV blo
 
 Default suite: 4 clients for 30 s (about a minute with start-up). `-m slow`: 8 clients for 5 minutes.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,17 +13,31 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import DRAFT, ROOT, TARGET
 
 
 def run_soak(tmp_path, clients: int, minutes: float) -> dict:
     out = tmp_path / "soak.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECD_") and k not in ("NOTIFY_SOCKET",
-                                                                                         "WATCHDOG_USEC")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SPECD_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")
+    }
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    cmd = [sys.executable, str(ROOT / "eval" / "soak.py"), "--target", str(TARGET), "--draft", str(DRAFT),
-           "--clients", str(clients), "--minutes", str(minutes), "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "eval" / "soak.py"),
+        "--target",
+        str(TARGET),
+        "--draft",
+        str(DRAFT),
+        "--clients",
+        str(clients),
+        "--minutes",
+        str(minutes),
+        "--json",
+        str(out),
+    ]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=minutes * 60 + 300)
     report = r.stdout[-4000:] + r.stderr[-4000:]
     assert out.exists(), f"no summary (rc {r.returncode}):\n{report}"

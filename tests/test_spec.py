@@ -1,4 +1,5 @@
 """Speculative decoding core: exact greedy losslessness, rollback invariant, acceptance extremes."""
+
 import json
 import random
 import shutil
@@ -6,15 +7,15 @@ import shutil
 import pytest
 import torch
 
-import specd.engine as engine_mod
-from specd.attention import build_metadata, get_backend
+import specd.engine.engine as engine_mod
 from specd.config import CacheConfig, EngineConfig, SpecConfig
-from specd.engine import Engine
-from specd.kv_cache import KVCache
-from specd.loader import LoadError, load_model
-from specd.sampling import SamplingParams
-from specd.sequence import SpecParams
-from specd.spec.verify import AcceptResult
+from specd.engine.engine import Engine
+from specd.engine.kv_cache import KVCache
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import SpecParams
+from specd.model.attention import build_metadata
+from specd.model.loader import LoadError, load_model
+from specd.speculation.verify import AcceptResult
 from tests.conftest import DRAFT, SHARED, TARGET
 
 GREEDY = SamplingParams(temperature=0, max_tokens=128)
@@ -23,8 +24,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=128)
 def _prompts(tok, n=24):
     """Raw-text prompts: MT-bench first turns (cut to ~40 tokens) and story openings."""
     qs = [json.loads(line)["turns"][0] for line in (SHARED / "data/mt_bench/question.jsonl").open()]
-    stories = ["Once upon a time, there was a little", "Tom had a big red ball. One day", "The cat and the dog",
-               "Lily went to the park with her mom. She saw", "Sam was sad because", "It was a sunny day and"]
+    stories = [
+        "Once upon a time, there was a little",
+        "Tom had a big red ball. One day",
+        "The cat and the dog",
+        "Lily went to the park with her mom. She saw",
+        "Sam was sad because",
+        "It was a sunny day and",
+    ]
     texts = stories + qs[: n - len(stories)]
     return [tok(t)["input_ids"][:40] for t in texts]
 
@@ -32,8 +39,9 @@ def _prompts(tok, n=24):
 @pytest.fixture(scope="module")
 def spec_engine(shared_pair):
     t, d = shared_pair
-    return Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=False)),
-                  target=t, draft=d)
+    return Engine(
+        EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=False)), target=t, draft=d
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +50,9 @@ def references(spec_engine, hf_target):
     off = [s.output_ids for s in spec_engine.generate(prompts, GREEDY, SpecParams(mode="off"))]
     hf = []
     for p in prompts:
-        out = hf_target.generate(torch.tensor([p]), max_new_tokens=128, do_sample=False, eos_token_id=[2, 1],
-                                 pad_token_id=0)[0, len(p):].tolist()
+        out = hf_target.generate(
+            torch.tensor([p]), max_new_tokens=128, do_sample=False, eos_token_id=[2, 1], pad_token_id=0
+        )[0, len(p) :].tolist()
         hf.append(out)
     return prompts, off, hf
 
@@ -72,8 +81,10 @@ def test_mixed_batches_of_1_to_8_are_lossless(spec_engine, references):
         idx = list(range(i, i + size))
         i += size
         modes = [rng.choice(["off", "chain", "tree"]) for _ in idx]
-        seqs = [spec_engine.add_request(prompts[j], GREEDY, SpecParams(mode=m, max_draft_tokens=rng.choice([None, 2, 7])))
-                for j, m in zip(idx, modes)]
+        seqs = [
+            spec_engine.add_request(prompts[j], GREEDY, SpecParams(mode=m, max_draft_tokens=rng.choice([None, 2, 7])))
+            for j, m in zip(idx, modes)
+        ]
         while any(not s.finished for s in seqs):
             spec_engine.step()
         assert [s.output_ids for s in seqs] == [off[j] for j in idx], modes
@@ -83,8 +94,13 @@ def test_mixed_batches_of_1_to_8_are_lossless(spec_engine, references):
 def test_static_tree_is_lossless(shared_pair, references):
     t, d = shared_pair
     choices = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0))
-    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT),
-                              spec=SpecConfig(mode="static", static_tree=choices, adaptive=False)), target=t, draft=d)
+    eng = Engine(
+        EngineConfig(
+            target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(mode="static", static_tree=choices, adaptive=False)
+        ),
+        target=t,
+        draft=d,
+    )
     prompts, off, _ = references
     seqs = eng.generate(prompts[:8], GREEDY, SpecParams(mode="auto"))
     assert [s.output_ids for s in seqs] == off[:8]
@@ -94,7 +110,8 @@ def test_static_tree_is_lossless(shared_pair, references):
     long_prompt = (prompts[0] * 20)[: 512 - 12]
     s = eng.generate([long_prompt], SamplingParams(temperature=0, max_tokens=12), SpecParams(mode="auto"))[0]
     ref = Engine(EngineConfig(target=str(TARGET)), target=t).generate(
-        [long_prompt], SamplingParams(temperature=0, max_tokens=12), SpecParams(mode="off"))[0]
+        [long_prompt], SamplingParams(temperature=0, max_tokens=12), SpecParams(mode="off")
+    )[0]
     assert s.output_ids == ref.output_ids and len(s.tokens) <= 512
     with pytest.raises(ValueError, match="no parent choice"):
         SpecConfig(mode="static", static_tree=((0, 0),))
@@ -116,8 +133,11 @@ def _random_draft(tmp_path):
 def test_random_draft_is_still_lossless(shared_pair, references, tmp_path):
     t, _ = shared_pair
     d = _random_draft(tmp_path)
-    eng = Engine(EngineConfig(target=str(TARGET), draft=str(d), spec=SpecConfig(adaptive=False)), target=t,
-                 draft=load_model(d, "cpu", "float32"))
+    eng = Engine(
+        EngineConfig(target=str(TARGET), draft=str(d), spec=SpecConfig(adaptive=False)),
+        target=t,
+        draft=load_model(d, "cpu", "float32"),
+    )
     prompts, off, _ = references
     for mode in ("chain", "tree"):
         seqs = eng.generate(prompts[:8], GREEDY, SpecParams(mode=mode))
@@ -129,17 +149,23 @@ def test_random_draft_is_still_lossless(shared_pair, references, tmp_path):
 
 def test_target_as_its_own_draft_accepts_everything(shared_pair, references):
     t, _ = shared_pair
-    eng = Engine(EngineConfig(target=str(TARGET), draft=str(TARGET),
-                              spec=SpecConfig(mode="chain", num_draft_tokens=4, adaptive=False)),
-                 target=t, draft=load_model(TARGET, "cpu", "float32"))
+    eng = Engine(
+        EngineConfig(
+            target=str(TARGET), draft=str(TARGET), spec=SpecConfig(mode="chain", num_draft_tokens=4, adaptive=False)
+        ),
+        target=t,
+        draft=load_model(TARGET, "cpu", "float32"),
+    )
     prompts, off, _ = references
-    seqs = eng.generate(prompts[:6], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True),
-                        SpecParams(mode="chain"))
+    seqs = eng.generate(
+        prompts[:6], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), SpecParams(mode="chain")
+    )
     for s in seqs:
         assert s.stats.accepted_tokens == s.stats.draft_tokens  # acceptance exactly 1.0
         assert s.stats.accept_len_hist[4] == s.stats.steps - 1  # every step but the capped last one: k=4
-    ref = eng.generate(prompts[:6], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True),
-                       SpecParams(mode="off"))
+    ref = eng.generate(
+        prompts[:6], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True), SpecParams(mode="off")
+    )
     assert [s.output_ids for s in seqs] == [r.output_ids for r in ref]
 
 
@@ -161,8 +187,9 @@ def test_mismatched_draft_vocabulary_is_refused(shared_pair, tmp_path):
 def _fresh_kv(lm, tokens):
     """From-scratch prefill of ``tokens``: contiguous K/V [L, 2, n, KVH, D] and next-token logits."""
     c = lm.config
-    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, -(-len(tokens) // 16) + 1, 16, torch.float32,
-                    torch.device("cpu"))
+    cache = KVCache(
+        c.num_layers, c.num_kv_heads, c.head_dim, -(-len(tokens) // 16) + 1, 16, torch.float32, torch.device("cpu")
+    )
     s = cache.new_seq()
     s.reserve(len(tokens))
     meta = build_metadata([len(tokens)], [0], [s.blocks], s.slots(0, len(tokens)), 16, torch.device("cpu"))
@@ -180,8 +207,16 @@ def test_rollback_invariant_over_thousands_of_random_steps(shared_pair, monkeypa
     """Random accept lengths (random paths, random next tokens): after every step both pools balance,
     and every sequence's caches equal a from-scratch prefill of its committed tokens."""
     t, d = shared_pair
-    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), cache=CacheConfig(block_size=4, num_blocks=400),
-                              spec=SpecConfig(adaptive=False, tree_budget=10)), target=t, draft=d)
+    eng = Engine(
+        EngineConfig(
+            target=str(TARGET),
+            draft=str(DRAFT),
+            cache=CacheConfig(block_size=4, num_blocks=400),
+            spec=SpecConfig(adaptive=False, tree_budget=10),
+        ),
+        target=t,
+        draft=d,
+    )
     rng = random.Random(7)
 
     def random_verify(tree, argmax):
@@ -198,9 +233,14 @@ def test_rollback_invariant_over_thousands_of_random_steps(shared_pair, monkeypa
     steps = 0
     checked = 0
     while steps < 1500:
-        seqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=rng.randint(40, 200), ignore_eos=True),
-                                SpecParams(mode=m, max_draft_tokens=rng.choice([None, 1, 3, 12])))
-                for p, m in zip(prompts, modes)]
+        seqs = [
+            eng.add_request(
+                p,
+                SamplingParams(temperature=0, max_tokens=rng.randint(40, 200), ignore_eos=True),
+                SpecParams(mode=m, max_draft_tokens=rng.choice([None, 1, 3, 12])),
+            )
+            for p, m in zip(prompts, modes)
+        ]
         while any(not s.finished for s in seqs):
             eng.step()
             steps += 1

@@ -1,14 +1,15 @@
 """End to end on the real pair: sampled speculative output follows the target's distribution."""
+
 import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from specd.attention import build_metadata
 from specd.config import EngineConfig, SchedulerConfig, SpecConfig
-from specd.engine import Engine
-from specd.kv_cache import KVCache
-from specd.sampling import SamplingParams, logits_to_probs
-from specd.sequence import SpecParams
+from specd.engine.engine import Engine
+from specd.engine.kv_cache import KVCache
+from specd.engine.sampling import SamplingParams, logits_to_probs
+from specd.engine.sequence import SpecParams
+from specd.model.attention import build_metadata
 from tests.conftest import DRAFT, TARGET
 
 TEMP, TOPK = 1.0, 8
@@ -27,10 +28,16 @@ def _target_probs(lm, tokens):
 
 def test_sampled_tree_speculation_matches_target_joint_distribution(shared_pair):
     t, d = shared_pair
-    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT),
-                              spec=SpecConfig(mode="tree", tree_budget=8, tree_topk=3, tree_depth=3, adaptive=False),
-                              scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096)),
-                 target=t, draft=d)
+    eng = Engine(
+        EngineConfig(
+            target=str(TARGET),
+            draft=str(DRAFT),
+            spec=SpecConfig(mode="tree", tree_budget=8, tree_topk=3, tree_depth=3, adaptive=False),
+            scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096),
+        ),
+        target=t,
+        draft=d,
+    )
     prompt = eng.tokenizer("Once upon a time, there was a")["input_ids"]
     p1 = _target_probs(t, prompt)
     support = torch.nonzero(p1).flatten().tolist()

@@ -8,6 +8,7 @@ systemd running as init. CI installs it, so a missing tool is a test FAILURE, no
 (/opt/specd/.venv/bin/specd), so the test verifies a temporary copy whose ExecStart points at a stub
 executable; nothing else in the unit is changed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,10 +16,9 @@ import os
 import re
 import shutil
 import subprocess
-import tomllib
 
 import pytest
-
+import tomllib
 from conftest import ROOT
 
 pytestmark = pytest.mark.timeout(120)
@@ -33,14 +33,15 @@ MAX_EXPOSURE = 2.0
 def _analyze() -> str:
     exe = shutil.which("systemd-analyze")
     if exe is None:
-        pytest.fail("systemd-analyze not found: install it with `apt-get install -y --no-install-recommends "
-                    "systemd` (Debian; works without systemd as init)")
+        pytest.fail(
+            "systemd-analyze not found: install it with `apt-get install -y --no-install-recommends "
+            "systemd` (Debian; works without systemd as init)"
+        )
     return exe
 
 
 def _run(args: list, cwd=None) -> subprocess.CompletedProcess:
-    env = dict(os.environ, SYSTEMD_LOG_COLOR="0", SYSTEMD_COLORS="0", SYSTEMD_PAGER="", PAGER="cat",
-               LC_ALL="C.UTF-8")
+    env = dict(os.environ, SYSTEMD_LOG_COLOR="0", SYSTEMD_COLORS="0", SYSTEMD_PAGER="", PAGER="cat", LC_ALL="C.UTF-8")
     return subprocess.run([_analyze(), *args], capture_output=True, text=True, timeout=60, env=env, cwd=cwd)
 
 
@@ -93,7 +94,8 @@ def test_security_exposure_at_most_2():
     assert m, f"no exposure level in systemd-analyze security output (rc {r.returncode}):\n{out}"
     level = float(m.group(1))
     assert level <= MAX_EXPOSURE, f"exposure {level} > {MAX_EXPOSURE}:\n" + "\n".join(
-        ln for ln in out.splitlines() if ln.startswith("✗"))
+        ln for ln in out.splitlines() if ln.startswith("✗")
+    )
 
 
 def test_unit_lifecycle_settings():
@@ -113,8 +115,14 @@ def test_unit_lifecycle_settings():
     assert svc("CapabilityBoundingSet") == [""] and svc("NoNewPrivileges") == ["yes"]
     assert svc("DevicePolicy") == ["closed"]
     allowed = " ".join(svc("DeviceAllow"))
-    for dev in ("char-nvidia-frontend", "char-nvidia-uvm", "/dev/nvidiactl", "/dev/nvidia-uvm",
-                "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"):
+    for dev in (
+        "char-nvidia-frontend",
+        "char-nvidia-uvm",
+        "/dev/nvidiactl",
+        "/dev/nvidia-uvm",
+        "/dev/nvidia-uvm-tools",
+        "/dev/nvidia-modeset",
+    ):
         assert dev in allowed
     env = " ".join(svc("Environment"))
     assert "TRITON_CACHE_DIR=/var/cache/specd/" in env and "HF_HOME=/var/lib/specd/" in env

@@ -1,4 +1,5 @@
-"""Tests for specd.spec.tree: DraftTree structure, masks, positions, static tree choices."""
+"""Tests for specd.speculation.tree: DraftTree structure, masks, positions, static tree choices."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specd.spec.tree import DraftTree, TreeChoices, static_tree_choices
+from specd.speculation.tree import DraftTree, TreeChoices, static_tree_choices
 
 # 5 (0) -> 7 (1) -> 3 (3)
 #       -> 9 (2)
@@ -23,10 +24,7 @@ def test_example_structure():
     assert EX.positions(10).tolist() == [10, 11, 11, 12]
     assert EX.positions(0).dtype == torch.int64
     assert EX.path_to(3) == [0, 1, 3] and EX.path_to(0) == [0] and EX.path_to(-1) == [0, 1, 3]
-    want = torch.tensor([[1, 0, 0, 0],
-                         [1, 1, 0, 0],
-                         [1, 0, 1, 0],
-                         [1, 1, 0, 1]], dtype=torch.bool)
+    want = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     assert torch.equal(EX.ancestor_mask(), want)
     assert EX.ancestor_mask() is EX.ancestor_mask()  # cached
     assert EX.is_leaf(2) and not EX.is_leaf(1)
@@ -51,15 +49,18 @@ def test_tensor_inputs():
     assert t.children == [[1, 2], [], []]
 
 
-@pytest.mark.parametrize("tokens,parents", [
-    ([], []),                      # no root
-    ([1, 2], [0, 0]),              # parents[0] must be -1
-    ([1, 2, 3], [-1, 0]),          # length mismatch
-    ([1, 2, 3], [-1, 2, 0]),       # parent after child
-    ([1, 2, 3], [-1, 1, 0]),       # self parent
-    ([1, 2, 3], [-1, 0, -1]),      # second root
-    ([1, 2, 3], [-1, 0, 7]),       # out of range
-])
+@pytest.mark.parametrize(
+    "tokens,parents",
+    [
+        ([], []),  # no root
+        ([1, 2], [0, 0]),  # parents[0] must be -1
+        ([1, 2, 3], [-1, 0]),  # length mismatch
+        ([1, 2, 3], [-1, 2, 0]),  # parent after child
+        ([1, 2, 3], [-1, 1, 0]),  # self parent
+        ([1, 2, 3], [-1, 0, -1]),  # second root
+        ([1, 2, 3], [-1, 0, 7]),  # out of range
+    ],
+)
 def test_invalid_parents_rejected(tokens, parents):
     with pytest.raises(ValueError):
         DraftTree.from_parents(tokens, parents)
@@ -86,14 +87,17 @@ def test_static_tree_choices():
     assert deep.parents == [-1, 0, 0, 1, 3] and deep.ranks == [-1, 0, 2, 0, 0]
 
 
-@pytest.mark.parametrize("spec", [
-    [(0, 0)],                  # missing prefix (0,)
-    [(0,), (0, 1, 0)],         # missing prefix (0, 1)
-    [(0,), (0,)],              # duplicate
-    [(0,), (-1,)],             # negative rank
-    [(0,), (0.5,)],            # not an int
-    [5],                       # not a sequence
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        [(0, 0)],  # missing prefix (0,)
+        [(0,), (0, 1, 0)],  # missing prefix (0, 1)
+        [(0,), (0,)],  # duplicate
+        [(0,), (-1,)],  # negative rank
+        [(0,), (0.5,)],  # not an int
+        [5],  # not a sequence
+    ],
+)
 def test_static_tree_choices_invalid(spec):
     with pytest.raises(ValueError):
         static_tree_choices(spec)

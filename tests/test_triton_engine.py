@@ -1,10 +1,11 @@
 """The real engine on the Triton backend (interpreter on CPU): greedy speculative output == torch backend."""
+
 import pytest
 
 from specd.config import EngineConfig, SpecConfig
-from specd.engine import Engine
-from specd.sampling import SamplingParams
-from specd.sequence import SpecParams
+from specd.engine.engine import Engine
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import SpecParams
 from tests.conftest import DRAFT, TARGET
 
 
@@ -16,8 +17,10 @@ def test_triton_backend_engine_is_lossless(shared_pair):
     tri = Engine(EngineConfig(**cfg, attention_backend="triton"), target=t, draft=d)
     assert type(tri.backend).__name__ == "TritonAttention"
     tok = ref_eng.tokenizer
-    prompts = [tok(p)["input_ids"] for p in ("Once upon a time, there was a little", "The cat and the dog",
-                                               "Tom had a big red ball. One day")]
+    prompts = [
+        tok(p)["input_ids"]
+        for p in ("Once upon a time, there was a little", "The cat and the dog", "Tom had a big red ball. One day")
+    ]
     params = SamplingParams(temperature=0, max_tokens=14)
     ref = [s.output_ids for s in ref_eng.generate(prompts, params, SpecParams(mode="off"))]
     for mode in ("chain", "tree"):

@@ -1,4 +1,4 @@
-"""Tests for specd.spec.verify: the greedy walk and lossless tree rejection sampling.
+"""Tests for specd.speculation.verify: the greedy walk and lossless tree rejection sampling.
 
 The sampling tests run the real verifier (``verify_batch``) over 1e5 independent trials at once
 (one tree per trial) on a toy Markov "language model" with a 6-token vocabulary:
@@ -16,6 +16,7 @@ accept; residual not clamped; without-replacement children checked against the u
 draft) are swapped in through the module's ``_node_tables`` hook, and the very same check must
 reject them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,10 +28,10 @@ import pytest
 import scipy.stats
 import torch
 
-import specd.spec.verify as verify_mod
-from specd.sampling import logits_to_probs, make_generator
-from specd.spec.tree import DraftTree
-from specd.spec.verify import AcceptResult, greedy_verify, sample_verify, verify_batch
+import specd.speculation.verify as verify_mod
+from specd.engine.sampling import logits_to_probs, make_generator
+from specd.speculation.tree import DraftTree
+from specd.speculation.verify import AcceptResult, greedy_verify, sample_verify, verify_batch
 
 # ------------------------------------------------------------------------------------ toy model
 V = 6
@@ -114,8 +115,7 @@ class Harness:
                 t = self.trees[key] = DraftTree(row, self.parents, validate=False)
             trees.append(t)
         flat = tokens.reshape(-1)
-        return verify_batch(trees, self.P[flat], greedy=False, draft_probs=self.Q[flat],
-                            draft_mode=self.mode)
+        return verify_batch(trees, self.P[flat], greedy=False, draft_probs=self.Q[flat], draft_mode=self.mode)
 
     def first_two(self, n_trials: int):
         """(first [N], second [N], accepted counts [N]) of the emitted stream after ROOT."""
@@ -188,7 +188,7 @@ def make_tables(bug: str | None):
         accept = p.new_zeros((num, k_max))
         r, qc = p, q
         for k in range(k_max):
-            x, ok = kid_tok[:, k:k + 1], kid_ok[:, k:k + 1]
+            x, ok = kid_tok[:, k : k + 1], kid_ok[:, k : k + 1]
             onehot = torch.zeros_like(r).scatter_(1, x, 1.0)
             if qc is None:
                 qk = onehot
@@ -199,7 +199,7 @@ def make_tables(bug: str | None):
             a = torch.where(qx > 0, (px / qx).clamp(max=1.0), (px > 0).double())
             if bug == "always_accept":
                 a = torch.ones_like(a)
-            accept[:, k:k + 1] = torch.where(ok, a, 0.0)
+            accept[:, k : k + 1] = torch.where(ok, a, 0.0)
             res = (r - qk).abs() if bug == "unclamped" else (r - qk).clamp_min(0.0)
             z = res.sum(1, keepdim=True)
             r = torch.where(ok & (z > 1e-9), res / z.clamp_min(1e-300), r)
@@ -254,8 +254,14 @@ def test_verify_batch_greedy_offsets_and_mixed():
     assert [r.tokens for r in out] == [[9, 4], [3, 7], [7, 6]]
     # the same batch with the middle request sampled from one-hot targets: same result
     probs = logits_to_probs(logits, [0.0] * logits.shape[0], [0] * logits.shape[0], [1.0] * logits.shape[0])
-    out = verify_batch(trees, probs, [1, 6, 8, 13], greedy=[True, False, True],
-                       draft_probs=torch.full_like(probs, 1 / 16), generators=[None, make_generator(0), None])
+    out = verify_batch(
+        trees,
+        probs,
+        [1, 6, 8, 13],
+        greedy=[True, False, True],
+        draft_probs=torch.full_like(probs, 1 / 16),
+        generators=[None, make_generator(0), None],
+    )
     assert [r.tokens for r in out] == [[9, 4], [3, 7], [7, 6]]
     with pytest.raises(ValueError):
         verify_batch(trees, logits, [0, 5, 7])
@@ -296,8 +302,13 @@ def exact_first_token(tables, p, q, m, mode) -> torch.Tensor:
                 orders.append((perm, pr))
     out = torch.zeros(V, dtype=torch.float64)
     for perm, pr in orders:
-        acc, res = tables(p[None], q[None], torch.tensor([perm]), torch.ones((1, m), dtype=torch.bool),
-                          torch.tensor([mode == "deterministic"]))
+        acc, res = tables(
+            p[None],
+            q[None],
+            torch.tensor([perm]),
+            torch.ones((1, m), dtype=torch.bool),
+            torch.tensor([mode == "deterministic"]),
+        )
         stay = 1.0
         for k, x in enumerate(perm):
             out[x] += pr * stay * float(acc[0, k])
@@ -312,10 +323,16 @@ def test_node_tables_exactly_lossless(mode, m):
     p_zero_q = Q_TAB[2].clone()
     p_zero_q[[0, 3]] = 0.0  # draft mass 0 where the target's is > 0
     p_zero_q /= p_zero_q.sum()
-    cases = [(P_TAB[0], Q_TAB[0]), (P_RAND[1], Q_RAND[1]), (P_TAB[3], p_zero_q),
-             (Q_TAB[4], Q_TAB[4]),  # draft == target
-             (torch.tensor([0.5, 0.3, 0.2, 0, 0, 0], dtype=torch.float64),  # disjoint supports
-              torch.tensor([0, 0, 0, 0.2, 0.3, 0.5], dtype=torch.float64))]
+    cases = [
+        (P_TAB[0], Q_TAB[0]),
+        (P_RAND[1], Q_RAND[1]),
+        (P_TAB[3], p_zero_q),
+        (Q_TAB[4], Q_TAB[4]),  # draft == target
+        (
+            torch.tensor([0.5, 0.3, 0.2, 0, 0, 0], dtype=torch.float64),  # disjoint supports
+            torch.tensor([0, 0, 0, 0.2, 0.3, 0.5], dtype=torch.float64),
+        ),
+    ]
     for p, q in cases:
         if mode == "sampled" and int((q > 0).sum()) < m:
             continue
@@ -335,8 +352,9 @@ def test_broken_tables_are_exactly_biased(bug):
 
 def test_residual_fallback_when_draft_equals_target():
     p = torch.tensor([[0.25, 0.25, 0.5, 0.0]], dtype=torch.float64)
-    acc, res = verify_mod._node_tables(p, p.clone(), torch.tensor([[2, 0, 1]]),
-                                       torch.ones((1, 3), dtype=torch.bool), torch.tensor([False]))
+    acc, res = verify_mod._node_tables(
+        p, p.clone(), torch.tensor([[2, 0, 1]]), torch.ones((1, 3), dtype=torch.bool), torch.tensor([False])
+    )
     assert torch.equal(acc[:, 0], torch.ones(1, dtype=torch.float64))  # never rejected
     assert torch.isfinite(res).all() and abs(float(res.sum()) - 1) < 1e-12 and float(res.min()) >= 0
 
@@ -386,9 +404,14 @@ def test_disjoint_supports_accept_nothing():
 
 
 # ------------------------------------------------------------------- statistical: negative controls
-@pytest.mark.parametrize("bug,branching", [
-    ("always_accept", [1]), ("unclamped", [1, 1]), ("unrenormalised", [3, 2]),
-])
+@pytest.mark.parametrize(
+    "bug,branching",
+    [
+        ("always_accept", [1]),
+        ("unclamped", [1, 1]),
+        ("unrenormalised", [3, 2]),
+    ],
+)
 def test_broken_samplers_fail_the_same_check(monkeypatch, bug, branching):
     monkeypatch.setattr(verify_mod, "_node_tables", make_tables(bug))
     stats = losslessness_stats(P_TAB, Q_TAB, branching, "sampled")
@@ -437,8 +460,13 @@ def test_memory_chunking_gives_same_result(monkeypatch):
     cases = [_random_case(s) for s in range(5)]
     trees = [c[0] for c in cases]
     target, draft = torch.cat([c[1] for c in cases]), torch.cat([c[2] for c in cases])
-    run = lambda: verify_batch(trees, target, greedy=False, draft_probs=draft,  # noqa: E731
-                               generators=[make_generator(s) for s in range(5)])
+    run = lambda: verify_batch(
+        trees,
+        target,
+        greedy=False,
+        draft_probs=draft,  # noqa: E731
+        generators=[make_generator(s) for s in range(5)],
+    )
     want = run()
     monkeypatch.setattr(verify_mod, "_CHUNK_ELEMS", 2 * V)  # two rows per chunk
     assert run() == want

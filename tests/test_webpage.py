@@ -4,6 +4,7 @@ Needs a Chromium binary (``/usr/bin/chromium``; Debian: ``apt-get install -y chr
 ``SPECD_CHROMIUM``); skipped without one. The test types a message, clicks Send and watches the reply
 stream into the page, then checks the text against in-process greedy generation.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -15,17 +16,29 @@ import urllib.request
 
 import orjson
 import pytest
-from websockets.sync.client import connect
-
 from test_server import PROMPTS, engine, make_args  # noqa: F401  (fixtures)
+from websockets.sync.client import connect
 
 pytestmark = pytest.mark.timeout(150)
 
-CHROMIUM = os.environ.get("SPECD_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser") \
+CHROMIUM = (
+    os.environ.get("SPECD_CHROMIUM")
+    or shutil.which("chromium")
+    or shutil.which("chromium-browser")
     or shutil.which("google-chrome")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--remote-debugging-port=0"]
+)
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--remote-debugging-port=0",
+]
 N_TOK = 120
 
 
@@ -63,8 +76,10 @@ class CDP:
         raise TimeoutError(expr)
 
     def click(self, selector: str):
-        box = self.js(f"(() => {{ const r = document.querySelector({orjson.dumps(selector).decode()})"
-                      f".getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; }})()")
+        box = self.js(
+            f"(() => {{ const r = document.querySelector({orjson.dumps(selector).decode()})"
+            f".getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; }})()"
+        )
         for kind in ("mousePressed", "mouseReleased"):
             self.call("Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left", clickCount=1)
 
@@ -81,8 +96,11 @@ def browser(tmp_path_factory):
     if CHROMIUM is None:
         pytest.fail("no Chromium: `make test` installs it (apt-get install -y chromium), or set SPECD_CHROMIUM")
     prof = tmp_path_factory.mktemp("chromium-profile")
-    proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={prof}", "about:blank"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={prof}", "about:blank"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         port_file = prof / "DevToolsActivePort"
         end = time.monotonic() + 60
@@ -113,7 +131,7 @@ def browser(tmp_path_factory):
 
 @pytest.fixture
 def page_server(engine):  # noqa: F811
-    from specd.server.app import ServerThread
+    from specd.serving.app import ServerThread
 
     started = []
 
@@ -129,7 +147,7 @@ def page_server(engine):  # noqa: F811
 
 
 def _reference(engine, text, n):  # noqa: F811
-    from specd.sampling import SamplingParams
+    from specd.engine.sampling import SamplingParams
 
     ids = engine.tokenizer(text)["input_ids"]
     seq = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=n))[0]
@@ -140,8 +158,10 @@ def _open_chat(cdp: CDP, srv):
     cdp.call("Page.navigate", url=f"http://127.0.0.1:{srv.port}/")
     cdp.wait("document.readyState === 'complete' && !!document.getElementById('send')")
     cdp.wait("document.getElementById('status').textContent.startsWith('connected')")
-    cdp.js(f"document.getElementById('temperature').value = '0'; document.getElementById('maxtokens').value = "
-           f"'{N_TOK}'; true")
+    cdp.js(
+        f"document.getElementById('temperature').value = '0'; document.getElementById('maxtokens').value = "
+        f"'{N_TOK}'; true"
+    )
 
 
 def test_page_streams_a_reply(browser, page_server, engine):  # noqa: F811
@@ -155,9 +175,11 @@ def test_page_streams_a_reply(browser, page_server, engine):  # noqa: F811
     seen = set()
     end = time.monotonic() + 60
     while time.monotonic() < end:
-        st = browser.js("(() => { const a = document.querySelectorAll('.msg.assistant'); const m = a[a.length - 1];"
-                        " return m ? [m.firstChild ? m.firstChild.textContent || '' : '', "
-                        "m.classList.contains('streaming')] : null; })()")
+        st = browser.js(
+            "(() => { const a = document.querySelectorAll('.msg.assistant'); const m = a[a.length - 1];"
+            " return m ? [m.firstChild ? m.firstChild.textContent || '' : '', "
+            "m.classList.contains('streaming')] : null; })()"
+        )
         if st:
             seen.add(st[0])
             if not st[1]:
@@ -176,8 +198,10 @@ def test_page_streams_a_reply(browser, page_server, engine):  # noqa: F811
     # second turn: the whole conversation goes out as messages
     browser.type("#input", "The end")
     browser.click("#send")
-    browser.wait("document.querySelectorAll('.msg.assistant').length === 2 && "
-                 "!document.querySelectorAll('.msg.assistant')[1].classList.contains('streaming')")
+    browser.wait(
+        "document.querySelectorAll('.msg.assistant').length === 2 && "
+        "!document.querySelectorAll('.msg.assistant')[1].classList.contains('streaming')"
+    )
     assert browser.js("messages.length") == 4
     assert browser.js("messages.map(m => m.role).join(',')") == "user,assistant,user,assistant"
     assert browser.js("document.querySelectorAll('.msg.error').length") == 0
@@ -188,14 +212,18 @@ def test_page_api_key(browser, page_server):
     browser.call("Page.navigate", url=f"http://127.0.0.1:{srv.port}/")
     browser.wait("document.readyState === 'complete' && !!document.getElementById('send')")
     browser.wait("document.getElementById('status').textContent.startsWith('connected')")
-    browser.js("document.getElementById('apikey').value = 'k3y'; "
-               "document.getElementById('apikey').dispatchEvent(new Event('change')); true")
+    browser.js(
+        "document.getElementById('apikey').value = 'k3y'; "
+        "document.getElementById('apikey').dispatchEvent(new Event('change')); true"
+    )
     browser.wait("document.getElementById('status').textContent === 'connected (key ok)'")
     browser.js("document.getElementById('maxtokens').value = '8'; true")
     browser.type("#input", PROMPTS[1])
     browser.click("#send")
-    browser.wait("document.querySelectorAll('.msg.assistant').length === 1 && "
-                 "!document.querySelector('.msg.assistant').classList.contains('streaming')")
+    browser.wait(
+        "document.querySelectorAll('.msg.assistant').length === 1 && "
+        "!document.querySelector('.msg.assistant').classList.contains('streaming')"
+    )
     assert browser.js("document.querySelectorAll('.msg.error').length") == 0
     assert browser.js("document.querySelector('.msg.assistant').firstChild.textContent")
     browser.js("sessionStorage.clear(); true")

@@ -1,0 +1,1 @@
+"""The runtime core: the engine step, scheduler, sequences, KV cache, sampling, health."""

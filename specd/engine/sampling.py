@@ -1,0 +1,294 @@
+"""Sampling parameters, logits -> probabilities, and per-request seeded sampling.
+
+Pipeline for one step (rows are requests, or tree nodes of requests, each with its own params)::
+
+    logits   [N, V]  --logits_to_probs(temperature, top_k, top_p)-->  probs [N, V] float32
+    probs    [N, V]  --sample(generators)-->                         tokens [N] int64
+
+``logits_to_probs`` is also what the speculative verifier needs: the target distribution the
+rejection sampler must reproduce is the *processed* one (after temperature, top-k, top-p).
+
+Randomness is per request: every request owns a ``torch.Generator`` (:func:`make_generator`,
+seeded from ``SamplingParams.seed``) and each of its draws comes from that generator alone, so a
+seeded request reproduces its output whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "SamplingParams",
+    "logits_to_probs",
+    "sample",
+    "sample_from_uniform",
+    "make_generator",
+    "draw_uniforms",
+    "sampling_tensors",
+]
+
+
+INT64_MAX = (1 << 63) - 1
+MAX_TEMPERATURE = 100.0
+MIN_TEMPERATURE = 1e-5  # a positive temperature below this samples as greedy (argmax)
+MIN_TOP_P = 1e-6  # top_p below this keeps the top token alone, exactly like 1e-6 (1/V > 1e-6)
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (validated; immutable), bounded by what the engine represents.
+
+    temperature     0 <= t <= 100; 0 means greedy (argmax, ties to the lowest token id); a positive
+                    t below 1e-5 also samples greedily (dividing logits by it would overflow float32)
+    top_p           nucleus mass, 0 < top_p <= 1 (1 = off); values below 1e-6 act as 1e-6 (the top
+                    token alone, as they would mathematically)
+    top_k           keep the k most likely tokens; 0 or -1 = off; at most 2**63-1 (int64); the engine
+                    treats a value at or above its vocabulary as off
+    seed            any integer, reduced to 64 bits (``seed mod 2**64``); None = nondeterministic
+    max_tokens      1 .. 2**63-1 generated tokens at most (the context bounds it further: too_long)
+    stop            at most 16 stop strings of 1..256 characters; lists are stored as tuples
+    stop_token_ids  at most 256 token ids (0 .. 2**63-1; the engine checks them against its
+                    vocabulary) that end generation (besides EOS unless ignore_eos)
+    ignore_eos      keep generating after EOS
+    Every refusal is a ValueError naming the field.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        t = _real("temperature", self.temperature)
+        if not 0 <= t <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}")
+        p = _real("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _int("top_k", self.top_k, -1, INT64_MAX, "0 / -1 = off")
+        seed = self.seed
+        if seed is not None:
+            seed = _int("seed", seed) & 0xFFFF_FFFF_FFFF_FFFF
+        _int("max_tokens", self.max_tokens, 1, INT64_MAX)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        object.__setattr__(self, "temperature", t if t >= MIN_TEMPERATURE else 0.0)
+        object.__setattr__(self, "top_p", max(p, MIN_TOP_P))
+        object.__setattr__(self, "seed", seed)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _real(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {v!r}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return v
+
+
+def _int(name: str, v, lo: int | None = None, hi: int | None = None, off: str = "") -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an int, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi}]{f' ({off})' if off else ''}, got {v}")
+    return v
+
+
+def _bounded_tuple(name: str, items, limit: int, what: str) -> tuple:
+    """``items`` as a tuple of at most ``limit`` entries (ValueError naming ``name`` otherwise)."""
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of {what}, got {items!r:.80}") from None
+    if len(items) > limit:
+        raise ValueError(f"{name}: at most {limit} {what}, got {len(items)}")
+    return items
+
+
+def _stop_strings(stop) -> tuple:
+    stop = _bounded_tuple("stop", (stop,) if isinstance(stop, str) else stop, MAX_STOP, "strings")
+    for s in stop:
+        if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop strings must be non-empty strings of at most {MAX_STOP_CHARS} characters, got {s!r:.80}"
+            )
+    return stop
+
+
+def _stop_ids(ids) -> tuple:
+    ids = _bounded_tuple("stop_token_ids", ids, MAX_STOP_TOKEN_IDS, "ints")
+    return tuple(_int("stop_token_ids entry", i, 0, INT64_MAX) for i in ids)
+
+
+def sampling_tensors(params: Sequence[SamplingParams]) -> tuple[list[float], list[int], list[float]]:
+    """(temperature, top_k, top_p) lists for :func:`logits_to_probs`, one entry per row."""
+    return ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
+
+
+def _on_host(x) -> bool:
+    return not isinstance(x, torch.Tensor) or x.device.type == "cpu"
+
+
+def logits_to_probs(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
+    """Per-row temperature, top-k and top-p, vectorised over rows.
+
+    Args:
+      logits       [N, V] float
+      temperature  [N] float (tensor or sequence); 0 = greedy row
+      top_k        [N] int; 0 / -1 (any value <= 0) or >= V = off
+      top_p        [N] float in (0, 1]; 1 = off
+    Returns:
+      probs        [N, V] float32, rows sum to 1
+
+    Order: logits / temperature, then top-k, then top-p on the top-k-renormalised distribution,
+    then renormalise. Top-k keeps exactly k tokens and top-p the smallest set of most likely
+    tokens whose mass is >= top_p (always at least one); both rank tokens by a stable descending
+    sort, so ties at a boundary go to the lower token id. A greedy row is the one-hot of
+    ``torch.argmax`` of its logits (ties -> lowest index).
+
+    Pass the parameters as Python lists or CPU tensors: choosing the fast path (no row uses top-k
+    or top-p: a plain softmax, no sort) is then decided on the host without a device sync.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    n, v = logits.shape
+    dev = logits.device
+
+    def param(x, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(host copy or None, [N] tensor on the logits' device)."""
+        if _on_host(x):
+            h = torch.as_tensor(x, dtype=dtype).reshape(-1)
+            return h, h.to(dev, non_blocking=True)
+        return None, x.to(dev, dtype).reshape(-1)
+
+    t_h, temp = param(temperature, torch.float32)  # [N]
+    k_h, k = param(top_k, torch.int64)  # [N]
+    p_h, p = param(top_p, torch.float32)  # [N]
+    if not temp.shape[0] == k.shape[0] == p.shape[0] == n:
+        raise ValueError(
+            f"need one temperature/top_k/top_p per row ({n}), got {temp.shape[0]}/{k.shape[0]}/{p.shape[0]}"
+        )
+
+    def any_(host: torch.Tensor | None, on_dev: torch.Tensor, pred) -> bool:
+        return bool(pred(host if host is not None else on_dev).any())  # host copy: no sync
+
+    greedy = temp <= 0  # [N]
+    all_greedy = n > 0 and not any_(t_h, temp, lambda x: x > 0)
+    logits = logits.float()
+    onehot = None
+    if all_greedy or any_(t_h, temp, lambda x: x <= 0):
+        onehot = torch.zeros((n, v), dtype=torch.float32, device=dev)
+        onehot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # [N, V]
+        if all_greedy:
+            return onehot
+    scaled = logits / torch.where(greedy, 1.0, temp)[:, None]  # [N, V]
+    use_k = any_(k_h, k, lambda x: (x > 0) & (x < v))
+    use_p = any_(p_h, p, lambda x: x < 1)
+    if not (use_k or use_p):
+        probs = torch.softmax(scaled, dim=-1)  # fast path: [N, V]
+    else:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [N, V] each
+        if use_k:
+            k_eff = torch.where((k > 0) & (k < v), k, v)  # [N]
+            rank = torch.arange(v, device=dev)
+            sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k_eff[:, None], float("-inf"))
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [N, V]
+        if use_p:
+            cum = sorted_probs.double().cumsum(dim=-1)  # [N, V]
+            before = torch.cat([cum.new_zeros((n, 1)), cum[:, :-1]], dim=1)  # mass ranked above
+            drop = (before >= p.double()[:, None]) & (p < 1)[:, None]  # p == 1: keep all
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+        probs = torch.empty_like(sorted_probs).scatter_(1, order, sorted_probs)  # [N, V]
+    if onehot is not None:
+        probs = torch.where(greedy[:, None], onehot, probs)
+    return probs
+
+
+def make_generator(seed: int | None = None, device: str | torch.device = "cpu") -> torch.Generator:
+    """A request's own generator: seeded with ``seed``, or from OS entropy when ``seed`` is None.
+
+    CPU generators (the default) keep a seeded request's output identical across devices, and the
+    draws they make are a few scalars per step, moved to the device in one small copy.
+    """
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def draw_uniforms(
+    counts: Sequence[int], generators: Sequence[torch.Generator | None], device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """Concatenated float64 uniforms in [0, 1): ``counts[b]`` from ``generators[b]``.
+
+    Each generator draws on its own device; rows without one share a single draw from the global
+    CPU RNG. The parts are joined on the host and moved to ``device`` in one copy (a CUDA
+    generator costs a sync here: prefer CPU generators). Returns [sum(counts)] float64.
+    """
+    if len(counts) != len(generators):
+        raise ValueError(f"{len(counts)} counts but {len(generators)} generators")
+    if all(g is None for g in generators):
+        return torch.rand(sum(counts), dtype=torch.float64).to(device, non_blocking=True)
+    parts: list[torch.Tensor | None] = []
+    none_idx: list[int] = []
+    for b, (c, g) in enumerate(zip(counts, generators)):
+        if g is None:
+            none_idx.append(b)
+            parts.append(None)
+        else:
+            parts.append(torch.rand(c, dtype=torch.float64, generator=g, device=g.device).cpu())
+    if none_idx:
+        shared = torch.rand(sum(counts[b] for b in none_idx), dtype=torch.float64)
+        off = 0
+        for b in none_idx:
+            parts[b] = shared[off : off + counts[b]]
+            off += counts[b]
+    return torch.cat(parts).to(device, non_blocking=True)  # type: ignore[arg-type]
+
+
+def sample_from_uniform(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: row i gets the first token whose cumulative mass exceeds
+    ``u[i] * row_sum`` (rows need not be normalised; the chosen token always has mass > 0).
+
+    probs [N, V] (non-negative, every row with positive mass), u [N] in [0, 1) -> [N] int64.
+    Accumulates in float64.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    total = cdf[:, -1:]  # [N, 1]
+    t = u.to(device=probs.device, dtype=torch.float64)[:, None] * total
+    t = torch.minimum(t, torch.nextafter(total, torch.zeros_like(total)))  # t < total always
+    idx = torch.searchsorted(cdf, t, right=True)  # first index with cdf > t
+    return idx.squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row, row i from its own ``generators[i]`` (None = the global RNG).
+
+    probs [N, V] -> [N] int64 on ``probs.device``. Each row consumes exactly one uniform from its
+    generator, so a seeded request's draws do not depend on the rest of the batch. A one-hot row
+    (greedy) always gives its argmax.
+    """
+    if probs.dim() != 2 or len(generators) != probs.shape[0]:
+        raise ValueError(f"need probs [N, V] and N generators, got {tuple(probs.shape)} and {len(generators)}")
+    u = draw_uniforms([1] * len(generators), generators, probs.device)  # [N]
+    return sample_from_uniform(probs, u)

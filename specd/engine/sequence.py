@@ -1,0 +1,213 @@
+"""Per-request state: tokens, cache block tables, sampling, speculation settings and stats."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.engine.kv_cache import SeqBlocks
+from specd.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+PRIORITIES = {"interactive": 0, "batch": 1}
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """Per-request speculation: ``auto`` lets the scheduler decide; ``max_draft_tokens`` caps the tree."""
+
+    mode: str = "auto"  # auto | off | chain | tree
+    max_draft_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in ("auto", "off", "chain", "tree"):
+            raise ValueError(f"speculation.mode must be auto|off|chain|tree, got {self.mode!r}")
+        m = self.max_draft_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0 or m > 256):
+            raise ValueError(f"speculation.max_draft_tokens must be an integer in 0..256, got {m!r}")
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0  # verification steps that emitted tokens
+    draft_tokens: int = 0  # draft nodes proposed (excluding roots)
+    accepted_tokens: int = 0  # draft tokens accepted
+    emitted_tokens: int = 0
+    accepted_per_depth: list = field(default_factory=list)  # [d] accepted draft tokens at depth d+1
+    drafted_per_depth: list = field(default_factory=list)  # [d] steps that drafted at depth d+1
+    accept_len_hist: list = field(default_factory=list)  # [a] steps that accepted exactly a drafts
+
+    def record(self, num_drafted: int, depth: int, accepted: int) -> None:
+        self.steps += 1
+        if not depth and not accepted and self.accept_len_hist:  # a plain decode step (the common case)
+            self.draft_tokens += num_drafted
+            self.accept_len_hist[0] += 1
+            return
+        self.draft_tokens += num_drafted
+        self.accepted_tokens += accepted
+        for lst, n in ((self.drafted_per_depth, depth), (self.accepted_per_depth, accepted)):
+            while len(lst) < n:
+                lst.append(0)
+            for d in range(n):
+                lst[d] += 1
+        while len(self.accept_len_hist) <= accepted:
+            self.accept_len_hist.append(0)
+        self.accept_len_hist[accepted] += 1
+
+    def merge(self, o: SpecStats) -> None:
+        self.steps += o.steps
+        self.draft_tokens += o.draft_tokens
+        self.accepted_tokens += o.accepted_tokens
+        self.emitted_tokens += o.emitted_tokens
+        for name in ("accepted_per_depth", "drafted_per_depth", "accept_len_hist"):
+            a, b = getattr(self, name), getattr(o, name)
+            while len(a) < len(b):
+                a.append(0)
+            for i, v in enumerate(b):
+                a[i] += v
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """1 + accepted / steps: tokens per target forward, counting the bonus (vLLM's definition)."""
+        return 1.0 + self.accepted_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_per_depth": [
+                round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_per_depth, self.drafted_per_depth)
+            ],
+            "accepted_per_depth": list(self.accepted_per_depth),
+            "accept_len_hist": list(self.accept_len_hist),
+        }
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spec: SpecParams,
+        priority: str = "interactive",
+        arrival: float | None = None,
+    ):
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be interactive|batch, got {priority!r}")
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.tokens: list[int] = list(prompt_ids)  # committed tokens (prompt + output)
+        self.params = params
+        self.spec = spec
+        self.priority = priority
+        self.prio = PRIORITIES[priority]
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.status = Status.WAITING
+        self.num_computed = 0  # target: committed tokens whose KV is cached
+        self.draft_computed = 0  # draft: same, in the draft cache
+        self.blocks: SeqBlocks | None = None
+        self.draft_blocks: SeqBlocks | None = None
+        self.generator: torch.Generator | None = None
+        self.stats = SpecStats()
+        self.finish_reason: str | None = None
+        self.error: str | None = None  # why the engine failed it (finish_reason "error")
+        self.detok = None
+        self.sent_chars = 0  # characters of the output text already streamed (stop-string hold-back)
+        self.stop_text = None  # final text when a stop string ended the request (the stop string cut off)
+        self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+        self.wait_since = self.arrival  # when it last entered the waiting queue (starvation guard)
+        self.last_step = -1  # scheduler step it last ran in (batch rotation)
+        self.recent_accept: float = 0.6  # EMA of per-position acceptance (adaptive speculation prior)
+        self.last_probe = -1  # scheduler step of its last adaptive-speculation probe
+        self.spec_budget: int = 0  # draft tokens granted this step
+        self.cached_prefix_tokens = 0  # prompt tokens served from the prefix cache
+        self.pc_state = [0, 0]  # prefix cache: [target blocks registered, chained key]
+        self.pc_draft_state = [0, 0]
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids) :]
+
+    @property
+    def in_prefill(self) -> bool:
+        """True while more than the pending token is uncomputed."""
+        return self.num_computed < len(self.tokens) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    # atomic steps ---------------------------------------------------------------------------------
+    def checkpoint(self) -> Checkpoint:
+        """What a step's batched stages (draft, target forward, verify, KV compaction) may change,
+        taken after scheduling. ``restore`` puts it back: the step then never ran for this request."""
+        gen = self.generator if not self.params.greedy and self.generator is not None else None
+        return Checkpoint(
+            len(self.tokens),
+            self.num_computed,
+            self.draft_computed,
+            self.blocks.capacity if self.blocks is not None else 0,
+            self.draft_blocks.capacity if self.draft_blocks is not None else 0,
+            tuple(self.pc_state),
+            tuple(self.pc_draft_state),
+            gen.get_state() if gen is not None else None,
+        )
+
+    def restore(self, cp: Checkpoint) -> None:
+        """Undo a failed step. KV entries below ``num_computed`` are never written by a step (writes
+        go past the committed prefix), so resetting the counters and dropping the blocks the step
+        reserved restores the caches; a sampling request's generator rewinds to its draws before
+        the step, so the retried step draws exactly what the failed one drew."""
+        del self.tokens[cp.num_tokens :]
+        self.num_computed = cp.num_computed
+        self.draft_computed = cp.draft_computed
+        if self.blocks is not None:
+            self.blocks.truncate(cp.capacity)
+        if self.draft_blocks is not None:
+            self.draft_blocks.truncate(cp.draft_capacity)
+        self.pc_state = list(cp.pc_state)
+        self.pc_draft_state = list(cp.pc_draft_state)
+        if cp.generator_state is not None:
+            self.generator.set_state(cp.generator_state)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A request's engine state at the start of a step's compute (``Sequence.checkpoint``)."""
+
+    num_tokens: int
+    num_computed: int
+    draft_computed: int
+    capacity: int  # target cache slots reserved
+    draft_capacity: int
+    pc_state: tuple
+    pc_draft_state: tuple
+    generator_state: torch.Tensor | None

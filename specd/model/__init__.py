@@ -1,0 +1,1 @@
+"""Model architectures, loaders (Hugging Face folders, GGUF), attention backends, CPU dtype choice."""

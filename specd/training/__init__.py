@@ -1,0 +1,1 @@
+"""Distillation of draft models for a target."""
