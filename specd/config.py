@@ -113,7 +113,6 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
     memory_bytes: int | None = None  # budget for target + draft caches together
-    draft_fraction: float | None = None  # share of the budget for the draft (default: by size)
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -156,7 +155,6 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024  # per-step token budget (prefill chunks + verification trees)
     prefill_chunk: int = 256
-    max_queue: int = 256
     batch_starvation_s: float = 2.0  # a batch request waiting this long is served ahead of new interactive work
     batch_seqs_with_interactive: int = 1  # batch requests per step while interactive work is active (0 = no cap)
     enable_prefix_cache: bool = True

@@ -156,7 +156,6 @@ def engine_config(a):
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_batched_tokens,
             prefill_chunk=a.prefill_chunk,
-            max_queue=a.max_queue,
             batch_seqs_with_interactive=a.batch_seqs_with_interactive,
             enable_prefix_cache=not a.no_prefix_cache,
         ),

@@ -28,7 +28,7 @@ from specd.engine.kv_cache import KVCache, PrefixCache
 from specd.engine.sampling import SamplingParams, logits_to_probs, make_generator
 from specd.engine.scheduler import Scheduler
 from specd.engine.sequence import Checkpoint, Sequence, SpecParams, SpecStats, Status
-from specd.model.attention import build_metadata, copy_slots, get_backend
+from specd.model.attention import build_metadata, get_backend
 from specd.model.loader import LoadedModel, LoadError, load_model
 from specd.speculation.drafter import Drafter
 from specd.speculation.tree import DraftTree
@@ -572,11 +572,8 @@ class Engine:
                     src.append(seq.blocks.slot(base + node))
                     dst.append(seq.blocks.slot(base + k))
         if src:  # (positions past the committed prefix only: a rollback needs no undo)
-            copy_slots(
-                self.cache.kv,
-                torch.tensor(src, device=self.device),
-                torch.tensor(dst, device=self.device),
-                self.backend,
+            self.backend.copy_slots(
+                self.cache.kv, torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
             )
         outs = []
         now = self.clock()

@@ -118,6 +118,16 @@ class TorchAttention:
         flat[1].index_copy_(0, slot_mapping, v)
 
     @staticmethod
+    def copy_slots(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """KV compaction: every layer's K and V from slot src[i] to dst[i] (all sources read first).
+        ``kv`` [L, 2, NB, BS, KVH, D]; src, dst [N] int64."""
+        if src.numel() == 0:
+            return
+        L, two, NB, BS, KVH, D = kv.shape
+        flat = kv.view(L, 2, NB * BS, KVH, D)
+        flat[:, :, dst] = flat[:, :, src]  # advanced indexing reads all sources before writing
+
+    @staticmethod
     def _decode_plan(meta: AttentionMetadata, device: torch.device):
         """Decode-only steps (one causal query per sequence): whole blocks are gathered (one
         index_select of contiguous block rows), keys past a sequence's length are masked."""
@@ -228,6 +238,11 @@ class TritonAttention:
     def write_kv(self, kv_layer, k, v, slot_mapping):
         self._k.write_kv(kv_layer, k, v, slot_mapping)
 
+    def copy_slots(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """KV compaction with the Triton kernel (same contract as ``TorchAttention.copy_slots``)."""
+        if src.numel():
+            self._k.copy_slots(kv, src, dst)
+
     def attention(self, q, kv_layer, meta: AttentionMetadata, scale: float):
         return self._k.tree_attention(
             q,
@@ -241,18 +256,6 @@ class TritonAttention:
             meta.max_query_len,
             meta.max_seq_len,
         )
-
-
-def copy_slots(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, backend=None) -> None:
-    """KV compaction: copy every layer's K and V from slot src[i] to dst[i] (all sources read first)."""
-    if src.numel() == 0:
-        return
-    if isinstance(backend, TritonAttention):
-        backend._k.copy_slots(kv, src, dst)
-        return
-    L, two, NB, BS, KVH, D = kv.shape
-    flat = kv.view(L, 2, NB * BS, KVH, D)
-    flat[:, :, dst] = flat[:, :, src]  # advanced indexing reads all sources before writing
 
 
 def get_backend(name: str, device: torch.device):
