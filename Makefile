@@ -30,10 +30,11 @@ run: install
 test: install sysdeps lint
 	$(BIN)/python -m pytest -q
 
-# linters (issue #21): ruff rules + formatting over the whole tree
+# linters (issue #21): ruff rules + formatting over the whole tree, mypy on the core (pyproject.toml)
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test-slow: install
 	SPECD_SLOW=1 $(BIN)/python -m pytest -q -m slow

@@ -405,7 +405,7 @@ async def p1_condition(srv, eng, a, pair: Pair, load: str | None, spec: str, n_r
     spec_st = [r.done["spec"] for r in results]
     vsteps = sum(x["steps"] for x in spec_st)
     toks = sum(len(r.token_ids) for r in results)
-    sch = eng.scheduler
+    sch = eng.policy  # the cost model
     by_depth = {}
     for secs, d, _, nout in steps:
         by_depth.setdefault(d, []).append((secs, nout))
@@ -710,9 +710,9 @@ def part3(a, pair: Pair) -> dict:
             "flags": flags,
             "tokens": a.p3_tokens,
             "repeats": a.p3_repeats,
-            "t_draft_level_ms": (eng.scheduler.t_draft or 0) * 1000,
-            "t_target_fixed_ms": (eng.scheduler.t_target or 0) * 1000,
-            "t_per_token_ms": eng.scheduler.t_per_token * 1000,
+            "t_draft_level_ms": (eng.policy.t_draft or 0) * 1000,
+            "t_target_fixed_ms": (eng.policy.t_target or 0) * 1000,
+            "t_per_token_ms": eng.policy.t_per_token * 1000,
             "rows": rows,
         }
     finally:

@@ -22,7 +22,6 @@ import platform
 import shlex
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -341,53 +340,38 @@ def torch_itemsize(dtype) -> int:
 
 # timing -----------------------------------------------------------------------------------------
 class StepTimer:
-    """Wraps one engine's step phases (on the instance, not the class) with timers: wall time
-    (perf_counter) and this process's CPU time (process_time; with one torch thread it excludes the
-    time spent waiting for a core on a shared machine)."""
-
-    PHASES = ("step", "_draft", "_target_forward", "_verify", "_commit")
+    """Per-stage time of one engine since ``reset()``, read from its public statistics
+    (``engine.timings``: wall and engine-thread CPU seconds per stage; the drafter's forward
+    count and seconds)."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.keys = self.PHASES + ("draft_forward",)
         self.reset()
-        for p in self.PHASES:
-            self._wrap(engine, p, p)
-        if engine.drafter is not None:
-            self._wrap(engine.drafter, "_forward", "draft_forward")
 
-    def _wrap(self, obj, attr, key):
-        fn = getattr(obj, attr)
-
-        def timed(*a, **k):
-            t0, c0 = time.perf_counter(), time.process_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.t[key] += time.perf_counter() - t0
-                self.c[key] += time.process_time() - c0
-                self.n[key] += 1
-
-        setattr(obj, attr, timed)
+    def _draft_totals(self) -> tuple:
+        d = self.engine.drafter
+        return (d.forwards, d.forward_wall, d.forward_cpu) if d is not None else (0, 0.0, 0.0)
 
     def reset(self):
-        self.t = {k: 0.0 for k in self.keys}
-        self.c = {k: 0.0 for k in self.keys}
-        self.n = {k: 0 for k in self.keys}
+        self.engine.timings.reset()
+        self._d0 = self._draft_totals()
 
     def as_dict(self) -> dict:
-        n_steps = max(1, self.n["step"])
-        nd = self.n["draft_forward"]
-        d = {"steps": self.n["step"], "draft_forwards": nd, "draft_forwards_per_step": nd / n_steps}
-        for clock, src in (("", self.t), ("cpu_", self.c)):
+        tm = self.engine.timings
+        n_steps = max(1, tm.steps)
+        nd, dwall, dcpu = (b - a for a, b in zip(self._d0, self._draft_totals()))
+        d = {"steps": tm.steps, "draft_forwards": nd, "draft_forwards_per_step": nd / n_steps}
+        for clock, src, dsec in (("", tm.wall, dwall), ("cpu_", tm.cpu, dcpu)):
             d[f"{clock}step_s"] = src["step"]
-            for p in ("_draft", "_target_forward", "_verify", "_commit"):
-                d[f"{clock}{p.strip('_')}_s"] = src[p]
-            d[f"{clock}draft_forward_s"] = src["draft_forward"]
+            d[f"{clock}draft_s"] = src["draft"]
+            d[f"{clock}target_forward_s"] = src["forward"]
+            d[f"{clock}verify_s"] = src["verify"]
+            d[f"{clock}commit_s"] = src["commit"]
+            d[f"{clock}draft_forward_s"] = dsec
             d[f"{clock}step_ms_mean"] = 1e3 * src["step"] / n_steps
-            d[f"{clock}draft_ms_per_step"] = 1e3 * src["_draft"] / n_steps
-            d[f"{clock}target_forward_ms_per_step"] = 1e3 * src["_target_forward"] / n_steps
-            d[f"{clock}draft_forward_ms_mean"] = 1e3 * src["draft_forward"] / nd if nd else 0.0
+            d[f"{clock}draft_ms_per_step"] = 1e3 * src["draft"] / n_steps
+            d[f"{clock}target_forward_ms_per_step"] = 1e3 * src["forward"] / n_steps
+            d[f"{clock}draft_forward_ms_mean"] = 1e3 * dsec / nd if nd else 0.0
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in d.items()}
 
 

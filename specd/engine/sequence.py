@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.engine.detokenizer import IncrementalDetokenizer
 from specd.engine.kv_cache import SeqBlocks
 from specd.engine.sampling import SamplingParams
 
@@ -128,9 +129,9 @@ class Sequence:
         self.stats = SpecStats()
         self.finish_reason: str | None = None
         self.error: str | None = None  # why the engine failed it (finish_reason "error")
-        self.detok = None
+        self.detok: IncrementalDetokenizer | None = None
         self.sent_chars = 0  # characters of the output text already streamed (stop-string hold-back)
-        self.stop_text = None  # final text when a stop string ended the request (the stop string cut off)
+        self.stop_text: str | None = None  # final text when a stop string ended the request (the stop string cut off)
         self.first_token_time: float | None = None
         self.scheduled_time: float | None = None
         self.finish_time: float | None = None
@@ -164,50 +165,3 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
-
-    # atomic steps ---------------------------------------------------------------------------------
-    def checkpoint(self) -> Checkpoint:
-        """What a step's batched stages (draft, target forward, verify, KV compaction) may change,
-        taken after scheduling. ``restore`` puts it back: the step then never ran for this request."""
-        gen = self.generator if not self.params.greedy and self.generator is not None else None
-        return Checkpoint(
-            len(self.tokens),
-            self.num_computed,
-            self.draft_computed,
-            self.blocks.capacity if self.blocks is not None else 0,
-            self.draft_blocks.capacity if self.draft_blocks is not None else 0,
-            tuple(self.pc_state),
-            tuple(self.pc_draft_state),
-            gen.get_state() if gen is not None else None,
-        )
-
-    def restore(self, cp: Checkpoint) -> None:
-        """Undo a failed step. KV entries below ``num_computed`` are never written by a step (writes
-        go past the committed prefix), so resetting the counters and dropping the blocks the step
-        reserved restores the caches; a sampling request's generator rewinds to its draws before
-        the step, so the retried step draws exactly what the failed one drew."""
-        del self.tokens[cp.num_tokens :]
-        self.num_computed = cp.num_computed
-        self.draft_computed = cp.draft_computed
-        if self.blocks is not None:
-            self.blocks.truncate(cp.capacity)
-        if self.draft_blocks is not None:
-            self.draft_blocks.truncate(cp.draft_capacity)
-        self.pc_state = list(cp.pc_state)
-        self.pc_draft_state = list(cp.pc_draft_state)
-        if cp.generator_state is not None:
-            self.generator.set_state(cp.generator_state)
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A request's engine state at the start of a step's compute (``Sequence.checkpoint``)."""
-
-    num_tokens: int
-    num_computed: int
-    draft_computed: int
-    capacity: int  # target cache slots reserved
-    draft_capacity: int
-    pc_state: tuple
-    pc_draft_state: tuple
-    generator_state: torch.Tensor | None
