@@ -410,8 +410,8 @@ class StepLog:
         log = self.steps = []
 
         class _Tracing(SpecStats):
-            def record(self, num_drafted, depth, accepted):
-                super().record(num_drafted, depth, accepted)
+            def record(self, num_drafted, depth, accepted, proposer=None):
+                super().record(num_drafted, depth, accepted, proposer)
                 log.append((depth, accepted))
 
         engine.stats = _Tracing()

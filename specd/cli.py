@@ -78,8 +78,8 @@ def _generate_setup(a) -> tuple:
         )
     except (LoadError, ValueError) as e:
         raise _CliError(str(e)) from None
-    if a.spec != "off" and eng.drafter is None:
-        raise _CliError("--spec chain|tree needs --draft DIR")
+    if a.spec in ("chain", "tree") and eng.drafter is None:
+        raise _CliError("--spec chain|tree needs --draft DIR (or --spec ngram: prompt lookup, no draft model)")
     return eng, params
 
 
@@ -111,6 +111,7 @@ def _generate_one(eng, a, text: str, params) -> None:
         "accepted_tokens": st.accepted_tokens,
         "mean_accepted_length": round(st.mean_accepted_length, 4),
         "acceptance_per_depth": st.as_dict()["acceptance_per_depth"],
+        "by_proposer": st.as_dict()["by_proposer"],
         "tokens_per_second": round(seq.num_output / dt, 2) if dt > 0 else 0.0,
         "finish_reason": seq.finish_reason,
     }
@@ -161,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--spec", default="tree", choices=["off", "chain", "tree"])
+    g.add_argument("--spec", default="tree", choices=["off", "chain", "tree", "ngram", "auto"])
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
 
     s = sub.add_parser("serve", help="serve websocket + HTTP (+ gRPC)")

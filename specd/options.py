@@ -52,7 +52,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per cache (default: from memory)")
     p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache budget in GiB (both caches)")
-    p.add_argument("--spec-mode", default="tree", help="default speculation: off | chain | tree | static")
+    p.add_argument(
+        "--spec-mode",
+        default="tree",
+        help="default speculation: off | chain | tree | static (the draft model) | ngram (prompt lookup, no draft "
+        "model needed)",
+    )
+    p.add_argument("--ngram-tokens", type=int, default=8, help="prompt lookup: draft tokens per continuation")
+    p.add_argument(
+        "--ngram-branches", type=int, default=1, help="prompt lookup: distinct continuations in the tree (1 = a chain)"
+    )
     p.add_argument("--num-draft-tokens", type=int, default=4, help="chain length k")
     p.add_argument("--tree-budget", type=int, default=16, help="dynamic tree: draft nodes kept")
     p.add_argument("--tree-topk", type=int, default=4)
@@ -149,6 +158,8 @@ def engine_config(a):
             tree_budget=a.tree_budget,
             tree_topk=a.tree_topk,
             tree_depth=a.tree_depth,
+            ngram_tokens=getattr(a, "ngram_tokens", 8),
+            ngram_branches=getattr(a, "ngram_branches", 1),
             adaptive=not a.no_adaptive,
             static_tree=_static_tree(a.static_tree),
         ),

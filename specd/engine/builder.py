@@ -18,6 +18,7 @@ from specd.engine.scheduler import Scheduler
 from specd.model.attention import get_backend
 from specd.model.loader import LoadedModel, LoadError, load_model
 from specd.speculation.drafter import Drafter
+from specd.speculation.ngram import NgramConfig, NgramProposer
 from specd.speculation.policy import SpecPolicy
 
 CPU_KV_BUDGET = 2 << 30  # bytes of KV cache on a CPU when no budget is given
@@ -39,6 +40,7 @@ class EngineParts:
     policy: SpecPolicy
     scheduler: Scheduler
     drafter: Drafter | None
+    ngram: NgramProposer
     policy_clock: Callable[[], float]  # seconds: the engine thread's CPU time on a CPU, wall time on a GPU
 
 
@@ -131,7 +133,8 @@ def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | No
         assert draft_cache is not None
         drafter = Drafter(draft.model, draft_cache, cfg.spec, device, draft.config.vocab_size, backend, ledger)
         drafter.clock = policy_clock
+    ngram = NgramProposer(NgramConfig(max_tokens=cfg.spec.ngram_tokens, branches=cfg.spec.ngram_branches))
     return EngineParts(
         target, draft, max_len, backend, cache, draft_cache, prefix_cache, draft_prefix_cache, ledger, policy,
-        scheduler, drafter, policy_clock,
+        scheduler, drafter, ngram, policy_clock,
     )  # fmt: skip

@@ -35,6 +35,7 @@ from specd.engine.sequence import Sequence, SpecParams, SpecStats, Status
 from specd.engine.stages import TargetPass, WorkItem, target_pass, verify
 from specd.engine.timings import StageTimings
 from specd.model.loader import LoadedModel
+from specd.speculation.policy import MODEL_MODES
 
 __all__ = ["Engine", "RequestError", "RequestOutput", "validate_request"]
 
@@ -62,6 +63,7 @@ class Engine:
         self.cache, self.draft_cache = p.cache, p.draft_cache
         self.prefix_cache, self.draft_prefix_cache = p.prefix_cache, p.draft_prefix_cache
         self.ledger, self.policy, self.scheduler, self.drafter = p.ledger, p.policy, p.scheduler, p.drafter
+        self.ngram = p.ngram
         self._policy_clock = p.policy_clock
         self.eos_ids = set(p.target.config.eos_token_ids)
         self.vocab_size = p.target.config.vocab_size
@@ -233,26 +235,36 @@ class Engine:
         return max(0, min(budget, room, remaining))
 
     def _draft(self, scheduled: list) -> dict:
-        """Proposals (request id -> Proposal) for the requests granted draft tokens; the draft
-        cache of requests still in prefill catches up (skipped for adaptive requests while
-        speculation is off: they catch up in one draft forward when they next draft)."""
-        if self.drafter is None:
-            return {}
+        """Proposals (request id -> Proposal) for the requests granted draft tokens: prompt lookup
+        for ``ngram`` requests, the draft model for the others. The draft cache of requests still in
+        prefill catches up (skipped for adaptive requests while speculation is off: they catch up in
+        one draft forward when they next draft)."""
         pol = self.policy
         lazy_auto = pol.spec.adaptive and pol.last_depth == 0
-        catch, spec = [], []
+        catch, spec, out = [], [], {}
         for sc in scheduled:
             seq = sc.seq
-            if sc.final:
-                b = self._spec_budget(seq, sc.spec_budget) if sc.spec_budget > 0 else 0
-                shape = self.drafter.shape_for(pol.mode_of(seq), b, sc.spec_depth) if b > 0 else None
+            mode = pol.mode_of(seq)
+            if not sc.final:
+                if mode in MODEL_MODES and not (lazy_auto and seq.spec.mode == "auto"):
+                    catch.append((seq, seq.num_computed + sc.num_tokens))
+                continue
+            b = self._spec_budget(seq, sc.spec_budget) if sc.spec_budget > 0 else 0
+            if b <= 0:
+                continue
+            if mode == "ngram":
+                prop = self.ngram.propose(seq, b)
+                if prop is not None:
+                    out[seq.request_id] = prop
+            elif self.drafter is not None:
+                shape = self.drafter.shape_for(mode, b, sc.spec_depth)
                 if shape is not None:
                     spec.append((seq, shape))
-            elif pol.mode_of(seq) != "off" and not (lazy_auto and seq.spec.mode == "auto"):
-                catch.append((seq, seq.num_computed + sc.num_tokens))
-        if catch:
+        if catch and self.drafter is not None:
             self.drafter.catch_up(catch)
-        return self.drafter.propose(spec) if spec else {}
+        if spec and self.drafter is not None:
+            out.update(self.drafter.propose(spec))
+        return out
 
     # accept, commit, emit ------------------------------------------------------------------------
     def _commit(self, tp: TargetPass, results: list, cps: dict) -> list:
@@ -295,15 +307,23 @@ class Engine:
         return RequestOutput(seq.request_id, new, text, reason is not None, reason, seq)
 
     def _record(self, seq: Sequence, w: WorkItem, accepted: int, emitted: int) -> None:
-        """Speculation statistics (request and engine) and the acceptance the policy learns from."""
-        depth = w.proposal.depth if w.proposal is not None else 0
+        """Speculation statistics (request and engine, by proposer) and the acceptance the policy
+        learns from (per proposer: the draft model's feeds the adaptive depth, prompt lookup's its
+        draft length)."""
+        prop = w.proposal
+        depth = prop.depth if prop is not None else 0
         drafted = w.tree.num_nodes - 1 if w.tree is not None else 0
+        name = prop.proposer if prop is not None else None
         for st in (seq.stats, self.stats):
-            st.record(drafted, depth, accepted)
+            st.record(drafted, depth, accepted, name)
             st.emitted_tokens += emitted
-        if depth:
-            seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (accepted / depth)
-            self.policy.note_accept(accepted / depth)
+        if not depth or prop is None:
+            return
+        if prop.proposer == "ngram":
+            seq.ngram_accept = 0.7 * seq.ngram_accept + 0.3 * (accepted / depth)
+            return
+        seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (accepted / depth)
+        self.policy.note_accept(accepted / depth)
 
     def _observe(self, sched: SchedulerOutput, timing: dict, t0: float, t2: float) -> None:
         """Feed the adaptive policy the costs of a clean pure-decode step (prefill would skew the fit)."""
@@ -311,11 +331,13 @@ class Engine:
             return
         proposals, t1 = timing["proposals"], timing["t1"]
         try:
-            if proposals and self.drafter is not None:
-                # per-level draft cost: the forwards after the first (which also catches the draft
-                # cache up by however much it lags, e.g. after a skipped prompt prefill)
-                levels = self.drafter.levels - 1
-                level = self.drafter.level_time / levels if levels > 0 else None
+            if proposals:
+                # per-level draft cost (draft model only): the forwards after the first (which also
+                # catches the draft cache up by however much it lags, e.g. after a skipped prefill)
+                level = None
+                if self.drafter is not None and any(not p.deterministic for p in proposals.values()):
+                    levels = self.drafter.levels - 1
+                    level = self.drafter.level_time / levels if levels > 0 else None
                 self.policy.observe(t2 - t1, level, sched.num_tokens)
             else:
                 self.policy.observe_plain(len(sched.scheduled), t2 - t0)

@@ -20,18 +20,20 @@ class Status(enum.Enum):
 
 
 PRIORITIES = {"interactive": 0, "batch": 1}
+# per request: auto = the server's default; chain / tree = the draft model; ngram = prompt lookup
+SPEC_MODES = ("auto", "off", "chain", "tree", "ngram")
 
 
 @dataclass(frozen=True)
 class SpecParams:
     """Per-request speculation: ``auto`` lets the scheduler decide; ``max_draft_tokens`` caps the tree."""
 
-    mode: str = "auto"  # auto | off | chain | tree
+    mode: str = "auto"  # auto | off | chain | tree | ngram
     max_draft_tokens: int | None = None
 
     def __post_init__(self):
-        if self.mode not in ("auto", "off", "chain", "tree"):
-            raise ValueError(f"speculation.mode must be auto|off|chain|tree, got {self.mode!r}")
+        if self.mode not in SPEC_MODES:
+            raise ValueError(f"speculation.mode must be {'|'.join(SPEC_MODES)}, got {self.mode!r}")
         m = self.max_draft_tokens
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0 or m > 256):
             raise ValueError(f"speculation.max_draft_tokens must be an integer in 0..256, got {m!r}")
@@ -46,9 +48,15 @@ class SpecStats:
     accepted_per_depth: list = field(default_factory=list)  # [d] accepted draft tokens at depth d+1
     drafted_per_depth: list = field(default_factory=list)  # [d] steps that drafted at depth d+1
     accept_len_hist: list = field(default_factory=list)  # [a] steps that accepted exactly a drafts
+    by_proposer: dict = field(default_factory=dict)  # proposer -> [steps, draft tokens, accepted tokens]
 
-    def record(self, num_drafted: int, depth: int, accepted: int) -> None:
+    def record(self, num_drafted: int, depth: int, accepted: int, proposer: str | None = None) -> None:
         self.steps += 1
+        if proposer is not None:
+            row = self.by_proposer.setdefault(proposer, [0, 0, 0])
+            row[0] += 1
+            row[1] += num_drafted
+            row[2] += accepted
         if not depth and not accepted and self.accept_len_hist:  # a plain decode step (the common case)
             self.draft_tokens += num_drafted
             self.accept_len_hist[0] += 1
@@ -69,6 +77,11 @@ class SpecStats:
         self.draft_tokens += o.draft_tokens
         self.accepted_tokens += o.accepted_tokens
         self.emitted_tokens += o.emitted_tokens
+        for name, (s, d, a) in o.by_proposer.items():
+            row = self.by_proposer.setdefault(name, [0, 0, 0])
+            row[0] += s
+            row[1] += d
+            row[2] += a
         for name in ("accepted_per_depth", "drafted_per_depth", "accept_len_hist"):
             a, b = getattr(self, name), getattr(o, name)
             while len(a) < len(b):
@@ -97,6 +110,15 @@ class SpecStats:
             ],
             "accepted_per_depth": list(self.accepted_per_depth),
             "accept_len_hist": list(self.accept_len_hist),
+            "by_proposer": {
+                name: {
+                    "steps": s,
+                    "draft_tokens": d,
+                    "accepted_tokens": a,
+                    "mean_accepted_length": round(1.0 + a / s, 4) if s else 0.0,
+                }
+                for name, (s, d, a) in sorted(self.by_proposer.items())
+            },
         }
 
 
@@ -144,6 +166,8 @@ class Sequence:
         self.cached_prefix_tokens = 0  # prompt tokens served from the prefix cache
         self.pc_state = [0, 0]  # prefix cache: [target blocks registered, chained key]
         self.pc_draft_state = [0, 0]
+        self.ngram_index = None  # prompt-lookup index (specd.speculation.ngram), built on first use
+        self.ngram_accept: float = 0.5  # EMA of per-position acceptance of its prompt-lookup drafts
 
     @property
     def num_prompt(self) -> int:

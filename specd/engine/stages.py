@@ -20,7 +20,7 @@ import torch
 from specd.engine.sampling import logits_to_probs
 from specd.engine.scheduler import Scheduled
 from specd.model.attention import build_metadata
-from specd.speculation.drafter import Proposal
+from specd.speculation.proposal import Proposal
 from specd.speculation.tree import DraftTree
 from specd.speculation.verify import AcceptResult, greedy_verify, verify_batch
 
@@ -151,6 +151,11 @@ def verify(tp: TargetPass) -> list:
     return results
 
 
+def _draft_mode(w: WorkItem) -> str:
+    """How the verifier treats ``w``'s children: drawn from the draft model, or chosen (a point mass)."""
+    return "deterministic" if w.proposal is not None and w.proposal.deterministic else "sampled"
+
+
 def _verify_sampled(work: list, logits: torch.Tensor) -> list:
     """The rejection sampler over the sampled requests in one vectorised pass (two host
     transfers), each request drawing only from its own generator."""
@@ -181,5 +186,5 @@ def _verify_sampled(work: list, logits: torch.Tensor) -> list:
         greedy=False,
         draft_probs=torch.cat(dps),
         generators=[w.sc.seq.generator for w in work],
-        draft_mode="sampled",
+        draft_mode=[_draft_mode(w) for w in work],
     )

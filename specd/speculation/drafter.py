@@ -37,6 +37,7 @@ from specd.engine.kv_cache import KVCache
 from specd.engine.sampling import logits_to_probs
 from specd.engine.sequence import Sequence
 from specd.model.attention import build_metadata
+from specd.speculation.proposal import Proposal
 from specd.speculation.tree import DraftTree, TreeChoices, static_tree_choices
 
 SAMPLED_WIDTH = 2  # children per expanded node in sampled dynamic trees (see _num_children)
@@ -57,13 +58,6 @@ class Shape:
             assert self.choices is not None
             return len(self.choices.parents) - 1
         return self.topk + (self.depth - 1) * self.topk * self.topk
-
-
-@dataclass
-class Proposal:
-    tree: DraftTree
-    draft_probs: torch.Tensor | None  # [n, V] for sampling requests, else None
-    depth: int
 
 
 class _Build:

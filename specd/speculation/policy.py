@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from specd.config import SpecConfig
 from specd.engine.sequence import Sequence
 
+MODEL_MODES = ("chain", "tree", "static")  # modes that draft with the draft model
 DECISION_REUSE_STEPS = 8  # a decision is reused while the batch's estimates are unchanged
 HOPELESS_REUSE_STEPS = 64  # "drafting cannot pay at this batch size" is trusted this long
 FIT_WINDOW = 64  # speculative steps in the least-squares cost fit
@@ -50,6 +51,7 @@ class StepPlan:
     depth: int | None
     probe: Sequence | None
     cap: int
+    batch: int = 1  # requests expected in the step
 
 
 class CostFit:
@@ -126,18 +128,24 @@ class SpecPolicy:
 
     # per request --------------------------------------------------------------------------------
     def mode_of(self, seq: Sequence) -> str:
-        """The request's effective mode: ``off`` without a draft; ``auto`` means the configured one."""
-        if not self.has_draft:
-            return "off"
+        """The request's effective mode: ``auto`` means the configured one; a draft-model mode
+        (chain, tree, static) is ``off`` without a draft model; ``ngram`` needs none."""
         m = seq.spec.mode
-        return self.spec.mode if m == "auto" else m
+        if m == "auto":
+            m = self.spec.mode
+        if m in MODEL_MODES and not self.has_draft:
+            return "off"
+        return m
 
     def desired_budget(self, seq: Sequence) -> int:
         """Draft tokens the request's mode asks for (before the adaptive depth and step caps)."""
         mode = self.mode_of(seq)
         if mode == "off":
             return 0
-        base = self.spec.num_draft_tokens if mode == "chain" else self.spec.tree_budget
+        if mode == "ngram":
+            base = self.spec.ngram_tokens * self.spec.ngram_branches
+        else:
+            base = self.spec.num_draft_tokens if mode == "chain" else self.spec.tree_budget
         if seq.spec.max_draft_tokens is not None:
             base = min(base, seq.spec.max_draft_tokens)
         return max(base, 0)
@@ -190,9 +198,9 @@ class SpecPolicy:
         ``candidates`` (the requests that may run this step, in rank order)."""
         cap = self.step_spec_cap(batch) if self.spec.adaptive else 1 << 30
         self.step += 1
-        if not (self.spec.adaptive and self.has_draft):
-            return StepPlan(None, None, cap)
-        autos = [s for s in candidates if s.spec.mode == "auto"] if self.spec.mode != "off" else []
+        if not (self.spec.adaptive and self.has_draft) or self.spec.mode not in MODEL_MODES:
+            return StepPlan(None, None, cap, batch)
+        autos = [s for s in candidates if s.spec.mode == "auto"]
         if autos and self._hopeless_now(len(autos)):
             depth = 0
         else:
@@ -202,10 +210,12 @@ class SpecPolicy:
         if self.probing and autos:
             probe = min(autos, key=lambda s: s.last_probe)
             probe.last_probe = self.step
-        return StepPlan(depth, probe, cap)
+        return StepPlan(depth, probe, cap, batch)
 
     def budget(self, seq: Sequence, plan: StepPlan) -> tuple[int, int]:
         """(draft tokens wanted, tree depth allowed; 0 = the configured depth) for ``seq`` this step."""
+        if self.mode_of(seq) == "ngram":
+            return self.ngram_budget(seq, plan.batch), 0
         auto = seq.spec.mode == "auto"
         if plan.depth == 0 and not self.probing and auto:
             return 0, 0  # speculation off for adaptive requests this step (the common case at load)
@@ -219,6 +229,28 @@ class SpecPolicy:
         if seq.spec.max_draft_tokens is not None:
             want = min(want, seq.spec.max_draft_tokens)
         return want, depth
+
+    def ngram_budget(self, seq: Sequence, batch: int) -> int:
+        """Prompt-lookup draft tokens for ``seq``: the length that maximises expected tokens per
+        second at its acceptance (drafting itself costs nothing; verifying each token does), capped
+        by its mode's budget. A step with no n-gram match drafts nothing, whatever is reserved.
+        While nothing pays (or with adaptive speculation off: always) the full budget is kept on
+        every ``probe_every``-th step so the estimate stays current."""
+        want = self.desired_budget(seq)
+        t_plain = self.t_plain.get(batch)
+        if not self.spec.adaptive or want <= 0 or self.t_target is None or t_plain is None:
+            return want
+        a = min(max(seq.ngram_accept, 0.0), 0.999)
+        t0, tpt = self.t_target, self.t_per_token
+        best, best_d, e = 1.0 / t_plain, 0, 1.0
+        for d in range(1, want + 1):
+            e += a**d
+            rate = e / max(t0 + tpt * batch * (1 + d), t_plain + tpt * batch * d)
+            if rate > best * 1.02:
+                best, best_d = rate, d
+        if best_d == 0 and self.step % self.probe_min == 0:
+            return want
+        return best_d
 
     def choose_depth(self, alphas: list) -> int:
         """Draft depth maximising expected tokens/s of the step (0 = no speculation). While the

@@ -1,0 +1,145 @@
+"""Prompt lookup (``--spec ngram``): the index and trie against brute force, greedy output identical
+to plain decoding (with and without a draft model, mixed with draft-model requests), sampled output
+following the target's distribution with a point-mass proposer, and per-proposer statistics."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specd.config import EngineConfig, SchedulerConfig, SpecConfig
+from specd.engine.engine import Engine
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import SpecParams
+from specd.speculation.ngram import NgramConfig, NgramIndex, trie
+from tests.conftest import DRAFT, TARGET
+from tests.test_spec_sampling import TEMP, TOPK, _target_probs
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+REPETITIVE = [
+    "Once upon a time, there was a girl. Once upon a time, there was a",
+    "Tom had a red ball. Tom had a red ball. Tom had a red ball. Tom had a",
+    "The cat sat on the mat. The dog sat on the mat. The bird sat on the",
+    "Lily said: I like cake. Sam said: I like cake. Mom said: I like",
+]
+
+
+def _brute_continuations(tokens, sizes, max_tokens, branches):
+    L = len(tokens)
+    for n in reversed(sizes):
+        if L < n:
+            continue
+        tail = tokens[L - n :]
+        out = []
+        for end in range(L - 1, n - 1, -1):  # most recent occurrence first
+            if tokens[end - n : end] == tail:
+                cont = tokens[end : min(end + max_tokens, L)]
+                if cont not in out:
+                    out.append(cont)
+                if len(out) == branches:
+                    break
+        if out:
+            return out
+    return []
+
+
+def test_index_matches_brute_force_as_the_context_grows():
+    rng = random.Random(0)
+    for trial in range(30):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        ix = NgramIndex(range(1, 4))
+        for _ in range(25):  # incremental: one or a few tokens committed per step
+            want = _brute_continuations(tokens, range(1, 4), 5, 3)
+            assert ix.continuations(tokens, 5, 3) == want, (trial, tokens)
+            tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+
+
+def test_trie_merges_shared_prefixes_in_breadth_first_order_within_the_budget():
+    tree = trie(7, [[1, 2, 3], [1, 4], [5]], budget=16)
+    assert tree.token_list == [7, 1, 5, 2, 4, 3]
+    assert [tree.path_to(i) for i in range(tree.num_nodes)][-1] == [0, 1, 3, 5]
+    assert trie(7, [[1, 2, 3], [4, 5]], budget=3).token_list == [7, 1, 2, 3]  # budget: 3 draft nodes
+    with pytest.raises(ValueError):
+        NgramConfig(min_n=3, max_n=2)
+
+
+@pytest.fixture(scope="module")
+def engines(shared_pair):
+    """(with the draft model loaded, target only), both defaulting to prompt lookup."""
+    t, d = shared_pair
+    spec = SpecConfig(mode="ngram", ngram_tokens=6, ngram_branches=2, adaptive=False)
+    sch = SchedulerConfig(max_num_seqs=16)
+    with_draft = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=spec, scheduler=sch), t, d)
+    alone = Engine(EngineConfig(target=str(TARGET), spec=spec, scheduler=sch), t)
+    return with_draft, alone
+
+
+def _ids(eng, texts):
+    return [eng.tokenizer(x)["input_ids"] for x in texts]
+
+
+def test_greedy_prompt_lookup_equals_plain_decoding(engines):
+    with_draft, alone = engines
+    prompts = _ids(alone, REPETITIVE)
+    plain = [s.output_ids for s in alone.generate(prompts, GREEDY, SpecParams(mode="off"))]
+    alone.stats.by_proposer.clear()
+    for p, want in zip(prompts, plain):  # batch 1, no draft model at all
+        assert alone.generate([p], GREEDY, SpecParams(mode="ngram"))[0].output_ids == want
+    row = alone.stats.by_proposer["ngram"]
+    assert row[2] > 0, "no prompt-lookup draft was ever accepted: the test proves nothing"
+    # a mixed batch on the engine with a draft model: ngram, tree, auto (= ngram here) and off together
+    modes = ["ngram", "tree", "auto", "off"]
+    seqs = [with_draft.add_request(p, GREEDY, SpecParams(mode=m)) for p, m in zip(prompts, modes)]
+    while any(not s.finished for s in seqs):
+        with_draft.step()
+    assert [s.output_ids for s in seqs] == plain
+    assert set(with_draft.stats.by_proposer) == {"ngram", "draft"}
+    assert with_draft.kv_blocks_used() == (0, 0) and alone.kv_blocks_used() == (0, 0)
+
+
+def test_per_proposer_statistics_add_up(engines):
+    _, alone = engines
+    seq = alone.generate(_ids(alone, REPETITIVE[1:2]), GREEDY, SpecParams(mode="ngram"))[0]
+    d = seq.stats.as_dict()["by_proposer"]["ngram"]
+    assert d["accepted_tokens"] == seq.stats.accepted_tokens and d["draft_tokens"] == seq.stats.draft_tokens
+    assert d["steps"] <= seq.stats.steps and d["mean_accepted_length"] > 1.0
+
+
+def test_sampled_prompt_lookup_follows_the_targets_distribution(shared_pair):
+    """The draft distribution of prompt lookup is a point mass: verification in deterministic mode
+    keeps sampling exact (chi-square on the first two tokens, as for the draft model)."""
+    t, _ = shared_pair
+    eng = Engine(
+        EngineConfig(
+            target=str(TARGET),
+            spec=SpecConfig(mode="ngram", ngram_tokens=3, ngram_branches=2, adaptive=False),
+            scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096),
+        ),
+        target=t,
+    )
+    prompt = eng.tokenizer("Once upon a time, there was a girl. Once upon a time, there was a")["input_ids"]
+    p1 = _target_probs(t, prompt)
+    joint = {}
+    for x1 in torch.nonzero(p1).flatten().tolist():
+        p2 = _target_probs(t, prompt + [x1])
+        for x2 in torch.nonzero(p2).flatten().tolist():
+            joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    n = 2000
+    # max_tokens 3: the first step may draft two tokens; the tiny model copies rarely (~5% accepted)
+    params = [SamplingParams(temperature=TEMP, top_k=TOPK, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)]
+    seqs = eng.generate([prompt] * n, params, SpecParams(mode="ngram"))
+    assert eng.stats.by_proposer["ngram"][2] > 0.03 * n  # drafts were really accepted
+    keys = sorted(joint)
+    counts = dict.fromkeys(keys, 0)
+    for s in seqs:
+        counts[tuple(s.output_ids[:2])] += 1  # a pair outside the target's support raises KeyError
+    obs = np.array([counts[k] for k in keys], dtype=float)
+    exp = np.array([joint[k] for k in keys]) * n
+    big = exp >= 5
+    obs_m, exp_m = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
+    exp_m *= obs_m.sum() / exp_m.sum()
+    assert chisquare(obs_m, exp_m).pvalue > 1e-3
+    assert 0.5 * np.abs(obs / n - exp / n).sum() < 0.07
+    assert eng.kv_blocks_used() == (0, 0)
