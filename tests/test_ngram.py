@@ -143,3 +143,30 @@ def test_sampled_prompt_lookup_follows_the_targets_distribution(shared_pair):
     assert chisquare(obs_m, exp_m).pvalue > 1e-3
     assert 0.5 * np.abs(obs / n - exp / n).sum() < 0.07
     assert eng.kv_blocks_used() == (0, 0)
+
+
+def test_adaptive_requests_choose_a_proposer_per_step_and_stay_lossless(shared_pair):
+    """``auto`` requests on an engine with a draft model: each step drafts with prompt lookup when it
+    has a match the policy expects to pay more, else with the draft model; greedy output is still
+    identical to plain decoding, and both proposers show up in the statistics."""
+    t, d = shared_pair
+    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(mode="tree", adaptive=True)), t, d)
+    prompts = _ids(eng, REPETITIVE)
+    plain = [s.output_ids for s in eng.generate(prompts, GREEDY, SpecParams(mode="off"))]
+    eng.stats.by_proposer.clear()
+    for p, want in zip(prompts, plain):
+        assert eng.generate([p], GREEDY, SpecParams(mode="auto"))[0].output_ids == want
+    assert set(eng.stats.by_proposer) == {"ngram", "draft"}
+    assert eng.kv_blocks_used() == (0, 0)
+
+
+def test_the_policy_prefers_the_proposal_with_more_tokens_per_second(shared_pair):
+    t, d = shared_pair
+    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
+    pol, seq = eng.policy, eng.add_request([5, 6, 7], GREEDY)
+    assert pol.prefer_ngram(seq, 4, 3, 1)  # nothing measured yet: the free proposal
+    pol.t_target, pol.t_per_token, pol.t_draft, pol.t_plain = 0.010, 0.001, 0.004, {1: 0.010}
+    seq.ngram_accept, seq.recent_accept = 0.9, 0.3
+    assert pol.prefer_ngram(seq, 4, 3, 1)  # lookup accepted far more often than the model
+    seq.ngram_accept, seq.recent_accept = 0.05, 0.9
+    assert not pol.prefer_ngram(seq, 4, 3, 1)

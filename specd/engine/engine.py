@@ -258,13 +258,29 @@ class Engine:
                     out[seq.request_id] = prop
             elif self.drafter is not None:
                 shape = self.drafter.shape_for(mode, b, sc.spec_depth)
-                if shape is not None:
+                if shape is None:
+                    continue
+                prop = self._hybrid_choice(sc, b, shape.depth, len(scheduled))
+                if prop is not None:
+                    out[seq.request_id] = prop
+                else:
                     spec.append((seq, shape))
         if catch and self.drafter is not None:
             self.drafter.catch_up(catch)
         if spec and self.drafter is not None:
             out.update(self.drafter.propose(spec))
         return out
+
+    def _hybrid_choice(self, sc, budget: int, depth: int, batch: int):
+        """An adaptive request that would draft with the model this step: its prompt-lookup
+        proposal instead when there is a match and the policy expects it to pay more; else None."""
+        seq = sc.seq
+        if seq.spec.mode != "auto" or not self.policy.spec.adaptive:
+            return None
+        prop = self.ngram.propose(seq, budget)
+        if prop is None or not self.policy.prefer_ngram(seq, prop.tree.num_nodes - 1, depth, batch):
+            return None
+        return prop
 
     # accept, commit, emit ------------------------------------------------------------------------
     def _commit(self, tp: TargetPass, results: list, cps: dict) -> list:

@@ -252,6 +252,28 @@ class SpecPolicy:
             return want
         return best_d
 
+    def prefer_ngram(self, seq: Sequence, ngram_tokens: int, model_depth: int, batch: int) -> bool:
+        """For an adaptive request that could draft with either proposer this step: is the prompt
+        lookup match (``ngram_tokens`` long) worth more tokens per second than the draft model at
+        ``model_depth``? Expected tokens from each one's own acceptance of this request; costs:
+        verification of the proposal's tokens (measured), plus the draft levels for the model."""
+        if self.t_target is None or self.t_draft is None or model_depth <= 0:
+            return True  # nothing measured yet (or the model would not draft): the free proposal
+        t0, tpt = self.t_target, self.t_per_token
+        t_plain = self.t_plain.get(batch, t0)
+
+        def verify_cost(nodes: int) -> float:
+            return max(t0 + tpt * batch * (1 + nodes), t_plain + tpt * batch * nodes)
+
+        def expected(a: float, d: int) -> float:
+            a = min(max(a, 0.0), 0.999)
+            return (1 - a ** (d + 1)) / (1 - a)
+
+        ngram_rate = expected(seq.ngram_accept, ngram_tokens) / verify_cost(ngram_tokens)
+        nodes = self.nodes_for_depth(model_depth)
+        model_rate = expected(seq.recent_accept, model_depth) / (verify_cost(nodes) + model_depth * self.t_draft)
+        return ngram_rate >= model_rate
+
     def choose_depth(self, alphas: list) -> int:
         """Draft depth maximising expected tokens/s of the step (0 = no speculation). While the
         answer is 0, every ``probe_every`` steps it returns 1 and sets ``probing``."""
