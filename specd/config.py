@@ -136,6 +136,7 @@ class SpecConfig:
     adaptive: bool = True
     ngram_tokens: int = 8  # prompt lookup: draft tokens per continuation
     ngram_branches: int = 1  # prompt lookup: distinct continuations in the tree (1 = a chain)
+    suffix_store: bool = True  # ngram mode: also draft from the same tenant's earlier requests
 
     def __post_init__(self):
         if self.mode not in ("off", "chain", "tree", "static", "ngram"):

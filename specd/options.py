@@ -62,6 +62,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ngram-branches", type=int, default=1, help="prompt lookup: distinct continuations in the tree (1 = a chain)"
     )
+    p.add_argument(
+        "--no-suffix-store",
+        action="store_true",
+        help="ngram mode: do not draft from the same API key's earlier requests (memory-bounded store)",
+    )
     p.add_argument("--num-draft-tokens", type=int, default=4, help="chain length k")
     p.add_argument("--tree-budget", type=int, default=16, help="dynamic tree: draft nodes kept")
     p.add_argument("--tree-topk", type=int, default=4)
@@ -160,6 +165,7 @@ def engine_config(a):
             tree_depth=a.tree_depth,
             ngram_tokens=getattr(a, "ngram_tokens", 8),
             ngram_branches=getattr(a, "ngram_branches", 1),
+            suffix_store=not getattr(a, "no_suffix_store", False),
             adaptive=not a.no_adaptive,
             static_tree=_static_tree(a.static_tree),
         ),

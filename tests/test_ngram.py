@@ -14,6 +14,7 @@ from specd.engine.engine import Engine
 from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
 from specd.speculation.ngram import NgramConfig, NgramIndex, trie
+from specd.speculation.suffix import SuffixConfig, SuffixStore
 from tests.conftest import DRAFT, TARGET
 from tests.test_spec_sampling import TEMP, TOPK, _target_probs
 
@@ -102,9 +103,11 @@ def test_greedy_prompt_lookup_equals_plain_decoding(engines):
 def test_per_proposer_statistics_add_up(engines):
     _, alone = engines
     seq = alone.generate(_ids(alone, REPETITIVE[1:2]), GREEDY, SpecParams(mode="ngram"))[0]
-    d = seq.stats.as_dict()["by_proposer"]["ngram"]
-    assert d["accepted_tokens"] == seq.stats.accepted_tokens and d["draft_tokens"] == seq.stats.draft_tokens
-    assert d["steps"] <= seq.stats.steps and d["mean_accepted_length"] > 1.0
+    by = seq.stats.as_dict()["by_proposer"]  # prompt lookup, and (the prompt ran before) earlier requests
+    assert sum(d["accepted_tokens"] for d in by.values()) == seq.stats.accepted_tokens
+    assert sum(d["draft_tokens"] for d in by.values()) == seq.stats.draft_tokens
+    assert sum(d["steps"] for d in by.values()) <= seq.stats.steps
+    assert by["ngram"]["mean_accepted_length"] > 1.0 and by["suffix"]["accepted_tokens"] > 0
 
 
 def test_sampled_prompt_lookup_follows_the_targets_distribution(shared_pair):
@@ -150,7 +153,8 @@ def test_adaptive_requests_choose_a_proposer_per_step_and_stay_lossless(shared_p
     has a match the policy expects to pay more, else with the draft model; greedy output is still
     identical to plain decoding, and both proposers show up in the statistics."""
     t, d = shared_pair
-    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(mode="tree", adaptive=True)), t, d)
+    spec = SpecConfig(mode="tree", adaptive=True, suffix_store=False)  # (else the plain run predicts everything)
+    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=spec), t, d)
     prompts = _ids(eng, REPETITIVE)
     plain = [s.output_ids for s in eng.generate(prompts, GREEDY, SpecParams(mode="off"))]
     eng.stats.by_proposer.clear()
@@ -170,3 +174,38 @@ def test_the_policy_prefers_the_proposal_with_more_tokens_per_second(shared_pair
     assert pol.prefer_ngram(seq, 4, 3, 1)  # lookup accepted far more often than the model
     seq.ngram_accept, seq.recent_accept = 0.05, 0.9
     assert not pol.prefer_ngram(seq, 4, 3, 1)
+
+
+# drafting from earlier requests -------------------------------------------------------------------
+def test_suffix_store_is_bounded_and_never_crosses_tenants():
+    store = SuffixStore(SuffixConfig(max_tokens_per_tenant=40, max_tenants=2, min_n=2, max_n=3))
+    store.add("alice", [1, 2, 3, 4, 5, 6])
+    assert store.continuation("alice", [9, 1, 2], 3) == [3, 4, 5]
+    assert store.continuation("bob", [9, 1, 2], 3) == []  # another key never sees alice's requests
+    assert store.continuation(None, [9, 1, 2], 3) == []
+    for k in range(10):  # 10 x 10 tokens into a 40-token budget: the oldest documents go
+        store.add("alice", [100 + k] * 2 + list(range(20 + 10 * k, 28 + 10 * k)))
+    assert store.stats() == {"tenants": 1, "tokens": 40}
+    assert store.continuation("alice", [9, 1, 2], 3) == []  # evicted, and its index entries with it
+    assert store.continuation("alice", [109, 109], 2) == [110, 111]
+    store.add("bob", [1, 2, 3])
+    store.add("carol", [1, 2, 3])  # a third tenant evicts the least recently used (alice)
+    assert store.stats()["tenants"] == 2 and store.continuation("alice", [109, 109], 2) == []
+
+
+def test_a_repeated_request_drafts_from_the_first_and_stays_lossless(shared_pair):
+    t, _ = shared_pair
+    eng = Engine(EngineConfig(target=str(TARGET), spec=SpecConfig(mode="ngram", adaptive=False)), t)
+    prompt = _ids(eng, ["Sam was sad because"])[0]
+    first = eng.add_request(prompt, GREEDY, SpecParams(mode="ngram"), tenant="k1")
+    while not first.finished:
+        eng.step()
+    eng.stats.by_proposer.clear()
+    again = eng.generate([prompt], GREEDY, SpecParams(mode="ngram"))[0]  # tenant None: nothing to reuse
+    assert "suffix" not in eng.stats.by_proposer
+    second = eng.add_request(prompt, GREEDY, SpecParams(mode="ngram"), tenant="k1")
+    while not second.finished:
+        eng.step()
+    assert second.output_ids == first.output_ids == again.output_ids
+    steps, drafted, accepted = eng.stats.by_proposer["suffix"]
+    assert accepted >= 0.8 * drafted and second.stats.steps < 0.5 * len(second.output_ids)

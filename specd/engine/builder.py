@@ -20,6 +20,7 @@ from specd.model.loader import LoadedModel, LoadError, load_model
 from specd.speculation.drafter import Drafter
 from specd.speculation.ngram import NgramConfig, NgramProposer
 from specd.speculation.policy import SpecPolicy
+from specd.speculation.suffix import SuffixStore
 
 CPU_KV_BUDGET = 2 << 30  # bytes of KV cache on a CPU when no budget is given
 GPU_KV_SHARE = 0.85  # share of free device memory for the KV caches on a GPU
@@ -133,7 +134,8 @@ def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | No
         assert draft_cache is not None
         drafter = Drafter(draft.model, draft_cache, cfg.spec, device, draft.config.vocab_size, backend, ledger)
         drafter.clock = policy_clock
-    ngram = NgramProposer(NgramConfig(max_tokens=cfg.spec.ngram_tokens, branches=cfg.spec.ngram_branches))
+    ngram_cfg = NgramConfig(max_tokens=cfg.spec.ngram_tokens, branches=cfg.spec.ngram_branches)
+    ngram = NgramProposer(ngram_cfg, SuffixStore() if cfg.spec.suffix_store else None)
     return EngineParts(
         target, draft, max_len, backend, cache, draft_cache, prefix_cache, draft_prefix_cache, ledger, policy,
         scheduler, drafter, ngram, policy_clock,

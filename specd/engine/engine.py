@@ -94,13 +94,16 @@ class Engine:
         spec: SpecParams = SpecParams(),
         priority: str = "interactive",
         request_id: str | None = None,
+        tenant: str | None = None,
     ) -> Sequence:
-        """Queue a request (any thread). Raises RequestError for an invalid one."""
+        """Queue a request (any thread). Raises RequestError for an invalid one. ``tenant`` (e.g. a
+        digest of the API key): model-free drafting reads only earlier requests of the same tenant."""
         self.validate(prompt_ids, params)
         params = normalize_params(params, self.vocab_size)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, prompt_ids, params, spec, priority, arrival=self.clock())
         seq.generator = make_generator(params.seed)
+        seq.tenant = tenant
         seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
         with self._lock:
             if rid in self.seqs:
@@ -318,6 +321,7 @@ class Engine:
         self._record(seq, w, accepted, len(new))
         if reason is not None:
             self._finish(seq, reason)
+            self.ngram.finished(seq)
         else:
             self.ledger.register(seq)
         return RequestOutput(seq.request_id, new, text, reason is not None, reason, seq)
@@ -335,7 +339,7 @@ class Engine:
             st.emitted_tokens += emitted
         if not depth or prop is None:
             return
-        if prop.proposer == "ngram":
+        if prop.deterministic:  # prompt lookup or earlier requests
             seq.ngram_accept = 0.7 * seq.ngram_accept + 0.3 * (accepted / depth)
             return
         seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (accepted / depth)

@@ -167,6 +167,7 @@ class Sequence:
         self.pc_state = [0, 0]  # prefix cache: [target blocks registered, chained key]
         self.pc_draft_state = [0, 0]
         self.ngram_index = None  # prompt-lookup index (specd.speculation.ngram), built on first use
+        self.tenant: str | None = None  # whose earlier requests it may draft from (the API key)
         self.ngram_accept: float = 0.5  # EMA of per-position acceptance of its prompt-lookup drafts
 
     @property

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specd.speculation.proposal import Proposal
+from specd.speculation.suffix import SuffixStore
 from specd.speculation.tree import DraftTree
 
 MAX_OCCURRENCES = 64  # most recent occurrences of an n-gram scanned for distinct continuations
@@ -114,12 +115,12 @@ def trie(root: int, continuations: list, budget: int) -> DraftTree:
 
 
 class NgramProposer:
-    """Prompt-lookup proposals for requests in ``ngram`` mode (no model, no KV cache)."""
+    """Model-free proposals for requests in ``ngram`` mode (no model, no KV cache): prompt lookup in
+    the request's own context first, else (with a ``SuffixStore``) the tenant's earlier requests."""
 
-    name = "ngram"
-
-    def __init__(self, cfg: NgramConfig | None = None):
+    def __init__(self, cfg: NgramConfig | None = None, store: SuffixStore | None = None):
         self.cfg = cfg or NgramConfig()
+        self.store = store
 
     def propose(self, seq, budget: int) -> Proposal | None:
         """A proposal of at most ``budget`` draft tokens for ``seq``, or None without a match."""
@@ -128,8 +129,17 @@ class NgramProposer:
         index = seq.ngram_index
         if index is None:
             index = seq.ngram_index = NgramIndex(range(self.cfg.min_n, self.cfg.max_n + 1))
-        conts = index.continuations(seq.tokens, min(self.cfg.max_tokens, budget), self.cfg.branches)
+        k = min(self.cfg.max_tokens, budget)
+        conts, name = index.continuations(seq.tokens, k, self.cfg.branches), "ngram"
+        if not conts and self.store is not None:
+            cont = self.store.continuation(seq.tenant, seq.tokens, k)
+            conts, name = ([cont] if cont else []), "suffix"
         if not conts:
             return None
         tree = trie(seq.tokens[-1], conts, budget)
-        return Proposal(tree, None, tree.max_depth, proposer=self.name)
+        return Proposal(tree, None, tree.max_depth, proposer=name)
+
+    def finished(self, seq) -> None:
+        """A request completed: its tokens join its tenant's store."""
+        if self.store is not None:
+            self.store.add(seq.tenant, seq.tokens)

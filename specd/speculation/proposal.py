@@ -21,8 +21,8 @@ class Proposal:
     tree: DraftTree
     draft_probs: torch.Tensor | None
     depth: int
-    proposer: str = "draft"  # draft (the draft model) | ngram (prompt lookup)
+    proposer: str = "draft"  # draft (the draft model) | ngram (prompt lookup) | suffix (earlier requests)
 
     @property
     def deterministic(self) -> bool:
-        return self.proposer == "ngram"
+        return self.proposer in ("ngram", "suffix")
