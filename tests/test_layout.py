@@ -131,8 +131,6 @@ STILL_LONG: set = {
     "eval/soak.py:main",
     "eval/sweep.py:main",
     "eval/train_demo_pair.py:main",
-    "kernels/tree_attention.py:_launch_plan",
-    "kernels/tree_attention.py:tree_attention",
     "specd/model/attention.py:build_metadata",
     "specd/model/loader.py:load_weights",
     "specd/serving/engine_proc.py:_child_main",
