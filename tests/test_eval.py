@@ -9,22 +9,20 @@
 
 import json
 import shutil
-import sys
 
 import pytest
 from conftest import DRAFT, ROOT, TARGET
 
-sys.path.insert(0, str(ROOT / "eval"))
-
-import acceptance  # noqa: E402
-import common as C  # noqa: E402
+from eval import acceptance
+from eval import common as C
+from eval import harness as H
 
 PROMPTS = ["Once upon a time, there was a little", "Tom and Lily went to the park", "The cat sat"]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _threads():
-    C.set_threads(1)
+    H.set_threads(1)
 
 
 @pytest.fixture(scope="module")
