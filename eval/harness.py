@@ -145,10 +145,10 @@ class StepTimer:
 
     ``as_dict()``: ``steps`` (engine steps that ran a batch), ``draft_forwards`` and
     ``draft_forwards_per_step``, then per clock (wall: no prefix; engine-thread CPU: ``cpu_``) the
-    seconds of the whole step (``step_s``), of its stages (``draft_s`` = proposing, draft forwards
-    included; ``target_forward_s``; ``verify_s``; ``commit_s``), of the draft model's forwards alone
-    (``draft_forward_s``), and per-step means in ms. The stages never add up to more than the step
-    (scheduling and bookkeeping between stages are the rest)."""
+    seconds of the whole step (``step_s``), of its stages (``schedule_s``; ``draft_s`` = proposing,
+    draft forwards included; ``target_forward_s``; ``verify_s``; ``commit_s``), of the draft model's
+    forwards alone (``draft_forward_s``, part of ``draft_s``), and per-step means in ms. The stages
+    never add up to more than the step (the policy's bookkeeping after the stages is the rest)."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -169,6 +169,7 @@ class StepTimer:
         d = {"steps": tm.steps, "draft_forwards": nd, "draft_forwards_per_step": nd / n_steps}
         for clock, src, dsec in (("", tm.wall, dwall), ("cpu_", tm.cpu, dcpu)):
             d[f"{clock}step_s"] = src["step"]
+            d[f"{clock}schedule_s"] = src["schedule"]
             d[f"{clock}draft_s"] = src["draft"]
             d[f"{clock}target_forward_s"] = src["forward"]
             d[f"{clock}verify_s"] = src["verify"]
