@@ -6,7 +6,7 @@
         --out eval/out/sweep
 
 Every setting runs on the same prompts in one run (modes interleaved per prompt, see
-eval/acceptance.py), against the target-only baseline. Static trees (Medusa/Sequoia style) get the
+``eval.acceptance``), against the target-only baseline. Static trees (Medusa/Sequoia style) get the
 same node budgets as the dynamic ones; their shape is the best N-node tree for the draft's measured
 rank agreement (P(the target's greedy token is the draft's rank-r token), measured here on the
 target's own greedy continuations of the prompts, with transformers; ``--no-fit`` uses
