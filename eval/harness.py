@@ -361,6 +361,7 @@ def start_daemon(
 
         args = [*base, "--log-level", "info", *flags]
         sp = ServerProcess(args, env=clean_env() if env is None else env, cwd=ROOT).start(timeout)
+        assert sp.port is not None  # known once ready
         return Daemon(sp.port, list(flags), process=sp)
     from specd.serving.app import ServerThread
 
@@ -370,6 +371,7 @@ def start_daemon(
 
     srv = ServerThread(serve_parser().parse_args(args), eng).start(timeout)
     steplog = StepLog(eng)
+    assert srv.app.ae is not None  # the engine loop runs once the server is ready
     srv.app.ae.listeners.append(steplog)
     return Daemon(srv.port, list(flags), thread=srv, engine=eng, steplog=steplog)
 
@@ -491,6 +493,7 @@ def cpu_info() -> dict:
                 break
     except OSError:
         pass
+    usable: int | None
     try:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -46,7 +46,7 @@ def _render_messages(tokenizer, messages: list[dict]) -> str:
 def _record_messages(rec: dict) -> list[dict]:
     """The messages of a ``messages`` / ``turns`` record (strings alternate user/assistant)."""
     msgs = []
-    for i, t in enumerate(rec.get("messages", rec.get("turns"))):
+    for i, t in enumerate(rec.get("messages", rec.get("turns")) or ()):
         role = "user" if i % 2 == 0 else "assistant"
         if isinstance(t, dict):
             msgs.append({"role": t.get("role", role), "content": str(t.get("content", ""))})
