@@ -52,7 +52,7 @@ BENCH_LLAMA ?= 1
 bench: install
 	@test "$(BENCH_LLAMA)" = 0 || $(BIN)/python -c 'import llama_cpp' 2>/dev/null || $(MAKE) bench-deps || \
 		echo "note: llama-cpp-python did not build: the llama.cpp systems will be skipped"
-	$(BIN)/python eval/bench_real.py --target "$$($(BIN)/python -c 'from specd import builtin; print(builtin.builtin_gguf())')" \
+	$(BIN)/python -m eval.bench_real --target "$$($(BIN)/python -c 'from specd import builtin; print(builtin.builtin_gguf())')" \
 		--draft $(BENCH_DRAFT) --prompts $(SHARED)/data/spec_bench/question.jsonl --per-category $(BENCH_PER_CATEGORY) \
 		--max-tokens $(BENCH_TOKENS) --batch 1,4 --threads $(THREADS) --out eval/out/bench_real
 
@@ -70,7 +70,7 @@ EVAL_TOKENS ?= 128
 BUILTIN = "$$($(BIN)/python -c 'from specd import builtin; print(builtin.builtin_gguf())')"
 eval: install
 	for set in spec_bench mt_bench; do \
-		$(BIN)/python eval/acceptance.py --target $(BUILTIN) --draft models/smollm2-draft \
+		$(BIN)/python -m eval.acceptance --target $(BUILTIN) --draft models/smollm2-draft \
 			--prompts $(SHARED)/data/$$set/question.jsonl --per-category $(EVAL_PER_CATEGORY) \
 			--max-tokens $(EVAL_TOKENS) --modes off,chain:4,tree:16 --temperature 0 --threads $(THREADS) \
 			--out eval/out/$$set || exit 1; \
@@ -79,7 +79,7 @@ eval: install
 SOAK_CLIENTS ?= 8
 SOAK_MINUTES ?= 3
 soak: install
-	$(BIN)/python eval/soak.py --clients $(SOAK_CLIENTS) --minutes $(SOAK_MINUTES) --json eval/out/soak.json
+	$(BIN)/python -m eval.soak --clients $(SOAK_CLIENTS) --minutes $(SOAK_MINUTES) --json eval/out/soak.json
 
 # system packages the tests drive (headless Chromium for the web page, systemd-analyze for the unit)
 sysdeps:

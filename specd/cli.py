@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("distill", help="distil a small draft model for a target")
     try:
-        from specd.training.distill import add_distill_args
+        from specd.training.cli import add_distill_args
 
         add_distill_args(d)
     except ImportError:  # pragma: no cover
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
 
         return run_chat(a) or 0
     if cmd == "distill":
-        from specd.training.distill import run_distill
+        from specd.training.cli import run_distill
 
         return run_distill(a) or 0
     if cmd == "convert":
