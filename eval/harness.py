@@ -283,6 +283,11 @@ def stats_difference(now, before):
         accepted_per_depth=sub(now.accepted_per_depth, before.accepted_per_depth),
         drafted_per_depth=sub(now.drafted_per_depth, before.drafted_per_depth),
         accept_len_hist=sub(now.accept_len_hist, before.accept_len_hist),
+        by_proposer={
+            name: diff
+            for name, row in now.by_proposer.items()
+            if any(diff := [x - y for x, y in zip(row, before.by_proposer.get(name, [0, 0, 0]))])
+        },
     )
 
 
