@@ -77,14 +77,7 @@ def build_metadata(
     max_q = max(query_lens) if B else 0
     mask = None
     if tree_masks is not None and any(m is not None for m in tree_masks):
-        max_r = max(s - c for s, c in zip(seq_lens, context_lens))
-        mask = torch.zeros((qsl[-1], max(max_r, 1)), dtype=torch.bool)
-        for b, m in enumerate(tree_masks):
-            q, r = query_lens[b], seq_lens[b] - context_lens[b]
-            if m is None:
-                m = torch.ones((q, r), dtype=torch.bool).tril_(r - q)
-            mask[qsl[b] : qsl[b] + q, : m.shape[1]] = m
-        mask = mask.to(device, non_blocking=True)
+        mask = _region_mask(tree_masks, query_lens, qsl, context_lens, seq_lens).to(device, non_blocking=True)
     return AttentionMetadata(
         query_start_loc=ints[: B + 1],
         context_lens=ints[B + 1 : 2 * B + 1],
@@ -101,6 +94,18 @@ def build_metadata(
         context_lens_host=context_lens,
         seq_lens_host=seq_lens,
     )
+
+
+def _region_mask(tree_masks, query_lens, qsl: list, context_lens: list, seq_lens: list) -> torch.Tensor:
+    """[T, max region] bool: each sequence's mask rows (a causal block where its mask is None)."""
+    max_r = max(s - c for s, c in zip(seq_lens, context_lens))
+    mask = torch.zeros((qsl[-1], max(max_r, 1)), dtype=torch.bool)
+    for b, m in enumerate(tree_masks):
+        q, r = query_lens[b], seq_lens[b] - context_lens[b]
+        if m is None:
+            m = torch.ones((q, r), dtype=torch.bool).tril_(r - q)
+        mask[qsl[b] : qsl[b] + q, : m.shape[1]] = m
+    return mask
 
 
 class TorchAttention:
