@@ -147,7 +147,16 @@ def cmd_convert(a) -> int:
     return 0
 
 
+def subcommand_parser(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:
+    """The parser of subcommand ``name`` of ``build_parser()``'s result (None if there is none)."""
+    for action in p._actions:  # argparse keeps subparsers as the choices of one action
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(name)
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``specd`` parser; ``subcommand_parser(p, name)`` gives one subcommand's parser."""
     p = argparse.ArgumentParser(prog="specd", description="speculative-decoding chat serving daemon")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -203,7 +212,7 @@ def main(argv=None) -> int:
         p.print_help()
         return 2
     cmd = argv[0]
-    sub = p._subparsers._group_actions[0].choices.get(cmd)
+    sub = subcommand_parser(p, cmd)
     if cmd == "serve":
         a = apply_env_and_toml(sub, argv[1:], cmd)
         if not a.stream_interval_ms >= 0:

@@ -130,9 +130,9 @@ def test_unit_lifecycle_settings():
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    from specd.cli import build_parser
+    from specd.cli import build_parser, subcommand_parser
 
-    return build_parser()._subparsers._group_actions[0].choices["serve"]
+    return subcommand_parser(build_parser(), "serve")
 
 
 def _serve_dests() -> set:
