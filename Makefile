@@ -83,9 +83,10 @@ soak: install
 
 # system packages the tests drive (headless Chromium for the web page, systemd-analyze for the unit)
 sysdeps:
-	@command -v chromium >/dev/null && command -v systemd-analyze >/dev/null || \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium systemd >/dev/null) || \
-		echo "warning: could not install chromium/systemd (need root): the web-page and unit tests will fail"
+	@command -v chromium >/dev/null && command -v systemd-analyze >/dev/null && \
+		(command -v nginx >/dev/null || test -x /usr/sbin/nginx) || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium systemd nginx >/dev/null) || \
+		echo "warning: could not install chromium/systemd/nginx (need root): the web-page and unit tests will fail, the load-balancer test will skip"
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=specd/serving/proto --pyi_out=specd/serving/proto --grpc_python_out=specd/serving/proto proto/specd/v1/specd.proto
