@@ -209,3 +209,10 @@ def test_a_repeated_request_drafts_from_the_first_and_stays_lossless(shared_pair
     assert second.output_ids == first.output_ids == again.output_ids
     steps, drafted, accepted = eng.stats.by_proposer["suffix"]
     assert accepted >= 0.8 * drafted and second.stats.steps < 0.5 * len(second.output_ids)
+
+
+def test_a_long_request_is_stored_by_its_last_tokens_only():
+    store = SuffixStore(SuffixConfig(max_doc_tokens=8, min_n=2, max_n=2))
+    store.add("k", list(range(100)))
+    assert store.stats()["tokens"] == 8
+    assert store.continuation("k", [93, 94], 2) == [95, 96] and store.continuation("k", [3, 4], 2) == []

@@ -6,8 +6,9 @@ that tenant whose own context has no prompt-lookup match (``ngram.py``) looks it
 there. Agents and chat UIs repeat themselves across requests (the same tool call, the same
 boilerplate, a regenerated answer), which is where this pays.
 
-Bounds: at most ``max_tokens_per_tenant`` stored tokens per tenant (oldest documents evicted
-first) and ``max_tenants`` tenants (least recently used evicted), so memory is O(max_tenants x
+Bounds: a request's last ``max_doc_tokens`` tokens are stored (indexing them is O(tokens x n sizes)
+on the engine thread), at most ``max_tokens_per_tenant`` stored tokens per tenant (oldest documents
+evicted first) and ``max_tenants`` tenants (least recently used evicted), so memory is O(max_tenants x
 max_tokens_per_tenant x n sizes). Isolation: a tenant (the request's API key, or None for
 requests without one) only ever reads its own documents.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 class SuffixConfig:
     max_tokens_per_tenant: int = 65536
     max_tenants: int = 64
+    max_doc_tokens: int = 4096  # a request's last tokens kept (bounds the engine thread's work per finish)
     min_n: int = 3  # shortest n-gram matched (across requests a longer match is needed)
     max_n: int = 6
 
@@ -82,9 +84,9 @@ class SuffixStore:
         self._lock = threading.Lock()
 
     def add(self, tenant: str | None, tokens: list) -> None:
-        """Store a finished request's tokens (the most recent ``max_tokens_per_tenant`` of them)."""
+        """Store a finished request's last ``max_doc_tokens`` tokens."""
         cap = self.cfg.max_tokens_per_tenant
-        tokens = list(tokens[-cap:])
+        tokens = list(tokens[-min(cap, self.cfg.max_doc_tokens) :])
         if len(tokens) < 2:
             return
         with self._lock:
