@@ -31,9 +31,10 @@ import time
 import orjson
 
 from specd.engine.health import DEFAULT_MAX_FAILED_STEPS
+from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S
 from specd.engine.warmup import warm_up
 from specd.serving import notify
-from specd.serving.engine_loop import DEFAULT_STREAM_INTERVAL_S, AsyncEngine
+from specd.serving.engine_client import AsyncEngine
 from specd.serving.logs import log_request, setup_logging
 from specd.serving.metrics import Metrics
 from specd.serving.ws import WSServer
@@ -60,9 +61,8 @@ class App:
         self.ae: AsyncEngine | None = None
         self.grpc = None
         self.metrics = Metrics(
-            lambda: self.ae.engine if self.ae else None,
+            lambda: self.ae,
             ready_getter=lambda: self.ws.ready,
-            loop_getter=lambda: self.ae,
             connections_getter=lambda: len(self.ws.conns),
             log_request=log_request,
         )
@@ -81,7 +81,7 @@ class App:
         self.port: int | None = None
         self._shut_down = False
         self.stopped_while_loading = False
-        self._remote = None  # RemoteEngine when the engine runs in its own process
+        self._link = None  # the ProcessLink being loaded, until an AsyncEngine owns it
 
     # start ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -110,6 +110,7 @@ class App:
         )
         ae.listeners.append(self.metrics.on_step)
         await ae.start()
+        self._link = None  # (ae.stop() closes it now)
         self.ae = ae
         self.ws.ae = ae
         self._health_task = asyncio.get_running_loop().create_task(
@@ -132,14 +133,15 @@ class App:
                     kw["max_message_bytes"] = getattr(a, "max_message_bytes", 1 << 20)
                 self.grpc = await start_grpc_server(ae, a.host, grpc_port, **kw)
                 log.info("grpc listening", extra={"fields": {"host": a.host, "port": grpc_port}})
+        lim = ae.limits
         log.info(
             "ready",
             extra={
                 "fields": {
                     "load_s": round(time.monotonic() - t0, 3),
-                    "max_model_len": engine.max_model_len,
-                    "kv_blocks": engine.cache.pool.num_blocks,
-                    "draft": engine.drafter is not None,
+                    "max_model_len": lim.max_model_len,
+                    "kv_blocks": lim.num_blocks,
+                    "draft": lim.has_draft,
                 }
             },
         )
@@ -174,12 +176,12 @@ class App:
             extra={"fields": {"target": a.target, "draft": a.draft, "engine": "thread" if in_thread else "process"}},
         )
         if not in_thread:  # the default for `specd serve`: the engine steps in its own process
-            from specd.serving.engine_proc import RemoteEngine
+            from specd.serving.engine_proc import ProcessLink
 
-            self._remote = RemoteEngine(
+            self._link = ProcessLink(
                 engine_config(a), split_cpus=getattr(a, "cpu_split", False), stream_interval_s=stream_interval_s(a)
             )
-            return self._remote
+            return self._link
         from specd.model.cpu import set_threads
 
         cfg = engine_config(a)
@@ -256,17 +258,17 @@ class App:
         await self.ws.close()
         if ae is not None:
             await ae.stop()
-        await self._stop_remote()
+        await self._close_link()
         for task in (self._watchdog_task, self._health_task):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
         log.info("stopped")
 
-    async def _stop_remote(self) -> None:
-        r = self._remote
-        if r is not None:
-            self._remote = None
-            await asyncio.get_running_loop().run_in_executor(None, r.shutdown)
+    async def _close_link(self) -> None:
+        """An engine process no AsyncEngine took over (startup failed or was interrupted)."""
+        link, self._link = self._link, None
+        if link is not None:
+            await asyncio.get_running_loop().run_in_executor(None, link.close)
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
@@ -284,7 +286,7 @@ class App:
             await self.ws.close()
             if self.ae is not None:
                 await self.ae.stop()
-            await self._stop_remote()
+            await self._close_link()
             log.info("stopped while loading")
             self.stopped_while_loading = True
             return 0
@@ -293,7 +295,7 @@ class App:
             log.error("startup failed: %s", e, exc_info=e if not isinstance(e, (OSError, ValueError)) else None)
             stopper.cancel()
             await self.ws.close()
-            await self._stop_remote()
+            await self._close_link()
             return 1
         await stopper
         await self.shutdown()

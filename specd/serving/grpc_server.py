@@ -154,8 +154,8 @@ class SpecdServicer:
         client_id = req.id
         rid = f"grpc-{_INSTANCE}-{next(_ids)}" + (f":{client_id[:64]}" if client_id else "")
         try:
-            eng = self.ae.engine
-            built = await build_request_async(eng.tokenizer, max_model_len=eng.max_model_len, **_to_engine_args(req))
+            ae = self.ae
+            built = await build_request_async(ae.tokenizer, max_model_len=ae.max_model_len, **_to_engine_args(req))
         except RequestError as e:
             await self._fail(context, e.code, str(e))
         stream = self.ae.generate(built.prompt_ids, built.params, built.spec, built.priority, rid)

@@ -31,7 +31,7 @@ from websockets.protocol import State
 from specd.engine.engine import RequestError
 from specd.serving import protocol as P
 from specd.serving import request_build as RB
-from specd.serving.engine_loop import AsyncEngine, _merge
+from specd.serving.engine_client import AsyncEngine, merge_outputs
 from specd.serving.metrics import Metrics
 
 log = logging.getLogger("specd.ws")
@@ -64,7 +64,7 @@ class WSServer:
         self.ae: AsyncEngine | None = None
         self.draining = False
         self.conns: set = set()
-        self.metrics = metrics or Metrics(lambda: self.ae.engine if self.ae else None)
+        self.metrics = metrics or Metrics(lambda: self.ae)
         self._serial = itertools.count()
         self._page: bytes | None = None
         # long prompts are tokenized in this one worker thread (the loop tokenizes short ones itself)
@@ -298,7 +298,7 @@ class Conn:
         if isinstance(item, BaseException):
             r.err = item
         else:
-            r.out = item if r.out is None else _merge(r.out, item)
+            r.out = item if r.out is None else merge_outputs(r.out, item)
         self.pending[r.id] = r
         if self._flush_at is None and not self._waiting_drain:
             self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
@@ -459,22 +459,20 @@ class Conn:
     async def _serve(self, r: _Req, req: P.GenerateRequest, ae: AsyncEngine) -> None:
         submitted = False
         try:
-            eng = ae.engine
+            tok = ae.tokenizer
             loop = asyncio.get_running_loop()
             if P.prompt_chars(req) <= INLINE_TOKENIZE_CHARS:  # cheap: no thread hand-off
-                ids = RB.encode_prompt(eng.tokenizer, req.messages, req.prompt)
+                ids = RB.encode_prompt(tok, req.messages, req.prompt)
             else:  # long prompts must not stall the event loop
                 try:
-                    ids = await loop.run_in_executor(
-                        self.srv.tok_pool, RB.encode_prompt, eng.tokenizer, req.messages, req.prompt
-                    )
+                    ids = await loop.run_in_executor(self.srv.tok_pool, RB.encode_prompt, tok, req.messages, req.prompt)
                 except RuntimeError as e:  # the pool is shut down (server closing)
                     raise RequestError("shutting_down", str(e)) from None
             if r.cancelled:
                 await self.send(P.done_empty(r.id, "cancelled", len(ids)))
                 return
             max_tokens = (
-                req.max_tokens if req.max_tokens is not None else RB.default_max_tokens(len(ids), eng.max_model_len)
+                req.max_tokens if req.max_tokens is not None else RB.default_max_tokens(len(ids), ae.max_model_len)
             )
             params = RB.sampling_params(max_tokens, **req.sampling)
             r.done = loop.create_future()
