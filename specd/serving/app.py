@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import orjson
+from starlette.routing import WebSocketRoute
 
 from specd.engine.health import DEFAULT_MAX_FAILED_STEPS
 from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S
@@ -43,6 +44,10 @@ from specd.serving.frontend import Frontend
 from specd.serving.http_server import HttpServer
 from specd.serving.logs import log_request, setup_logging
 from specd.serving.metrics import Metrics
+from specd.serving.openai_routes import OpenAIFront
+from specd.serving.response_store import ResponseStore
+from specd.serving.responses_api import ResponsesAPI
+from specd.serving.responses_ws import ResponsesSocket
 from specd.serving.ws import HARD_LIMIT_FACTOR, WSServer
 
 log = logging.getLogger("specd.serve")
@@ -89,13 +94,18 @@ class App:
         self.metrics = Metrics(
             lambda: self.ae,
             ready_getter=lambda: self.front.ready,
-            connections_getter=lambda: len(self.ws.conns),
+            connections_getter=lambda: self.front.open_websockets,
             log_request=log_request,
         )
         self.front = _frontend(args, self.metrics)
         self.ws = WSServer(self.front)
         hard = self.front.max_message_bytes * HARD_LIMIT_FACTOR + 65536
-        self.http = HttpServer(build_app(self.ws, [], []), ws_max_size=hard)
+        self.openai = OpenAIFront(self.front)
+        self.responses = ResponsesAPI(self.openai, ResponseStore())
+        self.responses_ws = ResponsesSocket(self.responses)
+        routes = self.openai.routes() + self.responses.routes()
+        ws_routes = [WebSocketRoute("/v1/responses", self.responses_ws)]
+        self.http = HttpServer(build_app(self.ws, routes, ws_routes), ws_max_size=hard)
         self.stop_requested: asyncio.Event | None = None
         self.force: asyncio.Event | None = None
         self._watchdog_task: asyncio.Task | None = None
@@ -269,6 +279,7 @@ class App:
     async def _close_front(self) -> None:
         """Websockets close with 1001 (going away); then the HTTP server stops."""
         await self.ws.close(1001)
+        await self.responses_ws.close(1001)
         await self.http.close()
 
     async def shutdown(self) -> None:

@@ -49,7 +49,7 @@ from specd.engine.sequence import PRIORITIES, SpecParams
 
 log = logging.getLogger("specd.engine_client")
 
-__all__ = ["AsyncEngine", "RequestError", "RequestOutput", "merge_outputs"]
+__all__ = ["AsyncEngine", "RequestError", "RequestOutput", "RequestStream", "merge_outputs"]
 
 
 class _Sink:
@@ -77,6 +77,49 @@ def _failed(out: RequestOutput) -> RequestError:
     e = _admitted(RequestError("internal", out.error or "the engine failed while running the request"))
     e.seq = out.seq
     return e
+
+
+class RequestStream:
+    """An admitted request's outputs as an async iterator: what queued up while the consumer was
+    busy comes merged into one ``RequestOutput``; the last has ``finished`` set, or a ``RequestError``
+    ends it. ``close()`` (idempotent) aborts the request unless it has ended; its KV blocks are
+    freed in the engine's next step."""
+
+    def __init__(self, ae: AsyncEngine, request_id: str, q: asyncio.Queue):
+        self.ae, self.request_id, self._q = ae, request_id, q
+        self.ended = False
+        self._pending = None  # an error that ends the stream after the output merged before it
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.ended:
+            raise StopAsyncIteration
+        q = self._q
+        item, self._pending = (self._pending if self._pending is not None else await q.get()), None
+        while not q.empty() and not isinstance(item, BaseException) and not item.finished:
+            nxt = q.get_nowait()
+            if isinstance(nxt, BaseException):
+                self._pending = nxt
+                break
+            item = merge_outputs(item, nxt)
+        if isinstance(item, BaseException):
+            self._end()
+            raise item
+        if item.finished:
+            self._end()
+        return item
+
+    def _end(self) -> None:
+        self.ended = True
+        if self.ae._streams.get(self.request_id) is self._q:
+            del self.ae._streams[self.request_id]
+
+    def close(self) -> None:
+        if not self.ended:  # consumer went away (break / cancelled / disconnect): free the KV
+            self.ae.abort(self.request_id)
+            self._end()
 
 
 class AsyncEngine:
@@ -242,31 +285,26 @@ class AsyncEngine:
         that queued up while the consumer was busy come merged); the last has ``finished`` set.
         Raises ``RequestError`` on the first iteration when the request is refused, or later
         (``internal`` if the engine failed, ``shutting_down`` on ``stop()``: ``admitted`` set)."""
+        stream = self.stream(prompt_ids, params, spec, priority, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def stream(
+        self,
+        prompt_ids: list,
+        params: SamplingParams,
+        spec: SpecParams = SpecParams(),
+        priority: str = "interactive",
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Admit a request now (``RequestError`` at once when refused) and return its stream: an async
+        iterator like ``generate()``'s; ``close()`` aborts the request unless it has finished."""
         q: asyncio.Queue = asyncio.Queue()
         rid = self._admit(prompt_ids, params, spec, priority, request_id, q)
-        finished = False
-        try:
-            pending = None
-            while True:
-                item, pending = (pending if pending is not None else await q.get()), None
-                while not q.empty() and not isinstance(item, BaseException) and not item.finished:
-                    nxt = q.get_nowait()
-                    if isinstance(nxt, BaseException):
-                        pending = nxt  # an error ends the stream after what came before it
-                        break
-                    item = merge_outputs(item, nxt)
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:  # consumer went away (break / aclose / cancelled): free the KV
-                self.abort(rid)
-            if self._streams.get(rid) is q:
-                del self._streams[rid]
+        return RequestStream(self, rid, q)
 
     def submit(
         self,

@@ -29,7 +29,13 @@ class Frontend:
     model_name: str = "specd"
     ae: AsyncEngine | None = None
     draining: bool = False
-    created: int = field(default=0)
+    created: int = 0
+    ws_sets: list = field(default_factory=list)  # each websocket endpoint's set of open connections
+
+    @property
+    def open_websockets(self) -> int:
+        """Websockets open on the port, both kinds (``--max-connections`` bounds them together)."""
+        return sum(len(s) for s in self.ws_sets)
 
     @property
     def ready(self) -> bool:

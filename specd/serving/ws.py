@@ -51,6 +51,7 @@ class WSServer:
     def __init__(self, front: Frontend):
         self.front = front
         self.conns: set = set()
+        front.ws_sets.append(self.conns)
         self._serial = itertools.count()
         # long prompts are tokenized in this one worker thread (the loop tokenizes short ones itself)
         self.tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-tokenize")
@@ -65,7 +66,7 @@ class WSServer:
         if key is not None and not auth.key_ok(key):
             m.count_error("unauthorized")
             return 401, "unauthorized\n", {"WWW-Authenticate": "Bearer"}
-        if len(self.conns) >= self.front.max_connections:
+        if self.front.open_websockets >= self.front.max_connections:
             m.count_error("too_many_connections")
             return 503, "too many connections\n", {"Retry-After": "1"}
         return None
