@@ -103,7 +103,7 @@ class App:
         self.openai = OpenAIFront(self.front)
         self.responses = ResponsesAPI(self.openai, ResponseStore())
         self.responses_ws = ResponsesSocket(self.responses)
-        routes = self.openai.routes() + self.responses.routes()
+        routes = self.openai.routes() + self.responses.routes() + self.openai.fallback()
         ws_routes = [WebSocketRoute("/v1/responses", self.responses_ws)]
         self.http = HttpServer(build_app(self.ws, routes, ws_routes), ws_max_size=hard)
         self.stop_requested: asyncio.Event | None = None

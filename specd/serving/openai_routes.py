@@ -103,6 +103,14 @@ class OpenAIFront:
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
         ]
 
+    def fallback(self) -> list:
+        """Any other ``/v1`` path: 404 in OpenAI's shape (after every other route)."""
+        return [Route("/v1/{path:path}", self.unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])]
+
+    async def unknown(self, request: Request) -> Response:
+        what = f"Unknown request URL: {request.method} {request.url.path[:200]}"
+        return error_response(APIError(404, what, code="unknown_url"))
+
     # routes --------------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         try:
