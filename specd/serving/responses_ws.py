@@ -35,6 +35,8 @@ log = logging.getLogger("specd.responses_ws")
 
 __all__ = ["ResponsesSocket"]
 
+FINAL = ("response.completed", "response.incomplete", "response.failed")
+
 
 def _error(e: APIError) -> bytes:
     err = {"type": e.type, "code": e.code, "message": str(e), "param": e.param}
@@ -155,28 +157,39 @@ class _Conn:
         return msg
 
     async def _create(self, msg: dict) -> None:
-        if self.task is not None:
+        if self.stream is not None:
             raise APIError(400, "a response is already in flight on this connection", code="response_already_in_flight")
         body = {k: v for k, v in msg.items() if k not in ("type", "stream", "background")}
         p = parse_response(body, self.srv.front.model_name)
         self.srv.api.oai.admit()
         turn, stream = await self.srv.api.start(p, self.ns, self.last)
+        events = self.srv.api.events(turn, stream)
         self.stream = stream
-        self.task = asyncio.get_running_loop().create_task(self._run(turn, stream))
+        try:  # response.created goes out before the next message is read: events follow messages
+            await self.send(orjson.dumps(await events.__anext__()))
+        except BaseException:
+            await events.aclose()
+            self.stream = None
+            raise
+        self.task = asyncio.get_running_loop().create_task(self._run(turn, stream, events))
 
-    async def _run(self, turn, stream) -> None:
+    async def _run(self, turn, stream, events) -> None:
+        me = asyncio.current_task()
         try:
-            async with contextlib.aclosing(self.srv.api.events(turn, stream)) as events:
+            async with contextlib.aclosing(events):
                 async for event in events:
+                    if event["type"] in FINAL:  # the next response.create may come as soon as this is out
+                        self.last = turn.stored or self.last
+                        self.stream = self.task = None
                     await self.send(orjson.dumps(event))
-            self.last = turn.stored or self.last
         except Disconnected:
             pass
         except Exception:  # noqa: BLE001 - one response must not take the connection down
             log.exception("response %s failed", turn.id)
         finally:
             stream.close()
-            self.stream = self.task = None
+            if self.task is me:
+                self.stream = self.task = None
 
     async def stop(self) -> None:
         """The connection ended: cancel the response in flight (its stream closes: abort)."""
