@@ -64,7 +64,6 @@ class OpenAIFront:
         auth = self.front.auth
         key = auth.bearer(headers)
         if not auth.key_ok(key):
-            self.front.metrics.count_error("unauthorized")
             what = "You didn't provide an API key" if not key else "Incorrect API key provided"
             raise APIError(401, f"{what} (Authorization: Bearer KEY).", code="invalid_api_key")
         return key
@@ -75,8 +74,12 @@ class OpenAIFront:
             raise self.refused(refusal)
 
     def refused(self, e: RequestError) -> APIError:
-        self.front.metrics.count_error(e.code)
         return from_request_error(e)
+
+    def fail(self, e: APIError) -> Response:
+        """The error response, counted in ``specd_request_errors_total`` by its code."""
+        self.front.metrics.count_error(e.code or e.type)
+        return error_response(e)
 
     async def prepare(self, request: Request, parse: Callable[[dict, str], ParsedRequest]) -> tuple:
         """(parsed request, presented key) of an HTTP request, or APIError."""
@@ -109,24 +112,24 @@ class OpenAIFront:
 
     async def unknown(self, request: Request) -> Response:
         what = f"Unknown request URL: {request.method} {request.url.path[:200]}"
-        return error_response(APIError(404, what, code="unknown_url"))
+        return self.fail(APIError(404, what, code="unknown_url"))
 
     # routes --------------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
         try:
             self.authorize(request.headers)
         except APIError as e:
-            return error_response(e)
+            return self.fail(e)
         return JSONResponse({"object": "list", "data": [self._model_object()]})
 
     async def model(self, request: Request) -> Response:
         try:
             self.authorize(request.headers)
         except APIError as e:
-            return error_response(e)
+            return self.fail(e)
         name = request.path_params["model"]
         if name != self.front.model_name:
-            return error_response(APIError(404, f"The model '{name[:200]}' does not exist", code="model_not_found"))
+            return self.fail(APIError(404, f"The model '{name[:200]}' does not exist", code="model_not_found"))
         return JSONResponse(self._model_object())
 
     def _model_object(self) -> dict:
@@ -145,7 +148,7 @@ class OpenAIFront:
             p, _ = await self.prepare(request, parse)
             stream = await self.start(p.engine, rid)
         except APIError as e:
-            return error_response(e)
+            return self.fail(e)
         except ClientGone:
             return Response(status_code=499)
         model = self.front.model_name
@@ -156,10 +159,10 @@ class OpenAIFront:
         except ClientGone:
             return Response(status_code=499)  # (nobody reads it)
         except RequestError as e:  # the engine failed the request
-            return error_response(from_request_error(e))
+            return self.fail(from_request_error(e))
         err = cut_short(last.finish_reason)
         if err is not None:
-            return error_response(err)
+            return self.fail(err)
         return JSONResponse(whole(rid, created, model, text, F.FINISH[last.finish_reason], F.usage(last.seq)))
 
 

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from specd.engine.engine import RequestError
 from specd.serving import openai_format as F
 from specd.serving.engine_client import RequestStream
-from specd.serving.openai_errors import APIError, error_response, from_request_error
+from specd.serving.openai_errors import APIError, from_request_error
 from specd.serving.openai_params import ParsedRequest, parse_response
 from specd.serving.openai_routes import OpenAIFront, collect
 from specd.serving.request_build import summarize
@@ -203,7 +203,7 @@ class ResponsesAPI:
             p, key = await self.oai.prepare(request, parse_response)
             turn, stream = await self.start(p, self.oai.front.auth.namespace(key))
         except APIError as e:
-            return error_response(e)
+            return self.oai.fail(e)
         except ClientGone:
             return Response(status_code=499)
         if p.stream:
@@ -213,7 +213,7 @@ class ResponsesAPI:
         except ClientGone:
             return Response(status_code=499)
         except RequestError as e:
-            return error_response(from_request_error(e))
+            return self.oai.fail(from_request_error(e))
         return JSONResponse(self.finish(turn, text, last))
 
     def _lookup(self, request: Request) -> tuple:
@@ -224,19 +224,19 @@ class ResponsesAPI:
         try:
             ns, rid = self._lookup(request)
         except APIError as e:
-            return error_response(e)
+            return self.oai.fail(e)
         entry = self.store.get(ns, rid)
         if entry is None:
-            return error_response(_not_found(rid))
+            return self.oai.fail(_not_found(rid))
         return JSONResponse(entry.obj)
 
     async def delete(self, request: Request) -> Response:
         try:
             ns, rid = self._lookup(request)
         except APIError as e:
-            return error_response(e)
+            return self.oai.fail(e)
         if not self.store.delete(ns, rid):
-            return error_response(_not_found(rid))
+            return self.oai.fail(_not_found(rid))
         return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
 
