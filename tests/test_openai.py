@@ -230,8 +230,8 @@ def test_responses_websocket_mode_chains_and_cancels(client, reference):
         second = _until_final(conn)[-1].response
         assert second.usage.input_tokens_details.cached_tokens >= 16 * (first.usage.input_tokens // 16) - 16
         # one response in flight; response.cancel ends it as incomplete (cancelled)
-        long = {"type": "response.create", "model": MODEL, "input": PROMPT, "max_output_tokens": 400, "ignore_eos": True}
-        conn.send_raw(orjson.dumps(long).decode())
+        long = {"type": "response.create", "model": MODEL, "input": PROMPT, "max_output_tokens": 400}
+        conn.send_raw(orjson.dumps({**long, "ignore_eos": True}).decode())
         conn.response.create(model=MODEL, input=PROMPT, max_output_tokens=4)
         conn.send_raw('{"type":"response.cancel"}')  # (specd's extension: not in the SDK's event types)
         events = _until_final(conn, errors_ok=True)

@@ -198,6 +198,8 @@ class FakeEngine:
 
         if not prompt:
             raise RequestError("invalid_request", "prompt is empty")
+        if prompt == [13]:  # refused by the engine itself (a race validation could not see)
+            raise RequestError("too_long", "the KV cache shrank")
         with self.lock:
             self.inbox.append(("add", rid))
 
@@ -300,6 +302,25 @@ def test_async_engine_streams_overload_and_abort():
         with pytest.raises(RequestError) as ei:
             await ae.generate([1], None, None, "interactive", "g").__anext__()
         assert ei.value.code == "shutting_down"
+        await ae.stop()
+
+    run(main())
+
+
+def test_a_request_the_engine_refuses_on_arrival_ends_with_its_error():
+    """The engine loop's add may still refuse (validation raced): the stream ends with that error,
+    not admitted, nothing is left behind, and the next request runs."""
+    from specd.engine.engine import RequestError
+    from specd.serving.engine_client import AsyncEngine
+
+    async def main():
+        ae = AsyncEngine(FakeEngine(n=3), max_queue=4)
+        await ae.start()
+        with pytest.raises(RequestError) as ei:
+            [o async for o in ae.generate([13], None, None, "interactive", "r")]
+        assert ei.value.code == "too_long" and not getattr(ei.value, "admitted", False) and ae.num_requests == 0
+        outs = [o async for o in ae.generate([1], None, None, "interactive", "r")]
+        assert outs[-1].finish_reason == "length"
         await ae.stop()
 
     run(main())

@@ -26,11 +26,20 @@ from specd.serving.engine_client import RequestStream
 from specd.serving.frontend import Frontend
 from specd.serving.openai_errors import APIError, error_response, from_request_error
 from specd.serving.openai_params import ParsedRequest, parse_chat, parse_completion
-from specd.serving.request_build import build_request_async
+from specd.serving.request_build import build_request, build_request_async
 from specd.serving.routes import JSONResponse
 from specd.serving.sse import ClientGone, EventStream, read_json, until_disconnect
+from specd.serving.ws import INLINE_TOKENIZE_CHARS
 
 __all__ = ["OpenAIFront", "collect", "cut_short"]
+
+
+def _prompt_chars(kw: dict) -> int:
+    messages = kw.get("messages")
+    if messages is not None:
+        return sum(len(m["content"]) for m in messages)
+    prompt = kw.get("prompt")
+    return len(prompt) if isinstance(prompt, str) else 0
 
 
 def cut_short(reason: str | None) -> APIError | None:
@@ -90,10 +99,15 @@ class OpenAIFront:
         return parsed, key
 
     async def start(self, engine_kwargs: dict, request_id: str) -> RequestStream:
-        """Tokenize (off the loop) and admit a request; APIError when it is refused."""
+        """Tokenize and admit a request; APIError when it is refused. Short prompts are tokenized on
+        the loop (as the websocket does: no thread hand-off), long ones on the tokenizer thread."""
         ae = self.front.ae
+        kw = dict(engine_kwargs, max_model_len=ae.max_model_len)
         try:
-            built = await build_request_async(ae.tokenizer, max_model_len=ae.max_model_len, **engine_kwargs)
+            if _prompt_chars(engine_kwargs) <= INLINE_TOKENIZE_CHARS:
+                built = build_request(ae.tokenizer, **kw)
+            else:
+                built = await build_request_async(ae.tokenizer, **kw)
             return ae.stream(built.prompt_ids, built.params, built.spec, built.priority, request_id)
         except RequestError as e:
             raise self.refused(e) from None
