@@ -17,7 +17,9 @@ first text. The clients are lean raw-socket readers that stamp what arrives and 
 (on a 2-CPU box the client shares the server's CPU). Layout as ``specd serve --cpu-split``: the engine
 process (and the in-process baseline) on one CPU, the server and this client on the other. The paths
 alternate who goes first in each repeat; ratios are medians of each repeat's ratio to its in-process
-run; the A/A control runs the in-process side twice (what noise alone shows).
+run; the A/A control runs the in-process side twice (what noise alone shows). CPU ms/token: the CPU
+time of the processes doing the work per generated token (the baseline process; the server process
+and its engine process), which other load on a shared machine moves far less than tokens/s.
 
 Second turn: for each of ``--turns`` distinct ~``--history-tokens``-token passages (tinyshakespeare),
 turn 1 asks about the passage, turn 2 continues it with ``previous_response_id`` and a short question,
@@ -328,8 +330,9 @@ def _served_model(port: int) -> str:
 PATHS = ("sse", "ws", "responses_ws")
 
 
-async def _cells(cl: Client, base, a, tok, cells: dict) -> None:
-    """Every path and the in-process baseline per concurrency and repeat (who goes first rotates)."""
+async def _cells(cl: Client, base, a, tok, cells: dict, server_pid: int) -> None:
+    """Every path and the in-process baseline per concurrency and repeat (who goes first rotates);
+    CPU ms per token: the baseline process's, and the server's (its engine process included)."""
     from specd.serving.request_build import build_request
 
     await cl.ws(conversations(2))  # warm every path
@@ -344,12 +347,15 @@ async def _cells(cl: Client, base, a, tok, cells: dict) -> None:
             for side in order:
                 cell = cells.setdefault((side, c), [])
                 if side == "ip":
-                    tps, ttft, out_ids, _ = base.run(ids, a.max_tokens, a.mode)
-                    cell.append({"tps": tps, "ttft_ms": ttft, "ids": out_ids})
+                    tps, ttft, out_ids, cpu = base.run(ids, a.max_tokens, a.mode)
+                    cell.append({"tps": tps, "ttft_ms": ttft, "ids": out_ids, "cpu_ms": cpu})
                     if a.control:
                         cells.setdefault(("aa", c), []).append(base.run(ids, a.max_tokens, a.mode)[0] / tps)
                 else:
-                    cell.append(await getattr(cl, side)(convs))
+                    c0 = bench_server.proc_cpu(server_pid)
+                    r = await getattr(cl, side)(convs)
+                    n = sum(len(t) if isinstance(t, list) else t for t in r["tokens"])
+                    cell.append({**r, "cpu_ms": (bench_server.proc_cpu(server_pid) - c0) / n * 1000})
 
 
 def run(a) -> dict:
@@ -365,7 +371,7 @@ def run(a) -> dict:
         if layout:
             os.sched_setaffinity(0, layout[0])  # this process is the client: beside the server's loop
         cl = Client(port, _served_model(port), a.max_tokens, a.mode)
-        asyncio.run(_cells(cl, base, a, tok, cells))
+        asyncio.run(_cells(cl, base, a, tok, cells, proc.pid))
         hist = passages(tok, 2 * a.turns, a.history_tokens)
         turns = {
             "responses_ws": [asyncio.run(second_turn_ws(cl, p)) for p in hist[: a.turns]],
@@ -394,13 +400,13 @@ def delivery_rows(a, cells: dict) -> list:
         aa = cells.get(("aa", c))
         med = lambda f, xs: statistics.median(f(x) for x in xs)  # noqa: E731
         rows.append(("in-process", c, med(lambda x: x["tps"], ip), 1.0, med(lambda x: x, aa) if aa else None))
-        rows[-1] += (med(lambda x: x["ttft_ms"], ip), 0.0, True)
+        rows[-1] += (med(lambda x: x["ttft_ms"], ip), 0.0, med(lambda x: x["cpu_ms"], ip), True)
         for path in PATHS:
             xs = cells[(path, c)]
             ratio = statistics.median(x["tps"] / y["tps"] for x, y in zip(xs, ip))
             dttft = statistics.median(x["ttft_ms"] - y["ttft_ms"] for x, y in zip(xs, ip))
             rows.append((path, c, med(lambda x: x["tps"], xs), ratio, None, med(lambda x: x["ttft_ms"], xs), dttft))
-            rows[-1] += (_same(path, xs, ip, ws),)
+            rows[-1] += (med(lambda x: x["cpu_ms"], xs), _same(path, xs, ip, ws))
     return rows
 
 
@@ -422,14 +428,15 @@ def markdown(a, res: dict) -> str:
     )
     out += [
         "",
-        "| path | streams | tok/s | / in-process | A/A control | TTFT ms | TTFT - in-process ms | same output |",
+        "| path | streams | tok/s | / in-process | A/A control | TTFT ms | TTFT - in-process ms | CPU ms/token "
+        "| same output |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    out.append("|---|---|---|---|---|---|---|---|")
-    for path, c, tps, ratio, aa, ttft, dt, same in delivery_rows(a, res["cells"]):
+    for path, c, tps, ratio, aa, ttft, dt, cpu, same in delivery_rows(a, res["cells"]):
         aa_s = f"{100 * aa:.1f}%" if aa is not None else "-"
         out.append(
-            f"| {NAMES[path]} | {c} | {tps:.1f} | {100 * ratio:.1f}% | {aa_s} | {ttft:.1f} | {dt:+.1f} | "
-            f"{'yes' if same else 'NO'} |"
+            f"| {NAMES[path]} | {c} | {tps:.1f} | {100 * ratio:.1f}% | {aa_s} | {ttft:.1f} | {dt:+.1f} | {cpu:.1f} "
+            f"| {'yes' if same else 'NO'} |"
         )
     out += [
         "",
