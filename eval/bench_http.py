@@ -222,9 +222,9 @@ class Client:
         toks = [g[3]["output_tokens"] for g in got]
         return _result(t0, [g[0] for g in got], [g[1] for g in got], [g[2] for g in got], toks)
 
-    async def post_stream(self, path: str, body: dict) -> list:
-        """[(time, data payload)] of a streamed POST."""
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+    async def post_stream(self, path: str, body: dict, conn=None) -> list:
+        """[(time, data payload)] of a streamed POST (``conn``: an open connection, else a new one)."""
+        reader, writer = conn or await asyncio.open_connection("127.0.0.1", self.port)
         data = orjson.dumps(body)
         head = (
             f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
@@ -239,11 +239,16 @@ class Client:
         return _dechunk(chunks)
 
     async def sse(self, convs: list) -> dict:
-        """``POST /v1/chat/completions`` streaming (``include_usage``), a connection per request."""
+        """``POST /v1/chat/completions`` streaming (``include_usage``), a connection per request,
+        opened beforehand (HTTP clients pool their connections; the websockets are open too)."""
         opts = {"stream": True, "stream_options": {"include_usage": True}, "max_tokens": self.max_tokens}
+        conns = [await asyncio.open_connection("127.0.0.1", self.port) for _ in convs]
         t0 = time.monotonic()
         got = await asyncio.gather(
-            *(self.post_stream("/v1/chat/completions", {**self._common(), **opts, "messages": m}) for m in convs)
+            *(
+                self.post_stream("/v1/chat/completions", {**self._common(), **opts, "messages": m}, c)
+                for m, c in zip(convs, conns)
+            )
         )
         first, done, texts, toks = [], [], [], []
         for events in got:
