@@ -30,10 +30,11 @@ run: install
 test: install sysdeps lint
 	$(BIN)/python -m pytest -q
 
-# linters (issue #21): ruff rules + formatting over the whole tree
+# linters (issue #21): ruff rules + formatting over the whole tree, mypy on the core (pyproject.toml)
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test-slow: install
 	SPECD_SLOW=1 $(BIN)/python -m pytest -q -m slow
@@ -51,7 +52,7 @@ BENCH_LLAMA ?= 1
 bench: install
 	@test "$(BENCH_LLAMA)" = 0 || $(BIN)/python -c 'import llama_cpp' 2>/dev/null || $(MAKE) bench-deps || \
 		echo "note: llama-cpp-python did not build: the llama.cpp systems will be skipped"
-	$(BIN)/python eval/bench_real.py --target "$$($(BIN)/python -c 'from specd import builtin; print(builtin.builtin_gguf())')" \
+	$(BIN)/python -m eval.bench_real --target "$$($(BIN)/python -c 'from specd import builtin; print(builtin.builtin_gguf())')" \
 		--draft $(BENCH_DRAFT) --prompts $(SHARED)/data/spec_bench/question.jsonl --per-category $(BENCH_PER_CATEGORY) \
 		--max-tokens $(BENCH_TOKENS) --batch 1,4 --threads $(THREADS) --out eval/out/bench_real
 
@@ -69,7 +70,7 @@ EVAL_TOKENS ?= 128
 BUILTIN = "$$($(BIN)/python -c 'from specd import builtin; print(builtin.builtin_gguf())')"
 eval: install
 	for set in spec_bench mt_bench; do \
-		$(BIN)/python eval/acceptance.py --target $(BUILTIN) --draft models/smollm2-draft \
+		$(BIN)/python -m eval.acceptance --target $(BUILTIN) --draft models/smollm2-draft \
 			--prompts $(SHARED)/data/$$set/question.jsonl --per-category $(EVAL_PER_CATEGORY) \
 			--max-tokens $(EVAL_TOKENS) --modes off,chain:4,tree:16 --temperature 0 --threads $(THREADS) \
 			--out eval/out/$$set || exit 1; \
@@ -78,13 +79,14 @@ eval: install
 SOAK_CLIENTS ?= 8
 SOAK_MINUTES ?= 3
 soak: install
-	$(BIN)/python eval/soak.py --clients $(SOAK_CLIENTS) --minutes $(SOAK_MINUTES) --json eval/out/soak.json
+	$(BIN)/python -m eval.soak --clients $(SOAK_CLIENTS) --minutes $(SOAK_MINUTES) --json eval/out/soak.json
 
 # system packages the tests drive (headless Chromium for the web page, systemd-analyze for the unit)
 sysdeps:
-	@command -v chromium >/dev/null && command -v systemd-analyze >/dev/null || \
-		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium systemd >/dev/null) || \
-		echo "warning: could not install chromium/systemd (need root): the web-page and unit tests will fail"
+	@command -v chromium >/dev/null && command -v systemd-analyze >/dev/null && \
+		(command -v nginx >/dev/null || test -x /usr/sbin/nginx) || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium systemd nginx >/dev/null) || \
+		echo "warning: could not install chromium/systemd/nginx (need root): the web-page and unit tests will fail, the load-balancer test will skip"
 
 proto: install
 	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=specd/serving/proto --pyi_out=specd/serving/proto --grpc_python_out=specd/serving/proto proto/specd/v1/specd.proto

@@ -1,6 +1,6 @@
 """Acceptance-rate evaluation: how many tokens each target forward yields, and what that buys.
 
-    python eval/acceptance.py --target ../shared/models/stories260K \\
+    python -m eval.acceptance --target ../shared/models/stories260K \\
         --draft ../shared/models/stories260K-draft-1L64 \\
         --prompts ../shared/data/mt_bench/question.jsonl --raw --max-tokens 128 \\
         --modes off,chain:4,tree:16 --temperature 0,1 --limit 16 --out eval/out/mt_bench
@@ -30,11 +30,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # `python eval/acceptance.py`: find common.py
-
-import common as C  # noqa: E402
+from eval import common as C
+from eval import harness as H
 
 
 def parse_args(argv=None):
@@ -78,6 +78,22 @@ def load_pair(target: str, draft: str, device: str = "cpu"):
     return t, load_model(draft, device, "float32", progress=False, target=t)  # (a draft may share t's embeddings)
 
 
+@dataclass
+class Run:
+    """What every request of one evaluation shares: the tokenizer, the prompt budget, the sampling
+    settings (per temperature: ``temp``)."""
+
+    tok: object
+    bos: int | None
+    max_prompt: int
+    max_tokens: int
+    chat_template: bool
+    top_p: float
+    seed: int
+    ignore_eos: bool
+    temp: float = 0.0
+
+
 def run_eval(
     target,
     draft,
@@ -96,106 +112,136 @@ def run_eval(
     warmup: bool = True,
     desc: str = "eval",
 ) -> dict:
-    """Run every prompt under every mode and temperature. Returns the report's ``runs`` and ``requests``.
+    """Run every prompt under every mode and temperature. Returns the report's ``runs``, ``requests``
+    and ``prompts``.
 
     ``target``/``draft`` are loaded models (``specd.model.loader.load_model``); ``modes`` are ``common.Mode``.
     """
-    from tqdm import tqdm
-
-    from specd.engine.sampling import SamplingParams
-
     if not any(m.kind == "off" for m in modes):
         modes = [C.Mode("off", "off")] + list(modes)
-    tok = target.tokenizer
-    bos = target.config.bos_token_id
-    engines = {m.name: C.make_engine(m, target, draft, device) for m in modes}
+    engines = {m.name: H.make_engine(m, target, draft, device) for m in modes}
+    run = Run(
+        target.tokenizer,
+        target.config.bos_token_id,
+        prompt_budget(engines, modes, max_tokens, max_prompt_tokens),
+        max_tokens,
+        chat_template,
+        top_p,
+        seed,
+        ignore_eos,
+    )
+    if warmup:
+        warm_up(engines, modes, run.tok)
+    timers = {n: H.StepTimer(e) for n, e in engines.items()}
+    requests, runs = [], []
+    for temp in temperatures:
+        run.temp = temp
+        for t in timers.values():
+            t.reset()
+        logs = {n: H.StepLog(e) for n, e in engines.items()}  # engine-wide totals from here, per temperature
+        rows = run_temperature(run, prompts, modes, logs, progress, desc)
+        runs.append(summarise(rows, modes, temp, timers, logs))
+        for r in rows:
+            r.pop("output_ids", None)  # only needed for the greedy lossless check
+        requests += rows
+    return {"runs": runs, "requests": requests, "prompts": prompts_summary(prompts, requests, run, temperatures)}
+
+
+def prompt_budget(engines: dict, modes: list, max_tokens: int, max_prompt_tokens) -> int:
+    """Prompt tokens kept: ``max_prompt_tokens``, else the context less the reply and, with a static
+    tree, its depth (the engine caps chains and dynamic trees at the context end, but a static tree
+    is drafted whole: its draft positions would run past the context)."""
     ctx = min(e.max_model_len for e in engines.values())
-    # room for the deepest draft: the engine caps chains and dynamic trees at the context end, but a
-    # static tree is drafted whole (its draft positions would run past the context)
     margin = max((m.depth for m in modes if m.kind == "static"), default=0)
     max_prompt = max_prompt_tokens or (ctx - max_tokens - 1 - margin)
     if max_prompt < 1:
         raise ValueError(f"--max-tokens {max_tokens} leaves no room for a prompt in a {ctx}-token context")
-    if warmup:
-        w = list(tok("Once upon a time")["input_ids"])
-        for m in modes:
-            engines[m.name].generate([w], SamplingParams(temperature=0.0, max_tokens=8), m.spec_params())
-    timers = {n: C.StepTimer(e) for n, e in engines.items()}
-    requests, runs = [], []
-    for temp in temperatures:
-        for t in timers.values():
-            t.reset()
-        logs = {n: C.StepLog(e) for n, e in engines.items()}  # fresh engine-wide totals per temperature
-        rows = []
-        bar = tqdm(
-            total=len(prompts) * len(modes),
-            desc=f"{desc} T={temp:g}",
-            disable=not progress,
-            unit="conv",
-            dynamic_ncols=True,
+    return max_prompt
+
+
+def warm_up(engines: dict, modes: list, tok) -> None:
+    """A short greedy generation per engine: first-call costs are not measured."""
+    from specd.engine.sampling import SamplingParams
+
+    w = list(tok("Once upon a time")["input_ids"])
+    for m in modes:
+        engines[m.name].generate([w], SamplingParams(temperature=0.0, max_tokens=8), m.spec_params())
+
+
+def run_temperature(run: Run, prompts: list, modes: list, logs: dict, progress: bool, desc: str) -> list:
+    """Every prompt's conversation under every mode at ``run.temp``, the modes in an order rotated
+    from prompt to prompt; one row per request (turn)."""
+    from tqdm import tqdm
+
+    rows = []
+    bar = tqdm(
+        total=len(prompts) * len(modes),
+        desc=f"{desc} T={run.temp:g}",
+        disable=not progress,
+        unit="conv",
+        dynamic_ncols=True,
+    )
+    for qi, p in enumerate(prompts):
+        for m in modes[qi % len(modes) :] + modes[: qi % len(modes)]:
+            rows += conversation(run, p, qi, m, logs[m.name])
+            bar.update(1)
+    bar.close()
+    return rows
+
+
+def conversation(run: Run, p, qi: int, m, steplog) -> list:
+    """One prompt's turns under mode ``m``, each turn seeing the model's own earlier answers."""
+    from specd.engine.sampling import SamplingParams
+
+    answers, rows = [], []
+    for ti in range(len(p.turns)):
+        ids = C.encode_conversation(run.tok, p.turns[: ti + 1], answers, run.chat_template)
+        ids, truncated = C.fit_prompt(ids, run.max_prompt, run.bos)
+        params = SamplingParams(
+            temperature=run.temp,
+            top_p=run.top_p,
+            max_tokens=run.max_tokens,
+            seed=run.seed + 1000 * qi + ti,
+            ignore_eos=run.ignore_eos,
         )
-        for qi, p in enumerate(prompts):
-            order = modes[qi % len(modes) :] + modes[: qi % len(modes)]
-            for m in order:
-                eng = engines[m.name]
-                answers = []
-                for ti in range(len(p.turns)):
-                    ids = C.encode_conversation(tok, p.turns[: ti + 1], answers, chat_template)
-                    ids, truncated = C.fit_prompt(ids, max_prompt, bos)
-                    params = SamplingParams(
-                        temperature=temp,
-                        top_p=top_p,
-                        max_tokens=max_tokens,
-                        seed=seed + 1000 * qi + ti,
-                        ignore_eos=ignore_eos,
-                    )
-                    logs[m.name].take()
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    seq = eng.generate([ids], params, m.spec_params())[0]
-                    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-                    steps = logs[m.name].take()
-                    text = eng.output_text(seq)
-                    answers.append(text)
-                    st = C.stats_dict(seq.stats, C.tried_per_depth(steps))
-                    rows.append(
-                        {
-                            "prompt_id": p.id,
-                            "category": p.category,
-                            "subcategory": p.subcategory,
-                            "turn": ti + 1,
-                            "mode": m.name,
-                            "temperature": temp,
-                            "prompt_tokens": len(ids),
-                            "truncated": truncated,
-                            "output_tokens": seq.num_output,
-                            "wall_s": round(dt, 6),
-                            "cpu_s": round(cpu, 6),
-                            "tokens_per_s": round(seq.num_output / dt, 3) if dt > 0 else 0.0,
-                            "finish_reason": seq.finish_reason,
-                            "output_ids": list(seq.output_ids),
-                            "stats": st,
-                        }
-                    )
-                bar.update(1)
-        bar.close()
-        runs.append(summarise(rows, modes, temp, timers, engines))
-        for r in rows:
-            r.pop("output_ids", None)  # only needed for the greedy lossless check
-        requests += rows
+        steplog.take()
+        t0, c0 = time.perf_counter(), time.process_time()
+        seq = steplog.generate(ids, params, m.spec_params())
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        answers.append(steplog.engine.output_text(seq))
+        rows.append(
+            {
+                "prompt_id": p.id,
+                "category": p.category,
+                "subcategory": p.subcategory,
+                "turn": ti + 1,
+                "mode": m.name,
+                "temperature": run.temp,
+                "prompt_tokens": len(ids),
+                "truncated": truncated,
+                "output_tokens": seq.num_output,
+                "wall_s": round(dt, 6),
+                "cpu_s": round(cpu, 6),
+                "tokens_per_s": round(seq.num_output / dt, 3) if dt > 0 else 0.0,
+                "finish_reason": seq.finish_reason,
+                "output_ids": list(seq.output_ids),
+                "stats": C.stats_dict(seq.stats, C.tried_per_depth(steplog.take())),
+            }
+        )
+    return rows
+
+
+def prompts_summary(prompts: list, requests: list, run: Run, temperatures) -> dict:
     return {
-        "runs": runs,
-        "requests": requests,
-        "prompts": {
-            "count": len(prompts),
-            "turns": sum(len(p.turns) for p in prompts),
-            "categories": sorted({p.category for p in prompts}),
-            "truncated": sum(
-                1 for r in requests if r["truncated"] and r["mode"] == "off" and r["temperature"] == temperatures[0]
-            ),
-            "max_prompt_tokens": max_prompt,
-            "chat_template": chat_template,
-            "ids": [p.id for p in prompts],
-        },
+        "count": len(prompts),
+        "turns": sum(len(p.turns) for p in prompts),
+        "categories": sorted({p.category for p in prompts}),
+        "truncated": sum(
+            1 for r in requests if r["truncated"] and r["mode"] == "off" and r["temperature"] == temperatures[0]
+        ),
+        "max_prompt_tokens": run.max_prompt,
+        "chat_template": run.chat_template,
+        "ids": [p.id for p in prompts],
     }
 
 
@@ -217,7 +263,7 @@ def metrics(rows: list) -> dict:
         "cpu_s": round(cpu, 4),
         "tokens_per_s": round(out_tok / wall, 2) if wall > 0 else 0.0,
         "tokens_per_cpu_s": round(out_tok / cpu, 2) if cpu > 0 else 0.0,
-        "median_request_tokens_per_s": round(C.median([r["tokens_per_s"] for r in rows]), 2),
+        "median_request_tokens_per_s": round(H.median([r["tokens_per_s"] for r in rows], empty=0.0), 2),
     }
     d.update(C.stats_dict(st, tried))
     return d
@@ -231,46 +277,42 @@ def _speedups(rows: list, base: list) -> dict:
         for r in rows
         if key(r) in b and b[key(r)]["tokens_per_s"] > 0 and r["tokens_per_s"] > 0
     ]
-    return {"median_request_speedup": round(C.median(ratios), 4)}
+    return {"median_request_speedup": round(H.median(ratios, empty=0.0), 4)}
 
 
-def summarise(rows: list, modes: list, temp: float, timers: dict, engines: dict) -> dict:
+def compared(rows: list, base: list) -> dict:
+    """:func:`metrics` of ``rows`` with their speedups over ``base`` (the ``off`` rows of the same
+    prompts): aggregate tokens/s, CPU-time tokens/s, and the median of per-request ratios."""
+    m, b = metrics(rows), metrics(base)
+    m["speedup"] = round(m["tokens_per_s"] / b["tokens_per_s"], 4) if b["tokens_per_s"] else 0.0
+    m["speedup_cpu"] = round(m["tokens_per_cpu_s"] / b["tokens_per_cpu_s"], 4) if b["tokens_per_cpu_s"] else 0.0
+    m.update(_speedups(rows, base))
+    return m
+
+
+def summarise(rows: list, modes: list, temp: float, timers: dict, logs: dict) -> dict:
+    """One temperature's ``run``: per mode, overall and per-category figures, timings, the engine's
+    own totals over the run (``engine_stats``), greedy agreement with ``off`` and the theory check."""
     by_mode = {m.name: [r for r in rows if r["mode"] == m.name] for m in modes}
     base = by_mode["off"]
-    base_m = metrics(base)
     cats = sorted({r["category"] for r in rows})
     off_timing = timers["off"].as_dict()
-    greedy = temp == 0
     out = {"temperature": temp, "modes": []}
     for m in modes:
         mr = by_mode[m.name]
-        ov = metrics(mr)
-        ov["speedup"] = round(ov["tokens_per_s"] / base_m["tokens_per_s"], 4) if base_m["tokens_per_s"] else 0.0
-        ov["speedup_cpu"] = (
-            round(ov["tokens_per_cpu_s"] / base_m["tokens_per_cpu_s"], 4) if base_m["tokens_per_cpu_s"] else 0.0
-        )
-        ov.update(_speedups(mr, base))
-        per_cat = {}
-        for c in cats:
-            cr = [r for r in mr if r["category"] == c]
-            cb = [r for r in base if r["category"] == c]
-            cm = metrics(cr)
-            bm = metrics(cb)
-            cm["speedup"] = round(cm["tokens_per_s"] / bm["tokens_per_s"], 4) if bm["tokens_per_s"] else 0.0
-            cm["speedup_cpu"] = (
-                round(cm["tokens_per_cpu_s"] / bm["tokens_per_cpu_s"], 4) if bm["tokens_per_cpu_s"] else 0.0
-            )
-            cm.update(_speedups(cr, cb))
-            per_cat[c] = cm
+        ov = compared(mr, base)
+        per_cat = {
+            c: compared([r for r in mr if r["category"] == c], [r for r in base if r["category"] == c]) for c in cats
+        }
         timing = timers[m.name].as_dict()
         entry = {
             "mode": m.describe(),
             "overall": ov,
             "per_category": per_cat,
             "timing": timing,
-            "engine_stats": C.stats_dict(engines[m.name].stats),
+            "engine_stats": C.stats_dict(logs[m.name].engine_stats()),
         }
-        if greedy and m.kind != "off":
+        if temp == 0 and m.kind != "off":
             bo = {(r["prompt_id"], r["turn"]): r["output_ids"] for r in base}
             same = sum(1 for r in mr if bo.get((r["prompt_id"], r["turn"])) == r["output_ids"])
             entry["greedy_match"] = {"equal": same, "of": len(mr)}
@@ -331,8 +373,19 @@ def theory(m, ov: dict, timing: dict, off_timing: dict) -> dict:
 
 # output -----------------------------------------------------------------------------------------
 def markdown(report: dict) -> str:
-    meta = report["meta"]
-    lines = [
+    """``summary.md``: how the run was made, then per temperature the modes table, the per-category
+    table and the theory check."""
+    lines = md_header(report)
+    for run in report["runs"]:
+        t = run["temperature"]
+        lines += [f"## temperature {t:g} ({'greedy' if t == 0 else 'sampling'})", ""]
+        lines += md_modes(run) + md_categories(run) + md_theory(run)
+    return "\n".join(lines)
+
+
+def md_header(report: dict) -> list:
+    meta, pr = report["meta"], report["prompts"]
+    return [
         "# specd acceptance evaluation",
         "",
         f"- command: `{meta['command']}`",
@@ -341,115 +394,91 @@ def markdown(report: dict) -> str:
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
         + f"; git {meta['git_commit']}",
         f"- target `{meta['target']}`, draft `{meta['draft']}`; prompts `{meta['prompts_file']}`: "
-        f"{report['prompts']['count']} prompts / {report['prompts']['turns']} turns, categories "
-        f"{', '.join(report['prompts']['categories'])}; max_tokens {meta['max_tokens']}; "
-        f"{'chat template' if report['prompts']['chat_template'] else 'raw prompts'}; "
-        f"{report['prompts']['truncated']} prompts left-truncated to {report['prompts']['max_prompt_tokens']} tokens",
+        f"{pr['count']} prompts / {pr['turns']} turns, categories {', '.join(pr['categories'])}; max_tokens "
+        f"{meta['max_tokens']}; {'chat template' if pr['chat_template'] else 'raw prompts'}; "
+        f"{pr['truncated']} prompts left-truncated to {pr['max_prompt_tokens']} tokens",
         "",
     ]
-    for run in report["runs"]:
-        t = run["temperature"]
-        lines += [f"## temperature {t:g} ({'greedy' if t == 0 else 'sampling'})", ""]
-        rows = []
-        for e in run["modes"]:
-            o = e["overall"]
-            gm = e.get("greedy_match")
-            rows.append(
-                [
-                    e["mode"]["name"],
-                    o["mean_accepted_length"],
-                    o["acceptance_rate"],
-                    " ".join(f"{x:.2f}" for x in o["acceptance_per_depth"][:8]),
-                    o["tokens_per_s"],
-                    o["speedup"],
-                    o["median_request_speedup"],
-                    o["speedup_cpu"],
-                    f"{gm['equal']}/{gm['of']}" if gm else "-",
-                ]
-            )
-        lines += [
-            C.md_table(
-                [
-                    "mode",
-                    "tokens/step",
-                    "accept rate",
-                    "P(reach depth 1..)",
-                    "tok/s",
-                    "speedup",
-                    "median speedup",
-                    "CPU-time speedup",
-                    "greedy == off",
-                ],
-                rows,
-            ),
-            "",
-        ]
-        cats = list(run["modes"][0]["per_category"])
-        if len(cats) > 1:
-            hdr = (
-                ["category"]
-                + [f"{e['mode']['name']} tok/step" for e in run["modes"] if e["mode"]["kind"] != "off"]
-                + [f"{e['mode']['name']} speedup" for e in run["modes"] if e["mode"]["kind"] != "off"]
-            )
-            crow = []
-            for c in cats:
-                spec = [e for e in run["modes"] if e["mode"]["kind"] != "off"]
-                crow.append(
-                    [c]
-                    + [e["per_category"][c]["mean_accepted_length"] for e in spec]
-                    + [e["per_category"][c]["speedup"] for e in spec]
-                )
-            lines += ["Per category:", "", C.md_table(hdr, crow), ""]
-        th = [e for e in run["modes"] if "theory" in e]
-        if th:
-            trows = []
-            for e in th:
-                x = e["theory"]
-                trows.append(
-                    [
-                        e["mode"]["name"],
-                        x.get("alpha", "-"),
-                        x.get("expected_tokens_iid", "-"),
-                        x["measured_tokens_per_step"],
-                        x["draft_forwards_per_step"],
-                        x["c"],
-                        x["verify_cost_ratio"],
-                        x["predicted_speedup"],
-                        x["measured_speedup"],
-                        x["speculation_efficiency"],
-                        x["c_cpu"],
-                        x["predicted_speedup_cpu"],
-                        x["measured_speedup_cpu"],
-                        x["speculation_efficiency_cpu"],
-                    ]
-                )
-            lines += [
-                "Theory check (Leviathan et al. 2023: E = (1 - alpha^(k+1)) / (1 - alpha), speedup = "
-                "E / (k c + 1), c = draft forward / target-only step; trees: E_measured / (forwards c + 1); "
-                "efficiency = measured / predicted; wall clock, then CPU time):",
-                "",
-                C.md_table(
-                    [
-                        "mode",
-                        "alpha",
-                        "E iid",
-                        "E measured",
-                        "draft fwd/step",
-                        "c",
-                        "verify cost",
-                        "predicted",
-                        "measured",
-                        "efficiency",
-                        "c (cpu)",
-                        "predicted (cpu)",
-                        "measured (cpu)",
-                        "efficiency (cpu)",
-                    ],
-                    trows,
-                ),
-                "",
+
+
+def md_modes(run: dict) -> list:
+    rows = []
+    for e in run["modes"]:
+        o, gm = e["overall"], e.get("greedy_match")
+        rows.append(
+            [
+                e["mode"]["name"],
+                o["mean_accepted_length"],
+                o["acceptance_rate"],
+                " ".join(f"{x:.2f}" for x in o["acceptance_per_depth"][:8]),
+                o["tokens_per_s"],
+                o["speedup"],
+                o["median_request_speedup"],
+                o["speedup_cpu"],
+                f"{gm['equal']}/{gm['of']}" if gm else "-",
             ]
-    return "\n".join(lines)
+        )
+    headers = [
+        "mode",
+        "tokens/step",
+        "accept rate",
+        "P(reach depth 1..)",
+        "tok/s",
+        "speedup",
+        "median speedup",
+        "CPU-time speedup",
+        "greedy == off",
+    ]
+    return [C.md_table(headers, rows), ""]
+
+
+def md_categories(run: dict) -> list:
+    cats = list(run["modes"][0]["per_category"])
+    if len(cats) <= 1:
+        return []
+    spec = [e for e in run["modes"] if e["mode"]["kind"] != "off"]
+    hdr = (
+        ["category"] + [f"{e['mode']['name']} tok/step" for e in spec] + [f"{e['mode']['name']} speedup" for e in spec]
+    )
+    crow = [
+        [c]
+        + [e["per_category"][c]["mean_accepted_length"] for e in spec]
+        + [e["per_category"][c]["speedup"] for e in spec]
+        for c in cats
+    ]
+    return ["Per category:", "", C.md_table(hdr, crow), ""]
+
+
+THEORY_COLUMNS = (
+    ("alpha", "alpha"),
+    ("E iid", "expected_tokens_iid"),
+    ("E measured", "measured_tokens_per_step"),
+    ("draft fwd/step", "draft_forwards_per_step"),
+    ("c", "c"),
+    ("verify cost", "verify_cost_ratio"),
+    ("predicted", "predicted_speedup"),
+    ("measured", "measured_speedup"),
+    ("efficiency", "speculation_efficiency"),
+    ("c (cpu)", "c_cpu"),
+    ("predicted (cpu)", "predicted_speedup_cpu"),
+    ("measured (cpu)", "measured_speedup_cpu"),
+    ("efficiency (cpu)", "speculation_efficiency_cpu"),
+)
+
+
+def md_theory(run: dict) -> list:
+    th = [e for e in run["modes"] if "theory" in e]
+    if not th:
+        return []
+    trows = [[e["mode"]["name"]] + [e["theory"].get(key, "-") for _, key in THEORY_COLUMNS] for e in th]
+    return [
+        "Theory check (Leviathan et al. 2023: E = (1 - alpha^(k+1)) / (1 - alpha), speedup = "
+        "E / (k c + 1), c = draft forward / target-only step; trees: E_measured / (forwards c + 1); "
+        "efficiency = measured / predicted; wall clock, then CPU time):",
+        "",
+        C.md_table(["mode"] + [h for h, _ in THEORY_COLUMNS], trows),
+        "",
+    ]
 
 
 def plots(report: dict, out: Path) -> list:
@@ -496,7 +525,7 @@ def plots(report: dict, out: Path) -> list:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    C.set_threads(a.threads)
+    H.set_threads(a.threads)
     temps = [float(x) for x in a.temperature.split(",") if x.strip()]
     modes = C.parse_modes(a.modes, tree_topk=a.tree_topk, tree_depth=a.tree_depth)
     if not any(m.kind == "off" for m in modes):
@@ -508,7 +537,7 @@ def main(argv=None) -> int:
         return 2
     out = Path(a.out) if a.out else C.default_out("acceptance")
     t0 = time.perf_counter()
-    meta = C.run_meta(argv if argv is not None else sys.argv, a.device)  # at the start: the code that runs
+    meta = H.run_meta("acceptance", argv, a.device)  # at the start: the code that runs
     target, draft = load_pair(a.target, a.draft, a.device)
     chat = a.chat_template if a.chat_template is not None else C.has_chat_template(target.tokenizer)
     if chat and not C.has_chat_template(target.tokenizer):
@@ -529,34 +558,38 @@ def main(argv=None) -> int:
         device=a.device,
         progress=not a.no_progress,
     )
-    if argv is not None:
-        meta["command"] = "python eval/acceptance.py " + " ".join(argv)
-    meta.update(
-        {
-            "target": a.target,
-            "draft": a.draft,
-            "prompts_file": a.prompts,
-            "max_tokens": a.max_tokens,
-            "temperatures": temps,
-            "top_p": a.top_p,
-            "seed": a.seed,
-            "ignore_eos": a.ignore_eos,
-            "modes": [m.name for m in modes],
-            "limit": a.limit,
-            "per_category": a.per_category,
-            "categories": cats,
-            "elapsed_s": round(time.perf_counter() - t0, 2),
-        }
-    )
+    meta.update(run_settings(a, temps, modes, cats), elapsed_s=round(time.perf_counter() - t0, 2))
     report = {"schema": C.SCHEMA, "kind": "acceptance", "meta": meta, **res}
+    write_report(report, out, plots_too=not a.no_plots)
+    print(f"\nwrote {out}/report.json, summary.md and plots ({meta['elapsed_s']} s)")
+    return 0
+
+
+def run_settings(a, temps: list, modes: list, cats) -> dict:
+    return {
+        "target": a.target,
+        "draft": a.draft,
+        "prompts_file": a.prompts,
+        "max_tokens": a.max_tokens,
+        "temperatures": temps,
+        "top_p": a.top_p,
+        "seed": a.seed,
+        "ignore_eos": a.ignore_eos,
+        "modes": [m.name for m in modes],
+        "limit": a.limit,
+        "per_category": a.per_category,
+        "categories": cats,
+    }
+
+
+def write_report(report: dict, out: Path, plots_too: bool = True) -> None:
+    """``report.json``, ``summary.md`` (also printed) and the plots under ``out``."""
     C.write_json(out / "report.json", report)
     md = markdown(report)
     (out / "summary.md").write_text(md + "\n", encoding="utf-8")
-    if not a.no_plots:
+    if plots_too:
         plots(report, out)
     print(md)
-    print(f"\nwrote {out}/report.json, summary.md and plots ({meta['elapsed_s']} s)")
-    return 0
 
 
 if __name__ == "__main__":

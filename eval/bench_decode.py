@@ -5,7 +5,7 @@ over the prompts, interleaved with the others (so drift on a shared machine hits
 figures are medians over all groups of all passes (batch 1: prompt x pass; batch 8: pass). Prints a
 Markdown table and the exact command; ``--json`` writes the figures.
 
-    OMP_NUM_THREADS=1 python eval/bench_decode.py --target ../shared/models/stories260K \
+    OMP_NUM_THREADS=1 python -m eval.bench_decode --target ../shared/models/stories260K \
         --draft ../shared/models/stories260K-draft-1L64 --prompts 8 --max-tokens 128
 """
 
@@ -15,23 +15,16 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch
 
-import torch  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from specd.config import EngineConfig, SpecConfig  # noqa: E402
-from specd.engine.engine import Engine  # noqa: E402
-from specd.engine.sampling import SamplingParams  # noqa: E402
-from specd.engine.sequence import SpecParams  # noqa: E402
+from eval.harness import ROOT, command_line, median
+from specd.config import EngineConfig, SpecConfig
+from specd.engine.engine import Engine
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import SpecParams
 
 STORY_PROMPTS = [
     "Once upon a time, there was a little",
@@ -100,7 +93,12 @@ SPEC_CONFIGS = {
 }
 
 
-def main(argv=None):
+def config_key(name: str) -> str:
+    """The result key of a specd configuration: ``chain k=4`` -> ``specd_chain_k4``."""
+    return "specd_" + name.replace(" ", "_").replace("=", "")
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(ROOT.parent / "shared/models/stories260K"))
     ap.add_argument("--draft", default=str(ROOT.parent / "shared/models/stories260K-draft-1L64"))
@@ -114,9 +112,12 @@ def main(argv=None):
         help="passes per configuration, interleaved across configurations (medians reported)",
     )
     ap.add_argument("--json", default=None)
-    a = ap.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    import transformers
+    return ap.parse_args(argv)
+
+
+def setup(a) -> tuple:
+    """(specd engines by configuration sharing the loaded pair, prompts, transformers target and
+    draft), everything warmed up."""
     from transformers import AutoModelForCausalLM
 
     from specd.model.loader import load_model
@@ -139,42 +140,51 @@ def main(argv=None):
         eng.generate(prompts[:1], warm, SpecParams(mode=SPEC_CONFIGS[name][0]))
     with torch.no_grad():
         hf.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False, pad_token_id=0)
-    rows, res = [], {}
-    for batch in (1, 8):
-        rates = {k: [] for k in [*SPEC_CONFIGS, "hf", "assisted"]}
-        outs, mals = {}, {}
-        for _ in range(a.repeats):  # interleaved, so drift on a shared machine hits every configuration alike
-            r, outs["hf"] = time_hf(hf, prompts, a.max_tokens, batch)
-            rates["hf"] += r
-            for name, (mode, _) in SPEC_CONFIGS.items():
-                r, outs[name], mals[name] = time_specd(engines[name], prompts, a.max_tokens, mode, batch)
-                rates[name] += r
-            if batch == 1:  # assisted generation supports batch 1 only
-                r, _ = time_hf(hf, prompts, a.max_tokens, 1, assistant=hf_draft)
-                rates["assisted"] += r
-        med = {k: statistics.median(v) for k, v in rates.items() if v}
-        r_hf = med["hf"]
-        res[f"hf_generate_b{batch}"] = r_hf
-        for name in SPEC_CONFIGS:
-            key = "specd_" + name.replace(" ", "_").replace("=", "")
-            res[f"{key}_b{batch}"] = med[name]
-            res[f"{key}_b{batch}_mal"] = statistics.median(mals[name])
-            same = sum(x == y for x, y in zip(outs[name], outs["hf"]))
-            rows.append(
-                (
-                    batch,
-                    f"specd {name}",
-                    med[name],
-                    med[name] / r_hf,
-                    statistics.median(mals[name]),
-                    f"{same}/{len(outs[name])}",
-                )
+    return engines, prompts, hf, hf_draft
+
+
+def run_batch(batch: int, a, engines: dict, prompts: list, hf, hf_draft, res: dict) -> list:
+    """Every configuration at one batch size, ``--repeats`` interleaved passes; the table rows (and
+    the medians into ``res``)."""
+    rates = {k: [] for k in [*SPEC_CONFIGS, "hf", "assisted"]}
+    outs, mals, rows = {}, {}, []
+    for _ in range(a.repeats):  # interleaved, so drift on a shared machine hits every configuration alike
+        r, outs["hf"] = time_hf(hf, prompts, a.max_tokens, batch)
+        rates["hf"] += r
+        for name, (mode, _) in SPEC_CONFIGS.items():
+            r, outs[name], mals[name] = time_specd(engines[name], prompts, a.max_tokens, mode, batch)
+            rates[name] += r
+        if batch == 1:  # assisted generation supports batch 1 only
+            r, _ = time_hf(hf, prompts, a.max_tokens, 1, assistant=hf_draft)
+            rates["assisted"] += r
+    med = {k: median(v) for k, v in rates.items() if v}
+    r_hf = med["hf"]
+    res[f"hf_generate_b{batch}"] = r_hf
+    for name in SPEC_CONFIGS:
+        key = config_key(name)
+        res[f"{key}_b{batch}"] = med[name]
+        res[f"{key}_b{batch}_mal"] = median(mals[name])
+        same = sum(x == y for x, y in zip(outs[name], outs["hf"]))
+        rows.append(
+            (
+                batch,
+                f"specd {name}",
+                med[name],
+                med[name] / r_hf,
+                res[f"{key}_b{batch}_mal"],
+                f"{same}/{len(outs[name])}",
             )
-        rows.append((batch, "transformers generate", r_hf, 1.0, 1.0, "-"))
-        if batch == 1:
-            res["hf_assisted_b1"] = med["assisted"]
-            rows.append((1, "transformers assisted", med["assisted"], med["assisted"] / r_hf, float("nan"), "-"))
-    cmd = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} python {' '.join(sys.argv)}"
+        )
+    rows.append((batch, "transformers generate", r_hf, 1.0, 1.0, "-"))
+    if batch == 1:
+        res["hf_assisted_b1"] = med["assisted"]
+        rows.append((1, "transformers assisted", med["assisted"], med["assisted"] / r_hf, float("nan"), "-"))
+    return rows
+
+
+def report(rows: list, res: dict, cmd: str) -> None:
+    import transformers
+
     print(
         f"\n{time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()} {os.cpu_count()} cores, "
         f"torch {torch.__version__}, transformers {transformers.__version__}\n`{cmd}`\n"
@@ -191,12 +201,22 @@ def main(argv=None):
             f"batch {b}: specd target-only / transformers generate = "
             f"{res[f'specd_off_b{b}'] / res[f'hf_generate_b{b}']:.2f}x"
         )
-    spec_names = [n for n in SPEC_CONFIGS if n != "off"]
-    best = max(spec_names, key=lambda n: res["specd_" + n.replace(" ", "_").replace("=", "") + "_b1"])
-    best_rate = res["specd_" + best.replace(" ", "_").replace("=", "") + "_b1"]
+    best = max((n for n in SPEC_CONFIGS if n != "off"), key=lambda n: res[config_key(n) + "_b1"])
+    best_rate = res[config_key(best) + "_b1"]
     print(
         f"batch 1: specd speculative (best: {best}) / transformers assisted = {best_rate / res['hf_assisted_b1']:.2f}x"
     )
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    engines, prompts, hf, hf_draft = setup(a)
+    rows, res = [], {}
+    for batch in (1, 8):
+        rows += run_batch(batch, a, engines, prompts, hf, hf_draft, res)
+    cmd = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} {command_line('bench_decode', argv)}"
+    report(rows, res, cmd)
     if a.json:
         Path(a.json).write_text(json.dumps({"command": cmd, "results": res}, indent=1))
 

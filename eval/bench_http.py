@@ -1,7 +1,7 @@
 """Delivery over OpenAI's HTTP (SSE), specd's websocket and the Responses WebSocket vs in-process, and the
 second turn of a conversation via ``previous_response_id`` (issue 17).
 
-    OMP_NUM_THREADS=1 .venv/bin/python eval/bench_http.py [--target GGUF|DIR --draft DIR] [--max-tokens 64]
+    OMP_NUM_THREADS=1 .venv/bin/python -m eval.bench_http [--target GGUF|DIR --draft DIR] [--max-tokens 64]
         [--concurrency 1,8] [--repeats 3] [--mode off] [--history-tokens 1000] [--turns 3]
         [--out eval/out/bench_http]
 
@@ -30,27 +30,20 @@ tokens/s, HTTP TTFT within 5 ms of in-process, turn 2's TTFT <= half of turn 1's
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import base64
 import os
+import statistics
+import sys
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import orjson
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import base64  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import orjson  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "eval"))
-
-import bench_server  # noqa: E402
+from eval import bench_server as B
+from eval import harness as H
+from eval.harness import ROOT
 
 SHARED = ROOT.parent / "shared"
 QUESTIONS = SHARED / "data" / "mt_bench" / "question.jsonl"
@@ -357,34 +350,33 @@ async def _cells(cl: Client, base, a, tok, cells: dict, server_pid: int) -> None
                     if a.control:
                         cells.setdefault(("aa", c), []).append(base.run(ids, a.max_tokens, a.mode)[0] / tps)
                 else:
-                    c0 = bench_server.proc_cpu(server_pid)
+                    c0 = H.process_cpu_seconds(server_pid)
                     r = await getattr(cl, side)(convs)
                     n = sum(len(t) if isinstance(t, list) else t for t in r["tokens"])
-                    cell.append({**r, "cpu_ms": (bench_server.proc_cpu(server_pid) - c0) / n * 1000})
+                    cell.append({**r, "cpu_ms": (H.process_cpu_seconds(server_pid) - c0) / n * 1000})
 
 
 def run(a) -> dict:
     from specd.model.loader import load_tokenizer
 
-    layout = bench_server.cpu_layout(a.pin)
+    layout = B.cpu_layout(a.pin)
     a.pin = layout is not None
     tok = load_tokenizer(Path(a.target))
-    base = bench_server.Baseline(a, layout[1] if layout else None)
-    proc, port = bench_server.start_server(a)
+    base = B.Baseline(a, layout[1] if layout else None)
+    daemon = B.start_server(a)
     cells: dict = {}
     try:
         if layout:
             os.sched_setaffinity(0, layout[0])  # this process is the client: beside the server's loop
-        cl = Client(port, _served_model(port), a.max_tokens, a.mode)
-        asyncio.run(_cells(cl, base, a, tok, cells, proc.pid))
+        cl = Client(daemon.port, _served_model(daemon.port), a.max_tokens, a.mode)
+        asyncio.run(_cells(cl, base, a, tok, cells, daemon.pid))
         hist = passages(tok, 2 * a.turns, a.history_tokens)
         turns = {
             "responses_ws": [asyncio.run(second_turn_ws(cl, p)) for p in hist[: a.turns]],
             "sse": [asyncio.run(second_turn_sse(cl, p)) for p in hist[a.turns :]],
         }
     finally:
-        proc.terminate()
-        proc.wait(60)
+        daemon.stop()
         base.close()
     return {"cells": cells, "turns": turns, "layout": layout, "device": base.device, "model": cl.model}
 
@@ -420,16 +412,21 @@ NAMES["responses_ws"] = "Responses WebSocket"
 
 
 def markdown(a, res: dict) -> str:
-    import platform
-
-    out = [f"`OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} python {' '.join(sys.argv)}`", ""]
+    meta = res["meta"]
+    out = [f"`OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} {meta['command']}`", ""]
+    v = meta["versions"]
+    out.append(
+        f"{meta['date']}, commit {meta['git_commit']}, {meta['cpu']} ({meta['cpu_count']} CPUs), "
+        f"Python {v['python']}, torch {v['torch']}, transformers {v['transformers']}"
+    )
+    out.append("")
     lay = res["layout"]
     place = f"engine CPU {sorted(lay[1])}, server + client CPU {sorted(lay[0])}" if lay else "unpinned"
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     out.append(
         f"model `{res['model']}` (draft: {'yes' if a.draft else 'none'}), device {res['device']}, greedy, request "
         f"speculation `{a.mode}`, {a.max_tokens} tokens per request (ignore_eos), medians of {a.repeats} repeats; "
-        f"{os.cpu_count()} CPUs ({place}); Python {platform.python_version()}; load average {load}"
+        f"{place}; load average {load}"
     )
     out += [
         "",
@@ -483,6 +480,7 @@ def main(argv=None) -> int:
     if a.repeats < 1 or a.turns < 1:
         p.error("--repeats and --turns must be >= 1")
     res = run(a)
+    res["meta"] = H.run_meta("bench_http", argv)
     text = markdown(a, res)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -493,7 +491,8 @@ def main(argv=None) -> int:
         ]
         for k, vs in res["cells"].items()
     }
-    (out / "report.json").write_bytes(orjson.dumps({"cells": cells, "turns": res["turns"]}, option=orjson.OPT_INDENT_2))
+    report = {"meta": res["meta"], "cells": cells, "turns": res["turns"]}
+    (out / "report.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     print(text)
     return 0
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Latency benchmark of the latency-priority scheduler, over loopback websockets to in-process servers.
 
-    OMP_NUM_THREADS=1 .venv/bin/python eval/bench_latency.py [--json PATH] [--parts 1,2,3]
+    OMP_NUM_THREADS=1 .venv/bin/python -m eval.bench_latency [--json PATH] [--parts 1,2,3]
         [--p1-requests 10] [--p1-tokens 128] [--p1-batch 8] [--p1-batch-tokens 768] [--p1-spec auto,off]
         [--p1-saturate 8] [--mt-questions 20] [--p3-pairs shared,demo] [--p3-concurrency 1,4,16]
         [--p3-repeats 7]                       # defaults: ~6-7 min on 2 shared CPU cores
@@ -45,32 +45,23 @@ and writes everything (with per-repeat values) to ``--json PATH``.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import datetime as dt
+import json
 import os
+import platform
+import statistics
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import orjson
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import datetime as dt  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import orjson  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from eval import harness as H
+from eval.harness import ROOT, log, median, percentile
 
 DEMO = (ROOT / "models" / "demo" / "target", ROOT / "models" / "demo" / "draft")
 SHARED = (
@@ -99,27 +90,7 @@ STORY_PROMPTS = [
 ]
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# statistics -------------------------------------------------------------------------------------
-def pct(xs: list, q: float) -> float | None:
-    """Percentile with linear interpolation (numpy's default); None for no samples."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def med(xs):
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
+# statistics: harness.percentile / harness.median (linear interpolation) --------------------------
 def f1(x, nd=1) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
 
@@ -154,69 +125,25 @@ def load_pair(name: str, paths: tuple, device: str, dtype: str) -> Pair:
     return Pair(name, Path(paths[0]), Path(paths[1]), (t, d), chat, t.config.max_position_embeddings)
 
 
-def serve_args(pair: Pair, a, extra: list):
-    from specd.options import serve_parser
-
-    return serve_parser().parse_args(
-        [
-            "--target",
-            str(pair.target),
-            "--draft",
-            str(pair.draft),
-            "--device",
-            a.device,
-            "--dtype",
-            a.dtype,
-            "--num-blocks",
-            str(a.num_blocks),
-            "--port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--log-level",
-            "warning",
-            "--max-queue",
-            "1024",
-            *extra,
-        ]
-    )
-
-
-def start_server(pair: Pair, a, extra: list = ()):
-    """A fresh Engine (sharing the loaded weights) with ``specd serve`` flags + ``extra``, warmed up,
-    served by a ServerThread. Returns (server, engine, serve flags)."""
-    from specd.engine.engine import Engine
-    from specd.engine.warmup import warm_up
-    from specd.options import engine_config
-    from specd.serving.app import ServerThread
-
-    sa = serve_args(pair, a, list(extra))
-    eng = Engine(engine_config(sa), target=pair.loaded[0], draft=pair.loaded[1])
-    warm_up(eng)
-    srv = ServerThread(sa, eng).start()
-    srv.steplog = StepLog(eng)
-    srv.app.ae.listeners.append(srv.steplog)
-    return srv, eng, list(extra)
-
-
-class StepLog:
-    """``AsyncEngine`` listener (engine thread): per emitting step, its duration, the depth the adaptive
-    policy chose, the draft tokens granted and the requests that got output."""
-
-    def __init__(self, eng):
-        self.sch = eng.scheduler
-        self.rows: list = []
-        self.cpu: list = []
-
-    def __call__(self, outs, secs: float) -> None:
-        self.rows.append((secs, self.sch.last_depth, self.sch.last_spec_budget, len(outs)))
-        self.cpu.append(time.thread_time())  # engine-thread CPU clock: deltas = CPU per loop iteration
-
-    def mark(self) -> int:
-        return len(self.rows)
-
-    def since(self, k: int) -> list:
-        return self.rows[k:]
+def start_server(pair: Pair, a, extra: list = ()) -> H.Daemon:
+    """A ``specd serve`` in this process (``harness.start_daemon``: a fresh Engine sharing the loaded
+    weights, warmed up, a ``StepLog`` listening) with the benchmark's flags + ``extra``."""
+    flags = [
+        "--target",
+        str(pair.target),
+        "--draft",
+        str(pair.draft),
+        "--device",
+        a.device,
+        "--dtype",
+        a.dtype,
+        "--num-blocks",
+        str(a.num_blocks),
+        "--max-queue",
+        "1024",
+        *extra,
+    ]
+    return H.start_daemon(flags, target=pair.loaded[0], draft=pair.loaded[1])
 
 
 def http_get(port: int, path: str) -> str:
@@ -332,72 +259,93 @@ def run_async(coro):
 
 
 # part 1: interactive latency under batch load ---------------------------------------------------
-async def batch_load(port: int, bodies: list, priority: str, started: list, stop: asyncio.Event, stats: dict):
-    """Closed-loop streams (one connection each) until ``stop``; closing the connection cancels."""
+class BatchLoad:
+    """Closed-loop streams (one connection each, resubmitting as soon as a request ends) until
+    ``stop()``; closing the connection cancels what runs on it."""
 
-    async def worker(k: int, body: dict):
+    def __init__(self, port: int, bodies: list, priority: str):
+        self.stopping = asyncio.Event()
+        self.started: list = []  # per stream: set at its first delta
+        self.tokens = self.requests = 0
+        self.tasks = [asyncio.ensure_future(self._worker(port, k, b, priority)) for k, b in enumerate(bodies)]
+
+    async def _worker(self, port: int, k: int, body: dict, priority: str) -> None:
         async with connect(port) as ws:
             i = 0
             first = asyncio.Event()
-            started.append(first)
-            while not stop.is_set():
+            self.started.append(first)
+            while not self.stopping.is_set():
                 try:
                     r = await request(ws, f"b{k}-{i}", {**body, "priority": priority}, on_first=first.set)
                 except Exception:  # noqa: BLE001 - the connection closed under us at stop
-                    if stop.is_set():
+                    if self.stopping.is_set():
                         return
                     raise
-                stats["batch_tokens"] += len(r.token_ids)
-                stats["batch_requests"] += 1
+                self.tokens += len(r.token_ids)
+                self.requests += 1
                 i += 1
 
-    return [asyncio.ensure_future(worker(k, b)) for k, b in enumerate(bodies)]
+    async def running(self, settle: float) -> None:
+        """Every stream has streamed its first delta, then ``settle`` seconds more (steady state:
+        the adaptive policy's estimates settle)."""
+        while len(self.started) < len(self.tasks):
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self.started)), 120)
+        await asyncio.sleep(settle)
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def p1_condition(srv, eng, a, pair: Pair, load: str | None, spec: str, n_req: int, batch_tokens: int) -> dict:
+async def p1_condition(
+    srv: H.Daemon, a, pair: Pair, load: str | None, spec: str, n_req: int, batch_tokens: int
+) -> dict:
     """``n_req`` interactive requests one after the other; ``load`` None (idle) or the batch streams'
     priority; every request (interactive and batch) has ``speculation: {mode: spec}``."""
-    port = srv.port
-    inter = prompts_for(pair, n_req, offset=0)
     sp = {"speculation": {"mode": spec}}
     bodies = [
         {**b, **sp, "max_tokens": batch_tokens, "ignore_eos": True} for b in prompts_for(pair, a.p1_batch, offset=100)
     ]
-    stop = asyncio.Event()
-    started: list = []
-    stats = {"batch_tokens": 0, "batch_requests": 0}
-    tasks = []
+    batch = BatchLoad(srv.port, bodies, load) if load is not None else None
+    if batch is not None:
+        await batch.running(a.p1_settle)
     m = srv.app.metrics
-    if load is not None:
-        tasks = await batch_load(port, bodies, load, started, stop, stats)
-        while len(started) < len(bodies):
-            await asyncio.sleep(0.01)
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
-        await asyncio.sleep(a.p1_settle)  # steady state (the adaptive policy's estimates settle)
-    s0, c0 = m.step_time.sum, m.step_time.count
-    k0 = srv.steplog.mark()
-    tb0 = stats["batch_tokens"]
+    s0, c0, k0 = m.step_time.sum, m.step_time.count, srv.steplog.mark()
+    tb0 = batch.tokens if batch is not None else 0
     results = []
     t0 = time.perf_counter()
-    async with connect(port) as ws:
-        for i, body in enumerate(inter):
-            r = await request(
-                ws, f"i{i}", {**body, **sp, "max_tokens": a.p1_tokens, "ignore_eos": True, "priority": "interactive"}
-            )
-            results.append(r)
+    async with connect(srv.port) as ws:
+        for i, body in enumerate(prompts_for(pair, n_req, offset=0)):
+            extra = {"max_tokens": a.p1_tokens, "ignore_eos": True, "priority": "interactive"}
+            results.append(await request(ws, f"i{i}", {**body, **sp, **extra}))
             await asyncio.sleep(0.05)
     wall = time.perf_counter() - t0
-    s1, c1 = m.step_time.sum, m.step_time.count
+    engine = {
+        "engine_step_ms_mean": (m.step_time.sum - s0) / (m.step_time.count - c0) * 1000
+        if m.step_time.count > c0
+        else None
+    }
     steps = srv.steplog.since(k0)
-    cpu_clock = srv.steplog.cpu[k0:]
-    cpu_steps = [y - x for x, y in zip(cpu_clock, cpu_clock[1:])]
-    tb1 = stats["batch_tokens"]
-    if load is not None:
-        stop.set()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await wait_idle(eng)
+    batch_tok_s = (batch.tokens - tb0) / wall if batch is not None else None
+    if batch is not None:
+        await batch.stop()
+        await wait_idle(srv.engine)
+    return {
+        "load": load,
+        "spec": spec,
+        **client_figures(results),
+        **engine,
+        **step_figures(steps, srv.engine.policy),
+        "batch_tokens_per_s": batch_tok_s,
+        "wall_s": wall,
+    }
+
+
+def client_figures(results: list) -> dict:
+    """What the interactive clients saw: TTFT, per-token and per-delta inter-token latency."""
     itl_tok = [x for r in results for x in r.itl_token_ms()]
     itl_del = [x for r in results for x in r.itl_delta_ms()]
     ttft = [r.ttft_ms for r in results]
@@ -405,61 +353,74 @@ async def p1_condition(srv, eng, a, pair: Pair, load: str | None, spec: str, n_r
     spec_st = [r.done["spec"] for r in results]
     vsteps = sum(x["steps"] for x in spec_st)
     toks = sum(len(r.token_ids) for r in results)
-    sch = eng.scheduler
-    by_depth = {}
-    for secs, d, _, nout in steps:
-        by_depth.setdefault(d, []).append((secs, nout))
-    depth_rows = []
-    for d in sorted(by_depth):
-        xs = by_depth[d]
-        b = statistics.median([n for _, n in xs])
-        pred = None
-        if sch.t_target is not None:
-            pred = (
-                sch.t_target + sch.t_per_token * b * (1 + (sch.nodes_for_depth(d) if d else 0)) + d * (sch.t_draft or 0)
-            )
-        depth_rows.append(
-            {
-                "depth": d,
-                "steps": len(xs),
-                "batch_median": b,
-                "step_ms_median": 1000 * statistics.median([x for x, _ in xs]),
-                "model_pred_ms": None if pred is None else 1000 * pred,
-            }
-        )
     return {
-        "load": load,
-        "spec": spec,
         "requests": len(results),
         "tokens": toks,
-        "ttft_ms": {"p50": pct(ttft, 50), "p99": pct(ttft, 99), "max": max(ttft), "samples": ttft},
-        "server_ttft_ms": {"p50": pct(sttft, 50), "max": max(sttft)},
+        "ttft_ms": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99), "max": max(ttft), "samples": ttft},
+        "server_ttft_ms": {"p50": percentile(sttft, 50), "max": max(sttft)},
         "itl_token_ms": {
-            "p50": pct(itl_tok, 50),
-            "p90": pct(itl_tok, 90),
-            "p99": pct(itl_tok, 99),
+            "p50": percentile(itl_tok, 50),
+            "p90": percentile(itl_tok, 90),
+            "p99": percentile(itl_tok, 99),
             "max": max(itl_tok),
             "mean": statistics.mean(itl_tok),
             "n": len(itl_tok),
         },
-        "itl_delta_ms": {"p50": pct(itl_del, 50), "p99": pct(itl_del, 99), "max": max(itl_del), "n": len(itl_del)},
+        "itl_delta_ms": {
+            "p50": percentile(itl_del, 50),
+            "p99": percentile(itl_del, 99),
+            "max": max(itl_del),
+            "n": len(itl_del),
+        },
         "tokens_per_delta": toks / sum(len(r.arrivals) for r in results),
         "interactive_draft_tokens_per_step": sum(x["draft_tokens"] for x in spec_st) / vsteps if vsteps else 0.0,
-        "engine_step_ms_mean": (s1 - s0) / (c1 - c0) * 1000 if c1 > c0 else None,
-        "engine_steps": len(steps),
-        "engine_step_wall_ms_median": 1000 * statistics.median([x[0] for x in steps]) if steps else None,
-        "engine_step_cpu_ms_median": 1000 * statistics.median(cpu_steps) if cpu_steps else None,
-        "depth_mean": statistics.mean([d for _, d, _, _ in steps]) if steps else None,
-        "drafting_steps_pct": 100 * sum(1 for _, d, _, _ in steps if d > 0) / len(steps) if steps else None,
-        "by_depth": depth_rows,
-        "cost_model_end": {
-            "t_target_ms": 1000 * (sch.t_target or 0),
-            "t_per_token_ms": 1000 * sch.t_per_token,
-            "t_draft_level_ms": 1000 * (sch.t_draft or 0),
-        },
-        "batch_tokens_per_s": (tb1 - tb0) / wall if load else None,
-        "wall_s": wall,
     }
+
+
+def step_figures(steps: list, policy) -> dict:
+    """What the engine did over the interval (``StepLog`` rows): step wall / engine-thread CPU time,
+    the draft depth the adaptive policy chose, steps by depth against its cost model."""
+    cpu_steps = [y.cpu_clock - x.cpu_clock for x, y in zip(steps, steps[1:])]
+    return {
+        "engine_steps": len(steps),
+        "engine_step_wall_ms_median": 1000 * median([x.seconds for x in steps]) if steps else None,
+        "engine_step_cpu_ms_median": 1000 * median(cpu_steps) if cpu_steps else None,
+        "depth_mean": statistics.mean([x.depth for x in steps]) if steps else None,
+        "drafting_steps_pct": 100 * sum(1 for x in steps if x.depth > 0) / len(steps) if steps else None,
+        "by_depth": depth_rows(steps, policy),
+        "cost_model_end": {
+            "t_target_ms": 1000 * (policy.t_target or 0),
+            "t_per_token_ms": 1000 * policy.t_per_token,
+            "t_draft_level_ms": 1000 * (policy.t_draft or 0),
+        },
+    }
+
+
+def depth_rows(steps: list, policy) -> list:
+    """Per draft depth the policy chose: steps, median requests per step, median measured step time
+    and the cost model's prediction for that depth and batch (``SpecPolicy``: t_target +
+    t_per_token x batch x (1 + nodes(depth)) + depth x t_draft)."""
+    by_depth: dict = {}
+    for x in steps:
+        by_depth.setdefault(x.depth, []).append((x.seconds, x.outputs))
+    rows = []
+    for d in sorted(by_depth):
+        xs = by_depth[d]
+        b = median([n for _, n in xs])
+        pred = None
+        if policy.t_target is not None:
+            nodes = policy.nodes_for_depth(d) if d else 0
+            pred = policy.t_target + policy.t_per_token * b * (1 + nodes) + d * (policy.t_draft or 0)
+        rows.append(
+            {
+                "depth": d,
+                "steps": len(xs),
+                "batch_median": b,
+                "step_ms_median": 1000 * median([x for x, _ in xs]),
+                "model_pred_ms": None if pred is None else 1000 * pred,
+            }
+        )
+    return rows
 
 
 P1_CONDITIONS = (
@@ -485,13 +446,13 @@ def part1(a, pair: Pair) -> dict:
             )
         )
     for label, extra, specs, n_req, btok in configs:
-        srv, eng, flags = start_server(pair, a, extra)
+        srv = start_server(pair, a, extra)
         try:
             for spec in specs:
                 conds = {}
                 for name, load in P1_CONDITIONS:
                     log(f"part 1 [{label}, spec {spec}]: {name}")
-                    conds[name] = run_async(p1_condition(srv, eng, a, pair, load, spec, n_req, btok))
+                    conds[name] = run_async(p1_condition(srv, a, pair, load, spec, n_req, btok))
                     c = conds[name]
                     log(
                         f"  TTFT p50 {c['ttft_ms']['p50']:.1f} ms, ITL/token p50 {c['itl_token_ms']['p50']:.2f} "
@@ -501,7 +462,7 @@ def part1(a, pair: Pair) -> dict:
                 out["servers"].append(
                     {
                         "label": label,
-                        "flags": flags,
+                        "flags": list(extra),
                         "spec": spec,
                         "requests": n_req,
                         "batch_tokens": btok,
@@ -543,7 +504,7 @@ async def p2_run(servers: dict, a, pair: Pair) -> dict:
     }
     skipped = 0
     conns = {}
-    for k, (srv, _, _) in servers.items():
+    for k, srv in servers.items():
         conns[k] = await connect(srv.port).__aenter__()
     try:
         for qi, q in enumerate(qs):
@@ -554,7 +515,7 @@ async def p2_run(servers: dict, a, pair: Pair) -> dict:
                 continue
             order = list(servers) if qi % 2 == 0 else list(servers)[::-1]
             for k in order:
-                srv, eng, _ = servers[k]
+                eng = servers[k].engine
                 ws = conns[k]
                 r1 = await request(ws, f"q{qi}-1", {"messages": m1, "max_tokens": a.mt_max_tokens})
                 m2 = m1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": t2}]
@@ -584,25 +545,26 @@ def part2(a, pair: Pair) -> dict:
     servers = {}
     try:
         log("part 2: starting prefix cache on/off servers")
-        servers["prefix cache on"] = start_server(pair, a, [])
-        servers["prefix cache off"] = start_server(pair, a, ["--no-prefix-cache"])
+        flags = {"prefix cache on": [], "prefix cache off": ["--no-prefix-cache"]}
+        for k, extra in flags.items():
+            servers[k] = start_server(pair, a, extra)
         log(f"part 2: {a.mt_questions} MT-bench questions, alternating servers")
         res = run_async(p2_run(servers, a, pair))
         out = {"pair": pair.name, "questions": res["questions"], "skipped_too_long": res["skipped"], "servers": {}}
-        for k, (srv, _eng, flags) in servers.items():
+        for k, srv in servers.items():
             p = res["per"][k]
             text = http_get(srv.port, "/metrics")
             out["servers"][k] = {
-                "flags": flags,
+                "flags": flags[k],
                 "n": len(p["turn2_ttft"]),
-                "turn1_ttft_ms_p50": pct(p["turn1_ttft"], 50),
+                "turn1_ttft_ms_p50": percentile(p["turn1_ttft"], 50),
                 "turn2_ttft_ms": {
-                    "p50": pct(p["turn2_ttft"], 50),
-                    "p90": pct(p["turn2_ttft"], 90),
+                    "p50": percentile(p["turn2_ttft"], 50),
+                    "p90": percentile(p["turn2_ttft"], 90),
                     "mean": statistics.mean(p["turn2_ttft"]) if p["turn2_ttft"] else None,
                     "samples": p["turn2_ttft"],
                 },
-                "turn2_server_ttft_ms_p50": pct(p["turn2_server_ttft"], 50),
+                "turn2_server_ttft_ms_p50": percentile(p["turn2_server_ttft"], 50),
                 "turn2_prompt_tokens_mean": statistics.mean(p["turn2_prompt"]) if p["turn2_prompt"] else None,
                 "metrics_prefix_cache_hit_rate": metric_value(text, "specd_prefix_cache_hit_rate"),
                 "turn2_hit_rate": p["t2_hit"] / p["t2_query"] if p["t2_query"] else 0.0,
@@ -612,7 +574,7 @@ def part2(a, pair: Pair) -> dict:
         out["same_turn1_answers"] = res["per"][ks[0]]["answers"] == res["per"][ks[1]]["answers"]
         return out
     finally:
-        for srv, _, _ in servers.values():
+        for srv in servers.values():
             srv.stop()
 
 
@@ -673,11 +635,11 @@ async def p3_run(srv, a, pair: Pair) -> dict:
             row = {"same_tokens": same, "repeats": len(reps["off"])}
             for m in modes:
                 row[m] = {
-                    "tok_s_median": med([x["tok_s"] for x in reps[m]]),
+                    "tok_s_median": median([x["tok_s"] for x in reps[m]]),
                     "tok_s_runs": [round(x["tok_s"], 1) for x in reps[m]],
-                    "cpu_us_per_token": med([x["cpu_us_per_token"] for x in reps[m]]),
-                    "draft_per_step": med([x["draft_per_step"] for x in reps[m]]),
-                    "tokens_per_step": med([x["tokens_per_step"] for x in reps[m]]),
+                    "cpu_us_per_token": median([x["cpu_us_per_token"] for x in reps[m]]),
+                    "draft_per_step": median([x["draft_per_step"] for x in reps[m]]),
+                    "tokens_per_step": median([x["tokens_per_step"] for x in reps[m]]),
                 }
             best_other = max(row["tree"]["tok_s_median"], row["off"]["tok_s_median"])
             row["adaptive_vs_best_other"] = row["auto"]["tok_s_median"] / best_other
@@ -687,7 +649,7 @@ async def p3_run(srv, a, pair: Pair) -> dict:
             spread = [
                 abs(x - row[m]["tok_s_median"]) / row[m]["tok_s_median"] for m in modes for x in row[m]["tok_s_runs"]
             ]
-            row["median_abs_dev_pct"] = 100 * statistics.median(spread)
+            row["median_abs_dev_pct"] = 100 * median(spread)
             out[c] = row
             log(
                 f"part 3 [{pair.name}] c={c}: "
@@ -701,18 +663,19 @@ async def p3_run(srv, a, pair: Pair) -> dict:
 
 
 def part3(a, pair: Pair) -> dict:
-    srv, eng, flags = start_server(pair, a, [])
+    srv = start_server(pair, a, [])
+    eng = srv.engine
     try:
         log(f"part 3 [{pair.name}]: concurrency {a.p3_concurrency}, {a.p3_repeats} repeats")
         rows = run_async(p3_run(srv, a, pair))
         return {
             "pair": pair.name,
-            "flags": flags,
+            "flags": [],
             "tokens": a.p3_tokens,
             "repeats": a.p3_repeats,
-            "t_draft_level_ms": (eng.scheduler.t_draft or 0) * 1000,
-            "t_target_fixed_ms": (eng.scheduler.t_target or 0) * 1000,
-            "t_per_token_ms": eng.scheduler.t_per_token * 1000,
+            "t_draft_level_ms": (eng.policy.t_draft or 0) * 1000,
+            "t_target_fixed_ms": (eng.policy.t_target or 0) * 1000,
+            "t_per_token_ms": eng.policy.t_per_token * 1000,
             "rows": rows,
         }
     finally:
@@ -730,25 +693,11 @@ def environment(a) -> dict:
         except Exception:  # noqa: BLE001
             return None
 
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        except Exception:  # noqa: BLE001
-            return None
-
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
         "platform": platform.platform(),
-        "cpu": cpu,
+        "cpu": H.cpu_name(),
         "cpus": os.cpu_count(),
         "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
@@ -758,16 +707,28 @@ def environment(a) -> dict:
         "transformers": ver("transformers"),
         "orjson": ver("orjson"),
         "uvloop": ver("uvloop"),
-        "git_commit": git("rev-parse", "--short", "HEAD"),
-        "git_dirty_specd": bool(git("status", "--porcelain", "--", "specd")),
+        "git_commit": H.git("rev-parse", "--short", "HEAD"),
+        "git_dirty_specd": bool(H.git("status", "--porcelain", "--", "specd")),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
 
 
 # report -----------------------------------------------------------------------------------------
 def markdown(rep: dict, pairs: dict, a) -> str:
-    env = rep["env"]
+    """The report: how it was run, then one section per part that ran."""
+    L = md_header(rep, a)
+    if "part1" in rep:
+        L += md_part1(rep["part1"], pairs, a)
+    if "part2" in rep:
+        L += md_part2(rep["part2"], pairs, a)
+    if "part3" in rep:
+        L += md_part3(rep["part3"], pairs, a)
+    return "\n".join(L)
+
+
+def md_header(rep: dict, a) -> list:
     L = []
+    env = rep["env"]
     L.append("### Latency benchmark (`eval/bench_latency.py`)\n")
     L.append(f"`{rep['command']}`\n")
     L.append(
@@ -780,150 +741,168 @@ def markdown(rep: dict, pairs: dict, a) -> str:
         f"Servers: `ServerThread` in this process, `specd serve` defaults (spec mode tree, adaptive), "
         f"`--num-blocks {a.num_blocks}`, device {a.device}, greedy.\n"
     )
-    if "part1" in rep:
-        p = rep["part1"]
-        L.append(
-            f"**1. Interactive latency under batch load** — demo pair {pairs[p['pair']].short()}. "
-            f"{a.p1_requests} interactive requests one after another ({a.p1_tokens} tokens each, ignore_eos; "
-            f"{a.p1_saturate_requests} on the `--max-num-seqs` server), alone vs with {a.p1_batch} closed-loop "
-            f"streams of {a.p1_batch_tokens} tokens ({a.p1_saturate_batch_tokens} on the `--max-num-seqs` "
-            f"server) running (measured after {a.p1_settle:g} s of load); every "
-            f"request in a block has the `speculation` mode of the spec column. Client-side: TTFT = `generate` "
-            f"sent -> first `delta`; ITL/token = gap between consecutive deltas / tokens in the later delta (one "
-            f"sample per token, as `specd_inter_token_latency_seconds`); per-delta = the raw gaps. Engine step = "
-            f"engine step time over the interval (server metrics), and the median wall vs engine-thread CPU "
-            f"time of a step (the gap is time the engine thread waited: GIL held by the event loops of the "
-            "server and the clients, other load on the machine); depth = mean draft depth the adaptive policy "
-            "chose per step "
-            f"(% of steps drafting).\n"
-        )
-        L.append(
-            "| server | spec | condition | TTFT p50 ms | TTFT p99 ms | ITL/token p50 ms | ITL/token p99 ms | "
-            "p99 vs idle | per-delta gap p50 / p99 ms | tokens/delta | engine step ms mean (median wall / CPU) | "
-            "depth (drafting %) | batch tok/s |"
-        )
-        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for s in p["servers"]:
-            idle = s["conditions"]["idle"]["itl_token_ms"]["p99"]
-            for name, c in s["conditions"].items():
-                ratio = c["itl_token_ms"]["p99"] / idle
-                dep = "-" if c["depth_mean"] is None else f"{c['depth_mean']:.2f} ({c['drafting_steps_pct']:.0f}%)"
-                L.append(
-                    f"| {s['label']} | {s['spec']} | {name} | {f1(c['ttft_ms']['p50'])} | {f1(c['ttft_ms']['p99'])} | "
-                    f"{f1(c['itl_token_ms']['p50'], 2)} | {f1(c['itl_token_ms']['p99'], 2)} | {ratio:.2f}x | "
-                    f"{f1(c['itl_delta_ms']['p50'], 2)} / {f1(c['itl_delta_ms']['p99'], 2)} | "
-                    f"{c['tokens_per_delta']:.2f} | {f1(c['engine_step_ms_mean'], 1)} "
-                    f"({f1(c['engine_step_wall_ms_median'], 1)} / "
-                    f"{f1(c['engine_step_cpu_ms_median'], 1)}) | {dep} | "
-                    f"{f1(c['batch_tokens_per_s'], 0)} |"
-                )
-        verdicts = []
-        for s in p["servers"]:
-            if s["label"] != "default":
-                continue
-            cs = s["conditions"]
-            r = cs[P1_CONDITIONS[1][0]]["itl_token_ms"]["p99"] / cs["idle"]["itl_token_ms"]["p99"]
-            verdicts.append(f"spec {s['spec']}: {r:.2f}x — {'met' if r <= 1.5 else 'missed'}")
-        L.append(f"\nTarget p99 ITL under batch load <= 1.5x idle (default server): **{'; '.join(verdicts)}**.\n")
-        for s in p["servers"]:
-            c = s["conditions"][P1_CONDITIONS[1][0]]
-            if s["spec"] != "auto" or not c["by_depth"]:
-                continue
-            cm = c["cost_model_end"]
-            L.append(
-                f"Adaptive policy under batch load ({s['label']} server, spec auto): steps by the chosen depth, "
-                f"measured step time vs the scheduler's cost model at the end (t_target {cm['t_target_ms']:.2f} ms "
-                f"+ {cm['t_per_token_ms']:.3f} ms/token, draft level {cm['t_draft_level_ms']:.2f} ms):\n"
-            )
-            L.append("| depth | steps | requests per step (median) | measured step ms (median) | cost-model ms |")
-            L.append("|---|---|---|---|---|")
-            for d in c["by_depth"]:
-                L.append(
-                    f"| {d['depth']} | {d['steps']} | {d['batch_median']:g} | {d['step_ms_median']:.1f} | "
-                    f"{f1(d['model_pred_ms'])} |"
-                )
-            L.append("")
-    if "part2" in rep:
-        p = rep["part2"]
-        L.append(
-            f"**2. MT-bench turn-2 TTFT, prefix cache on vs off** — demo pair {pairs[p['pair']].short()} "
-            f"(chat template; MT-bench is off-domain for this GSM8K model, which does not matter for TTFT). "
-            f"First {p['questions']} MT-bench questions ({p['skipped_too_long']} skipped: too long for the "
-            f"{pairs[p['pair']].max_len}-token context); turn 1 `max_tokens` {a.mt_max_tokens}, turn 2 "
-            f"{a.mt_turn2_tokens}; the two servers run side by side, questions alternating between them. "
-            f"Same turn-1 answers on both: {'yes' if p['same_turn1_answers'] else 'NO'}.\n"
-        )
-        L.append(
-            "| server | turns 2 | turn-2 prompt tokens (mean) | turn-2 TTFT p50 ms | p90 ms | mean ms | "
-            "server TTFT p50 ms | turn-1 TTFT p50 ms | turn-2 cached tokens (mean) | turn-2 hit rate | "
-            "`specd_prefix_cache_hit_rate` |"
-        )
-        L.append("|---|---|---|---|---|---|---|---|---|---|---|")
-        for k, s in p["servers"].items():
-            L.append(
-                f"| {k} | {s['n']} | {f1(s['turn2_prompt_tokens_mean'], 0)} | {f1(s['turn2_ttft_ms']['p50'])} | "
-                f"{f1(s['turn2_ttft_ms']['p90'])} | {f1(s['turn2_ttft_ms']['mean'])} | "
-                f"{f1(s['turn2_server_ttft_ms_p50'])} | {f1(s['turn1_ttft_ms_p50'])} | "
-                f"{f1(s['turn2_cached_tokens_mean'], 0)} | {100 * s['turn2_hit_rate']:.0f}% | "
-                f"{f1(s['metrics_prefix_cache_hit_rate'], 3)} |"
-            )
-        on, off = p["servers"]["prefix cache on"], p["servers"]["prefix cache off"]
-        if on["turn2_ttft_ms"]["p50"] and off["turn2_ttft_ms"]["p50"]:
-            L.append(
-                "\nTurn-2 TTFT p50 with the prefix cache: "
-                f"{on['turn2_ttft_ms']['p50'] / off['turn2_ttft_ms']['p50']:.2f}x "
-                f"of without. (`specd_prefix_cache_hit_rate` counts every prompt, turn 1 included; the turn-2 "
-                f"hit rate counts only turn-2 prompts.)\n"
-            )
-    if "part3" in rep:
-        L.append(
-            f"**3. Aggregate tokens/s vs concurrency** — greedy, {a.p3_tokens} tokens per request "
-            f"(ignore_eos), c requests at once on c connections; medians of interleaved repeats "
-            f"({', '.join(f'c={c}: {p3_repeats(a, int(c))}' for c in a.p3_concurrency.split(','))}). adaptive = "
-            "`speculation: auto` (cost-model depth), fixed = `mode: tree` (the configured "
-            f"16-node tree, depth <= 6), none = `mode: off`. draft/step = draft tokens per target step "
-            f"(median), tok/step = tokens per target step; CPU µs/token = CPU time of this whole process (engine "
-            f"thread, server loop, clients) per generated token, which other load on the machine distorts "
-            f"less than tokens/s; median abs dev = spread of the repeats around their median.\n"
-        )
-        for p in rep["part3"]:
-            L.append(
-                f"{p['pair']} pair {pairs[p['pair']].short()} "
-                f"({'GSM8K chat prompts' if p['pair'] == 'demo' else 'raw story prompts'}); cost model at the "
-                f"end: target step fixed {p['t_target_fixed_ms']:.2f} ms + {p['t_per_token_ms']:.3f} ms/token, "
-                f"draft level {p['t_draft_level_ms']:.2f} ms.\n"
-            )
-            L.append(
-                "| concurrency | adaptive tok/s | fixed tree tok/s | none tok/s | adaptive / best other | "
-                "CPU µs/token adaptive / fixed / none | adaptive draft/step, tok/step | fixed tok/step | "
-                "median abs dev % | same tokens |"
-            )
-            L.append("|---|---|---|---|---|---|---|---|---|---|")
-            for c, r in p["rows"].items():
-                L.append(
-                    f"| {c} | {r['auto']['tok_s_median']:.0f} | {r['tree']['tok_s_median']:.0f} | "
-                    f"{r['off']['tok_s_median']:.0f} | **{r['adaptive_vs_best_other']:.2f}** | "
-                    f"{r['auto']['cpu_us_per_token']:.0f} / {r['tree']['cpu_us_per_token']:.0f} / "
-                    f"{r['off']['cpu_us_per_token']:.0f} | "
-                    f"{r['auto']['draft_per_step']:.2f}, {r['auto']['tokens_per_step']:.2f} | "
-                    f"{r['tree']['tokens_per_step']:.2f} | {r['median_abs_dev_pct']:.1f} | "
-                    f"{'yes' if r['same_tokens'] else 'NO'} |"
-                )
-            v = []
-            for c, r in p["rows"].items():
-                ok = r["adaptive_vs_best_other"] >= 1 - r["median_abs_dev_pct"] / 100
-                v.append(
-                    f"c={c} {r['adaptive_vs_best_other']:.2f} {'met' if ok else 'missed'} (CPU/token: best "
-                    f"other / adaptive {r['cpu_best_other_vs_adaptive']:.2f})"
-                )
-            L.append(
-                f"\nTarget adaptive tok/s >= best of fixed/none, within the repeat spread ({p['pair']} pair): "
-                f"**{'; '.join(v)}**.\n"
-            )
-    return "\n".join(L)
+    return L
 
 
-def main(argv=None) -> int:
+def md_part1(p: dict, pairs: dict, a) -> list:
+    L = []
+    L.append(
+        f"**1. Interactive latency under batch load** — demo pair {pairs[p['pair']].short()}. "
+        f"{a.p1_requests} interactive requests one after another ({a.p1_tokens} tokens each, ignore_eos; "
+        f"{a.p1_saturate_requests} on the `--max-num-seqs` server), alone vs with {a.p1_batch} closed-loop "
+        f"streams of {a.p1_batch_tokens} tokens ({a.p1_saturate_batch_tokens} on the `--max-num-seqs` "
+        f"server) running (measured after {a.p1_settle:g} s of load); every "
+        f"request in a block has the `speculation` mode of the spec column. Client-side: TTFT = `generate` "
+        f"sent -> first `delta`; ITL/token = gap between consecutive deltas / tokens in the later delta (one "
+        f"sample per token, as `specd_inter_token_latency_seconds`); per-delta = the raw gaps. Engine step = "
+        f"engine step time over the interval (server metrics), and the median wall vs engine-thread CPU "
+        f"time of a step (the gap is time the engine thread waited: GIL held by the event loops of the "
+        "server and the clients, other load on the machine); depth = mean draft depth the adaptive policy "
+        "chose per step "
+        f"(% of steps drafting).\n"
+    )
+    L.append(
+        "| server | spec | condition | TTFT p50 ms | TTFT p99 ms | ITL/token p50 ms | ITL/token p99 ms | "
+        "p99 vs idle | per-delta gap p50 / p99 ms | tokens/delta | engine step ms mean (median wall / CPU) | "
+        "depth (drafting %) | batch tok/s |"
+    )
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for s in p["servers"]:
+        idle = s["conditions"]["idle"]["itl_token_ms"]["p99"]
+        for name, c in s["conditions"].items():
+            ratio = c["itl_token_ms"]["p99"] / idle
+            dep = "-" if c["depth_mean"] is None else f"{c['depth_mean']:.2f} ({c['drafting_steps_pct']:.0f}%)"
+            L.append(
+                f"| {s['label']} | {s['spec']} | {name} | {f1(c['ttft_ms']['p50'])} | {f1(c['ttft_ms']['p99'])} | "
+                f"{f1(c['itl_token_ms']['p50'], 2)} | {f1(c['itl_token_ms']['p99'], 2)} | {ratio:.2f}x | "
+                f"{f1(c['itl_delta_ms']['p50'], 2)} / {f1(c['itl_delta_ms']['p99'], 2)} | "
+                f"{c['tokens_per_delta']:.2f} | {f1(c['engine_step_ms_mean'], 1)} "
+                f"({f1(c['engine_step_wall_ms_median'], 1)} / "
+                f"{f1(c['engine_step_cpu_ms_median'], 1)}) | {dep} | "
+                f"{f1(c['batch_tokens_per_s'], 0)} |"
+            )
+    verdicts = []
+    for s in p["servers"]:
+        if s["label"] != "default":
+            continue
+        cs = s["conditions"]
+        r = cs[P1_CONDITIONS[1][0]]["itl_token_ms"]["p99"] / cs["idle"]["itl_token_ms"]["p99"]
+        verdicts.append(f"spec {s['spec']}: {r:.2f}x — {'met' if r <= 1.5 else 'missed'}")
+    L.append(f"\nTarget p99 ITL under batch load <= 1.5x idle (default server): **{'; '.join(verdicts)}**.\n")
+    for s in p["servers"]:
+        L += md_p1_depths(s)
+    return L
+
+
+def md_p1_depths(s: dict) -> list:
+    """Under batch load, on a server whose requests speculate adaptively: steps by the chosen depth
+    against the cost model."""
+    L = []
+    c = s["conditions"][P1_CONDITIONS[1][0]]
+    if s["spec"] != "auto" or not c["by_depth"]:
+        return []
+    cm = c["cost_model_end"]
+    L.append(
+        f"Adaptive policy under batch load ({s['label']} server, spec auto): steps by the chosen depth, "
+        f"measured step time vs the scheduler's cost model at the end (t_target {cm['t_target_ms']:.2f} ms "
+        f"+ {cm['t_per_token_ms']:.3f} ms/token, draft level {cm['t_draft_level_ms']:.2f} ms):\n"
+    )
+    L.append("| depth | steps | requests per step (median) | measured step ms (median) | cost-model ms |")
+    L.append("|---|---|---|---|---|")
+    for d in c["by_depth"]:
+        L.append(
+            f"| {d['depth']} | {d['steps']} | {d['batch_median']:g} | {d['step_ms_median']:.1f} | "
+            f"{f1(d['model_pred_ms'])} |"
+        )
+    L.append("")
+    return L
+
+
+def md_part2(p: dict, pairs: dict, a) -> list:
+    L = []
+    L.append(
+        f"**2. MT-bench turn-2 TTFT, prefix cache on vs off** — demo pair {pairs[p['pair']].short()} "
+        f"(chat template; MT-bench is off-domain for this GSM8K model, which does not matter for TTFT). "
+        f"First {p['questions']} MT-bench questions ({p['skipped_too_long']} skipped: too long for the "
+        f"{pairs[p['pair']].max_len}-token context); turn 1 `max_tokens` {a.mt_max_tokens}, turn 2 "
+        f"{a.mt_turn2_tokens}; the two servers run side by side, questions alternating between them. "
+        f"Same turn-1 answers on both: {'yes' if p['same_turn1_answers'] else 'NO'}.\n"
+    )
+    L.append(
+        "| server | turns 2 | turn-2 prompt tokens (mean) | turn-2 TTFT p50 ms | p90 ms | mean ms | "
+        "server TTFT p50 ms | turn-1 TTFT p50 ms | turn-2 cached tokens (mean) | turn-2 hit rate | "
+        "`specd_prefix_cache_hit_rate` |"
+    )
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for k, s in p["servers"].items():
+        L.append(
+            f"| {k} | {s['n']} | {f1(s['turn2_prompt_tokens_mean'], 0)} | {f1(s['turn2_ttft_ms']['p50'])} | "
+            f"{f1(s['turn2_ttft_ms']['p90'])} | {f1(s['turn2_ttft_ms']['mean'])} | "
+            f"{f1(s['turn2_server_ttft_ms_p50'])} | {f1(s['turn1_ttft_ms_p50'])} | "
+            f"{f1(s['turn2_cached_tokens_mean'], 0)} | {100 * s['turn2_hit_rate']:.0f}% | "
+            f"{f1(s['metrics_prefix_cache_hit_rate'], 3)} |"
+        )
+    on, off = p["servers"]["prefix cache on"], p["servers"]["prefix cache off"]
+    if on["turn2_ttft_ms"]["p50"] and off["turn2_ttft_ms"]["p50"]:
+        L.append(
+            "\nTurn-2 TTFT p50 with the prefix cache: "
+            f"{on['turn2_ttft_ms']['p50'] / off['turn2_ttft_ms']['p50']:.2f}x "
+            f"of without. (`specd_prefix_cache_hit_rate` counts every prompt, turn 1 included; the turn-2 "
+            f"hit rate counts only turn-2 prompts.)\n"
+        )
+    return L
+
+
+def md_part3(parts: list, pairs: dict, a) -> list:
+    L = []
+    L.append(
+        f"**3. Aggregate tokens/s vs concurrency** — greedy, {a.p3_tokens} tokens per request "
+        f"(ignore_eos), c requests at once on c connections; medians of interleaved repeats "
+        f"({', '.join(f'c={c}: {p3_repeats(a, int(c))}' for c in a.p3_concurrency.split(','))}). adaptive = "
+        "`speculation: auto` (cost-model depth), fixed = `mode: tree` (the configured "
+        f"16-node tree, depth <= 6), none = `mode: off`. draft/step = draft tokens per target step "
+        f"(median), tok/step = tokens per target step; CPU µs/token = CPU time of this whole process (engine "
+        f"thread, server loop, clients) per generated token, which other load on the machine distorts "
+        f"less than tokens/s; median abs dev = spread of the repeats around their median.\n"
+    )
+    for p in parts:
+        L.append(
+            f"{p['pair']} pair {pairs[p['pair']].short()} "
+            f"({'GSM8K chat prompts' if p['pair'] == 'demo' else 'raw story prompts'}); cost model at the "
+            f"end: target step fixed {p['t_target_fixed_ms']:.2f} ms + {p['t_per_token_ms']:.3f} ms/token, "
+            f"draft level {p['t_draft_level_ms']:.2f} ms.\n"
+        )
+        L.append(
+            "| concurrency | adaptive tok/s | fixed tree tok/s | none tok/s | adaptive / best other | "
+            "CPU µs/token adaptive / fixed / none | adaptive draft/step, tok/step | fixed tok/step | "
+            "median abs dev % | same tokens |"
+        )
+        L.append("|---|---|---|---|---|---|---|---|---|---|")
+        for c, r in p["rows"].items():
+            L.append(
+                f"| {c} | {r['auto']['tok_s_median']:.0f} | {r['tree']['tok_s_median']:.0f} | "
+                f"{r['off']['tok_s_median']:.0f} | **{r['adaptive_vs_best_other']:.2f}** | "
+                f"{r['auto']['cpu_us_per_token']:.0f} / {r['tree']['cpu_us_per_token']:.0f} / "
+                f"{r['off']['cpu_us_per_token']:.0f} | "
+                f"{r['auto']['draft_per_step']:.2f}, {r['auto']['tokens_per_step']:.2f} | "
+                f"{r['tree']['tokens_per_step']:.2f} | {r['median_abs_dev_pct']:.1f} | "
+                f"{'yes' if r['same_tokens'] else 'NO'} |"
+            )
+        v = []
+        for c, r in p["rows"].items():
+            ok = r["adaptive_vs_best_other"] >= 1 - r["median_abs_dev_pct"] / 100
+            v.append(
+                f"c={c} {r['adaptive_vs_best_other']:.2f} {'met' if ok else 'missed'} (CPU/token: best "
+                f"other / adaptive {r['cpu_best_other_vs_adaptive']:.2f})"
+            )
+        L.append(
+            f"\nTarget adaptive tok/s >= best of fixed/none, within the repeat spread ({p['pair']} pair): "
+            f"**{'; '.join(v)}**.\n"
+        )
+    return L
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", default="1,2,3")
     p.add_argument("--device", default="cpu")
@@ -953,43 +932,24 @@ def main(argv=None) -> int:
     p.add_argument("--p3-repeats", type=int, default=7, help="repeats per cell (x4 at c=1, x2 at c=2..3)")
     p.add_argument("--p3-tokens", type=int, default=64)
     p.add_argument("--json", default=None, help="write the full report here")
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def command(argv) -> str:
+    """The command line that reproduces the run (with its thread count)."""
+    return f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " + H.command_line("bench_latency", argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     parts = {x.strip() for x in a.parts.split(",") if x.strip()}
-
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-    except Exception:  # noqa: BLE001
-        pass
+    H.set_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    H.quiet_transformers()
     t_start = time.monotonic()
-    rep = {
-        "schema": "specd.bench_latency/1",
-        "command": " ".join(
-            [
-                "OMP_NUM_THREADS=" + os.environ["OMP_NUM_THREADS"],
-                ".venv/bin/python" if ".venv" in sys.executable else shlex.quote(sys.executable),
-                *map(
-                    shlex.quote,
-                    [
-                        os.path.relpath(sys.argv[0], ROOT) if argv is None else "eval/bench_latency.py",
-                        *(sys.argv[1:] if argv is None else argv),
-                    ],
-                ),
-            ]
-        ),
-        "env": environment(a),
-        "args": vars(a),
-    }
+    rep = {"schema": "specd.bench_latency/1", "command": command(argv), "env": environment(a), "args": vars(a)}
+    p3_pairs = [x.strip() for x in a.p3_pairs.split(",") if x.strip()]
+    need = ({"demo"} if parts & {"1", "2"} else set()) | (set(p3_pairs) if "3" in parts else set())
     pairs = {}
-    need = set()
-    if parts & {"1", "2"}:
-        need.add("demo")
-    if "3" in parts:
-        need |= {x.strip() for x in a.p3_pairs.split(",") if x.strip()}
     for name in sorted(need):
         log(f"loading {name} pair")
         pairs[name] = load_pair(name, DEMO if name == "demo" else SHARED, a.device, a.dtype)
@@ -998,7 +958,7 @@ def main(argv=None) -> int:
     if "2" in parts:
         rep["part2"] = part2(a, pairs["demo"])
     if "3" in parts:
-        rep["part3"] = [part3(a, pairs[n]) for n in [x.strip() for x in a.p3_pairs.split(",") if x.strip()]]
+        rep["part3"] = [part3(a, pairs[n]) for n in p3_pairs]
     rep["wall_s"] = time.monotonic() - t_start
     rep["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     md = markdown(rep, pairs, a)

@@ -1,7 +1,7 @@
 """The real-model benchmark (issue #16 item 6): specd against transformers and llama.cpp, Spec-Bench form.
 
     make bench          # the built-in pair: SmolLM2-135M-Instruct Q4_1 GGUF + models/smollm2-draft
-    python eval/bench_real.py --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python -m eval.bench_real --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --draft models/smollm2-draft --prompts ../shared/data/spec_bench/question.jsonl \\
         --per-category 8 --max-tokens 256 --batch 1,4 --threads 2 --out eval/out/bench_real
 
@@ -38,10 +38,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common as C  # noqa: E402
-import peers as P  # noqa: E402
+from eval import common as C
+from eval import harness as H
+from eval import peers as P
 
 DEFAULT_SYSTEMS = (
     "specd:off,specd:chain:4,specd:tree:16,hf:generate,hf:assisted:k4,hf:pld:10,llamacpp:plain,llamacpp:pld:10"
@@ -111,7 +110,7 @@ def encode_prompts(a, target):
 
 def make_context(a, target, draft, hf_draft_ok, ids_list, batches):
     longest = max(map(len, ids_list)) + a.max_tokens + 64
-    per_tok = C.kv_bytes_per_token(target) + C.kv_bytes_per_token(draft)
+    per_tok = H.kv_bytes_per_token(target) + H.kv_bytes_per_token(draft)
     tok = target.tokenizer
     eos = list(target.config.eos_token_ids)
     pad = tok.pad_token_id if getattr(tok, "pad_token_id", None) is not None else eos[0]
@@ -262,84 +261,41 @@ def summarize(rows: list, names: list, cats: list, ref: str) -> dict:
 
 
 # one step, profiled -----------------------------------------------------------------------------
-class _Marks:
-    """Timestamps from public forward hooks: the target's forward starts (``tf0``), its head ends
-    (``tf1``: the step's logits are ready); the draft model's forwards add up in ``draft``."""
-
-    def __init__(self, engine):
-        tgt = engine.target.model
-        self.handles = [tgt.register_forward_pre_hook(self._tf0), tgt.lm_head.register_forward_hook(self._tf1)]
-        if engine.draft is not None and engine.draft.model is not tgt:
-            dm = engine.draft.model
-            self.handles += [dm.register_forward_pre_hook(self._d0), dm.register_forward_hook(self._d1)]
-        self.reset()
-
-    def reset(self):
-        self.tf0 = self.tf1 = None
-        self.draft, self._t = 0.0, 0.0
-
-    def _tf0(self, *_):
-        if self.tf0 is None:
-            self.tf0 = time.perf_counter()
-
-    def _tf1(self, *_):
-        self.tf1 = time.perf_counter()
-
-    def _d0(self, *_):
-        self._t = time.perf_counter()
-
-    def _d1(self, *_):
-        self.draft += time.perf_counter() - self._t
-
-    def close(self):
-        for h in self.handles:
-            h.remove()
-
-
 def profile_step(system, ids: list, tokens: int) -> dict:
     """Mean wall time of one steady decode step of a specd system (batch 1, ``tokens`` new tokens,
-    EOS ignored), driven through ``Engine.add_request`` / ``Engine.step`` and split by the hooks of
-    ``_Marks``: draft = the draft model's forwards; target forward = the target's forward and head;
-    verify + sampling = after the logits to the step's end (acceptance, KV compaction, emitting and
-    detokenizing); other = the rest (scheduling, building inputs, the drafter's tree bookkeeping
-    and draft logits). The prompt's step and the next two (the draft catching up on the prompt)
-    are left out."""
+    EOS ignored), driven through ``Engine.add_request`` / ``Engine.step`` and split by the engine's
+    own stage timings (``harness.StepTimer``): draft = the draft model's forwards; target forward =
+    the target pass (inputs, forward and head); verify + sampling = verification and the commit
+    (acceptance, KV compaction, emitting and detokenizing); other = the rest of the step
+    (scheduling, the drafter's tree bookkeeping and draft logits). The prompt's step(s) and the next
+    two (the draft catching up on the prompt) are left out."""
     from specd.engine.sampling import SamplingParams
 
     eng = system.engine
-    marks = _Marks(eng)
     seq = eng.add_request(
         list(ids), SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), system.mode.spec_params()
     )
-    acc = {"step": 0.0, "draft": 0.0, "target_forward": 0.0, "verify_sampling": 0.0, "other": 0.0}
-    n = seen = toks = 0
-    try:
-        while not seq.finished:
-            decode, before = seq.num_output > 0, seq.num_output
-            marks.reset()
-            t0 = time.perf_counter()
+    while not seq.finished and seq.num_output == 0:  # the prompt
+        eng.step()
+    for _ in range(2):
+        if not seq.finished:
             eng.step()
-            t1 = time.perf_counter()
-            if not decode or marks.tf1 is None:
-                continue
-            seen += 1
-            if seen <= 2:
-                continue
-            n, toks = n + 1, toks + seq.num_output - before
-            parts = {
-                "step": t1 - t0,
-                "draft": marks.draft,
-                "target_forward": marks.tf1 - marks.tf0,
-                "verify_sampling": t1 - marks.tf1,
-            }
-            parts["other"] = parts["step"] - parts["draft"] - parts["target_forward"] - parts["verify_sampling"]
-            for k, v in parts.items():
-                acc[k] += v
-    finally:
-        marks.close()
+    timer = H.StepTimer(eng)
+    before = seq.num_output
+    while not seq.finished:
+        eng.step()
+    t = timer.as_dict()
+    n, toks = t["steps"], seq.num_output - before
+    parts = {
+        "step": t["step_s"],
+        "draft": t["draft_forward_s"],
+        "target_forward": t["target_forward_s"],
+        "verify_sampling": t["verify_s"] + t["commit_s"],
+    }
+    parts["other"] = parts["step"] - parts["draft"] - parts["target_forward"] - parts["verify_sampling"]
     out = {"steps": n, "tokens_per_step": round(toks / n, 3) if n else None}
-    out.update({f"{k}_ms": round(1e3 * v / n, 3) if n else None for k, v in acc.items()})
-    out["ms_per_token"] = round(1e3 * acc["step"] / toks, 3) if toks else None
+    out.update({f"{k}_ms": round(1e3 * v / n, 3) if n else None for k, v in parts.items()})
+    out["ms_per_token"] = round(1e3 * parts["step"] / toks, 3) if toks else None
     return out
 
 
@@ -409,7 +365,7 @@ def bandwidth_floor(target, target_path, profile: dict) -> dict:
 def library_info(names: list) -> dict:
     import numpy
 
-    v = dict(C.versions(), numpy=numpy.__version__)
+    v = dict(H.versions(), numpy=numpy.__version__)
     info = {"versions": v}
     if any(n.startswith("llamacpp") for n in names):
         try:
@@ -478,7 +434,20 @@ def batch_tables(b: int, res: dict, cats: list, na: list, ref: str, sizes: dict)
 
 
 def render(rep: dict) -> str:
-    m, cpu = rep["meta"], rep["meta"]["cpu_info"]
+    """``summary.md``: how the run was made, the tables of each batch size, the step profile and
+    the bandwidth floor."""
+    md = render_header(rep["meta"], rep["notes"])
+    for b, t in rep["batches"].items():
+        md += batch_tables(int(b), t["systems"], rep["categories"], t["n/a"], rep["reference"], t["group_sizes"])
+    if rep["profile"]:
+        md += render_profile(rep["profile"])
+    if rep["bandwidth_floor"]:
+        md.append(render_floor(rep["bandwidth_floor"]))
+    return "\n".join(md) + "\n"
+
+
+def render_header(m: dict, notes: dict) -> list:
+    cpu = m["cpu_info"]
     md = [
         "# specd vs transformers vs llama.cpp (Spec-Bench form)",
         "",
@@ -495,64 +464,49 @@ def render(rep: dict) -> str:
     ]
     if m.get("llama_cpp_system_info"):
         md.append(f"- llama.cpp: {m['llama_cpp_system_info']}")
-    md += [f"- note: {k}: {v}" for k, v in rep["notes"].items()] + [""]
-    for b, t in rep["batches"].items():
-        md += batch_tables(int(b), t["systems"], rep["categories"], t["n/a"], rep["reference"], t["group_sizes"])
-    if rep["profile"]:
-        md += [
-            "## One decode step (batch 1, mean over steady steps, ms)",
-            "",
-            C.md_table(
-                [
-                    "system",
-                    "steps",
-                    "tokens/step",
-                    "step",
-                    "draft",
-                    "target forward",
-                    "verify + sampling",
-                    "other",
-                    "ms/token",
-                ],
-                [
-                    [
-                        n,
-                        p["steps"],
-                        p["tokens_per_step"],
-                        p["step_ms"],
-                        p["draft_ms"],
-                        p["target_forward_ms"],
-                        p["verify_sampling_ms"],
-                        p["other_ms"],
-                        p["ms_per_token"],
-                    ]
-                    for n, p in rep["profile"].items()
-                ],
-            ),
-            "",
-        ]
-    f = rep["bandwidth_floor"]
-    if f:
-        bw = f["bandwidth"]
-        md.append(
-            f"Memory-bandwidth floor of one target step: {f['weight_bytes_read'] / 1e6:.1f} MB of {f['weights']} "
-            f"weights read / {bw['read_GBps']} GB/s (read; copy {bw['copy_GBps']} GB/s, {bw['buffer_mib']} MiB, "
-            f"{bw['threads']} threads) = {f['floor_ms_per_step']} ms, at most {f['max_plain_tokens_per_s']} "
-            f"tokens/s without speculation"
-            + (
-                f"; specd:off measured {f['specd_off_step_ms']} ms per step = {f['specd_off_step_over_floor']}x "
-                f"the floor"
-                if "specd_off_step_ms" in f
-                else ""
-            )
-            + (
-                f". The GGUF file ({f['gguf_bytes'] / 1e6:.1f} MB, what llama.cpp reads): "
-                f"{f['gguf_floor_ms_per_step']} ms."
-                if "gguf_bytes" in f
-                else "."
-            )
+    return md + [f"- note: {k}: {v}" for k, v in notes.items()] + [""]
+
+
+PROFILE_COLUMNS = (
+    ("steps", "steps"),
+    ("tokens/step", "tokens_per_step"),
+    ("step", "step_ms"),
+    ("draft", "draft_ms"),
+    ("target forward", "target_forward_ms"),
+    ("verify + sampling", "verify_sampling_ms"),
+    ("other", "other_ms"),
+    ("ms/token", "ms_per_token"),
+)
+
+
+def render_profile(profile: dict) -> list:
+    rows = [[n] + [p[key] for _, key in PROFILE_COLUMNS] for n, p in profile.items()]
+    return [
+        "## One decode step (batch 1, mean over steady steps, ms)",
+        "",
+        C.md_table(["system"] + [h for h, _ in PROFILE_COLUMNS], rows),
+        "",
+    ]
+
+
+def render_floor(f: dict) -> str:
+    bw = f["bandwidth"]
+    return (
+        f"Memory-bandwidth floor of one target step: {f['weight_bytes_read'] / 1e6:.1f} MB of {f['weights']} "
+        f"weights read / {bw['read_GBps']} GB/s (read; copy {bw['copy_GBps']} GB/s, {bw['buffer_mib']} MiB, "
+        f"{bw['threads']} threads) = {f['floor_ms_per_step']} ms, at most {f['max_plain_tokens_per_s']} "
+        f"tokens/s without speculation"
+        + (
+            f"; specd:off measured {f['specd_off_step_ms']} ms per step = {f['specd_off_step_over_floor']}x the floor"
+            if "specd_off_step_ms" in f
+            else ""
         )
-    return "\n".join(md) + "\n"
+        + (
+            f". The GGUF file ({f['gguf_bytes'] / 1e6:.1f} MB, what llama.cpp reads): {f['gguf_floor_ms_per_step']} ms."
+            if "gguf_bytes" in f
+            else "."
+        )
+    )
 
 
 def plot(rep: dict, path) -> Path:
@@ -634,15 +588,13 @@ def header(meta: dict) -> str:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    C.set_threads(a.threads)
-    C.quiet_transformers()
+    H.set_threads(a.threads)
+    H.quiet_transformers()
     t_start = time.perf_counter()
     names = [n.strip() for n in a.systems.split(",") if n.strip()]
     batches = [int(x) for x in a.batch.split(",") if x.strip()]
-    meta = C.run_meta(argv if argv is not None else sys.argv)
-    if argv is not None:
-        meta["command"] = "python eval/bench_real.py " + " ".join(argv)
-    meta.update(threads=a.threads, cpu_info=C.cpu_info(), **library_info(names))
+    meta = H.run_meta("bench_real", argv)
+    meta.update(threads=a.threads, cpu_info=H.cpu_info(), **library_info(names))
     print(header(meta), flush=True)
     target, draft, hf_draft_ok = load_pair(a)
     prompts, ids, chat = encode_prompts(a, target)

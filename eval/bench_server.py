@@ -1,6 +1,6 @@
 """Websocket delivery vs in-process engine: tokens/s and time to first token for the same requests.
 
-    OMP_NUM_THREADS=1 .venv/bin/python eval/bench_server.py [--target DIR --draft DIR] [--max-tokens 128]
+    OMP_NUM_THREADS=1 .venv/bin/python -m eval.bench_server [--target DIR --draft DIR] [--max-tokens 128]
         [--concurrency 1,8] [--spec tree] [--rounds 3] [--repeats 3] [--stream-interval-ms MS]
 
 In one run: the same greedy requests go (a) straight to an ``Engine`` (``add_request`` + ``step()``
@@ -29,26 +29,18 @@ Method (each choice answers a noise source measured on our 2-vCPU VM):
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import os
+import statistics
+import sys
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import orjson
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import orjson  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "eval"))
-
-from common import child_pids  # noqa: E402
+from eval import harness as H
+from eval.harness import ROOT, median
 
 PROMPTS = [
     "Once upon a time",
@@ -76,17 +68,6 @@ def engine_args(a) -> list:
     ]
 
 
-def proc_cpu(pid) -> float:
-    """CPU seconds (user + system) of a process and its live descendants (the engine process of
-    ``specd serve``), from /proc (Linux); 0 elsewhere."""
-    try:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        own = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-    return own + sum(proc_cpu(c) for c in child_pids(pid))
-
-
 def in_process(engine, prompts, max_tokens, spec_mode):
     from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
@@ -106,9 +87,9 @@ def in_process(engine, prompts, max_tokens, spec_mode):
 
 async def with_server_cpu(pid, run):
     """Await ``run`` (a websocket run: tokens/s, TTFT, tokens) and add the server's CPU ms per token."""
-    s0 = proc_cpu(pid)
+    s0 = H.process_cpu_seconds(pid)
     tps, ttft, toks = await run
-    return tps, ttft, toks, (proc_cpu(pid) - s0) / sum(len(t) for t in toks) * 1000
+    return tps, ttft, toks, (H.process_cpu_seconds(pid) - s0) / sum(len(t) for t in toks) * 1000
 
 
 async def over_ws(url, prompts_text, max_tokens, spec_mode, ws):
@@ -144,6 +125,25 @@ async def over_ws(url, prompts_text, max_tokens, spec_mode, ws):
     return n / wall, statistics.mean(ttft), [tokens[str(i)] for i in range(len(prompts_text))]
 
 
+def generate_frame(i: int, prompt: str, max_tokens: int, spec_mode: str) -> bytes:
+    """One masked client text frame carrying a ``generate`` request."""
+    payload = orjson.dumps(
+        {
+            "type": "generate",
+            "id": str(i),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "speculation": {"mode": spec_mode},
+        }
+    )
+    mask = os.urandom(4)
+    ln = len(payload)
+    hdr = bytes((0x81, 0x80 | ln)) if ln < 126 else b"\x81\xfe" + ln.to_bytes(2, "big")
+    return hdr + mask + bytes(b ^ mask[k % 4] for k, b in enumerate(payload))
+
+
 async def over_raw_ws(port, prompts_text, max_tokens, spec_mode):
     """Like ``over_ws`` with a lean client: a raw socket that only appends what arrives (and looks
     for the ends of requests); frames are parsed after the run. On a 2-CPU box the client shares
@@ -162,24 +162,18 @@ async def over_raw_ws(port, prompts_text, max_tokens, spec_mode):
         raise RuntimeError(f"websocket upgrade refused: {head[:200]!r}")
     n = len(prompts_text)
     t0 = time.monotonic()
-    out = bytearray()
-    for i, p in enumerate(prompts_text):
-        payload = orjson.dumps(
-            {
-                "type": "generate",
-                "id": str(i),
-                "prompt": p,
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "speculation": {"mode": spec_mode},
-            }
-        )
-        mask = os.urandom(4)
-        ln = len(payload)
-        hdr = bytes((0x81, 0x80 | ln)) if ln < 126 else b"\x81\xfe" + ln.to_bytes(2, "big")
-        out += hdr + mask + bytes(b ^ mask[k % 4] for k, b in enumerate(payload))
-    writer.write(bytes(out))
+    writer.write(b"".join(generate_frame(i, p, max_tokens, spec_mode) for i, p in enumerate(prompts_text)))
+    chunks = await read_until_ends(reader, n)
+    writer.close()
+    first, done, tokens = parse_frames(chunks)
+    wall = max(done.values()) - t0
+    ntok = sum(len(v) for v in tokens.values())
+    ttft = [(first[str(i)] - t0) * 1000 for i in range(n)]
+    return ntok / wall, statistics.mean(ttft), [tokens[str(i)] for i in range(n)]
+
+
+async def read_until_ends(reader, n: int) -> list:
+    """Raw chunks, each with its arrival time, until ``n`` requests have ended (done or error)."""
     chunks, ends, tail = [], 0, b""
     marks = (b'"type":"done"', b'"type":"error"')
     while ends < n:
@@ -190,10 +184,15 @@ async def over_raw_ws(port, prompts_text, max_tokens, spec_mode):
         scan = tail + chunk
         ends += sum(scan.count(m) for m in marks) - sum(tail.count(m) for m in marks)
         tail = scan[-16:]
-    writer.close()
+    return chunks
+
+
+def parse_frames(chunks: list) -> tuple:
+    """The server frames in ``chunks``, each stamped with its chunk's arrival time: per request id
+    the first delta's time, the done's time and the tokens."""
     first, done, tokens = {}, {}, {}
     buf = bytearray()
-    for t, chunk in chunks:  # parse the frames, each stamped with its chunk's arrival time
+    for t, chunk in chunks:
         buf += chunk
         pos = 0
         while len(buf) - pos >= 2:
@@ -222,32 +221,21 @@ async def over_raw_ws(port, prompts_text, max_tokens, spec_mode):
             else:
                 raise RuntimeError(m)
         del buf[:pos]
-    wall = max(done.values()) - t0
-    ntok = sum(len(v) for v in tokens.values())
-    ttft = [(first[str(i)] - t0) * 1000 for i in range(n)]
-    return ntok / wall, statistics.mean(ttft), [tokens[str(i)] for i in range(n)]
+    return first, done, tokens
 
 
-def start_server(a):
-    from specd.serving.app import ServerProcess
-
-    sp = ServerProcess(
+def start_server(a) -> H.Daemon:
+    """``specd serve`` with the benchmark's engine settings, as a child process (``harness.start_daemon``)."""
+    return H.start_daemon(
         [
             *engine_args(a),
-            "--port",
-            "0",
-            "--grpc-port",
-            "0",
-            "--log-level",
-            "info",
             "--max-queue",
             "1024",
             *(["--cpu-split"] if a.pin else []),
             *([] if a.stream_interval_ms is None else ["--stream-interval-ms", str(a.stream_interval_ms)]),
         ],
-        cwd=ROOT,
-    ).start()
-    return sp.proc, sp.port
+        child=True,
+    )
 
 
 def cpu_layout(pin: bool):
@@ -271,7 +259,8 @@ class Baseline:
 
         args = [
             sys.executable,
-            str(Path(__file__).resolve()),
+            "-m",
+            "eval.bench_server",
             "--baseline-worker",
             "--target",
             a.target,
@@ -303,12 +292,7 @@ class Baseline:
 
 
 def baseline_worker(a) -> int:
-    from specd.engine.engine import Engine
-    from specd.engine.warmup import warm_up
-    from specd.options import engine_config, serve_parser
-
-    engine = Engine(engine_config(serve_parser().parse_args([*engine_args(a)])))
-    warm_up(engine)
+    engine = H.engine_from_flags(engine_args(a), warm=True)
     out = sys.stdout.buffer
     out.write(orjson.dumps({"device": str(engine.device)}) + b"\n")
     out.flush()
@@ -319,7 +303,7 @@ def baseline_worker(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from specd.options import demo_pair
 
     t, d = demo_pair()
@@ -362,6 +346,11 @@ def main(argv=None) -> int:
         "frames after the run (less client work beside the server on a small box)",
     )
     p.add_argument("--baseline-worker", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.baseline_worker:
         return baseline_worker(a)
@@ -369,88 +358,99 @@ def main(argv=None) -> int:
         p.error("--rounds and --repeats must be >= 1")
     layout = cpu_layout(a.pin)
     a.pin = layout is not None
-    conc = [int(x) for x in a.concurrency.split(",")]
-    modes = a.modes.split(",")
+    cells, device = measure(a, layout)
+    print_report(a, table_rows(cells), layout, device)
+    return 0
 
+
+def measure(a, layout) -> tuple:
+    """``--rounds`` rounds, each with a fresh server and a fresh baseline process. Returns the cells
+    ((mode, concurrency) -> (in-process runs, websocket runs, A/A control ratios)) and the device."""
     from specd.model.loader import load_tokenizer
 
     tok = load_tokenizer(Path(a.target))
     if layout:
         os.sched_setaffinity(0, layout[0])  # this process is the websocket client: beside the server's loop
-    cells = {(mode, c): ([], [], []) for mode in modes for c in conc}  # in-process, websocket, A/A control
+    conc = [int(x) for x in a.concurrency.split(",")]
+    cells = {(mode, c): ([], [], []) for mode in a.modes.split(",") for c in conc}
     device = "?"
-
-    async def run_round(url, port, pid, base):
-        from websockets.asyncio.client import connect
-
-        async with connect(url, compression=None, max_size=None) as ws:
-            await over_ws(url, PROMPTS[:2], 8, "tree", ws)  # warm the connection
-            for mode in modes:
-                for c in conc:
-                    texts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
-                    ids = [tok(x)["input_ids"] for x in texts]
-                    ip, wsr, ctl = cells[mode, c]
-                    for r in range(a.repeats):
-                        for side in ("ip", "ws") if r % 2 == 0 else ("ws", "ip"):  # alternate who goes first
-                            if side == "ip":
-                                ip.append(base.run(ids, a.max_tokens, mode))
-                                if a.control:  # A/A: the same in-process run again (the noise floor)
-                                    ctl.append(base.run(ids, a.max_tokens, mode)[0] / ip[-1][0])
-                            else:
-                                run = (
-                                    over_raw_ws(port, texts, a.max_tokens, mode)
-                                    if a.client == "raw"
-                                    else over_ws(url, texts, a.max_tokens, mode, ws)
-                                )
-                                wsr.append(await with_server_cpu(pid, run))
-
     for _ in range(a.rounds):
         base = Baseline(a, layout[1] if layout else None)
-        proc, port = start_server(a)
+        srv = start_server(a)
         try:
             device = base.device
-            asyncio.run(run_round(f"ws://127.0.0.1:{port}/ws", port, proc.pid, base))
+            asyncio.run(run_round(a, srv, base, tok, cells))
         finally:
-            proc.terminate()
-            proc.wait(60)
+            srv.stop()
             base.close()
+    return cells, device
+
+
+async def run_round(a, srv: H.Daemon, base, tok, cells: dict) -> None:
+    """Every cell's ``--repeats`` pairs of runs (in process, websocket), the two sides alternating
+    who goes first."""
+    from websockets.asyncio.client import connect
+
+    async with connect(srv.url, compression=None, max_size=None) as ws:
+        await over_ws(srv.url, PROMPTS[:2], 8, "tree", ws)  # warm the connection
+        for (mode, c), (ip, wsr, ctl) in cells.items():
+            texts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
+            ids = [tok(x)["input_ids"] for x in texts]
+            for r in range(a.repeats):
+                for side in ("ip", "ws") if r % 2 == 0 else ("ws", "ip"):  # alternate who goes first
+                    if side == "ip":
+                        ip.append(base.run(ids, a.max_tokens, mode))
+                        if a.control:  # A/A: the same in-process run again (the noise floor)
+                            ctl.append(base.run(ids, a.max_tokens, mode)[0] / ip[-1][0])
+                    else:
+                        run = (
+                            over_raw_ws(srv.port, texts, a.max_tokens, mode)
+                            if a.client == "raw"
+                            else over_ws(srv.url, texts, a.max_tokens, mode, ws)
+                        )
+                        wsr.append(await with_server_cpu(srv.pid, run))
+
+
+def table_rows(cells: dict) -> list:
+    """Per cell: medians of tokens/s (each side), of the paired ratios and of the A/A control,
+    TTFT and CPU ms/token (each side), and whether the tokens were the same."""
     rows = []
     for (mode, c), (ip, wsr, ctl) in cells.items():
-        same = all(x[2] == y[2] for x, y in zip(ip, wsr))
         rows.append(
             (
                 mode,
                 c,
-                statistics.median(x[0] for x in ip),
-                statistics.median(x[0] for x in wsr),
-                statistics.median(y[0] / x[0] for x, y in zip(ip, wsr)),
-                statistics.median(ctl) if ctl else None,
-                statistics.median(x[1] for x in ip),
-                statistics.median(x[1] for x in wsr),
-                same,
-                statistics.median(x[3] for x in ip),
-                statistics.median(x[3] for x in wsr),
+                median(x[0] for x in ip),
+                median(x[0] for x in wsr),
+                median(y[0] / x[0] for x, y in zip(ip, wsr)),
+                median(ctl),
+                median(x[1] for x in ip),
+                median(x[1] for x in wsr),
+                all(x[2] == y[2] for x, y in zip(ip, wsr)),
+                median(x[3] for x in ip),
+                median(x[3] for x in wsr),
             )
         )
-    dev = device
-    print(
-        f"\n`OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} {' '.join([sys.executable.split('/')[-1], *sys.argv])}`\n"
-    )
+    return rows
+
+
+def short(x) -> str:
+    if not x:
+        return "-"
+    x = Path(x).resolve()
+    for base in (ROOT, ROOT.parent):
+        if x.is_relative_to(base):
+            return str(x.relative_to(base))
+    return str(x)
+
+
+def print_report(a, rows: list, layout, device: str) -> None:
+    print(f"\n`OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} {H.command_line('bench_server', None)}`\n")
     load = " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
-
-    def short(x):
-        if not x:
-            return "-"
-        x = Path(x).resolve()
-        for base in (ROOT, ROOT.parent):
-            if x.is_relative_to(base):
-                return str(x.relative_to(base))
-        return str(x)
-
     si = "serve's default" if a.stream_interval_ms is None else f"{a.stream_interval_ms:g} ms"
     place = f"pinned: engine CPU {sorted(layout[1])}, server + client CPU {sorted(layout[0])}" if layout else "unpinned"
     print(
-        f"target `{short(a.target)}`, draft `{short(a.draft)}`, device {dev}, "
+        f"target `{short(a.target)}`, draft `{short(a.draft)}`, device {device}, "
         f"greedy, {a.max_tokens} tokens per request (ignore_eos), medians of {a.rounds} rounds x {a.repeats} runs, "
         f"{os.cpu_count()} CPUs ({place}), stream interval {si}, {a.client} client, load average {load}\n"
     )
@@ -472,7 +472,6 @@ def main(argv=None) -> int:
         "the server process and "
         "its engine process), per generated token; robust to other load on the machine, unlike tok/s."
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ Vocabulary (as in docs/architecture.md): a *step* is one target forward; per ste
 - conditional acceptance at depth d     = P(reaches d | reached d - 1): alpha_d in the product form
 - accepted-length histogram             = steps that accepted exactly 0, 1, 2, ... draft tokens
 
-Used by ``eval/acceptance.py`` (main entry), ``eval/sweep.py`` and ``eval/peers.py``.
+The workload (prompts, speculation modes), the acceptance statistics and the report helpers
+(JSON, Markdown tables, plots) of ``eval.acceptance`` (main entry), ``eval.sweep``, ``eval.peers``
+and ``eval.bench_real``; running and timing engines is ``eval.harness``'s.
 """
 
 from __future__ import annotations
@@ -17,41 +19,14 @@ from __future__ import annotations
 import datetime as _dt
 import heapq
 import json
-import os
-import platform
-import shlex
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python eval/x.py` from a checkout without `pip install -e .`
-    sys.path.insert(0, str(ROOT))
 
 SCHEMA = "specd.eval/1"
 SPEC_BENCH_TASKS = ("translation", "summarization", "qa", "math_reasoning", "rag")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
-
-
-def set_threads(n: int) -> None:
-    """Pin intra-op threads (the machines are shared: 1-2 threads keeps timings steadier)."""
-    os.environ["OMP_NUM_THREADS"] = str(n)
-    import torch
-
-    torch.set_num_threads(n)
-
-
-def quiet_transformers() -> None:
-    """No weight-loading progress bars or deprecation chatter in the reports' console output."""
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except Exception:
-        pass
 
 
 # prompts ----------------------------------------------------------------------------------------
@@ -103,57 +78,64 @@ def load_prompts(
     its eight subcategories); ``limit`` then keeps N in all, taken round-robin over the categories
     (file order inside each), so a small limit still covers them all.
     """
-    path = Path(path)
-    rows = []
-    text = path.read_text(encoding="utf-8")
-    if path.suffix in (".jsonl", ".json") or text.lstrip().startswith("{"):
-        for n, line in enumerate(text.splitlines()):
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            turns = r.get("turns") or ([r["prompt"]] if "prompt" in r else None)
-            category = r.get("category", "default")
-            if not turns and "question" in r:  # GSM8K
-                turns, category = [r["question"]], "gsm8k"
-            if not turns:
-                raise ValueError(f"{path}:{n + 1}: no 'turns' (or 'prompt' / 'question') field")
-            rows.append(Prompt(str(r.get("question_id", n + 1)), str(category), list(turns)))
-        cats = {p.category for p in rows}
-        if cats & set(SPEC_BENCH_TASKS):
-            for p in rows:
-                if p.category in MT_BENCH_CATEGORIES:
-                    p.subcategory, p.category = p.category, "mt_bench"
-    else:
-        rows = [Prompt(str(i + 1), "text", [ln]) for i, ln in enumerate(x for x in text.splitlines() if x.strip())]
-    rows = rows[start:]
+    rows = read_prompt_file(Path(path))[start:]
     if max_turns is not None:
         for p in rows:
             p.turns = p.turns[:max_turns]
     if categories:
         want = set(categories)
         rows = [p for p in rows if p.category in want or p.subcategory in want]
-    by_cat: dict[str, list] = {}
-    for p in rows:
-        by_cat.setdefault(p.category, []).append(p)
-    for c, ps in by_cat.items():  # Spec-Bench's mt_bench: interleave its subcategories
-        if any(p.subcategory for p in ps):
-            subs: dict = {}
-            for p in ps:
-                subs.setdefault(p.subcategory, []).append(p)
-            by_cat[c] = [p for grp in _zip_longest(list(subs.values())) for p in grp]
+    by_cat = _by_category(rows)
     if per_category is not None:
         by_cat = {c: ps[:per_category] for c, ps in by_cat.items()}
-    out = []
     if limit is None:
-        for ps in by_cat.values():
-            out += ps
+        out = [p for ps in by_cat.values() for p in ps]
         return sorted(out, key=rows.index) if per_category is None else out
+    out = []
     queues = [list(ps) for ps in by_cat.values()]
     while len(out) < limit and any(queues):
         for q in queues:
             if q and len(out) < limit:
                 out.append(q.pop(0))
     return out
+
+
+def read_prompt_file(path: Path) -> list:
+    """Every prompt of a file, in file order (see :func:`load_prompts` for the formats)."""
+    text = path.read_text(encoding="utf-8")
+    if not (path.suffix in (".jsonl", ".json") or text.lstrip().startswith("{")):
+        return [Prompt(str(i + 1), "text", [ln]) for i, ln in enumerate(x for x in text.splitlines() if x.strip())]
+    rows = []
+    for n, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        turns = r.get("turns") or ([r["prompt"]] if "prompt" in r else None)
+        category = r.get("category", "default")
+        if not turns and "question" in r:  # GSM8K
+            turns, category = [r["question"]], "gsm8k"
+        if not turns:
+            raise ValueError(f"{path}:{n + 1}: no 'turns' (or 'prompt' / 'question') field")
+        rows.append(Prompt(str(r.get("question_id", n + 1)), str(category), list(turns)))
+    if {p.category for p in rows} & set(SPEC_BENCH_TASKS):
+        for p in rows:
+            if p.category in MT_BENCH_CATEGORIES:
+                p.subcategory, p.category = p.category, "mt_bench"
+    return rows
+
+
+def _by_category(rows: list) -> dict:
+    """Prompts by category, in file order; Spec-Bench's mt_bench interleaves its subcategories."""
+    by_cat: dict[str, list] = {}
+    for p in rows:
+        by_cat.setdefault(p.category, []).append(p)
+    for c, ps in by_cat.items():
+        if any(p.subcategory for p in ps):
+            subs: dict = {}
+            for p in ps:
+                subs.setdefault(p.subcategory, []).append(p)
+            by_cat[c] = [p for grp in _zip_longest(list(subs.values())) for p in grp]
+    return by_cat
 
 
 def _zip_longest(lists: list) -> list:
@@ -301,96 +283,6 @@ def parse_modes(spec: str, **kw) -> list:
     return modes
 
 
-def make_engine(
-    mode: Mode,
-    target,
-    draft,
-    device: str = "cpu",
-    prefix_cache: bool = True,
-    memory_bytes: int = 256 << 20,
-    max_num_seqs: int = 4,
-):
-    """One Engine per mode, sharing the loaded models (``off`` gets no draft at all).
-    ``prefix_cache=False``: every prompt is prefilled in full, like a peer engine without one."""
-    from specd.config import CacheConfig, EngineConfig, SchedulerConfig
-    from specd.engine.engine import Engine
-
-    use_draft = draft if mode.kind != "off" else None
-    cfg = EngineConfig(
-        target=str(target.path),
-        draft=str(draft.path) if use_draft is not None else None,
-        device=device,
-        spec=mode.spec_config(),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, enable_prefix_cache=prefix_cache),
-        cache=CacheConfig(memory_bytes=memory_bytes),
-    )
-    return Engine(cfg, target=target, draft=use_draft)
-
-
-def kv_bytes_per_token(model) -> int:
-    """KV cache bytes one token takes in a loaded model (``LoadedModel``): 2 (K, V) x layers x KV heads x head dim."""
-    c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch_itemsize(model.dtype)
-
-
-def torch_itemsize(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
-
-
-# timing -----------------------------------------------------------------------------------------
-class StepTimer:
-    """Wraps one engine's step phases (on the instance, not the class) with timers: wall time
-    (perf_counter) and this process's CPU time (process_time; with one torch thread it excludes the
-    time spent waiting for a core on a shared machine)."""
-
-    PHASES = ("step", "_draft", "_target_forward", "_verify", "_commit")
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.keys = self.PHASES + ("draft_forward",)
-        self.reset()
-        for p in self.PHASES:
-            self._wrap(engine, p, p)
-        if engine.drafter is not None:
-            self._wrap(engine.drafter, "_forward", "draft_forward")
-
-    def _wrap(self, obj, attr, key):
-        fn = getattr(obj, attr)
-
-        def timed(*a, **k):
-            t0, c0 = time.perf_counter(), time.process_time()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.t[key] += time.perf_counter() - t0
-                self.c[key] += time.process_time() - c0
-                self.n[key] += 1
-
-        setattr(obj, attr, timed)
-
-    def reset(self):
-        self.t = {k: 0.0 for k in self.keys}
-        self.c = {k: 0.0 for k in self.keys}
-        self.n = {k: 0 for k in self.keys}
-
-    def as_dict(self) -> dict:
-        n_steps = max(1, self.n["step"])
-        nd = self.n["draft_forward"]
-        d = {"steps": self.n["step"], "draft_forwards": nd, "draft_forwards_per_step": nd / n_steps}
-        for clock, src in (("", self.t), ("cpu_", self.c)):
-            d[f"{clock}step_s"] = src["step"]
-            for p in ("_draft", "_target_forward", "_verify", "_commit"):
-                d[f"{clock}{p.strip('_')}_s"] = src[p]
-            d[f"{clock}draft_forward_s"] = src["draft_forward"]
-            d[f"{clock}step_ms_mean"] = 1e3 * src["step"] / n_steps
-            d[f"{clock}draft_ms_per_step"] = 1e3 * src["_draft"] / n_steps
-            d[f"{clock}target_forward_ms_per_step"] = 1e3 * src["_target_forward"] / n_steps
-            d[f"{clock}draft_forward_ms_mean"] = 1e3 * src["draft_forward"] / nd if nd else 0.0
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in d.items()}
-
-
 # stats ------------------------------------------------------------------------------------------
 def stats_from_dicts(ds: list):
     """Merge per-request ``SpecStats`` (as objects or ``as_dict()``-style dicts) into one SpecStats."""
@@ -412,31 +304,6 @@ def stats_from_dicts(ds: list):
         )
         tot.merge(s)
     return tot
-
-
-class StepLog:
-    """Replaces ``engine.stats`` (engine-wide totals) with a SpecStats that also logs every step's
-    (drafted depth, accepted) pair, so the per-position acceptance is exact even when the tree depth
-    varies from step to step (dynamic trees, the last steps of a request). ``take()`` returns and
-    clears the steps logged since the last call (one request at a time in these scripts)."""
-
-    def __init__(self, engine):
-        from specd.engine.sequence import SpecStats
-
-        log = self.steps = []
-
-        class _Tracing(SpecStats):
-            def record(self, num_drafted, depth, accepted):
-                super().record(num_drafted, depth, accepted)
-                log.append((depth, accepted))
-
-        engine.stats = _Tracing()
-        self.engine = engine
-
-    def take(self) -> list:
-        out = list(self.steps)
-        self.steps.clear()
-        return out
 
 
 def tried_per_depth(steps: list) -> list:
@@ -501,135 +368,6 @@ def leviathan_speedup(expected: float, k: int, c: float) -> float:
 
 
 # reports ----------------------------------------------------------------------------------------
-def versions() -> dict:
-    import torch
-    import transformers
-
-    try:
-        from importlib.metadata import version
-
-        specd_v = version("specd")
-    except Exception:
-        specd_v = "unknown"
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "specd": specd_v,
-    }
-
-
-def child_pids(pid: int) -> list:
-    """Live child process ids of ``pid`` (Linux /proc; [] elsewhere), e.g. `specd serve`'s engine process."""
-    out = []
-    try:
-        for t in Path(f"/proc/{pid}/task").iterdir():
-            out += [int(c) for c in (t / "children").read_text().split()]
-    except (OSError, ValueError):
-        pass
-    return out
-
-
-def git_commit() -> str | None:
-    try:
-        r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        return r.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if r.returncode == 0 else None
-    except Exception:
-        return None
-
-
-def cpu_name() -> str:
-    try:
-        for ln in Path("/proc/cpuinfo").read_text().splitlines():
-            if ln.startswith("model name"):
-                return ln.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-SIMD_FLAGS = (
-    "sse4_2",
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_vnni",
-    "avx512_bf16",
-    "avx_vnni",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-    "asimd",
-    "sve",
-    "bf16",
-    "i8mm",
-)
-
-
-def cpu_info() -> dict:
-    """The CPU a benchmark ran on: model, the SIMD flags the math kernels care about (all flags too),
-    cores and the cores this process may use (affinity), and torch's chosen kernel level."""
-    flags: list = []
-    try:
-        for ln in Path("/proc/cpuinfo").read_text().splitlines():
-            if ln.startswith(("flags", "Features")):
-                flags = ln.split(":", 1)[1].split()
-                break
-    except OSError:
-        pass
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = os.cpu_count()
-    info = {
-        "model": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "usable_cpus": usable,
-        "simd_flags": [f for f in SIMD_FLAGS if f in flags],
-        "flags": " ".join(flags),
-        "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
-    }
-    try:
-        import torch
-
-        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-    except Exception:
-        pass
-    return info
-
-
-def run_meta(argv=None, device: str = "cpu") -> dict:
-    import torch
-
-    argv = sys.argv if argv is None else argv
-    dev = device
-    if device.startswith("cuda") and torch.cuda.is_available():
-        dev = f"{device} ({torch.cuda.get_device_name()})"
-    return {
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name] + list(argv)),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "versions": versions(),
-        "git_commit": git_commit(),
-        "device": dev,
-        "cpu": cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "host": platform.node(),
-        "platform": platform.platform(),
-    }
-
-
 def write_json(path, obj) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -646,14 +384,6 @@ def md_table(headers: list, rows: list) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     out += ["| " + " | ".join(cell(x) for x in r) + " |" for r in rows]
     return "\n".join(out)
-
-
-def median(xs: list) -> float:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return 0.0
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 # plots ------------------------------------------------------------------------------------------

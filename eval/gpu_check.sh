@@ -55,14 +55,14 @@ rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "specd_kernels.aot failed or found spills (rc=$rc)"; status=1; }
 
 echo "== timing"
-timeout 330 "$PYBIN" eval/gpu_check.py --budget-s 240 "$@" 2>&1 | tee "$OUT/gpu_timing.md"
+timeout 330 "$PYBIN" -m eval.gpu_check --budget-s 240 "$@" 2>&1 | tee "$OUT/gpu_timing.md"
 rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "gpu_check.py failed (rc=$rc)"; status=1; }
 
 # issue 5's delivery target on real hardware: websocket vs in-process tokens/s (demo pair, on the GPU)
 if [ "${GPU_CHECK_SERVER:-1}" = 1 ]; then
     echo "== websocket delivery vs in-process (eval/bench_server.py, device cuda)"
-    OMP_NUM_THREADS=2 timeout 240 "$PYBIN" eval/bench_server.py --device cuda --rounds 2 --repeats 5 \
+    OMP_NUM_THREADS=2 timeout 240 "$PYBIN" -m eval.bench_server --device cuda --rounds 2 --repeats 5 \
         --max-tokens 192 2>&1 | tee "$OUT/gpu_bench_server.md"
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || { echo "bench_server.py failed (rc=$rc)"; status=1; }

@@ -1,6 +1,6 @@
 """Hostile request mixes and injected faults against the engine, in process: the robustness figure.
 
-    OMP_NUM_THREADS=1 .venv/bin/python eval/hostile.py --cases 2000 --seed 0 --json eval/out/hostile.json
+    OMP_NUM_THREADS=1 .venv/bin/python -m eval.hostile --cases 2000 --seed 0 --json eval/out/hostile.json
 
 Part 1 runs ``--cases`` random cases (``specd.engine.chaos.random_case``: 1-5 requests over the whole
 accepted parameter range, a quarter with a value validation refuses forced in past it, half the cases
@@ -22,15 +22,14 @@ import sys
 import time
 from pathlib import Path
 
+from eval import harness as H
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("SPECD_SHARED", ROOT.parent / "shared"))
 
 
 def build_engine(num_blocks: int):
-    from specd.engine.engine import Engine
-    from specd.options import engine_config, serve_parser
-
-    a = serve_parser().parse_args(
+    return H.engine_from_flags(
         [
             "--target",
             str(SHARED / "models" / "stories260K"),
@@ -46,7 +45,6 @@ def build_engine(num_blocks: int):
             "24",
         ]
     )
-    return Engine(engine_config(a))
 
 
 def random_cases(engine, n: int, seed: int, canary_prompt, canary_ref) -> dict:
@@ -113,7 +111,7 @@ def main(argv=None) -> int:
         "cpu": cpu_info()["model"],
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": H.command_line("hostile", argv),
         "random": random_cases(engine, a.cases, a.seed, prompts[0], canary_ref),
         "stages": stage_faults(engine, prompts),
         "health": engine.health_snapshot(),

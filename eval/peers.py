@@ -1,6 +1,6 @@
 """specd against other engines, same models, same prompts, same machine, in one run.
 
-    python eval/peers.py --target ../shared/models/stories260K \\
+    python -m eval.peers --target ../shared/models/stories260K \\
         --draft ../shared/models/stories260K-draft-1L64 \\
         --prompts ../shared/data/mt_bench/question.jsonl --raw --limit 16 --max-tokens 128 \\
         --out eval/out/peers
@@ -30,15 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common as C  # noqa: E402
+from eval import common as C
+from eval import harness as H
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     C.add_model_prompt_args(ap, max_tokens=128)
-    ap.add_argument("--modes", default="off,chain:4,tree:16", help="specd modes (see eval/acceptance.py)")
+    ap.add_argument("--modes", default="off,chain:4,tree:16", help="specd modes (see eval.acceptance)")
     ap.add_argument("--hf-assist-k", default="4", help="constant-schedule assisted generation runs (comma list)")
     ap.add_argument("--no-ct2", action="store_true", help="skip CTranslate2 even when installed")
     ap.add_argument("--limit", type=int, default=16)
@@ -65,7 +64,7 @@ class Specd:
 
         self.name = f"specd:{mode.name}"
         self.mode = mode
-        self.engine = C.make_engine(mode, target, draft, device, **engine_kw)
+        self.engine = H.make_engine(mode, target, draft, device, **engine_kw)
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         self.stats = None
 
@@ -228,30 +227,63 @@ class CT2:
 # run --------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     a = parse_args(argv)
-    C.set_threads(a.threads)
-    C.quiet_transformers()
-    import torch
-    from transformers import AutoModelForCausalLM
-
+    H.set_threads(a.threads)
+    H.quiet_transformers()
     from specd.model.loader import load_model
 
     t_start = time.perf_counter()
-    meta = C.run_meta(argv if argv is not None else sys.argv, a.device)  # at the start: the code that runs
+    meta = H.run_meta("peers", argv, a.device)  # at the start: the code that runs
     cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
     prompts = C.load_prompts(a.prompts, a.limit, cats, a.per_category, max_turns=1)
     out = Path(a.out) if a.out else C.default_out("peers")
     out.mkdir(parents=True, exist_ok=True)
     target = load_model(a.target, a.device, "float32", progress=False)
     draft = load_model(a.draft, a.device, "float32", progress=False, target=target)
-    tok = target.tokenizer
-    chat = a.chat_template if a.chat_template is not None else C.has_chat_template(tok)
-    eos = list(target.config.eos_token_ids)
+    chat = a.chat_template if a.chat_template is not None else C.has_chat_template(target.tokenizer)
     max_prompt = target.config.max_position_embeddings - a.max_tokens - 1
     ids_list = [
-        C.fit_prompt(C.encode_conversation(tok, p.turns[:1], [], chat), max_prompt, target.config.bos_token_id)[0]
+        C.fit_prompt(
+            C.encode_conversation(target.tokenizer, p.turns[:1], [], chat), max_prompt, target.config.bos_token_id
+        )[0]
         for p in prompts
     ]
+    systems, notes = build_systems(a, target, draft, out)
+    warm = list(target.tokenizer("Once upon a time")["input_ids"])
+    for s in systems:
+        s(warm)
+    rows = time_rotated(systems, [([p], [ids]) for p, ids in zip(prompts, ids_list)], not a.no_progress)
+    by = {s.name: {r["prompt_id"]: r for r in rows if r["system"] == s.name} for s in systems}
+    summary, ratios = summarize_systems(by), system_ratios(by)
+    for r in rows:
+        r.pop("output_ids")
+    meta.update(
+        target=a.target,
+        draft=a.draft,
+        prompts_file=a.prompts,
+        max_tokens=a.max_tokens,
+        prompts=len(prompts),
+        categories=sorted({p.category for p in prompts}),
+        chat_template=chat,
+        peers=notes,
+        elapsed_s=round(time.perf_counter() - t_start, 2),
+    )
+    report = {"schema": C.SCHEMA, "kind": "peers", "meta": meta, "systems": summary, "ratios": ratios, "requests": rows}
+    C.write_json(out / "report.json", report)
+    md = markdown(report)
+    (out / "summary.md").write_text(md + "\n", encoding="utf-8")
+    _bar(summary, out / "peers_tokens_per_s.png")
+    print(md)
+    print(f"\nwrote {out} ({meta['elapsed_s']} s)")
+    return 0
 
+
+def build_systems(a, target, draft, out: Path) -> tuple:
+    """specd per mode, transformers generate / assisted (default schedule and constant k), and
+    CTranslate2 when it is installed. Returns (systems, notes about the optional peers)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    eos = list(target.config.eos_token_ids)
     systems = [Specd(m, target, draft, a.device, a.max_tokens) for m in C.parse_modes(a.modes)]
     hf_t = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).eval()
     hf_d = AutoModelForCausalLM.from_pretrained(a.draft, dtype=torch.float32).eval()
@@ -263,20 +295,19 @@ def main(argv=None) -> int:
     notes = {}
     if not a.no_ct2:
         try:
-            systems.append(CT2(a.target, out, tok, a.max_tokens, eos, a.threads))
+            systems.append(CT2(a.target, out, target.tokenizer, a.max_tokens, eos, a.threads))
             notes["ctranslate2"] = systems[-1].version
         except ImportError:
             notes["ctranslate2"] = "not installed (pip install ctranslate2)"
         except Exception as e:  # a converter/architecture failure is a result, not a crash
             notes["ctranslate2"] = f"failed: {type(e).__name__}: {e}"
-    warm = list(tok("Once upon a time")["input_ids"])
-    for s in systems:
-        s(warm)
+    return systems, notes
 
-    rows = time_rotated(systems, [([p], [ids]) for p, ids in zip(prompts, ids_list)], not a.no_progress)
 
-    names = [s.name for s in systems]
-    by = {n: {r["prompt_id"]: r for r in rows if r["system"] == n} for n in names}
+def summarize_systems(by: dict) -> dict:
+    """Per system: medians over prompts of tokens/s (wall, CPU), aggregate tokens/s, greedy
+    agreement with specd:off (else the first system), median tokens per target step."""
+    names = list(by)
     ref = by["specd:off"] if "specd:off" in by else by[names[0]]
     summary = {}
     for n in names:
@@ -287,8 +318,8 @@ def main(argv=None) -> int:
         summary[n] = {
             "prompts": len(rs),
             "output_tokens": toks,
-            "median_tokens_per_s": round(C.median([r["tokens_per_s"] for r in rs]), 2),
-            "median_tokens_per_cpu_s": round(C.median([r["tokens_per_cpu_s"] for r in rs]), 2),
+            "median_tokens_per_s": round(H.median([r["tokens_per_s"] for r in rs], empty=0.0), 2),
+            "median_tokens_per_cpu_s": round(H.median([r["tokens_per_cpu_s"] for r in rs], empty=0.0), 2),
             "tokens_per_s": round(toks / wall, 2) if wall else 0.0,
             "tokens_per_cpu_s": round(toks / cpu, 2) if cpu else 0.0,
             "greedy_equal_to_specd_off": sum(
@@ -296,18 +327,23 @@ def main(argv=None) -> int:
             ),
         }
         if any("mean_accepted_length" in r for r in rs):
-            summary[n]["mean_accepted_length"] = round(C.median([r.get("mean_accepted_length") for r in rs]), 3)
+            mal = H.median([r.get("mean_accepted_length") for r in rs], empty=0.0)
+            summary[n]["mean_accepted_length"] = round(mal, 3)
+    return summary
+
+
+def system_ratios(by: dict) -> list:
+    """Median over prompts of per-prompt tokens/s ratios: each specd mode vs each assisted run,
+    the target-only engines against each other, each speculative system vs its own target-only."""
 
     def ratio(a_, b_, key="tokens_per_s"):
         xs = [by[a_][pid][key] / by[b_][pid][key] for pid in by[a_] if pid in by[b_] and by[b_][pid][key] > 0]
-        return round(C.median(xs), 4) if xs else None
+        return round(H.median(xs), 4) if xs else None
 
-    pairs = []
+    names = list(by)
     spec_names = [n for n in names if n.startswith("specd:") and n != "specd:off"]
     assisted = [n for n in names if n.startswith("hf:assisted")]
-    for x in spec_names:
-        for y in assisted:
-            pairs.append((x, y))
+    pairs = [(x, y) for x in spec_names for y in assisted]
     for x, y in (("specd:off", "hf:generate"), ("specd:off", "ct2:generate"), ("hf:generate", "ct2:generate")):
         if x in by and y in by:
             pairs.append((x, y))
@@ -315,29 +351,14 @@ def main(argv=None) -> int:
         base = "specd:off" if x.startswith("specd:") else "hf:generate"
         if base in by:
             pairs.append((x, base))
-    ratios = [
+    return [
         {"a": x, "b": y, "median_ratio": ratio(x, y), "median_ratio_cpu": ratio(x, y, "tokens_per_cpu_s")}
         for x, y in pairs
     ]
-    for r in rows:
-        r.pop("output_ids")
-    if argv is not None:
-        meta["command"] = "python eval/peers.py " + " ".join(argv)
-    meta.update(
-        {
-            "target": a.target,
-            "draft": a.draft,
-            "prompts_file": a.prompts,
-            "max_tokens": a.max_tokens,
-            "prompts": len(prompts),
-            "categories": sorted({p.category for p in prompts}),
-            "chat_template": chat,
-            "peers": notes,
-            "elapsed_s": round(time.perf_counter() - t_start, 2),
-        }
-    )
-    report = {"schema": C.SCHEMA, "kind": "peers", "meta": meta, "systems": summary, "ratios": ratios, "requests": rows}
-    C.write_json(out / "report.json", report)
+
+
+def markdown(report: dict) -> str:
+    meta, summary, ratios = report["meta"], report["systems"], report["ratios"]
     md = [
         "# specd vs peers",
         "",
@@ -345,8 +366,8 @@ def main(argv=None) -> int:
         f"- date {meta['date']}; {meta['device']} ({meta['cpu']}, {meta['cpu_count']} cores, "
         f"{meta['torch_threads']} torch threads); "
         + ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
-        + "".join(f", {k} {v}" for k, v in notes.items()),
-        f"- {len(prompts)} prompts (first turn), greedy, max_tokens {a.max_tokens}, batch 1",
+        + "".join(f", {k} {v}" for k, v in meta["peers"].items()),
+        f"- {meta['prompts']} prompts (first turn), greedy, max_tokens {meta['max_tokens']}, batch 1",
         "",
         C.md_table(
             ["system", "median tok/s", "median tok/CPU-s", "aggregate tok/s", "tokens/step", "greedy == specd:off"],
@@ -370,12 +391,7 @@ def main(argv=None) -> int:
             [[f"{r['a']} / {r['b']}", r["median_ratio"], r["median_ratio_cpu"]] for r in ratios],
         ),
     ]
-    md = "\n".join(md)
-    (out / "summary.md").write_text(md + "\n", encoding="utf-8")
-    _bar(summary, out / "peers_tokens_per_s.png")
-    print(md)
-    print(f"\nwrote {out} ({meta['elapsed_s']} s)")
-    return 0
+    return "\n".join(md)
 
 
 def time_rotated(systems: list, groups: list, progress: bool = True, desc: str = "peers") -> list:

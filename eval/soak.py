@@ -1,7 +1,7 @@
 """Soak test: N concurrent streaming websocket clients for T minutes, checking every message.
 
-    OMP_NUM_THREADS=1 .venv/bin/python eval/soak.py --clients 8 --minutes 3
-    .venv/bin/python eval/soak.py --url ws://10.0.0.5:8765/ws --pid 4242 --clients 32 --minutes 60
+    OMP_NUM_THREADS=1 .venv/bin/python -m eval.soak --clients 8 --minutes 3
+    .venv/bin/python -m eval.soak --url ws://10.0.0.5:8765/ws --pid 4242 --clients 32 --minutes 60
 
 Without ``--url`` it starts its own ``specd serve`` (``--target/--draft``, default: the built-in pair)
 on a free loopback port and stops it with SIGTERM at the end (expecting exit status 0).
@@ -18,46 +18,35 @@ reply has exactly one right answer. Checked for every request:
   distinct pair, when the models are local), else the first reply seen for that pair (so all modes
   and repeats must agree);
 - no ``error`` frame (the load stays under ``--max-queue``);
-- server memory (VmRSS from /proc/PID/status, engine process included; needs the PID: own server or ``--pid``) is flat
-after
-  warm-up: end RSS <= warm-up RSS * 1.1 + 20 MB (warm-up = the first ``--warmup-frac`` of the run);
+- server memory (VmRSS from /proc/PID/status, engine process included; needs the PID: own server or
+  ``--pid``) is flat after warm-up: end RSS <= warm-up RSS * 1.1 + 20 MB (warm-up = the first
+  ``--warmup-frac`` of the run);
 - afterwards every KV block is free again (``specd_kv_blocks_used`` on /metrics is 0 for both caches).
 
-Prints a summary (clients, duration, requests, tokens, errors, RSS start/warm/end/peak, latencies)
-and writes it as JSON with ``--json PATH``. Exit status 0 when every check passed, 1 otherwise.
+Prints a summary (clients, duration, requests, tokens, errors, RSS start/warm/end/peak, latencies:
+p50/p99 by ``harness.percentile``, rounded to 0.1 ms) and writes it as JSON with ``--json PATH``.
+Exit status 0 when every check passed, 1 otherwise.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
 import os
+import random
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from urllib.parse import urlsplit
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import orjson
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import re  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-import urllib.error  # noqa: E402
-import urllib.request  # noqa: E402
-from collections import Counter  # noqa: E402
-from pathlib import Path  # noqa: E402
-from urllib.parse import urlsplit  # noqa: E402
-
-import orjson  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "eval"))
-
-from common import child_pids  # noqa: E402
+from eval import harness as H
 
 PROMPTS = [
     "Once upon a time",
@@ -74,51 +63,24 @@ MB = 1 << 20
 
 
 # server ------------------------------------------------------------------------------------------
-def rss_bytes(pid: int):
-    """VmRSS in bytes of a process plus its live descendants (`specd serve`'s engine process), from
-    Linux /proc; None when the process is gone."""
-    own = None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                own = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    if own is None:
-        return None
-    return own + sum(rss_bytes(k) or 0 for k in child_pids(pid))
-
-
-def start_server(a):
-    """``specd serve`` on a free loopback port; returns (Popen, ws url, its stderr lines)."""
-    from specd.serving.app import ServerProcess
-
-    args = [
-        "--target",
-        a.target,
-        *(["--draft", a.draft] if a.draft else []),
-        "--device",
-        a.device,
-        "--num-blocks",
-        str(a.num_blocks),
-        "--port",
-        "0",
-        "--grpc-port",
-        "0",
-        "--max-queue",
-        str(a.max_queue),
-        "--log-level",
-        "info",
-        "--drain-timeout",
-        "10",
-    ]  # info: the "listening"/"ready" lines
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("SPECD_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")
-    }
-    sp = ServerProcess(args, env=env, cwd=ROOT).start()
-    return sp.proc, f"ws://127.0.0.1:{sp.port}/ws", sp.logs
+def start_server(a) -> H.Daemon:
+    """``specd serve`` as a child process on a free loopback port (``harness.start_daemon``)."""
+    return H.start_daemon(
+        [
+            "--target",
+            a.target,
+            *(["--draft", a.draft] if a.draft else []),
+            "--device",
+            a.device,
+            "--num-blocks",
+            str(a.num_blocks),
+            "--max-queue",
+            str(a.max_queue),
+            "--drain-timeout",
+            "10",
+        ],
+        child=True,
+    )
 
 
 def http_base(ws_url: str) -> str:
@@ -152,14 +114,16 @@ class References:
         self.table: dict = {}
         self.source = "first-reply"
         if target:
-            from specd.options import engine_config, serve_parser
-
-            a = serve_parser().parse_args(
-                ["--target", target, *(["--draft", draft] if draft else []), "--device", device, "--num-blocks", "512"]
-            )
-            from specd.engine.engine import Engine
-
-            self.engine = Engine(engine_config(a))
+            flags = [
+                "--target",
+                target,
+                *(["--draft", draft] if draft else []),
+                "--device",
+                device,
+                "--num-blocks",
+                "512",
+            ]
+            self.engine = H.engine_from_flags(flags)
             self.source = "in-process Engine.generate"
 
     def precompute(self, prompts, max_tokens_set) -> None:
@@ -210,100 +174,102 @@ class Stats:
 
 
 async def client(k: int, url: str, a, refs: References, stats: Stats, deadline: float) -> None:
+    """Client ``k`` until ``deadline``: connection after connection (reconnecting every
+    ``--requests-per-conn`` requests, and after a lost connection, which counts as a violation)."""
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
 
     rng = random.Random(a.seed * 1000 + k)
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else None
-    serial = 0
+    serial = [0]  # requests sent by this client so far (ids c{k}-{serial})
     while time.monotonic() < deadline:
         try:
             async with connect(url, compression=None, open_timeout=60, max_size=None, additional_headers=headers) as ws:
-                live: dict = {}  # id -> state
-                sent_on_conn = 0
-
-                async def send_one(live=live):
-                    nonlocal serial, sent_on_conn
-                    serial += 1
-                    sent_on_conn += 1
-                    rid = f"c{k}-{serial}"
-                    prompt, m, mode = rng.choice(PROMPTS), rng.choice(a.max_tokens_set), rng.choice(MODES)
-                    live[rid] = {
-                        "prompt": prompt,
-                        "m": m,
-                        "seq": 0,
-                        "ids": [],
-                        "text": [],
-                        "t0": time.monotonic(),
-                        "first": None,
-                    }
-                    stats.modes[mode] += 1
-                    await ws.send(
-                        orjson.dumps(
-                            {
-                                "type": "generate",
-                                "id": rid,
-                                "prompt": prompt,
-                                "max_tokens": m,
-                                "temperature": 0,
-                                "speculation": {"mode": mode},
-                            }
-                        ).decode()
-                    )
-
-                while True:
-                    while len(live) < a.inflight and sent_on_conn < a.requests_per_conn and time.monotonic() < deadline:
-                        await send_one()
-                    if not live:
-                        break
-                    raw = await asyncio.wait_for(ws.recv(), a.timeout)
-                    msg = orjson.loads(raw)
-                    rid, typ = msg.get("id"), msg.get("type")
-                    st = live.get(rid)
-                    if st is None:
-                        stats.bad(f"frame for an id that is not running: {str(msg)[:200]}")
-                        continue
-                    if typ == "delta":
-                        if msg["seq"] != st["seq"]:
-                            stats.bad(
-                                f"{rid}: delta seq {msg['seq']}, expected {st['seq']} (lost/duplicated/reordered)"
-                            )
-                        st["seq"] = msg["seq"] + 1
-                        if st["first"] is None:
-                            st["first"] = time.monotonic()
-                        st["ids"].extend(msg["token_ids"])
-                        st["text"].append(msg["text"])
-                        stats.deltas += 1
-                        continue
-                    del live[rid]
-                    stats.requests += 1
-                    if typ == "error":
-                        stats.errors[msg.get("code")] += 1
-                        continue
-                    if typ != "done":
-                        stats.bad(f"{rid}: unexpected frame {str(msg)[:200]}")
-                        continue
-                    if msg["finish_reason"] == "error":
-                        stats.errors[(msg.get("error") or {}).get("code", "internal")] += 1
-                    stats.tokens += len(st["ids"])
-                    if msg["usage"]["completion_tokens"] != len(st["ids"]):
-                        stats.bad(
-                            f"{rid}: usage.completion_tokens {msg['usage']['completion_tokens']} "
-                            f"!= {len(st['ids'])} tokens received"
-                        )
-                    if msg["finish_reason"] not in ("stop", "length"):
-                        stats.bad(f"{rid}: finish_reason {msg['finish_reason']}")
-                    problem = refs.check(st["prompt"], st["m"], st["ids"], "".join(st["text"]))
-                    if problem:
-                        stats.bad(f"{rid}: {problem}")
-                    now = time.monotonic()
-                    stats.total_ms.append((now - st["t0"]) * 1000)
-                    if st["first"] is not None:
-                        stats.ttft_ms.append((st["first"] - st["t0"]) * 1000)
+                await connection(ws, k, a, rng, serial, refs, stats, deadline)
         except (ConnectionClosed, OSError, asyncio.TimeoutError) as e:
             stats.disconnects += 1
             stats.bad(f"client {k}: connection lost: {type(e).__name__}: {e}")
             await asyncio.sleep(0.5)
+
+
+async def connection(ws, k: int, a, rng, serial: list, refs: References, stats: Stats, deadline: float) -> None:
+    """One connection: up to ``--inflight`` requests multiplexed on it, every frame checked, until
+    it has sent ``--requests-per-conn`` requests (or the deadline passed) and all have ended."""
+    live: dict = {}  # id -> state
+    sent = 0
+    while True:
+        while len(live) < a.inflight and sent < a.requests_per_conn and time.monotonic() < deadline:
+            serial[0] += 1
+            sent += 1
+            await send_request(ws, f"c{k}-{serial[0]}", a, rng, live, stats)
+        if not live:
+            return
+        on_frame(orjson.loads(await asyncio.wait_for(ws.recv(), a.timeout)), live, refs, stats)
+
+
+async def send_request(ws, rid: str, a, rng, live: dict, stats: Stats) -> None:
+    """A greedy request with a random prompt, ``max_tokens`` and speculation mode."""
+    prompt, m, mode = rng.choice(PROMPTS), rng.choice(a.max_tokens_set), rng.choice(MODES)
+    live[rid] = {"prompt": prompt, "m": m, "seq": 0, "ids": [], "text": [], "t0": time.monotonic(), "first": None}
+    stats.modes[mode] += 1
+    msg = {
+        "type": "generate",
+        "id": rid,
+        "prompt": prompt,
+        "max_tokens": m,
+        "temperature": 0,
+        "speculation": {"mode": mode},
+    }
+    await ws.send(orjson.dumps(msg).decode())
+
+
+def on_frame(msg: dict, live: dict, refs: References, stats: Stats) -> None:
+    """Check one server frame: it belongs to a running request; deltas arrive in ``seq`` order."""
+    rid, typ = msg.get("id"), msg.get("type")
+    st = live.get(rid)
+    if st is None:
+        stats.bad(f"frame for an id that is not running: {str(msg)[:200]}")
+        return
+    if typ != "delta":
+        del live[rid]
+        on_end(rid, typ, msg, st, refs, stats)
+        return
+    if msg["seq"] != st["seq"]:
+        stats.bad(f"{rid}: delta seq {msg['seq']}, expected {st['seq']} (lost/duplicated/reordered)")
+    st["seq"] = msg["seq"] + 1
+    if st["first"] is None:
+        st["first"] = time.monotonic()
+    st["ids"].extend(msg["token_ids"])
+    st["text"].append(msg["text"])
+    stats.deltas += 1
+
+
+def on_end(rid: str, typ: str, msg: dict, st: dict, refs: References, stats: Stats) -> None:
+    """Check a request's last frame: no error, a ``done`` whose usage and finish reason fit and
+    whose streamed tokens and text equal the reference."""
+    stats.requests += 1
+    if typ == "error":
+        stats.errors[msg.get("code")] += 1
+        return
+    if typ != "done":
+        stats.bad(f"{rid}: unexpected frame {str(msg)[:200]}")
+        return
+    if msg["finish_reason"] == "error":
+        stats.errors[(msg.get("error") or {}).get("code", "internal")] += 1
+    stats.tokens += len(st["ids"])
+    if msg["usage"]["completion_tokens"] != len(st["ids"]):
+        stats.bad(
+            f"{rid}: usage.completion_tokens {msg['usage']['completion_tokens']} != {len(st['ids'])} tokens received"
+        )
+    if msg["finish_reason"] not in ("stop", "length"):
+        stats.bad(f"{rid}: finish_reason {msg['finish_reason']}")
+    problem = refs.check(st["prompt"], st["m"], st["ids"], "".join(st["text"]))
+    if problem:
+        stats.bad(f"{rid}: {problem}")
+    now = time.monotonic()
+    stats.total_ms.append((now - st["t0"]) * 1000)
+    if st["first"] is not None:
+        stats.ttft_ms.append((st["first"] - st["t0"]) * 1000)
 
 
 async def run_clients(url, a, refs, stats, pid, rss: dict) -> float:
@@ -313,7 +279,7 @@ async def run_clients(url, a, refs, stats, pid, rss: dict) -> float:
 
     async def sample():
         while True:
-            v = rss_bytes(pid) if pid else None
+            v = H.process_rss_bytes(pid) if pid else None
             if v is not None:
                 now = time.monotonic()
                 rss.setdefault("start", v)
@@ -326,21 +292,19 @@ async def run_clients(url, a, refs, stats, pid, rss: dict) -> float:
     sampler = asyncio.create_task(sample())
     await asyncio.gather(*(client(k, url, a, refs, stats, deadline) for k in range(a.clients)))
     if pid:
-        v = rss_bytes(pid)
+        v = H.process_rss_bytes(pid)
         if v is not None:
             rss["end"] = v
     sampler.cancel()
     return time.monotonic() - t0
 
 
-def pct(xs, q):
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 1)
+def p50_p99(xs: list) -> dict:
+    """``harness.percentile`` 50 and 99, rounded to 0.1 (None without samples)."""
+    return {f"p{q}": None if (v := H.percentile(xs, q)) is None else round(v, 1) for q in (50, 99)}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     from specd.options import demo_pair
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -371,12 +335,24 @@ def main(argv=None) -> int:
         if a.target is None:
             p.error("no --url and no --target (and no built-in model)")
         a.draft = a.draft or d
+    return a
 
-    proc, tail = None, None
-    url, pid = a.url, a.pid
-    if url is None:
-        proc, url, tail = start_server(a)
-        pid = proc.pid
+
+def wait_kv_freed(url: str, api_key, timeout: float = 30.0):
+    """``specd_kv_blocks_used`` (target, draft) once it reads (0, 0), or its last value after ``timeout``."""
+    kv, end = None, time.monotonic() + timeout
+    while time.monotonic() < end:
+        kv = kv_blocks_used(url, api_key)
+        if kv == (0, 0):
+            break
+        time.sleep(0.2)
+    return kv
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    srv = start_server(a) if a.url is None else None
+    url, pid = (srv.url, srv.pid) if srv is not None else (a.url, a.pid)
     try:
         refs = References(None if a.no_reference else a.target, a.draft, a.device)
         t_ref = time.monotonic()
@@ -385,23 +361,23 @@ def main(argv=None) -> int:
         refs.engine = None  # free it: the soak measures the server, not this process
         stats, rss = Stats(), {}
         duration = asyncio.run(run_clients(url, a, refs, stats, pid, rss))
-        # every KV block free once idle
-        kv, end = None, time.monotonic() + 30
-        while time.monotonic() < end:
-            kv = kv_blocks_used(url, a.api_key)
-            if kv == (0, 0):
-                break
-            time.sleep(0.2)
+        kv = wait_kv_freed(url, a.api_key)  # every KV block free once idle
     finally:
-        exit_status = None
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                exit_status = proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                exit_status = proc.wait()
+        exit_status = srv.stop() if srv is not None else None
+    run = {"url": url, "duration": duration, "kv": kv, "exit_status": exit_status, "t_ref": t_ref}
+    summary = summarize(a, srv is not None, run, stats, rss, refs)
+    print_summary(a, summary, stats)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(summary, indent=2) + "\n")
+    if srv is not None and not summary["ok"] and srv.logs:
+        print("server log tail:\n" + "".join(srv.logs[-50:]), file=sys.stderr)
+    return 0 if summary["ok"] else 1
 
+
+def summarize(a, own_server: bool, run: dict, stats: Stats, rss: dict, refs: References) -> dict:
+    """The checks and the figures of the run (the JSON summary)."""
+    duration, kv, exit_status = run["duration"], run["kv"], run["exit_status"]
     checks = {
         "no_errors": sum(stats.errors.values()) == 0,
         "no_violations": stats.num_violations == 0,
@@ -410,11 +386,11 @@ def main(argv=None) -> int:
     }
     if rss.get("warm") and rss.get("end"):
         checks["rss_flat"] = rss["end"] <= rss["warm"] * a.rss_factor + a.rss_slack_mb * MB
-    if proc is not None:
+    if own_server:
         checks["server_exit_0"] = exit_status == 0
-    summary = {
-        "url": url,
-        "own_server": proc is not None,
+    return {
+        "url": run["url"],
+        "own_server": own_server,
         "target": a.target,
         "draft": a.draft,
         "clients": a.clients,
@@ -433,36 +409,34 @@ def main(argv=None) -> int:
         "modes": dict(stats.modes),
         "reference": refs.source,
         "reference_pairs": len(refs.table),
-        "reference_s": round(t_ref, 1),
-        "ttft_ms": {"p50": pct(stats.ttft_ms, 0.5), "p99": pct(stats.ttft_ms, 0.99)},
-        "latency_ms": {"p50": pct(stats.total_ms, 0.5), "p99": pct(stats.total_ms, 0.99)},
+        "reference_s": round(run["t_ref"], 1),
+        "ttft_ms": p50_p99(stats.ttft_ms),
+        "latency_ms": p50_p99(stats.total_ms),
         "rss_mb": {k: round(v / MB, 1) for k, v in rss.items()},
         "kv_blocks_used_after": kv,
         "server_exit_status": exit_status,
         "checks": checks,
         "ok": all(checks.values()),
     }
-    r = summary["rss_mb"]
+
+
+def print_summary(a, summary: dict, stats: Stats) -> None:
+    r, checks = summary["rss_mb"], summary["checks"]
     print(
-        f"soak: {a.clients} clients x {a.inflight} in flight, {duration:.0f} s: {stats.requests} requests, "
-        f"{stats.tokens} tokens ({summary['tokens_per_s']} tok/s), errors {dict(stats.errors) or 0}, "
+        f"soak: {a.clients} clients x {a.inflight} in flight, {summary['duration_s']:.0f} s: {stats.requests} "
+        f"requests, {stats.tokens} tokens ({summary['tokens_per_s']} tok/s), errors {dict(stats.errors) or 0}, "
         f"violations {stats.num_violations}, disconnects {stats.disconnects}"
     )
     print(
         f"      ttft p50/p99 {summary['ttft_ms']['p50']}/{summary['ttft_ms']['p99']} ms, latency p50/p99 "
         f"{summary['latency_ms']['p50']}/{summary['latency_ms']['p99']} ms; server RSS start {r.get('start')} MB, "
-        f"warm-up {r.get('warm')} MB, end {r.get('end')} MB, peak {r.get('peak')} MB; KV after {kv}"
+        f"warm-up {r.get('warm')} MB, end {r.get('end')} MB, peak {r.get('peak')} MB; "
+        f"KV after {summary['kv_blocks_used_after']}"
     )
     for v in stats.violations[:10]:
         print("      violation:", v)
     print("      checks:", " ".join(f"{k}={'ok' if v else 'FAIL'}" for k, v in checks.items()))
     print(json.dumps(summary))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(summary, indent=2) + "\n")
-    if proc is not None and not summary["ok"] and tail:
-        print("server log tail:\n" + "".join(tail[-50:]), file=sys.stderr)
-    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":

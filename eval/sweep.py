@@ -1,12 +1,12 @@
 """Sweep the speculation size: chain length k, dynamic tree budget N, and static vs dynamic trees.
 
-    python eval/sweep.py --target ../shared/models/stories260K \\
+    python -m eval.sweep --target ../shared/models/stories260K \\
         --draft ../shared/models/stories260K-draft-1L64 \\
         --prompts ../shared/data/mt_bench/question.jsonl --raw --limit 8 --max-tokens 64 \\
         --out eval/out/sweep
 
 Every setting runs on the same prompts in one run (modes interleaved per prompt, see
-eval/acceptance.py), against the target-only baseline. Static trees (Medusa/Sequoia style) get the
+``eval.acceptance``), against the target-only baseline. Static trees (Medusa/Sequoia style) get the
 same node budgets as the dynamic ones; their shape is the best N-node tree for the draft's measured
 rank agreement (P(the target's greedy token is the draft's rank-r token), measured here on the
 target's own greedy continuations of the prompts, with transformers; ``--no-fit`` uses
@@ -23,10 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import acceptance as A  # noqa: E402
-import common as C  # noqa: E402
+from eval import acceptance as A
+from eval import common as C
+from eval import harness as H
 
 
 def parse_args(argv=None):
@@ -85,56 +84,37 @@ def measure_rank_probs(target_dir: str, draft_dir: str, prompt_ids: list, max_to
     return [round(p, 4) for p in out], total
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    C.set_threads(a.threads)
-    C.quiet_transformers()
-    t0 = time.perf_counter()
-    meta = C.run_meta(argv if argv is not None else sys.argv, a.device)  # at the start: the code that runs
-    cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
-    prompts = C.load_prompts(a.prompts, a.limit, cats, a.per_category, a.max_turns)
-    if not prompts:
-        print("sweep: no prompts selected", file=sys.stderr)
-        return 2
-    out = Path(a.out) if a.out else C.default_out("sweep")
-    target, draft = A.load_pair(a.target, a.draft, a.device)
-    chat = a.chat_template if a.chat_template is not None else C.has_chat_template(target.tokenizer)
+def sweep_modes(a, target, prompts: list, chat: bool) -> tuple:
+    """``off``, the chains, the dynamic trees and (unless ``--no-static``) the static trees shaped by
+    the draft's rank agreement (measured unless ``--no-fit``). Returns (modes, rank probs, tokens
+    they were measured on)."""
     ks = [int(x) for x in a.ks.split(",") if x.strip()]
     budgets = [int(x) for x in a.budgets.split(",") if x.strip()]
     modes = [C.Mode("off", "off")] + [C.Mode.parse(f"chain:{k}") for k in ks]
     modes += [C.Mode.parse(f"tree:{n}", tree_topk=a.tree_topk, tree_depth=a.tree_depth) for n in budgets]
     rank_probs, rank_tokens = list(C.DEFAULT_RANK_PROBS), 0
-    if not a.no_static:
-        if not a.no_fit:
-            ids = [
-                C.fit_prompt(
-                    C.encode_conversation(target.tokenizer, p.turns[:1], [], chat),
-                    target.config.max_position_embeddings - a.max_tokens - 1,
-                    target.config.bos_token_id,
-                )[0]
-                for p in prompts
-            ]
-            rank_probs, rank_tokens = measure_rank_probs(a.target, a.draft, ids, a.max_tokens)
-            print(f"draft rank agreement (r = 0..7, {rank_tokens} tokens): {rank_probs}", file=sys.stderr)
-        modes += [C.Mode.parse(f"static:{n}", rank_probs=rank_probs) for n in budgets]
-    res = A.run_eval(
-        target,
-        draft,
-        prompts,
-        modes,
-        temperatures=(a.temperature,),
-        max_tokens=a.max_tokens,
-        chat_template=chat,
-        seed=a.seed,
-        device=a.device,
-        progress=not a.no_progress,
-        desc="sweep",
-    )
-    run = res["runs"][0]
+    if a.no_static:
+        return modes, rank_probs, rank_tokens
+    if not a.no_fit:
+        ids = [
+            C.fit_prompt(
+                C.encode_conversation(target.tokenizer, p.turns[:1], [], chat),
+                target.config.max_position_embeddings - a.max_tokens - 1,
+                target.config.bos_token_id,
+            )[0]
+            for p in prompts
+        ]
+        rank_probs, rank_tokens = measure_rank_probs(a.target, a.draft, ids, a.max_tokens)
+        print(f"draft rank agreement (r = 0..7, {rank_tokens} tokens): {rank_probs}", file=sys.stderr)
+    modes += [C.Mode.parse(f"static:{n}", rank_probs=rank_probs) for n in budgets]
+    return modes, rank_probs, rank_tokens
+
+
+def sweep_table(run: dict) -> list:
+    """One row per mode: size, accepted length, acceptance, speed, speedups, prediction."""
     table = []
     for e in run["modes"]:
         o, m = e["overall"], e["mode"]
-        th = e.get("theory", {})
         table.append(
             {
                 "mode": m["name"],
@@ -146,72 +126,43 @@ def main(argv=None) -> int:
                 "speedup": o["speedup"],
                 "speedup_cpu": o["speedup_cpu"],
                 "median_request_speedup": o["median_request_speedup"],
-                "predicted_speedup": th.get("predicted_speedup"),
+                "predicted_speedup": e.get("theory", {}).get("predicted_speedup"),
                 "draft_forwards_per_step": e["timing"]["draft_forwards_per_step"],
             }
         )
-    best = max(table, key=lambda r: r["speedup"])
-    best_cpu = max(table, key=lambda r: r["speedup_cpu"])
-    best_len = max(table, key=lambda r: r["mean_accepted_length"])
-    if argv is not None:
-        meta["command"] = "python eval/sweep.py " + " ".join(argv)
-    meta.update(
-        {
-            "target": a.target,
-            "draft": a.draft,
-            "prompts_file": a.prompts,
-            "max_tokens": a.max_tokens,
-            "temperatures": [a.temperature],
-            "rank_probs": rank_probs,
-            "rank_tokens": rank_tokens,
-            "elapsed_s": round(time.perf_counter() - t0, 2),
-        }
+    return table
+
+
+def sweep_markdown(report: dict) -> str:
+    """The acceptance summary, the sweep table and the verdict."""
+    table, sw = report["sweep"]["table"], report["sweep"]
+    by_name = {r["mode"]: r for r in table}
+    best, best_cpu, best_len = by_name[sw["best"]], by_name[sw["best_cpu"]], by_name[sw["best_accepted_length"]]
+    cols = (
+        "mean_accepted_length",
+        "acceptance_rate",
+        "draft_forwards_per_step",
+        "tokens_per_s",
+        "speedup",
+        "median_request_speedup",
+        "speedup_cpu",
     )
-    report = {
-        "schema": C.SCHEMA,
-        "kind": "sweep",
-        "meta": meta,
-        **res,
-        "sweep": {
-            "table": table,
-            "best": best["mode"],
-            "best_cpu": best_cpu["mode"],
-            "best_accepted_length": best_len["mode"],
-        },
-    }
-    C.write_json(out / "report.json", report)
     rows = [
-        [
-            r["mode"],
-            r["mean_accepted_length"],
-            r["acceptance_rate"],
-            r["draft_forwards_per_step"],
-            r["tokens_per_s"],
-            r["speedup"],
-            r["median_request_speedup"],
-            r["speedup_cpu"],
-            r["predicted_speedup"] if r["predicted_speedup"] is not None else "-",
-        ]
+        [r["mode"], *(r[c] for c in cols), r["predicted_speedup"] if r["predicted_speedup"] is not None else "-"]
         for r in table
     ]
-    md = (
-        A.markdown(report)
-        + "\n## sweep\n\n"
-        + C.md_table(
-            [
-                "mode",
-                "tokens/step",
-                "accept rate",
-                "draft fwd/step",
-                "tok/s",
-                "speedup",
-                "median speedup",
-                "CPU-time speedup",
-                "predicted",
-            ],
-            rows,
-        )
-    )
+    headers = [
+        "mode",
+        "tokens/step",
+        "accept rate",
+        "draft fwd/step",
+        "tok/s",
+        "speedup",
+        "median speedup",
+        "CPU-time speedup",
+        "predicted",
+    ]
+    md = A.markdown(report) + "\n## sweep\n\n" + C.md_table(headers, rows)
     verdict = (
         f"\n\nbest (tokens/s): **{best['mode']}** ({best['speedup']:.2f}x); best by CPU time: "
         f"**{best_cpu['mode']}** ({best_cpu['speedup_cpu']:.2f}x); most tokens per step: "
@@ -219,12 +170,13 @@ def main(argv=None) -> int:
     )
     if best["mode"] == "off":
         verdict += " -- no speculative setting beats target-only decoding on this pair/hardware"
-    md += verdict + "\n"
-    (out / "summary.md").write_text(md, encoding="utf-8")
-    A.plots(report, out)
-    t = f"T{a.temperature:g}"
-    series_len = {}
-    series_sp = {}
+    return md + verdict + "\n"
+
+
+def sweep_plots(table: list, out: Path, temperature: float) -> None:
+    """Accepted length and speedup (wall clock and CPU time) against the draft size, per kind."""
+    t = f"T{temperature:g}"
+    series_len, series_sp = {}, {}
     for kind, label in (
         ("chain", "chain (x = k)"),
         ("tree", "dynamic tree (x = N)"),
@@ -252,6 +204,58 @@ def main(argv=None) -> int:
         hline=1.0,
         logx=True,
     )
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    H.set_threads(a.threads)
+    H.quiet_transformers()
+    t0 = time.perf_counter()
+    meta = H.run_meta("sweep", argv, a.device)  # at the start: the code that runs
+    cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
+    prompts = C.load_prompts(a.prompts, a.limit, cats, a.per_category, a.max_turns)
+    if not prompts:
+        print("sweep: no prompts selected", file=sys.stderr)
+        return 2
+    out = Path(a.out) if a.out else C.default_out("sweep")
+    target, draft = A.load_pair(a.target, a.draft, a.device)
+    chat = a.chat_template if a.chat_template is not None else C.has_chat_template(target.tokenizer)
+    modes, rank_probs, rank_tokens = sweep_modes(a, target, prompts, chat)
+    res = A.run_eval(
+        target,
+        draft,
+        prompts,
+        modes,
+        temperatures=(a.temperature,),
+        max_tokens=a.max_tokens,
+        chat_template=chat,
+        seed=a.seed,
+        device=a.device,
+        progress=not a.no_progress,
+        desc="sweep",
+    )
+    table = sweep_table(res["runs"][0])
+    meta.update(
+        target=a.target,
+        draft=a.draft,
+        prompts_file=a.prompts,
+        max_tokens=a.max_tokens,
+        temperatures=[a.temperature],
+        rank_probs=rank_probs,
+        rank_tokens=rank_tokens,
+        elapsed_s=round(time.perf_counter() - t0, 2),
+    )
+    best = {
+        "best": max(table, key=lambda r: r["speedup"])["mode"],
+        "best_cpu": max(table, key=lambda r: r["speedup_cpu"])["mode"],
+        "best_accepted_length": max(table, key=lambda r: r["mean_accepted_length"])["mode"],
+    }
+    report = {"schema": C.SCHEMA, "kind": "sweep", "meta": meta, **res, "sweep": {"table": table, **best}}
+    C.write_json(out / "report.json", report)
+    md = sweep_markdown(report)
+    (out / "summary.md").write_text(md, encoding="utf-8")
+    A.plots(report, out)
+    sweep_plots(table, out, a.temperature)
     print(md)
     print(f"\nwrote {out} ({meta['elapsed_s']} s)")
     return 0

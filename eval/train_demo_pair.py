@@ -3,8 +3,8 @@
 
 Seeded and reproducible (same seed, same thread count, same torch build -> same weights):
 
-    HF_HUB_OFFLINE=1 .venv/bin/python eval/train_demo_pair.py            # ~30 min on 1 CPU thread
-    HF_HUB_OFFLINE=1 .venv/bin/python eval/train_demo_pair.py --target-steps 5 --draft-steps 5 \
+    HF_HUB_OFFLINE=1 .venv/bin/python -m eval.train_demo_pair            # ~30 min on 1 CPU thread
+    HF_HUB_OFFLINE=1 .venv/bin/python -m eval.train_demo_pair --target-steps 5 --draft-steps 5 \
         --out /tmp/demo_smoke                                              # smoke run
 
 Steps:
@@ -14,7 +14,7 @@ Steps:
      calculator annotations stripped, the final ``#### N`` line becomes ``The answer is N.``);
   3. train a byte-level BPE tokenizer on the training chats (special tokens + chat template);
   4. train the target (LlamaForCausalLM, fp32) on packed sequences of the training chats;
-  5. distil a 1-layer draft from it (KL(target||draft) + CE, ``specd.training.distill``), embeddings
+  5. distil a 1-layer draft from it (KL(target||draft) + CE, ``specd.training.loop``), embeddings
      initialised from the target's, decoder layer initialised from the target's first layer;
   6. evaluate held-out loss and greedy draft/target agreement, save both in HF format (bf16) under
      ``--out``/target and ``--out``/draft, reload them with transformers and generate.
@@ -25,22 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import re
-import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+import torch
 
-import torch  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from specd.training.distill import build_draft, greedy_agreement, heldout_loss, lr_at, train_draft  # noqa: E402
+from eval.harness import ROOT as REPO
+from specd.training.draft import build_draft
+from specd.training.loop import greedy_agreement, heldout_loss, lr_at, train_draft
 
 SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHAT_TEMPLATE = (
@@ -189,7 +184,7 @@ def save_model(model, tok, out: Path, end_id: int) -> None:
     ).save_pretrained(out)
 
 
-def main() -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"))
     ap.add_argument("--out", default=str(REPO / "models" / "demo"))
@@ -212,23 +207,59 @@ def main() -> int:
     ap.add_argument("--ce-weight", type=float, default=0.1)
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--no-progress", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
-    from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+def main(argv=None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
     out = Path(args.out)
     times: dict[str, float] = {}
-    T0 = time.time()
-    C0 = time.process_time()
+    T0, C0 = time.time(), time.process_time()
     log(f"args: {vars(args)}")
     log(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    d = prepare_data(args, times)
+    target = build_target(args, d.tok, d.end_id)
+    chunks = packed_chunks(d.stream, args.seq_len + 1)
+    ema = train_target(args, target, chunks, times)
+    draft, hist = train_the_draft(args, target, chunks, times)
+    t = time.time()
+    ev = evaluate(target, draft, d.held_ids, d.held_mask, d.asst_mask)
+    times["eval_s"] = time.time() - t
+    log(
+        f"held-out ({HELDOUT} examples): target loss {ev['target_loss']:.4f} (ppl {math.exp(ev['target_loss']):.2f}), "
+        f"draft loss {ev['draft_loss']:.4f} (ppl {math.exp(ev['draft_loss']):.2f}); "
+        f"greedy agreement all {ev['agreement_all']:.4f}, assistant {ev['agreement_assistant']:.4f}"
+    )
+    t = time.time()
+    ev_bf16 = save_and_reload(target, draft, d, out)
+    times["save_s"] = time.time() - t
+    times["total_s"] = time.time() - T0
+    times["total_cpu_s"] = time.process_time() - C0
+    summary = {
+        "args": vars(args),
+        "n_examples": d.n,
+        "heldout_range": [d.n - HELDOUT, d.n],
+        "train_tokens": int(d.stream.numel()),
+        "vocab_size": len(d.tok),
+        "eval_fp32": ev,
+        "eval_bf16_saved": ev_bf16,
+        "times_s": {k: round(v, 1) for k, v in times.items()},
+        "final_target_train_loss_ema": ema,
+        "final_draft_kl": hist[-1]["kl"] if hist else None,
+        "size_bytes": sum(f.stat().st_size for f in out.rglob("*") if f.is_file()),
+    }
+    log("SUMMARY " + json.dumps(summary))
+    return 0
 
-    # ---- data + tokenizer
+
+def prepare_data(args, times: dict) -> SimpleNamespace:
+    """GSM8K split into training chats and the last 200 held out; the tokenizer trained on the
+    training chats; the training token stream; the held-out set padded (in length order, less
+    padding, same numbers) with its mask and assistant-token mask."""
     t = time.time()
     chats = load_gsm8k(Path(args.data))
     n = len(chats)
@@ -241,9 +272,7 @@ def main() -> int:
     assert tok.apply_chat_template(train_chats[0], tokenize=False) == train_texts[0], "chat template mismatch"
     enc = tok(train_texts, add_special_tokens=False)["input_ids"]
     stream = torch.tensor([i for s in enc for i in s], dtype=torch.long)
-    held_enc = tok([render(c) for c in held_chats], add_special_tokens=False)["input_ids"]
-    # Evaluate in length order (less padding, same numbers); the set itself is the last 200 lines.
-    held_enc = sorted(held_enc, key=len)
+    held_enc = sorted(tok([render(c) for c in held_chats], add_special_tokens=False)["input_ids"], key=len)
     held_ids, held_mask = pad_batch(held_enc, tok.pad_token_id, args.max_pos)
     asst_mask = (torch.cumsum((held_ids == asst_id).long(), dim=1) > 0) & held_mask
     times["tokenizer_s"] = time.time() - t
@@ -251,8 +280,22 @@ def main() -> int:
         f"tokenizer: vocab {len(tok)}, train tokens {stream.numel()} ({stream.numel() / len(enc):.1f}/example), "
         f"held-out tokens {int(held_mask.sum())}; {times['tokenizer_s']:.1f}s"
     )
+    return SimpleNamespace(
+        n=n,
+        tok=tok,
+        end_id=end_id,
+        held_chats=held_chats,
+        stream=stream,
+        held_ids=held_ids,
+        held_mask=held_mask,
+        asst_mask=asst_mask,
+    )
 
-    # ---- target
+
+def build_target(args, tok, end_id: int):
+    """A fresh fp32 ``LlamaForCausalLM`` of the requested shape (seeded), tied embeddings."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     cfg = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=args.hidden,
@@ -278,33 +321,29 @@ def main() -> int:
         f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.3f}M params, {args.layers} layers, "
         f"d={args.hidden}"
     )
+    return target
 
-    L = args.seq_len + 1
+
+def packed_chunks(stream: torch.Tensor, L: int) -> torch.Tensor:
+    """The training stream cut into ``[n, L]`` packed chunks (the remainder dropped)."""
     n_chunks = stream.numel() // L
-    chunks = stream[: n_chunks * L].view(n_chunks, L)
+    return stream[: n_chunks * L].view(n_chunks, L)
+
+
+def train_target(args, target, chunks: torch.Tensor, times: dict) -> float:
+    """Next-token cross-entropy on shuffled packed chunks (epoch after epoch, seeded), AdamW with
+    warmup and cosine decay (``loop.lr_at``), clipping 1.0; returns the final loss EMA."""
+    from tqdm.auto import tqdm
+
+    n_chunks = chunks.shape[0]
     steps_per_epoch = max(1, n_chunks // args.batch_size)
     log(
-        f"target training: {n_chunks} packed chunks of {L} tokens, {steps_per_epoch} steps/epoch, "
+        f"target training: {n_chunks} packed chunks of {chunks.shape[1]} tokens, {steps_per_epoch} steps/epoch, "
         f"{args.target_steps} steps "
         f"({args.target_steps / steps_per_epoch:.2f} epochs)"
     )
-    gen = torch.Generator().manual_seed(args.seed)
-    order: list[int] = []
-
-    def target_batch(step: int) -> torch.Tensor:
-        nonlocal order
-        if len(order) < args.batch_size:
-            order = order + torch.randperm(n_chunks, generator=gen).tolist()
-        idx, order = order[: args.batch_size], order[args.batch_size :]
-        return chunks[idx]
-
-    decay = [p for p in target.parameters() if p.dim() >= 2]
-    no_decay = [p for p in target.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.target_lr,
-        betas=(0.9, 0.95),
-    )
+    batches = epoch_batches(chunks, args.batch_size, torch.Generator().manual_seed(args.seed))
+    opt = target_optimizer(target, args.target_lr)
     warmup = max(1, min(50, args.target_steps // 10))
     t, c = time.time(), time.process_time()
     target.train()
@@ -314,14 +353,7 @@ def main() -> int:
         lr = lr_at(step, args.target_steps, args.target_lr, warmup)
         for g in opt.param_groups:
             g["lr"] = lr
-        b = target_batch(step)
-        loss = target(input_ids=b[:, :-1], labels=None, use_cache=False).logits
-        loss = torch.nn.functional.cross_entropy(loss.reshape(-1, loss.shape[-1]), b[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
-        opt.step()
-        lv = loss.item()
+        lv = target_step(target, opt, next(batches))
         ema = lv if ema is None else 0.95 * ema + 0.05 * lv
         bar.update(1)
         bar.set_postfix(loss=f"{ema:.3f}")
@@ -336,14 +368,51 @@ def main() -> int:
     times["target_train_s"] = time.time() - t
     times["target_train_cpu_s"] = time.process_time() - c
     log(f"target training: {times['target_train_s']:.1f}s wall, {times['target_train_cpu_s']:.1f}s CPU")
+    return ema
 
-    # ---- draft
+
+def epoch_batches(chunks: torch.Tensor, batch_size: int, gen: torch.Generator):
+    """Batches of ``batch_size`` chunks in a fresh random order each epoch (an epoch's remainder
+    starts the next batch)."""
+    order: list[int] = []
+    while True:
+        if len(order) < batch_size:
+            order = order + torch.randperm(chunks.shape[0], generator=gen).tolist()
+        idx, order = order[:batch_size], order[batch_size:]
+        yield chunks[idx]
+
+
+def target_optimizer(target, lr: float):
+    decay = [p for p in target.parameters() if p.dim() >= 2]
+    no_decay = [p for p in target.parameters() if p.dim() < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+
+
+def target_step(target, opt, b: torch.Tensor) -> float:
+    """One optimizer step of next-token cross-entropy on ``b`` (``[B, L]``); its loss."""
+    logits = target(input_ids=b[:, :-1], labels=None, use_cache=False).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
+def train_the_draft(args, target, chunks: torch.Tensor, times: dict) -> tuple:
+    """A 1-layer draft initialised from the target, distilled on random packed chunks
+    (``loop.train_draft``); (draft, history)."""
     draft, info = build_draft(target, layers=1, freeze_embeddings=False, copy_layers=True, seed=args.seed)
     log(
         f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.3f}M params, 1 layer, "
         f"d={draft.config.hidden_size}; init {info}"
     )
     dgen = torch.Generator().manual_seed(args.seed + 1)
+    n_chunks = chunks.shape[0]
 
     def draft_batch(step: int) -> torch.Tensor:
         idx = torch.randint(0, n_chunks, (args.batch_size,), generator=dgen)
@@ -367,26 +436,20 @@ def main() -> int:
     times["draft_train_s"] = time.time() - t
     times["draft_train_cpu_s"] = time.process_time() - c
     log(f"draft training: {times['draft_train_s']:.1f}s wall, {times['draft_train_cpu_s']:.1f}s CPU")
+    return draft, hist
 
-    # ---- evaluation
-    t = time.time()
-    ev = evaluate(target, draft, held_ids, held_mask, asst_mask)
-    times["eval_s"] = time.time() - t
-    log(
-        f"held-out ({HELDOUT} examples): target loss {ev['target_loss']:.4f} (ppl {math.exp(ev['target_loss']):.2f}), "
-        f"draft loss {ev['draft_loss']:.4f} (ppl {math.exp(ev['draft_loss']):.2f}); "
-        f"greedy agreement all {ev['agreement_all']:.4f}, assistant {ev['agreement_assistant']:.4f}"
-    )
 
-    # ---- save + reload check
-    t = time.time()
-    save_model(target, tok, out / "target", end_id)
-    save_model(draft, tok, out / "draft", end_id)
+def save_and_reload(target, draft, d: SimpleNamespace, out: Path) -> dict:
+    """Save both (bf16, HF format), reload each with transformers and answer a held-out question,
+    then evaluate the saved weights (fp32 compute)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    save_model(target, d.tok, out / "target", d.end_id)
+    save_model(draft, d.tok, out / "draft", d.end_id)
     for name in ("target", "draft"):
-        d = out / name
-        m = AutoModelForCausalLM.from_pretrained(d)
-        tk = AutoTokenizer.from_pretrained(d)
-        q = held_chats[0][0]["content"]
+        m = AutoModelForCausalLM.from_pretrained(out / name)
+        tk = AutoTokenizer.from_pretrained(out / name)
+        q = d.held_chats[0][0]["content"]
         enc_p = tk.apply_chat_template(
             [{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt", return_dict=True
         )
@@ -396,34 +459,16 @@ def main() -> int:
     ev_bf16 = evaluate(
         AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval(),
         AutoModelForCausalLM.from_pretrained(out / "draft", dtype=torch.float32).eval(),
-        held_ids,
-        held_mask,
-        asst_mask,
+        d.held_ids,
+        d.held_mask,
+        d.asst_mask,
     )
     log(
         f"after bf16 save/reload (fp32 compute): target loss {ev_bf16['target_loss']:.4f}, draft loss "
         f"{ev_bf16['draft_loss']:.4f}, "
         f"agreement all {ev_bf16['agreement_all']:.4f}, assistant {ev_bf16['agreement_assistant']:.4f}"
     )
-    times["save_s"] = time.time() - t
-    times["total_s"] = time.time() - T0
-    times["total_cpu_s"] = time.process_time() - C0
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    summary = {
-        "args": vars(args),
-        "n_examples": n,
-        "heldout_range": [n - HELDOUT, n],
-        "train_tokens": int(stream.numel()),
-        "vocab_size": len(tok),
-        "eval_fp32": ev,
-        "eval_bf16_saved": ev_bf16,
-        "times_s": {k: round(v, 1) for k, v in times.items()},
-        "final_target_train_loss_ema": ema,
-        "final_draft_kl": hist[-1]["kl"] if hist else None,
-        "size_bytes": size,
-    }
-    log("SUMMARY " + json.dumps(summary))
-    return 0
+    return ev_bf16
 
 
 if __name__ == "__main__":

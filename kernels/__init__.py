@@ -8,7 +8,6 @@ set before ``triton`` (and this package) were imported; :func:`interpreting` say
 from ._common import HAS_TRITON, interpreting
 from .kv_ops import copy_slots, copy_slots_ref, write_kv, write_kv_ref
 from .tree_attention import tree_attention, tree_attention_ref
-from .verify import greedy_verify, greedy_verify_ref
 
 __all__ = [
     "HAS_TRITON",
@@ -19,6 +18,4 @@ __all__ = [
     "write_kv_ref",
     "copy_slots",
     "copy_slots_ref",
-    "greedy_verify",
-    "greedy_verify_ref",
 ]

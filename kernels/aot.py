@@ -145,8 +145,8 @@ def _attention_plan(case, dot_f32=None):
 
 
 def _other_plans(dname, d):
-    """``[(kernel label, shape, plan)]`` for write_kv, copy_slots and greedy_verify at ``d``."""
-    from . import kv_ops, verify
+    """``[(kernel label, shape, plan)]`` for write_kv and copy_slots at ``d``."""
+    from . import kv_ops
 
     dt = DTYPES[dname]
     kv = torch.empty(2, 4096, BLOCK_SIZE, NUM_KV_HEADS, d, dtype=dt, device="meta")
@@ -166,14 +166,6 @@ def _other_plans(dname, d):
     ):  # one tile of BLOCK_P = 1 .. 512, then the temporary
         idx = torch.empty(n, dtype=torch.int64, device="meta")
         out.append(("copy_slots", sname, kv_ops._copy_slots_plan(full, idx, idx)))
-    if dname == "fp16" and d == HEAD_DIMS[0]:  # dtype- and head-dim-free
-        i64 = torch.empty(64 * 17, dtype=torch.int64, device="meta")
-        outs = tuple(
-            torch.empty(shape, dtype=dt, device="meta")
-            for shape, dt in ((64, torch.int32), ((64, 17), torch.int32), (64, torch.int64), (64, torch.int8))
-        )
-        offs = torch.empty(65, dtype=torch.int32, device="meta")
-        out.append(("greedy_verify", "17 nodes", verify._greedy_verify_plan(i64, i64, i64, offs, outs)))
     return out
 
 
@@ -303,12 +295,11 @@ def build_jobs(
             for dname in dtypes:
                 for d in head_dims:
                     for label, sname, plan in _other_plans(dname, d):
-                        free = label == "greedy_verify"  # token ids only: no dtype, no head dim
                         row = {
                             "kernel": label,
                             "target": tname,
-                            "dtype": None if free else dname,
-                            "head_dim": None if free else d,
+                            "dtype": dname,
+                            "head_dim": d,
                             "group": None,
                             "batch": None,
                             "max_seq_len": None,
@@ -440,7 +431,7 @@ def _parse_args(argv):
     p.add_argument("--groups", default=",".join(map(str, GROUPS)))
     p.add_argument("--targets", default=",".join(TARGETS))
     p.add_argument("--dot-f32", action="store_true", help="force the fp32-upcast dot operands (the old kernel)")
-    p.add_argument("--no-others", action="store_true", help="tree attention only (no kv_ops / verify kernels)")
+    p.add_argument("--no-others", action="store_true", help="tree attention only (no kv_ops kernels)")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file ('-': stdout only)")
     p.add_argument("--check", action="store_true", help="exit 1 on spills, shared memory over the limit or fp32 MMAs")

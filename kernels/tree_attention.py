@@ -553,6 +553,17 @@ def dot_operands(q_dtype: torch.dtype, kv_dtype: torch.dtype, *, interpret: bool
     return (not native), prec
 
 
+def _split_buffers(cfg: TreeAttentionConfig, q: torch.Tensor, out: torch.Tensor) -> tuple:
+    """Split-KV partials ``part`` [S, T, H, D] and ``ml`` [S, T, H, 2] (fp32) and their strides; with
+    one split, dummies (never read) and zero strides."""
+    if cfg.splits <= 1:
+        return out, out, (0, 0, 0), (0, 0, 0)
+    T, H, D = q.shape
+    part = torch.empty((cfg.splits, T, H, D), dtype=torch.float32, device=q.device)
+    ml = torch.empty((cfg.splits, T, H, 2), dtype=torch.float32, device=q.device)
+    return part, ml, tuple(part.stride()[:3]), tuple(ml.stride()[:3])
+
+
 def _launch_plan(q, kv_layer, meta, tree_mask, out, scale, cfg: TreeAttentionConfig, dot) -> list:
     """``[(kernel, grid, args, kwargs)]``: the launches of one call, in order (nothing is launched).
 
@@ -567,63 +578,22 @@ def _launch_plan(q, kv_layer, meta, tree_mask, out, scale, cfg: TreeAttentionCon
     if not has_mask:
         mask_arg = qsl  # dummy pointer, never read
     k_cache, v_cache = kv_layer[0], kv_layer[1]
-    if cfg.splits > 1:
-        part = torch.empty((cfg.splits, T, H, D), dtype=torch.float32, device=q.device)
-        ml = torch.empty((cfg.splits, T, H, 2), dtype=torch.float32, device=q.device)
-        p_strides, ml_strides = tuple(part.stride()[:3]), tuple(ml.stride()[:3])
-    else:
-        part = ml = out  # dummies, never read
-        p_strides = ml_strides = (0, 0, 0)
+    part, ml, p_strides, ml_strides = _split_buffers(cfg, q, out)
+    tensors = (q, k_cache, v_cache, out, qsl, ctx_lens, seq_lens, block_tables, mask_arg, part, ml)
+    strides = (
+        *q.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3], *out.stride()[:2], block_tables.stride(0),
+        mask_arg.stride(0) if has_mask else 0, *p_strides, *ml_strides,
+    )  # fmt: skip
+    sizes = (max(1, block_tables.shape[1]), mask_arg.shape[1] if has_mask else 0, cfg.split_len, cfg.splits)
+    args = (*tensors, *strides, *sizes, float(scale) * _LOG2E)
     extra = {} if cfg.num_stages is None else {"num_stages": cfg.num_stages}
     if cfg.maxnreg is not None:
         extra["maxnreg"] = cfg.maxnreg
-    args = (
-        q,
-        k_cache,
-        v_cache,
-        out,
-        qsl,
-        ctx_lens,
-        seq_lens,
-        block_tables,
-        mask_arg,
-        part,
-        ml,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        mask_arg.stride(0) if has_mask else 0,
-        *p_strides,
-        *ml_strides,
-        max(1, block_tables.shape[1]),
-        mask_arg.shape[1] if has_mask else 0,
-        cfg.split_len,
-        cfg.splits,
-        float(scale) * _LOG2E,
-    )
     kw = dict(
-        HEAD_DIM=D,
-        BLOCK_SIZE=kv_layer.shape[2],
-        GROUP=cfg.group,
-        GROUP_P=cfg.group_p,
-        BLOCK_Q=cfg.block_q,
-        BLOCK_N=cfg.block_n,
-        BLOCK_D=cfg.block_d,
-        HAS_MASK=has_mask,
-        SPLIT=cfg.splits > 1,
-        PREC=dot[1],
-        DOT_F32=dot[0],
-        num_warps=cfg.num_warps,
-        **extra,
-    )
+        HEAD_DIM=D, BLOCK_SIZE=kv_layer.shape[2], GROUP=cfg.group, GROUP_P=cfg.group_p, BLOCK_Q=cfg.block_q,
+        BLOCK_N=cfg.block_n, BLOCK_D=cfg.block_d, HAS_MASK=has_mask, SPLIT=cfg.splits > 1, PREC=dot[1],
+        DOT_F32=dot[0], num_warps=cfg.num_warps, **extra,
+    )  # fmt: skip
     plan = [(_tree_attention_kernel, (cfg.n_qblocks, qsl.shape[0] - 1, kv_layer.shape[3] * cfg.splits), args, kw)]
     if cfg.splits > 1:
         cargs = (part, ml, out, *p_strides, *ml_strides, out.stride(0), out.stride(1), cfg.splits)
@@ -663,12 +633,8 @@ def tree_attention(
     T, H, D, NB, BS, KVH, B = _check_args(
         q, kv_layer, query_start_loc, context_lens, seq_lens, block_tables, tree_mask, out, what
     )
-    others = [kv_layer, query_start_loc, context_lens, seq_lens, block_tables]
-    if tree_mask is not None:
-        others.append(tree_mask)
-    if out is not None:
-        others.append(out)
-    check_launchable(q, *others, what=what)
+    others = [kv_layer, query_start_loc, context_lens, seq_lens, block_tables, tree_mask, out]
+    check_launchable(q, *(x for x in others if x is not None), what=what)
     max_query_len = int(max_query_len)
     max_seq_len = int(max_seq_len)
     if out is None:
@@ -693,10 +659,18 @@ def tree_attention(
     meta = (query_start_loc, context_lens, seq_lens, block_tables)
     top = cfgs[0]
     key = (q.device.type, q.dtype, kv_layer.dtype, D, top.group_p, top.block_q, top.block_n, tree_mask is not None)
+    return _launch_first_that_fits(
+        cfgs, key, lambda cfg: _launch_plan(q, kv_layer, meta, tree_mask, out, scale, cfg, dot), out
+    )
+
+
+def _launch_first_that_fits(cfgs: list, key: tuple, plan_for, out: torch.Tensor) -> torch.Tensor:
+    """Launch the plan of the first configuration (from the one remembered for ``key``) that
+    compiles; ``OutOfResources`` moves on to the next, anything else is re-raised."""
     last_err = None
     for level in range(_CONFIG_CACHE.get(key, 0), len(cfgs)):
         try:
-            for kernel, grid, args, kw in _launch_plan(q, kv_layer, meta, tree_mask, out, scale, cfgs[level], dot):
+            for kernel, grid, args, kw in plan_for(cfgs[level]):
                 kernel[grid](*args, **kw)
         except Exception as err:  # OutOfResources (compile time); anything else is re-raised
             if OutOfResources is None or not isinstance(err, OutOfResources):

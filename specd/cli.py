@@ -41,27 +41,32 @@ def cmd_setup(a) -> int:
 
 
 # generate ----------------------------------------------------------------------------------------
+class _CliError(Exception):
+    """A one-line error for stderr (exit status 2)."""
+
+
 def cmd_generate(a) -> int:
-    from specd.engine.engine import Engine, RequestError
+    try:
+        eng, params = _generate_setup(a)
+        for text in a.prompt or [sys.stdin.read()]:
+            _generate_one(eng, a, text, params)
+    except _CliError as e:
+        print(f"specd: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _generate_setup(a) -> tuple:
+    """(engine, SamplingParams) from ``specd generate``'s flags; _CliError when they are unusable."""
+    from specd.engine.engine import Engine
     from specd.engine.sampling import SamplingParams
-    from specd.engine.sequence import SpecParams
     from specd.model.cpu import set_threads
     from specd.model.loader import LoadError
 
     fill_default_models(a)
-    spec_mode = a.spec
     set_threads(a.threads)
     try:
         eng = Engine(engine_config(a))
-    except (LoadError, ValueError) as e:
-        print(f"specd: {e}", file=sys.stderr)
-        return 2
-    if spec_mode != "off" and eng.drafter is None:
-        print("specd: --spec chain|tree needs --draft DIR", file=sys.stderr)
-        return 2
-    tok = eng.tokenizer
-    prompts = a.prompt or [sys.stdin.read()]
-    try:
         params = SamplingParams(
             temperature=a.temperature,
             top_p=a.top_p,
@@ -71,46 +76,55 @@ def cmd_generate(a) -> int:
             stop=tuple(a.stop or ()),
             ignore_eos=a.ignore_eos,
         )
-    except ValueError as e:
-        print(f"specd: {e}", file=sys.stderr)
-        return 2
-    for text in prompts:
-        if a.raw or not getattr(tok, "chat_template", None):
-            ids = tok(text)["input_ids"]
-        else:
-            ids = tok.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            if isinstance(ids, dict):
-                ids = ids["input_ids"]
-        t0 = time.perf_counter()
-        try:
-            seq = eng.generate([list(ids)], params, SpecParams(mode=spec_mode))[0]
-        except RequestError as e:
-            print(f"specd: {e.code}: {e}", file=sys.stderr)
-            return 2
-        dt = time.perf_counter() - t0
-        st = seq.stats
-        stats = {
-            "steps": st.steps,
-            "draft_tokens": st.draft_tokens,
-            "accepted_tokens": st.accepted_tokens,
-            "mean_accepted_length": round(st.mean_accepted_length, 4),
-            "acceptance_per_depth": st.as_dict()["acceptance_per_depth"],
-            "tokens_per_second": round(seq.num_output / dt, 2) if dt > 0 else 0.0,
-            "finish_reason": seq.finish_reason,
-        }
-        out = eng.output_text(seq)
-        if a.json:
-            print(json.dumps({"text": out, "token_ids": seq.output_ids, "stats": stats}, ensure_ascii=False))
-        else:
-            print(out)
-            print(
-                f"-- {seq.num_output} tokens, {stats['tokens_per_second']} tok/s, steps {st.steps}, "
-                f"mean accepted length {stats['mean_accepted_length']}",
-                file=sys.stderr,
-            )
-    return 0
+    except (LoadError, ValueError) as e:
+        raise _CliError(str(e)) from None
+    if a.spec in ("chain", "tree") and eng.drafter is None:
+        raise _CliError("--spec chain|tree needs --draft DIR (or --spec ngram: prompt lookup, no draft model)")
+    return eng, params
+
+
+def _prompt_ids(tok, text: str, raw: bool) -> list:
+    """Token ids of ``text``: the chat template around it unless ``raw`` (or the model has none)."""
+    if raw or not getattr(tok, "chat_template", None):
+        return list(tok(text)["input_ids"])
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def _generate_one(eng, a, text: str, params) -> None:
+    """Generate for one prompt and print the text (or one JSON object with ``--json``)."""
+    from specd.engine.engine import RequestError
+    from specd.engine.sequence import SpecParams
+
+    t0 = time.perf_counter()
+    try:
+        seq = eng.generate([_prompt_ids(eng.tokenizer, text, a.raw)], params, SpecParams(mode=a.spec))[0]
+    except RequestError as e:
+        raise _CliError(f"{e.code}: {e}") from None
+    dt = time.perf_counter() - t0
+    st = seq.stats
+    stats = {
+        "steps": st.steps,
+        "draft_tokens": st.draft_tokens,
+        "accepted_tokens": st.accepted_tokens,
+        "mean_accepted_length": round(st.mean_accepted_length, 4),
+        "acceptance_per_depth": st.as_dict()["acceptance_per_depth"],
+        "by_proposer": st.as_dict()["by_proposer"],
+        "tokens_per_second": round(seq.num_output / dt, 2) if dt > 0 else 0.0,
+        "finish_reason": seq.finish_reason,
+    }
+    out = eng.output_text(seq)
+    if a.json:
+        print(json.dumps({"text": out, "token_ids": seq.output_ids, "stats": stats}, ensure_ascii=False))
+        return
+    print(out)
+    print(
+        f"-- {seq.num_output} tokens, {stats['tokens_per_second']} tok/s, steps {st.steps}, "
+        f"mean accepted length {stats['mean_accepted_length']}",
+        file=sys.stderr,
+    )
 
 
 # convert -----------------------------------------------------------------------------------------
@@ -133,7 +147,16 @@ def cmd_convert(a) -> int:
     return 0
 
 
+def subcommand_parser(p: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser | None:
+    """The parser of subcommand ``name`` of ``build_parser()``'s result (None if there is none)."""
+    for action in p._actions:  # argparse keeps subparsers as the choices of one action
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(name)
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``specd`` parser; ``subcommand_parser(p, name)`` gives one subcommand's parser."""
     p = argparse.ArgumentParser(prog="specd", description="speculative-decoding chat serving daemon")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -148,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--spec", default="tree", choices=["off", "chain", "tree"])
+    g.add_argument("--spec", default="tree", choices=["off", "chain", "tree", "ngram", "auto"])
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
 
     s = sub.add_parser("serve", help="serve websocket + HTTP (+ gRPC)")
@@ -165,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("distill", help="distil a small draft model for a target")
     try:
-        from specd.training.distill import add_distill_args
+        from specd.training.cli import add_distill_args
 
         add_distill_args(d)
     except ImportError:  # pragma: no cover
@@ -189,7 +212,7 @@ def main(argv=None) -> int:
         p.print_help()
         return 2
     cmd = argv[0]
-    sub = p._subparsers._group_actions[0].choices.get(cmd)
+    sub = subcommand_parser(p, cmd)
     if cmd == "serve":
         a = apply_env_and_toml(sub, argv[1:], cmd)
         if not a.stream_interval_ms >= 0:
@@ -206,7 +229,7 @@ def main(argv=None) -> int:
 
         return run_chat(a) or 0
     if cmd == "distill":
-        from specd.training.distill import run_distill
+        from specd.training.cli import run_distill
 
         return run_distill(a) or 0
     if cmd == "convert":

@@ -113,7 +113,6 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
     memory_bytes: int | None = None  # budget for target + draft caches together
-    draft_fraction: float | None = None  # share of the budget for the draft (default: by size)
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -128,18 +127,23 @@ class CacheConfig:
 class SpecConfig:
     """Default speculation settings (requests may narrow them)."""
 
-    mode: str = "tree"  # off | chain | tree (dynamic) | static
+    mode: str = "tree"  # off | chain | tree (dynamic) | static (the draft model) | ngram (prompt lookup)
     num_draft_tokens: int = 4  # chain length k
     tree_budget: int = 16  # dynamic tree: nodes kept (excluding the root)
     tree_topk: int = 4  # dynamic tree: children per expanded node and nodes expanded per level
     tree_depth: int = 6  # dynamic tree: max depth
     static_tree: tuple | None = None  # Medusa-style choices for mode "static"
     adaptive: bool = True
+    ngram_tokens: int = 8  # prompt lookup: draft tokens per continuation
+    ngram_branches: int = 1  # prompt lookup: distinct continuations in the tree (1 = a chain)
+    suffix_store: bool = True  # ngram mode: also draft from the same tenant's earlier requests
 
     def __post_init__(self):
-        if self.mode not in ("off", "chain", "tree", "static"):
-            raise ValueError(f"speculation mode must be off|chain|tree|static, got {self.mode!r}")
-        for name in ("num_draft_tokens", "tree_budget", "tree_topk", "tree_depth"):
+        if self.mode not in ("off", "chain", "tree", "static", "ngram"):
+            raise ValueError(f"speculation mode must be off|chain|tree|static|ngram, got {self.mode!r}")
+        if not isinstance(self.ngram_branches, int) or not 1 <= self.ngram_branches <= 8:
+            raise ValueError(f"ngram_branches must be an integer in 1..8, got {self.ngram_branches!r}")
+        for name in ("num_draft_tokens", "tree_budget", "tree_topk", "tree_depth", "ngram_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1 or v > 256:
                 raise ValueError(f"{name} must be an integer in 1..256, got {v!r}")
@@ -156,7 +160,6 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024  # per-step token budget (prefill chunks + verification trees)
     prefill_chunk: int = 256
-    max_queue: int = 256
     batch_starvation_s: float = 2.0  # a batch request waiting this long is served ahead of new interactive work
     batch_seqs_with_interactive: int = 1  # batch requests per step while interactive work is active (0 = no cap)
     enable_prefix_cache: bool = True

@@ -26,6 +26,35 @@ def demo_pair() -> tuple:
     return None, None
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """Speculation defaults (requests may narrow them)."""
+    p.add_argument(
+        "--spec-mode",
+        default="tree",
+        help="default speculation: off | chain | tree | static (the draft model) | ngram (prompt lookup, no draft "
+        "model needed)",
+    )
+    p.add_argument("--ngram-tokens", type=int, default=8, help="prompt lookup: draft tokens per continuation")
+    p.add_argument(
+        "--ngram-branches", type=int, default=1, help="prompt lookup: distinct continuations in the tree (1 = a chain)"
+    )
+    p.add_argument(
+        "--no-suffix-store",
+        action="store_true",
+        help="ngram mode: do not draft from the same API key's earlier requests (memory-bounded store)",
+    )
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="chain length k")
+    p.add_argument("--tree-budget", type=int, default=16, help="dynamic tree: draft nodes kept")
+    p.add_argument("--tree-topk", type=int, default=4)
+    p.add_argument("--tree-depth", type=int, default=6)
+    p.add_argument(
+        "--static-tree",
+        default=None,
+        help='Medusa-style choices for --spec-mode static, JSON: "[[0],[1],[0,0],[0,1],[1,0]]"',
+    )
+    p.add_argument("--no-adaptive", action="store_true", help="fixed speculation sizes")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target",
@@ -52,17 +81,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per cache (default: from memory)")
     p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache budget in GiB (both caches)")
-    p.add_argument("--spec-mode", default="tree", help="default speculation: off | chain | tree | static")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="chain length k")
-    p.add_argument("--tree-budget", type=int, default=16, help="dynamic tree: draft nodes kept")
-    p.add_argument("--tree-topk", type=int, default=4)
-    p.add_argument("--tree-depth", type=int, default=6)
-    p.add_argument(
-        "--static-tree",
-        default=None,
-        help='Medusa-style choices for --spec-mode static, JSON: "[[0],[1],[0,0],[0,1],[1,0]]"',
-    )
-    p.add_argument("--no-adaptive", action="store_true", help="fixed speculation sizes")
+    add_spec_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=1024)
     p.add_argument("--prefill-chunk", type=int, default=256)
@@ -149,6 +168,9 @@ def engine_config(a):
             tree_budget=a.tree_budget,
             tree_topk=a.tree_topk,
             tree_depth=a.tree_depth,
+            ngram_tokens=getattr(a, "ngram_tokens", 8),
+            ngram_branches=getattr(a, "ngram_branches", 1),
+            suffix_store=not getattr(a, "no_suffix_store", False),
             adaptive=not a.no_adaptive,
             static_tree=_static_tree(a.static_tree),
         ),
@@ -156,7 +178,6 @@ def engine_config(a):
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_batched_tokens,
             prefill_chunk=a.prefill_chunk,
-            max_queue=a.max_queue,
             batch_seqs_with_interactive=a.batch_seqs_with_interactive,
             enable_prefix_cache=not a.no_prefix_cache,
         ),

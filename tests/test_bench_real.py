@@ -6,11 +6,9 @@ not it is installed)."""
 import json
 import sys
 
-from conftest import DRAFT, ROOT, SHARED, TARGET
+from conftest import DRAFT, SHARED, TARGET
 
-sys.path.insert(0, str(ROOT / "eval"))
-
-import bench_real  # noqa: E402
+from eval import bench_real
 
 SYSTEMS = ["specd:off", "specd:chain", "hf:generate", "hf:pld"]
 

@@ -1,4 +1,5 @@
-"""Tests for specd.training.distill (draft distillation) and the built-in demo pair in models/demo/.
+"""Tests for specd.training (draft distillation: data, draft, loop, export, the recipe and its CLI)
+and the built-in demo pair in models/demo/.
 
 CPU only, fast: one short distillation run (~20 s) on the shared stories260K target.
 """
@@ -16,16 +17,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from specd.training.distill import (  # noqa: E402
-    TokenStream,
-    add_distill_args,
-    build_draft,
-    distill,
-    greedy_agreement,
-    kd_loss,
-    load_corpus_texts,
-    self_generate,
-)
+from specd.training.cli import add_distill_args  # noqa: E402
+from specd.training.data import TokenStream, load_corpus_texts, self_generate  # noqa: E402
+from specd.training.distill import distill  # noqa: E402
+from specd.training.draft import build_draft  # noqa: E402
+from specd.training.loop import greedy_agreement, kd_loss  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -178,9 +178,9 @@ def test_cli_generate_matches_reference_text():
 
 
 def test_serve_config_file_rejects_unknown_keys(tmp_path):
-    from specd.cli import apply_env_and_toml, build_parser
+    from specd.cli import apply_env_and_toml, build_parser, subcommand_parser
 
-    sub = build_parser()._subparsers._group_actions[0].choices["serve"]
+    sub = subcommand_parser(build_parser(), "serve")
     good = tmp_path / "ok.toml"
     good.write_text("port = 9001\nmax_queue = 7\n")
     a = apply_env_and_toml(sub, ["--config", str(good), "--port", "9002"], "serve")

@@ -278,7 +278,7 @@ def _drive(link, prompts_ids, max_tokens, tag):
     msgs, steps, toks, done = [], {}, {}, set()
     for i, ids in enumerate(prompts_ids):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        link.send(("add", f"{tag}{i}", ids, params, SpecParams(mode="off"), "interactive"))
+        link.send(("add", f"{tag}{i}", ids, params, SpecParams(mode="off"), "interactive", None))
     end = time.monotonic() + 60
     while len(done) < len(prompts_ids) and time.monotonic() < end:
         select.select([link.fileno()], [], [], 1.0)

@@ -9,22 +9,20 @@
 
 import json
 import shutil
-import sys
 
 import pytest
 from conftest import DRAFT, ROOT, TARGET
 
-sys.path.insert(0, str(ROOT / "eval"))
-
-import acceptance  # noqa: E402
-import common as C  # noqa: E402
+from eval import acceptance
+from eval import common as C
+from eval import harness as H
 
 PROMPTS = ["Once upon a time, there was a little", "Tom and Lily went to the park", "The cat sat"]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _threads():
-    C.set_threads(1)
+    H.set_threads(1)
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +187,105 @@ def test_prompt_loading(tmp_path):
     assert len(ch) == 10 and all(c[:-1] in ch or len(c) == 1 for c in ch)
     assert C.expected_tokens_iid(0.0, 4) == 1.0 and C.expected_tokens_iid(1.0, 4) == 5.0
     assert C.tried_per_depth([(4, 0), (4, 4), (2, 1)]) == [3, 2, 1, 1]
+
+
+# the harness ------------------------------------------------------------------------------------
+def test_percentile_is_linear_interpolation_between_ranks():
+    import random
+
+    import numpy as np
+
+    assert H.percentile([], 50) is None and H.percentile([None], 99) is None
+    assert H.percentile([7], 0) == 7 and H.percentile([7], 99) == 7
+    assert H.percentile([1, 2, 3, 4], 50) == 2.5  # between the two middle ranks
+    assert H.percentile([4, 1, 3, 2], 0) == 1 and H.percentile([4, 1, 3, 2], 100) == 4
+    assert H.percentile(range(1, 101), 99) == pytest.approx(99.01)  # rank 98.01: 99 + 0.01 * (100 - 99)
+    assert H.percentile([10, None, 20], 25) == 12.5  # None entries are not samples
+    rng = random.Random(0)
+    for n in (2, 3, 10, 101):
+        xs = [rng.expovariate(1.0) for _ in range(n)]
+        for q in (1, 50, 90, 99):
+            assert H.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
+    assert H.median([3, 1, 2]) == 2 and H.median([1, 2, 3, 4]) == 2.5
+    assert H.median([]) is None and H.median([], empty=0.0) == 0.0
+    with pytest.raises(ValueError):
+        H.percentile([1, 2], 101)
+
+
+def test_step_timer_stages_are_measured_and_fit_in_the_step(target_lm):
+    """A real engine run: every stage took time, on both clocks, and the stages add up to no more
+    than the step; the draft model's forwards are part of the draft stage."""
+    from specd.engine.sampling import SamplingParams
+    from specd.model.loader import load_model
+
+    draft = load_model(DRAFT, "cpu", "float32", progress=False, target=target_lm)
+    mode = C.Mode.parse("chain:3")
+    eng = H.make_engine(mode, target_lm, draft)
+    timer = H.StepTimer(eng)
+    ids = list(target_lm.tokenizer(PROMPTS[0])["input_ids"])
+    seq = eng.generate([ids], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), mode.spec_params())[0]
+    t = timer.as_dict()
+    assert t["steps"] >= seq.stats.steps > 0  # every verification step, plus the prompt's
+    assert t["draft_forwards"] >= seq.stats.steps  # a chain of 3 drafts every decode step
+    for clock in ("", "cpu_"):
+        stages = [t[f"{clock}{k}_s"] for k in ("schedule", "draft", "target_forward", "verify", "commit")]
+        assert all(x > 0 for x in stages), (clock, stages)
+        assert sum(stages) <= t[f"{clock}step_s"]
+        assert 0 < t[f"{clock}draft_forward_s"] <= t[f"{clock}draft_s"]
+        assert t[f"{clock}step_ms_mean"] == pytest.approx(1e3 * t[f"{clock}step_s"] / t["steps"], rel=1e-3)
+    timer.reset()
+    assert timer.as_dict()["steps"] == 0 and timer.as_dict()["step_s"] == 0.0
+
+
+def test_step_log_pairs_and_engine_totals(target_lm):
+    """StepLog: with the target as its own draft every chain step verifies (k, k); the pairs, the
+    request's own stats and the engine totals since the log began agree."""
+    from specd.engine.sampling import SamplingParams
+
+    k = 4
+    mode = C.Mode.parse(f"chain:{k}")
+    eng = H.make_engine(mode, target_lm, target_lm)
+    params = SamplingParams(temperature=0.0, max_tokens=5 * (k + 1), ignore_eos=True)
+    ids = list(target_lm.tokenizer(PROMPTS[1])["input_ids"])
+    eng.generate([ids], params, mode.spec_params())  # engine totals before the log: not counted
+    log = H.StepLog(eng)
+    seq = log.generate(ids, params, mode.spec_params())
+    pairs = log.take()
+    assert pairs == [(k, k)] * 5 == [v for r in log.rows for v in r.verified]
+    assert log.take() == []
+    assert sum(a for _, a in pairs) == seq.stats.accepted_tokens and len(pairs) == seq.stats.steps
+    assert all(r.outputs == 1 and r.seconds > 0 for r in log.rows)
+    assert log.engine_stats().as_dict() == seq.stats.as_dict()
+
+
+def test_in_process_daemon_serves_and_logs_its_steps(target_lm):
+    """harness.start_daemon (in process): a websocket request is served, its StepLog sees every
+    verification step of it, and stop() shuts the server down."""
+    import asyncio
+
+    from eval import bench_latency as BL
+    from specd.model.loader import load_model
+
+    draft = load_model(DRAFT, "cpu", "float32", progress=False, target=target_lm)
+    srv = H.start_daemon(
+        ["--target", str(TARGET), "--draft", str(DRAFT), "--num-blocks", "256"], target=target_lm, draft=draft
+    )
+    try:
+        assert srv.pid > 0 and srv.url.endswith(f":{srv.port}/ws") and srv.logs == []
+        k0 = srv.steplog.mark()
+
+        async def one():
+            async with BL.connect(srv.port) as ws:
+                body = {"prompt": PROMPTS[2], "max_tokens": 12, "ignore_eos": True, "speculation": {"mode": "chain"}}
+                return await BL.request(ws, "r1", body)
+
+        r = BL.run_async(one())
+        assert len(r.token_ids) == 12
+        rows = srv.steplog.since(k0)
+        pairs = [v for row in rows for v in row.verified]
+        assert len(pairs) == r.done["spec"]["steps"] > 0
+        assert sum(a for _, a in pairs) == r.done["spec"]["accepted_tokens"]
+    finally:
+        srv.stop()
+    with pytest.raises(OSError):
+        asyncio.run(asyncio.open_connection("127.0.0.1", srv.port))

@@ -21,7 +21,10 @@ from specd.engine.engine import Engine
 from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
 from specd.model.loader import LoadError, load_model
-from specd.training import distill_reduced as DR
+from specd.training.data import pick_vocab
+from specd.training.draft import DraftNet, init_from_target, reduced_config
+from specd.training.export import export_reduced
+from specd.training.loop import reduced_agreement, train_reduced
 from tests.conftest import TARGET
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,19 +42,19 @@ def draft_dir(tmp_path_factory, shared_pair):
         "One day, the sun was hot and the birds sang.",
     ] * 4
     data = [(tok(t)["input_ids"], 3) for t in texts]
-    d2t = DR.pick_vocab(data, N, [2], target.config.vocab_size)
+    d2t = pick_vocab(data, N, [2], target.config.vocab_size)
     t2d = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
     t2d[d2t] = torch.arange(d2t.numel())
     embed = target.model.embed.weight.detach().float()
-    hf_cfg = DR._hf_config(TARGET, 1)
+    hf_cfg = reduced_config(TARGET, 1)
     torch.manual_seed(0)
-    net = DR.DraftNet(hf_cfg, embed, embed.index_select(0, d2t))
-    DR._init_from_target(net, TARGET, 1)
-    before = DR.agreement(net, data, t2d)
-    DR.train(net, data, t2d, steps=30, batch=4, lr=3e-3, seed=0)
-    assert DR.agreement(net, data, t2d) > before  # it learns the replies
+    net = DraftNet(hf_cfg, embed, embed.index_select(0, d2t))
+    init_from_target(net, TARGET, 1)
+    before = reduced_agreement(net, data, t2d)
+    train_reduced(net, data, t2d, steps=30, batch=4, lr=3e-3, seed=0)
+    assert reduced_agreement(net, data, t2d) > before  # it learns the replies
     out = tmp_path_factory.mktemp("draft")
-    DR.export(net, hf_cfg, d2t, out, {"test": True})
+    export_reduced(net, hf_cfg, d2t, out, {"test": True})
     random.seed(0)
     return out
 

@@ -4,9 +4,11 @@ import torch
 
 from specd.config import SchedulerConfig, SpecConfig
 from specd.engine.kv_cache import KVCache
+from specd.engine.ledger import KVLedger
 from specd.engine.sampling import SamplingParams
 from specd.engine.scheduler import Scheduler
 from specd.engine.sequence import Sequence, SpecParams, Status
+from specd.speculation.policy import SpecPolicy
 
 
 class Clock:
@@ -21,7 +23,9 @@ def _sched(num_blocks=64, block_size=4, spec=None, **cfg):
     clock = Clock()
     cache = KVCache(1, 1, 1, num_blocks, block_size, torch.float32, torch.device("cpu"))
     dcache = KVCache(1, 1, 1, num_blocks, block_size, torch.float32, torch.device("cpu"))
-    s = Scheduler(SchedulerConfig(**cfg), spec or SpecConfig(adaptive=False), cache, dcache, clock=clock)
+    scfg = SchedulerConfig(**cfg)
+    ledger = KVLedger(cache, dcache)  # (no prefix cache: the scheduler alone)
+    s = Scheduler(scfg, SpecPolicy(spec or SpecConfig(adaptive=False), has_draft=True), ledger, clock=clock)
     return s, clock
 
 
@@ -101,7 +105,7 @@ def test_preemption_picks_lowest_priority_latest_arrival():
     for q in (a, b, c):
         s.add(q)
     _run(s, s.schedule())  # 3 x 4 blocks = the whole pool
-    assert s.cache.pool.num_free == 0
+    assert s.ledger.cache.pool.num_free == 0
     clock.t += 1
     d = _seq(clock, "i-new", n=14)
     s.add(d)
@@ -110,7 +114,7 @@ def test_preemption_picks_lowest_priority_latest_arrival():
     assert b not in out.preempted and a not in out.preempted
     assert d in [sc.seq for sc in out.scheduled]
     assert s.num_preemptions >= 1
-    s.cache.pool.check()
+    s.ledger.cache.pool.check()
 
 
 def test_budget_counts_verification_tokens():
@@ -127,37 +131,43 @@ def test_budget_counts_verification_tokens():
 
 def _plain_costs(s, sizes=(1, 2, 64, 256)):
     """Plain (no-draft) step costs consistent with the fitted model at these batch sizes."""
-    s.t_plain = {b: s.t_target + s.t_per_token * b for b in sizes}
+    s.policy.t_plain = {b: s.policy.t_target + s.policy.t_per_token * b for b in sizes}
 
 
 def test_adaptive_depth_follows_acceptance_and_step_costs():
     s, _ = _sched(spec=SpecConfig(mode="tree", tree_depth=6, adaptive=True))
-    s.observe(t_target=0.010, t_draft_level=0.001)  # a cheap draft
-    s._steps = 1
-    assert s.choose_depth([0.8]) == 0  # batch size never measured without drafts: measure depth 0 first
+    s.policy.observe(t_target=0.010, t_draft_level=0.001)  # a cheap draft
+    s.policy.step = 1
+    assert s.policy.choose_depth([0.8]) == 0  # batch size never measured without drafts: measure depth 0 first
     _plain_costs(s)
-    hi = s.choose_depth([0.8])
-    lo = s.choose_depth([0.2])
+    hi = s.policy.choose_depth([0.8])
+    lo = s.policy.choose_depth([0.2])
     assert hi > lo >= 0 and hi >= 4
-    s.t_target, s.t_draft = 0.010, 0.009  # draft nearly as expensive as the target
+    s.policy.t_target, s.policy.t_draft = 0.010, 0.009  # draft nearly as expensive as the target
     _plain_costs(s)
-    s._steps = 1
-    assert s.choose_depth([0.3]) == 0  # speculation would cost throughput: off
-    s._steps = s.probe_every
-    assert s.choose_depth([0.3]) == 1  # ...but it keeps probing
-    s._steps = 1
-    s.t_target, s.t_draft, s.t_per_token = 0.002, 0.0005, 0.00002  # verification tokens cost compute
+    s.policy.step = 1
+    assert s.policy.choose_depth([0.3]) == 0  # speculation would cost throughput: off
+    s.policy.step = s.policy.probe_every
+    assert s.policy.choose_depth([0.3]) == 1  # ...but it keeps probing
+    s.policy.step = 1
+    s.policy.t_target, s.policy.t_draft, s.policy.t_per_token = (
+        0.002,
+        0.0005,
+        0.00002,
+    )  # verification tokens cost compute
     _plain_costs(s)
-    small, big = s.choose_depth([0.7]), s.choose_depth([0.7] * 64)
+    small, big = s.policy.choose_depth([0.7]), s.policy.choose_depth([0.7] * 64)
     assert big < small and small >= 2  # big batches: smaller trees
-    assert s.choose_depth([0.7] * 256) == 0  # at high batch speculation turns off...
-    assert s.choose_depth([0.7] * 2) >= 2  # ...and grows back when the batch drains
+    assert s.policy.choose_depth([0.7] * 256) == 0  # at high batch speculation turns off...
+    assert s.policy.choose_depth([0.7] * 2) >= 2  # ...and grows back when the batch drains
     # the fit: step times that grow with tokens give a positive marginal cost
     s2, _ = _sched(spec=SpecConfig(adaptive=True))
     for k in range(16):
-        s2.observe(0.001 + 0.0001 * (10 + k), 0.0005, tokens=10 + k)
-    assert abs(s2.t_per_token - 0.0001) < 1e-9 and abs(s2.t_target - 0.001) < 1e-9
-    assert s2.t_draft is not None and abs(s2.t_draft - 0.0005) < 1e-12  # draft cost recorded on the fit path too
+        s2.policy.observe(0.001 + 0.0001 * (10 + k), 0.0005, tokens=10 + k)
+    assert abs(s2.policy.t_per_token - 0.0001) < 1e-9 and abs(s2.policy.t_target - 0.001) < 1e-9
+    assert (
+        s2.policy.t_draft is not None and abs(s2.policy.t_draft - 0.0005) < 1e-12
+    )  # draft cost recorded on the fit path too
 
 
 def test_running_batch_requests_are_not_promoted_by_age():
@@ -196,12 +206,12 @@ def test_batch_work_rotates_in_small_groups_while_interactive_runs():
 
 def test_probes_draft_one_token_and_back_off():
     s, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
-    s.t_target, s.t_draft = 0.010, 0.009  # speculation does not pay
+    s.policy.t_target, s.policy.t_draft = 0.010, 0.009  # speculation does not pay
     _plain_costs(s)
     picks = []
     for step in range(1, 200):
-        s._steps = step
-        picks.append(s.choose_depth([0.3]))
+        s.policy.step = step
+        picks.append(s.policy.choose_depth([0.3]))
     probes = [k + 1 for k, d in enumerate(picks) if d]
     assert probes and all(picks[p - 1] == 1 for p in probes)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
@@ -216,7 +226,11 @@ def test_probe_steps_draft_for_one_request_in_rotation():
     for q in seqs:
         s.add(q)
     _run(s, s.schedule())  # prefill
-    s.t_target, s.t_draft, s.t_per_token = 0.010, 0.009, 0.0  # the draft costs almost a target step
+    s.policy.t_target, s.policy.t_draft, s.policy.t_per_token = (
+        0.010,
+        0.009,
+        0.0,
+    )  # the draft costs almost a target step
     _plain_costs(s, (4,))
     for q in seqs:
         q.recent_accept = 0.3
@@ -226,7 +240,7 @@ def test_probe_steps_draft_for_one_request_in_rotation():
         drafting = [sc.seq.request_id for sc in out.scheduled if sc.spec_budget]
         assert len(drafting) <= 1
         if drafting:
-            assert s.probing and [sc.spec_budget for sc in out.scheduled if sc.spec_budget] == [1]
+            assert s.policy.probing and [sc.spec_budget for sc in out.scheduled if sc.spec_budget] == [1]
             probed.append(drafting[0])
         else:
             plain_steps += 1
@@ -238,7 +252,7 @@ def test_probe_steps_draft_for_one_request_in_rotation():
 def test_new_requests_start_from_the_engine_wide_acceptance():
     s, clock = _sched(spec=SpecConfig(mode="tree", adaptive=True))
     for _ in range(50):
-        s.note_accept(0.2)
+        s.policy.note_accept(0.2)
     q = _seq(clock, "late", mode="auto")
     s.add(q)
     assert abs(q.recent_accept - 0.2) < 0.01
@@ -248,32 +262,36 @@ def test_plain_decoding_is_measured_not_extrapolated():
     """Depth 0 is priced by measured draft-free steps at that batch size: when plain decoding is
     cheaper than the speculative-step fit suggests, speculation stays off."""
     s, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
-    s.t_target, s.t_draft, s.t_per_token = 0.010, 0.001, 0.0  # speculative steps: 10 ms + 1 ms / level
-    s.observe_plain(4, 0.010)
-    assert s.choose_depth([0.7] * 4) >= 2  # plain steps cost as much as speculative ones: speculate
-    s._depth_cache = None
+    s.policy.t_target, s.policy.t_draft, s.policy.t_per_token = (
+        0.010,
+        0.001,
+        0.0,
+    )  # speculative steps: 10 ms + 1 ms / level
+    s.policy.observe_plain(4, 0.010)
+    assert s.policy.choose_depth([0.7] * 4) >= 2  # plain steps cost as much as speculative ones: speculate
+    s.policy.forget()
     for _ in range(30):
-        s.observe_plain(4, 0.003)  # plain decoding turns out to be far cheaper (a lighter code path)
-    s._steps = 1
-    assert s.choose_depth([0.7] * 4) == 0
+        s.policy.observe_plain(4, 0.003)  # plain decoding turns out to be far cheaper (a lighter code path)
+    s.policy.step = 1
+    assert s.policy.choose_depth([0.7] * 4) == 0
 
 
 def test_probe_state_does_not_outlive_the_adaptive_requests():
     """Regression: a probe decided on one step must not be applied on a later step whose batch
     has no adaptive request (the scheduler crashed choosing a probe among none)."""
     s, clock = _sched(num_blocks=256, spec=SpecConfig(mode="tree", adaptive=True))
-    s.t_target, s.t_draft, s.t_per_token = 0.010, 0.009, 0.0
+    s.policy.t_target, s.policy.t_draft, s.policy.t_per_token = 0.010, 0.009, 0.0
     _plain_costs(s, (1,))
     a = _seq(clock, "a", n=3, mode="auto")
     s.add(a)
     _run(s, s.schedule())
-    s._steps = s.probe_every - 1
+    s.policy.step = s.policy.probe_every - 1
     out = s.schedule()  # a probe step
-    assert s.probing and [sc.spec_budget for sc in out.scheduled] == [1]
+    assert s.policy.probing and [sc.spec_budget for sc in out.scheduled] == [1]
     s.remove(a)
     s.add(_seq(clock, "fixed", n=3, mode="off"))
     out = s.schedule()  # no adaptive request left
-    assert not s.probing and out.scheduled
+    assert not s.policy.probing and out.scheduled
 
 
 def test_no_acceptance_probes_when_even_perfect_acceptance_would_not_pay():
@@ -282,24 +300,28 @@ def test_no_acceptance_probes_when_even_perfect_acceptance_would_not_pay():
     drop to one per ``probe_hopeless`` steps (which still refreshes the costs). When perfect
     acceptance would pay, probes keep their 16 -> 256 back-off."""
     s, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
-    s.t_target, s.t_draft, s.t_per_token = 0.010, 0.030, 0.0  # a draft level costs 3 plain steps
+    s.policy.t_target, s.policy.t_draft, s.policy.t_per_token = 0.010, 0.030, 0.0  # a draft level costs 3 plain steps
     _plain_costs(s)
     picks = []
     for step in range(1, 3000):
-        s._steps = step
-        picks.append(s.choose_depth([0.6]))
+        s.policy.step = step
+        picks.append(s.policy.choose_depth([0.6]))
     assert sum(picks) == 0  # no probe within 3000 steps
-    s._steps = s.probe_hopeless
-    s._depth_cache = None
-    assert s.choose_depth([0.6]) == 1 and s.probing  # the rare cost-refreshing probe
+    s.policy.step = s.policy.probe_hopeless
+    s.policy.forget()
+    assert s.policy.choose_depth([0.6]) == 1 and s.policy.probing  # the rare cost-refreshing probe
 
     s2, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
-    s2.t_target, s2.t_draft, s2.t_per_token = 0.010, 0.004, 0.0  # cheap draft: 0.6 does not pay, 1.0 would
+    s2.policy.t_target, s2.policy.t_draft, s2.policy.t_per_token = (
+        0.010,
+        0.004,
+        0.0,
+    )  # cheap draft: 0.6 does not pay, 1.0 would
     _plain_costs(s2)
     probes = 0
     for step in range(1, 300):
-        s2._steps = step
-        probes += s2.choose_depth([0.05])
+        s2.policy.step = step
+        probes += s2.policy.choose_depth([0.05])
     assert probes >= 3  # 16, 48, 112, 240: acceptance could still change the answer
 
 
@@ -307,16 +329,18 @@ def test_verification_never_priced_below_a_plain_step():
     """A speculative step's target cost is at least the measured plain step plus its extra tokens:
     a fit with a fixed part near 0 (from a few probe steps) must not make drafting look cheap."""
     s, _ = _sched(spec=SpecConfig(mode="chain", num_draft_tokens=4, adaptive=True))
-    s.t_target, s.t_per_token, s.t_draft = 1e-6, 0.0001, 0.001  # fitted: almost free verification
-    s.t_plain = {1: 0.001}  # a plain step measured 1 ms
-    by_fit = 1.9 / (s.t_target + s.t_per_token * 2 + s.t_draft)  # depth 1 at acceptance 0.9, fit alone
-    assert by_fit > 1.02 / s.t_plain[1]  # ... would speculate
-    s._steps = 1
-    assert s.choose_depth([0.9]) == 0  # >= 1.1 ms per verification + 1 ms per draft level: not worth it
-    s.t_draft = 0.0001  # a much cheaper draft level does pay
-    s._depth_cache = None
-    s._steps = 2
-    assert s.choose_depth([0.9]) > 0
+    s.policy.t_target, s.policy.t_per_token, s.policy.t_draft = 1e-6, 0.0001, 0.001  # fitted: almost free verification
+    s.policy.t_plain = {1: 0.001}  # a plain step measured 1 ms
+    by_fit = 1.9 / (
+        s.policy.t_target + s.policy.t_per_token * 2 + s.policy.t_draft
+    )  # depth 1 at acceptance 0.9, fit alone
+    assert by_fit > 1.02 / s.policy.t_plain[1]  # ... would speculate
+    s.policy.step = 1
+    assert s.policy.choose_depth([0.9]) == 0  # >= 1.1 ms per verification + 1 ms per draft level: not worth it
+    s.policy.t_draft = 0.0001  # a much cheaper draft level does pay
+    s.policy.forget()
+    s.policy.step = 2
+    assert s.policy.choose_depth([0.9]) > 0
 
 
 def test_a_hopeless_decision_is_reused_briefly_then_revisited():
@@ -328,7 +352,7 @@ def test_a_hopeless_decision_is_reused_briefly_then_revisited():
     for q in seqs:
         s.add(q)
     _run(s, s.schedule())  # prefill
-    s.t_target, s.t_draft, s.t_per_token = 0.010, 0.030, 0.0  # a draft level costs 3 plain steps
+    s.policy.t_target, s.policy.t_draft, s.policy.t_per_token = 0.010, 0.030, 0.0  # a draft level costs 3 plain steps
     _plain_costs(s, (4,))
     for q in seqs:
         q.recent_accept = 0.9
@@ -336,12 +360,12 @@ def test_a_hopeless_decision_is_reused_briefly_then_revisited():
         out = s.schedule()
         assert not any(sc.spec_budget for sc in out.scheduled)
         _run(s, out)
-    assert s._hopeless_at is not None
-    s.t_draft = 0.0005  # the draft became cheap (e.g. the machine got quieter)
+    assert s.policy.hopeless_batch is not None
+    s.policy.t_draft = 0.0005  # the draft became cheap (e.g. the machine got quieter)
     drafted_at = None
     for k in range(70):
         out = s.schedule()
-        if any(sc.spec_budget for sc in out.scheduled) and not s.probing:
+        if any(sc.spec_budget for sc in out.scheduled) and not s.policy.probing:
             drafted_at = k
             break
         _run(s, out)

@@ -624,12 +624,7 @@ def test_chat_client_once(server, reference, capsys):
 def test_benchmark_raw_client_reads_the_same_stream(server, reference):
     """eval/bench_server.py's lean raw-socket client (frames parsed after the run) gets the same
     tokens as the in-process engine, for concurrent requests, with sane timings."""
-    import sys
-
-    from conftest import ROOT
-
-    sys.path.insert(0, str(ROOT / "eval"))
-    import bench_server
+    from eval import bench_server
 
     tps, ttft, toks = asyncio.run(bench_server.over_raw_ws(server.port, PROMPTS, N_TOK, "off"))
     for got, p in zip(toks, PROMPTS):  # (the client asks ignore_eos: the reference may stop earlier)

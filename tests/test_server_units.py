@@ -193,7 +193,7 @@ class FakeEngine:
         if not prompt:
             raise RequestError("invalid_request", "prompt is empty")
 
-    def add_request(self, prompt, params, spec, priority, rid):
+    def add_request(self, prompt, params, spec, priority, rid, tenant=None):
         from specd.engine.engine import RequestError
 
         if not prompt:

@@ -26,7 +26,8 @@ def run_soak(tmp_path, clients: int, minutes: float) -> dict:
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [
         sys.executable,
-        str(ROOT / "eval" / "soak.py"),
+        "-m",
+        "eval.soak",
         "--target",
         str(TARGET),
         "--draft",

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-import specd.engine.engine as engine_mod
+import specd.engine.stages as stages_mod
 from specd.config import CacheConfig, EngineConfig, SpecConfig
 from specd.engine.engine import Engine
 from specd.engine.kv_cache import KVCache
@@ -227,7 +227,7 @@ def test_rollback_invariant_over_thousands_of_random_steps(shared_pair, monkeypa
         nxt = rng.randrange(3, 500)
         return AcceptResult(acc, [tree.token_list[i] for i in acc] + [nxt], nxt, not tree.children[node])
 
-    monkeypatch.setattr(engine_mod, "greedy_verify", random_verify)
+    monkeypatch.setattr(stages_mod, "greedy_verify", random_verify)
     prompts = _prompts(eng.tokenizer, 6)
     modes = ["chain", "tree", "off", "tree", "chain", "tree"]
     steps = 0

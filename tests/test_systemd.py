@@ -1,12 +1,14 @@
-"""systemd/specd.service passes `systemd-analyze verify` silently and scores <= 2.0 on
-`systemd-analyze security --offline=true`; the example config files match `specd serve`'s flags.
+"""systemd/specd.service and the replica template systemd/specd@.service pass `systemd-analyze verify`
+silently and score <= 2.0 on `systemd-analyze security --offline=true`; the template keeps every setting of
+specd.service but the per-instance ones; the example config files match `specd serve`'s flags.
 
 systemd-analyze comes with Debian's `systemd` package (apt-get install -y systemd) and works without
 systemd running as init. CI installs it, so a missing tool is a test FAILURE, not a skip.
 
 `verify` checks that ExecStart's binary exists; the unit names the installed path
 (/opt/specd/.venv/bin/specd), so the test verifies a temporary copy whose ExecStart points at a stub
-executable; nothing else in the unit is changed.
+executable; nothing else in the unit is changed. The template is verified as an instance
+(specd@8801.service), the way systemd loads it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from conftest import ROOT
 pytestmark = pytest.mark.timeout(120)
 
 UNIT = ROOT / "systemd" / "specd.service"
+TEMPLATE = ROOT / "systemd" / "specd@.service"
+# unit file -> the name it is verified under (a template as one of its instances)
+UNITS = {UNIT: "specd.service", TEMPLATE: "specd@8801.service"}
 TOML_EXAMPLE = ROOT / "systemd" / "specd.toml.example"
 ENV_EXAMPLE = ROOT / "systemd" / "specd.env.example"
 INSTALLED_EXEC = "/opt/specd/.venv/bin/specd"
@@ -73,22 +78,24 @@ def _seconds(v: str) -> float:
     return total
 
 
-def test_verify_prints_nothing(tmp_path):
-    text = UNIT.read_text()
+@pytest.mark.parametrize("path", list(UNITS), ids=[p.name for p in UNITS])
+def test_verify_prints_nothing(tmp_path, path):
+    text = path.read_text()
     assert f"ExecStart={INSTALLED_EXEC} " in text
     stub = tmp_path / "opt" / "specd" / ".venv" / "bin" / "specd"
     stub.parent.mkdir(parents=True)
     stub.write_text("#!/bin/sh\nexit 0\n")
     stub.chmod(0o755)
-    unit = tmp_path / "specd.service"
+    unit = tmp_path / UNITS[path]
     unit.write_text(text.replace(f"ExecStart={INSTALLED_EXEC} ", f"ExecStart={stub} "))
     r = _run(["verify", str(unit)], cwd=tmp_path)
     output = (r.stdout + r.stderr).strip()
     assert output == "" and r.returncode == 0, f"systemd-analyze verify (rc {r.returncode}) said:\n{output}"
 
 
-def test_security_exposure_at_most_2():
-    r = _run(["security", "--offline=true", str(UNIT)])
+@pytest.mark.parametrize("path", list(UNITS), ids=[p.name for p in UNITS])
+def test_security_exposure_at_most_2(path):
+    r = _run(["security", "--offline=true", str(path)])
     out = r.stdout + r.stderr
     m = re.search(r"Overall exposure level for \S+:\s*(\d+(?:\.\d+)?)", out)
     assert m, f"no exposure level in systemd-analyze security output (rc {r.returncode}):\n{out}"
@@ -129,10 +136,33 @@ def test_unit_lifecycle_settings():
     assert svc("StateDirectory") == ["specd"] and svc("CacheDirectory") == ["specd"]
 
 
-def _serve_parser() -> argparse.ArgumentParser:
-    from specd.cli import build_parser
+# settings of specd@.service that differ from specd.service's (everything else must be identical)
+TEMPLATE_ONLY = {
+    ("Unit", "Description"),
+    ("Service", "ExecStart"),
+    ("Service", "Environment"),
+    ("Service", "EnvironmentFile"),
+    ("Service", "User"),
+}
 
-    return build_parser()._subparsers._group_actions[0].choices["serve"]
+
+def test_template_is_specd_service_per_port():
+    s, t = unit_settings(UNIT), unit_settings(TEMPLATE)
+    drift = sorted(k for k in set(s) | set(t) if k not in TEMPLATE_ONLY and s.get(k) != t.get(k))
+    assert not drift, f"specd@.service and specd.service differ in {drift}: keep them in step"
+    svc = lambda k: t.get(("Service", k), [])  # noqa: E731
+    assert svc("ExecStart") == [s[("Service", "ExecStart")][0] + " --port %i"], "the instance name is the port"
+    assert svc("EnvironmentFile") == ["-/etc/specd/specd.env", "-/etc/specd/specd@%i.env"]
+    # the unit's own variables first, then the same ones as specd.service; gRPC off (one port per instance)
+    assert svc("Environment") == ["SPECD_GRPC_PORT=0", *s[("Service", "Environment")]]
+    assert svc("User") == ["specd"] and svc("DynamicUser") == ["yes"], "one dynamic user shares the directories"
+    assert "%i" in t[("Unit", "Description")][0]
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from specd.cli import build_parser, subcommand_parser
+
+    return subcommand_parser(build_parser(), "serve")
 
 
 def _serve_dests() -> set:

@@ -4,10 +4,11 @@ A front end never touches an ``Engine``: it holds an ``EngineClient`` and
 
 - validates a request against ``client.limits`` (the context, the KV cache, the vocabulary) and
   tokenizes it with ``client.tokenizer`` (no compute, nothing queued);
-- ``submit(prompt_ids, params, spec, priority, request_id, sink)``: the request's stream is pushed to
+- ``submit(prompt_ids, params, spec, priority, request_id, sink, tenant)``: the request's stream is pushed to
   ``sink`` on the event loop, one ``RequestOutput`` per engine step (tokens, text, the request's
   running speculation stats in ``out.seq.stats``; ``finished`` on the last) or a ``RequestError`` that
-  ends it; ``generate(...)`` is the same stream pulled as an async iterator;
+  ends it; ``generate(...)`` is the same stream pulled as an async iterator; ``tenant`` (a digest of
+  the caller's API key) scopes what the engine may draft from (``specd.speculation.suffix``);
 - ``abort(request_id)``: the stream ends with ``finish_reason: "cancelled"`` within one engine step,
   and the request's KV blocks are freed in that step;
 - ``snapshot()``: an ``EngineSnapshot`` (queues, KV blocks in use, speculation totals, health) as of
@@ -147,8 +148,8 @@ class Batch:
 @runtime_checkable
 class EngineLink(Protocol):
     """Where the engine loop runs (a thread of this process, or a child process) and how commands
-    reach it and batches come back. Commands: ``("add", rid, prompt_ids, params, spec, priority)``,
-    ``("abort", rid)``, ``("snapshot",)``."""
+    reach it and batches come back. Commands: ``("add", rid, prompt_ids, params, spec, priority,
+    tenant)``, ``("abort", rid)``, ``("snapshot",)``."""
 
     relaying: bool  # the event loop reads the engine's pipe (child process), no engine thread here
 
@@ -211,6 +212,7 @@ class EngineClient(Protocol):
         priority: str,
         request_id: str,
         sink: StreamSink,
+        tenant: str | None = None,
     ) -> None: ...
 
     def generate(
@@ -220,6 +222,7 @@ class EngineClient(Protocol):
         spec: SpecParams = SpecParams(),
         priority: str = "interactive",
         request_id: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...

@@ -24,7 +24,8 @@ class IncrementalDetokenizer:
         # transformers' fast tokenizers decode through their ``tokenizers.Tokenizer``; with
         # clean-up off the wrapper adds only argument conversion, so call the backend directly
         backend = getattr(tokenizer, "_tokenizer", None)
-        self._backend_decode = backend.decode if hasattr(backend, "decode") and hasattr(backend, "encode") else None
+        decode = getattr(backend, "decode", None)
+        self._backend_decode = decode if decode is not None and hasattr(backend, "encode") else None
 
     def _decode(self, ids) -> str:
         if self._backend_decode is not None:

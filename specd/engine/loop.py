@@ -20,6 +20,7 @@ means one policy for both:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -154,9 +155,9 @@ class EngineLoop:
         for cmd in cmds:
             op = cmd[0]
             if op == "add":
-                _, rid, ids, params, spec, priority = cmd
+                _, rid, ids, params, spec, priority, tenant = cmd
                 try:
-                    eng.add_request(ids, params, spec, priority, rid)
+                    eng.add_request(ids, params, spec, priority, rid, tenant=tenant)
                 except (RequestError, ValueError) as e:  # the client validated: only races land here
                     self._refused.append((rid, getattr(e, "code", "invalid_request"), str(e)))
             elif op == "abort":
@@ -231,8 +232,9 @@ class ThreadLink:
         self._outbox: list = []
         self._lock = threading.Lock()
         self._posted = False
-        self._loop = None
-        self._deliver = self._died = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deliver: Callable[[Batch], None] = lambda batch: None
+        self._died: Callable[[str], None] = lambda msg: None
         self._limits: EngineLimits | None = None
 
     @property
@@ -256,7 +258,9 @@ class ThreadLink:
     def validate(self, prompt_ids: list, params) -> None:
         self.engine.validate(prompt_ids, params)
 
-    def start(self, loop, deliver: Callable[[Batch], None], died: Callable[[str], None]) -> None:
+    def start(
+        self, loop: asyncio.AbstractEventLoop, deliver: Callable[[Batch], None], died: Callable[[str], None]
+    ) -> None:
         self._loop, self._deliver, self._died = loop, deliver, died
         self.thread = threading.Thread(target=self._run, name="specd-engine", daemon=True)
         self.thread.start()
@@ -302,7 +306,9 @@ class ThreadLink:
         for b in batches:
             self._deliver(b)
 
-    def _post(self, fn, arg) -> None:
+    def _post(self, fn: Callable, arg) -> None:
+        if self._loop is None:
+            return
         try:
             self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:  # the loop is closed (shutdown)

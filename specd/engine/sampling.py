@@ -170,56 +170,65 @@ def logits_to_probs(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Te
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
     n, v = logits.shape
     dev = logits.device
-
-    def param(x, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(host copy or None, [N] tensor on the logits' device)."""
-        if _on_host(x):
-            h = torch.as_tensor(x, dtype=dtype).reshape(-1)
-            return h, h.to(dev, non_blocking=True)
-        return None, x.to(dev, dtype).reshape(-1)
-
-    t_h, temp = param(temperature, torch.float32)  # [N]
-    k_h, k = param(top_k, torch.int64)  # [N]
-    p_h, p = param(top_p, torch.float32)  # [N]
+    t_h, temp = _row_param(temperature, torch.float32, dev)  # [N]
+    k_h, k = _row_param(top_k, torch.int64, dev)  # [N]
+    p_h, p = _row_param(top_p, torch.float32, dev)  # [N]
     if not temp.shape[0] == k.shape[0] == p.shape[0] == n:
         raise ValueError(
             f"need one temperature/top_k/top_p per row ({n}), got {temp.shape[0]}/{k.shape[0]}/{p.shape[0]}"
         )
-
-    def any_(host: torch.Tensor | None, on_dev: torch.Tensor, pred) -> bool:
-        return bool(pred(host if host is not None else on_dev).any())  # host copy: no sync
-
     greedy = temp <= 0  # [N]
-    all_greedy = n > 0 and not any_(t_h, temp, lambda x: x > 0)
+    all_greedy = n > 0 and not _any(t_h, temp, lambda x: x > 0)
     logits = logits.float()
     onehot = None
-    if all_greedy or any_(t_h, temp, lambda x: x <= 0):
+    if all_greedy or _any(t_h, temp, lambda x: x <= 0):
         onehot = torch.zeros((n, v), dtype=torch.float32, device=dev)
         onehot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)  # [N, V]
         if all_greedy:
             return onehot
     scaled = logits / torch.where(greedy, 1.0, temp)[:, None]  # [N, V]
-    use_k = any_(k_h, k, lambda x: (x > 0) & (x < v))
-    use_p = any_(p_h, p, lambda x: x < 1)
-    if not (use_k or use_p):
-        probs = torch.softmax(scaled, dim=-1)  # fast path: [N, V]
+    use_k = _any(k_h, k, lambda x: (x > 0) & (x < v))
+    use_p = _any(p_h, p, lambda x: x < 1)
+    if use_k or use_p:
+        probs = _top_k_top_p(scaled, k if use_k else None, p if use_p else None)
     else:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [N, V] each
-        if use_k:
-            k_eff = torch.where((k > 0) & (k < v), k, v)  # [N]
-            rank = torch.arange(v, device=dev)
-            sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k_eff[:, None], float("-inf"))
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [N, V]
-        if use_p:
-            cum = sorted_probs.double().cumsum(dim=-1)  # [N, V]
-            before = torch.cat([cum.new_zeros((n, 1)), cum[:, :-1]], dim=1)  # mass ranked above
-            drop = (before >= p.double()[:, None]) & (p < 1)[:, None]  # p == 1: keep all
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
-        probs = torch.empty_like(sorted_probs).scatter_(1, order, sorted_probs)  # [N, V]
+        probs = torch.softmax(scaled, dim=-1)  # fast path: [N, V]
     if onehot is not None:
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
+
+
+def _row_param(x, dtype: torch.dtype, dev: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """A per-row parameter as (host copy or None, [N] tensor on ``dev``)."""
+    if _on_host(x):
+        h = torch.as_tensor(x, dtype=dtype).reshape(-1)
+        return h, h.to(dev, non_blocking=True)
+    return None, x.to(dev, dtype).reshape(-1)
+
+
+def _any(host: torch.Tensor | None, on_dev: torch.Tensor, pred) -> bool:
+    """``pred(x).any()``, on the host copy when there is one (no device sync)."""
+    return bool(pred(host if host is not None else on_dev).any())
+
+
+def _top_k_top_p(scaled: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """[N, V] probabilities of ``scaled`` logits [N, V] after top-k (``k`` [N]; <= 0 or >= V = off)
+    then top-p (``p`` [N]; 1 = off) on the top-k-renormalised distribution, renormalised. Ranks
+    by a stable descending sort: ties at a boundary go to the lower token id."""
+    n, v = scaled.shape
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [N, V] each
+    if k is not None:
+        k_eff = torch.where((k > 0) & (k < v), k, v)  # [N]
+        rank = torch.arange(v, device=scaled.device)
+        sorted_logits = sorted_logits.masked_fill(rank[None, :] >= k_eff[:, None], float("-inf"))
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [N, V]
+    if p is not None:
+        cum = sorted_probs.double().cumsum(dim=-1)  # [N, V]
+        before = torch.cat([cum.new_zeros((n, 1)), cum[:, :-1]], dim=1)  # mass ranked above
+        drop = (before >= p.double()[:, None]) & (p < 1)[:, None]  # p == 1: keep all
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+    return torch.empty_like(sorted_probs).scatter_(1, order, sorted_probs)  # [N, V]
 
 
 def make_generator(seed: int | None = None, device: str | torch.device = "cpu") -> torch.Generator:

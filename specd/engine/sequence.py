@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.engine.detokenizer import IncrementalDetokenizer
 from specd.engine.kv_cache import SeqBlocks
 from specd.engine.sampling import SamplingParams
 
@@ -19,18 +20,20 @@ class Status(enum.Enum):
 
 
 PRIORITIES = {"interactive": 0, "batch": 1}
+# per request: auto = the server's default; chain / tree = the draft model; ngram = prompt lookup
+SPEC_MODES = ("auto", "off", "chain", "tree", "ngram")
 
 
 @dataclass(frozen=True)
 class SpecParams:
     """Per-request speculation: ``auto`` lets the scheduler decide; ``max_draft_tokens`` caps the tree."""
 
-    mode: str = "auto"  # auto | off | chain | tree
+    mode: str = "auto"  # auto | off | chain | tree | ngram
     max_draft_tokens: int | None = None
 
     def __post_init__(self):
-        if self.mode not in ("auto", "off", "chain", "tree"):
-            raise ValueError(f"speculation.mode must be auto|off|chain|tree, got {self.mode!r}")
+        if self.mode not in SPEC_MODES:
+            raise ValueError(f"speculation.mode must be {'|'.join(SPEC_MODES)}, got {self.mode!r}")
         m = self.max_draft_tokens
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0 or m > 256):
             raise ValueError(f"speculation.max_draft_tokens must be an integer in 0..256, got {m!r}")
@@ -45,9 +48,15 @@ class SpecStats:
     accepted_per_depth: list = field(default_factory=list)  # [d] accepted draft tokens at depth d+1
     drafted_per_depth: list = field(default_factory=list)  # [d] steps that drafted at depth d+1
     accept_len_hist: list = field(default_factory=list)  # [a] steps that accepted exactly a drafts
+    by_proposer: dict = field(default_factory=dict)  # proposer -> [steps, draft tokens, accepted tokens]
 
-    def record(self, num_drafted: int, depth: int, accepted: int) -> None:
+    def record(self, num_drafted: int, depth: int, accepted: int, proposer: str | None = None) -> None:
         self.steps += 1
+        if proposer is not None:
+            row = self.by_proposer.setdefault(proposer, [0, 0, 0])
+            row[0] += 1
+            row[1] += num_drafted
+            row[2] += accepted
         if not depth and not accepted and self.accept_len_hist:  # a plain decode step (the common case)
             self.draft_tokens += num_drafted
             self.accept_len_hist[0] += 1
@@ -68,6 +77,11 @@ class SpecStats:
         self.draft_tokens += o.draft_tokens
         self.accepted_tokens += o.accepted_tokens
         self.emitted_tokens += o.emitted_tokens
+        for name, (s, d, a) in o.by_proposer.items():
+            row = self.by_proposer.setdefault(name, [0, 0, 0])
+            row[0] += s
+            row[1] += d
+            row[2] += a
         for name in ("accepted_per_depth", "drafted_per_depth", "accept_len_hist"):
             a, b = getattr(self, name), getattr(o, name)
             while len(a) < len(b):
@@ -96,6 +110,15 @@ class SpecStats:
             ],
             "accepted_per_depth": list(self.accepted_per_depth),
             "accept_len_hist": list(self.accept_len_hist),
+            "by_proposer": {
+                name: {
+                    "steps": s,
+                    "draft_tokens": d,
+                    "accepted_tokens": a,
+                    "mean_accepted_length": round(1.0 + a / s, 4) if s else 0.0,
+                }
+                for name, (s, d, a) in sorted(self.by_proposer.items())
+            },
         }
 
 
@@ -128,9 +151,9 @@ class Sequence:
         self.stats = SpecStats()
         self.finish_reason: str | None = None
         self.error: str | None = None  # why the engine failed it (finish_reason "error")
-        self.detok = None
+        self.detok: IncrementalDetokenizer | None = None
         self.sent_chars = 0  # characters of the output text already streamed (stop-string hold-back)
-        self.stop_text = None  # final text when a stop string ended the request (the stop string cut off)
+        self.stop_text: str | None = None  # final text when a stop string ended the request (the stop string cut off)
         self.first_token_time: float | None = None
         self.scheduled_time: float | None = None
         self.finish_time: float | None = None
@@ -143,6 +166,9 @@ class Sequence:
         self.cached_prefix_tokens = 0  # prompt tokens served from the prefix cache
         self.pc_state = [0, 0]  # prefix cache: [target blocks registered, chained key]
         self.pc_draft_state = [0, 0]
+        self.ngram_index = None  # prompt-lookup index (specd.speculation.ngram), built on first use
+        self.tenant: str | None = None  # whose earlier requests it may draft from (the API key)
+        self.ngram_accept: float = 0.5  # EMA of per-position acceptance of its prompt-lookup drafts
 
     @property
     def num_prompt(self) -> int:
@@ -164,50 +190,3 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
-
-    # atomic steps ---------------------------------------------------------------------------------
-    def checkpoint(self) -> Checkpoint:
-        """What a step's batched stages (draft, target forward, verify, KV compaction) may change,
-        taken after scheduling. ``restore`` puts it back: the step then never ran for this request."""
-        gen = self.generator if not self.params.greedy and self.generator is not None else None
-        return Checkpoint(
-            len(self.tokens),
-            self.num_computed,
-            self.draft_computed,
-            self.blocks.capacity if self.blocks is not None else 0,
-            self.draft_blocks.capacity if self.draft_blocks is not None else 0,
-            tuple(self.pc_state),
-            tuple(self.pc_draft_state),
-            gen.get_state() if gen is not None else None,
-        )
-
-    def restore(self, cp: Checkpoint) -> None:
-        """Undo a failed step. KV entries below ``num_computed`` are never written by a step (writes
-        go past the committed prefix), so resetting the counters and dropping the blocks the step
-        reserved restores the caches; a sampling request's generator rewinds to its draws before
-        the step, so the retried step draws exactly what the failed one drew."""
-        del self.tokens[cp.num_tokens :]
-        self.num_computed = cp.num_computed
-        self.draft_computed = cp.draft_computed
-        if self.blocks is not None:
-            self.blocks.truncate(cp.capacity)
-        if self.draft_blocks is not None:
-            self.draft_blocks.truncate(cp.draft_capacity)
-        self.pc_state = list(cp.pc_state)
-        self.pc_draft_state = list(cp.pc_draft_state)
-        if cp.generator_state is not None:
-            self.generator.set_state(cp.generator_state)
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """A request's engine state at the start of a step's compute (``Sequence.checkpoint``)."""
-
-    num_tokens: int
-    num_computed: int
-    draft_computed: int
-    capacity: int  # target cache slots reserved
-    draft_capacity: int
-    pc_state: tuple
-    pc_draft_state: tuple
-    generator_state: torch.Tensor | None

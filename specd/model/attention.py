@@ -77,14 +77,7 @@ def build_metadata(
     max_q = max(query_lens) if B else 0
     mask = None
     if tree_masks is not None and any(m is not None for m in tree_masks):
-        max_r = max(s - c for s, c in zip(seq_lens, context_lens))
-        mask = torch.zeros((qsl[-1], max(max_r, 1)), dtype=torch.bool)
-        for b, m in enumerate(tree_masks):
-            q, r = query_lens[b], seq_lens[b] - context_lens[b]
-            if m is None:
-                m = torch.ones((q, r), dtype=torch.bool).tril_(r - q)
-            mask[qsl[b] : qsl[b] + q, : m.shape[1]] = m
-        mask = mask.to(device, non_blocking=True)
+        mask = _region_mask(tree_masks, query_lens, qsl, context_lens, seq_lens).to(device, non_blocking=True)
     return AttentionMetadata(
         query_start_loc=ints[: B + 1],
         context_lens=ints[B + 1 : 2 * B + 1],
@@ -103,6 +96,18 @@ def build_metadata(
     )
 
 
+def _region_mask(tree_masks, query_lens, qsl: list, context_lens: list, seq_lens: list) -> torch.Tensor:
+    """[T, max region] bool: each sequence's mask rows (a causal block where its mask is None)."""
+    max_r = max(s - c for s, c in zip(seq_lens, context_lens))
+    mask = torch.zeros((qsl[-1], max(max_r, 1)), dtype=torch.bool)
+    for b, m in enumerate(tree_masks):
+        q, r = query_lens[b], seq_lens[b] - context_lens[b]
+        if m is None:
+            m = torch.ones((q, r), dtype=torch.bool).tril_(r - q)
+        mask[qsl[b] : qsl[b] + q, : m.shape[1]] = m
+    return mask
+
+
 class TorchAttention:
     """Pure-torch reference: gather each sequence's keys into a padded batch, mask, SDPA."""
 
@@ -116,6 +121,16 @@ class TorchAttention:
             k, v = k.to(flat.dtype), v.to(flat.dtype)
         flat[0].index_copy_(0, slot_mapping, k)
         flat[1].index_copy_(0, slot_mapping, v)
+
+    @staticmethod
+    def copy_slots(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """KV compaction: every layer's K and V from slot src[i] to dst[i] (all sources read first).
+        ``kv`` [L, 2, NB, BS, KVH, D]; src, dst [N] int64."""
+        if src.numel() == 0:
+            return
+        L, two, NB, BS, KVH, D = kv.shape
+        flat = kv.view(L, 2, NB * BS, KVH, D)
+        flat[:, :, dst] = flat[:, :, src]  # advanced indexing reads all sources before writing
 
     @staticmethod
     def _decode_plan(meta: AttentionMetadata, device: torch.device):
@@ -228,6 +243,11 @@ class TritonAttention:
     def write_kv(self, kv_layer, k, v, slot_mapping):
         self._k.write_kv(kv_layer, k, v, slot_mapping)
 
+    def copy_slots(self, kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """KV compaction with the Triton kernel (same contract as ``TorchAttention.copy_slots``)."""
+        if src.numel():
+            self._k.copy_slots(kv, src, dst)
+
     def attention(self, q, kv_layer, meta: AttentionMetadata, scale: float):
         return self._k.tree_attention(
             q,
@@ -241,18 +261,6 @@ class TritonAttention:
             meta.max_query_len,
             meta.max_seq_len,
         )
-
-
-def copy_slots(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, backend=None) -> None:
-    """KV compaction: copy every layer's K and V from slot src[i] to dst[i] (all sources read first)."""
-    if src.numel() == 0:
-        return
-    if isinstance(backend, TritonAttention):
-        backend._k.copy_slots(kv, src, dst)
-        return
-    L, two, NB, BS, KVH, D = kv.shape
-    flat = kv.view(L, 2, NB * BS, KVH, D)
-    flat[:, :, dst] = flat[:, :, src]  # advanced indexing reads all sources before writing
 
 
 def get_backend(name: str, device: torch.device):

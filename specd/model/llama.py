@@ -40,6 +40,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
+    """cos/sin tables [positions, head_dim] (rotate_half convention, as HF Llama)."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         inv = rope_inv_freq(cfg)
@@ -49,32 +51,23 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype):
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)  # [T,1,D]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [T, heads, D]; rotate_half convention (HF Llama)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
 
 def _rms(x, w, eps):
     return F.rms_norm(x.float(), (x.shape[-1],), w.float(), eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
+    """An RMSNorm weight (applied in ``LlamaModel.forward``)."""
+
     def __init__(self, d: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(d))
         self.eps = eps
 
-    def forward(self, x):
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
-
 
 class Attention(nn.Module):
+    """Parameters of one attention layer (q/k/v fused); ``LlamaModel.forward`` computes with them."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -82,40 +75,27 @@ class Attention(nn.Module):
         self.o = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
         self.scale = self.D**-0.5
 
-    def forward(self, x, cos, sin, kv_layer, meta: AttentionMetadata, backend):
-        T = x.shape[0]
-        qkv = self.qkv(x)  # [T, (H + 2 KVH) D]
-        q, k, v = qkv.split([self.H * self.D, self.KVH * self.D, self.KVH * self.D], dim=-1)
-        q = apply_rope(q.view(T, self.H, self.D), cos, sin)
-        k = apply_rope(k.view(T, self.KVH, self.D), cos, sin)
-        backend.write_kv(kv_layer, k, v.view(T, self.KVH, self.D), meta.slot_mapping)
-        o = backend.attention(q, kv_layer, meta, self.scale)  # [T, H, D]
-        return self.o(o.reshape(T, self.H * self.D))
-
 
 class MLP(nn.Module):
+    """Parameters of one SwiGLU MLP (gate/up fused)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
         self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        g, u = self.gate_up(x).split(self.inter, dim=-1)
-        return self.down(F.silu(g) * u)
-
 
 class Block(nn.Module):
+    """One decoder layer's parameters: the modules hold weights for loading; the one forward path is
+    ``LlamaModel.forward``."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-
-    def forward(self, x, cos, sin, kv_layer, meta, backend):
-        x = x + self.attn(self.input_norm(x), cos, sin, kv_layer, meta, backend)
-        return x + self.mlp(self.post_norm(x))
 
 
 class LlamaModel(nn.Module):

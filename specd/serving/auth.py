@@ -47,6 +47,12 @@ class Auth:
         """Whose data this is: a digest of the presented key ("" and None are one anonymous caller)."""
         return hashlib.sha256((key or "").encode()).hexdigest()[:32]
 
+    @staticmethod
+    def tenant(key: str | None) -> str | None:
+        """The engine's tenant for a caller (what model-free drafting may read, ``Engine.add_request``):
+        its key's namespace, or None for callers without a key."""
+        return Auth.namespace(key) if key else None
+
     def origin_ok(self, headers: Mapping) -> bool:
         """A browser's ``Origin`` is allowed (requests without one are not browsers: allowed)."""
         origin = headers.get("origin")

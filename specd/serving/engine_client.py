@@ -280,12 +280,13 @@ class AsyncEngine:
         spec: SpecParams = SpecParams(),
         priority: str = "interactive",
         request_id: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request: one ``RequestOutput`` per engine step that emitted for it (outputs
         that queued up while the consumer was busy come merged); the last has ``finished`` set.
         Raises ``RequestError`` on the first iteration when the request is refused, or later
         (``internal`` if the engine failed, ``shutting_down`` on ``stop()``: ``admitted`` set)."""
-        stream = self.stream(prompt_ids, params, spec, priority, request_id)
+        stream = self.stream(prompt_ids, params, spec, priority, request_id, tenant)
         try:
             async for out in stream:
                 yield out
@@ -299,11 +300,12 @@ class AsyncEngine:
         spec: SpecParams = SpecParams(),
         priority: str = "interactive",
         request_id: str | None = None,
+        tenant: str | None = None,
     ) -> RequestStream:
         """Admit a request now (``RequestError`` at once when refused) and return its stream: an async
         iterator like ``generate()``'s; ``close()`` aborts the request unless it has finished."""
         q: asyncio.Queue = asyncio.Queue()
-        rid = self._admit(prompt_ids, params, spec, priority, request_id, q)
+        rid = self._admit(prompt_ids, params, spec, priority, request_id, q, tenant)
         return RequestStream(self, rid, q)
 
     def submit(
@@ -314,13 +316,14 @@ class AsyncEngine:
         priority: str,
         request_id: str,
         sink: StreamSink,
+        tenant: str | None = None,
     ) -> None:
         """Admit a request whose outputs are pushed: ``sink(item)`` runs on the event loop with each
         ``RequestOutput`` (the last has ``finished`` set) or an admitted ``RequestError`` that ends the
         stream. Raises ``RequestError`` at once when refused. ``abort()`` ends it (``cancelled``)."""
-        self._admit(prompt_ids, params, spec, priority, request_id, _Sink(sink))
+        self._admit(prompt_ids, params, spec, priority, request_id, _Sink(sink), tenant)
 
-    def _admit(self, prompt_ids, params, spec, priority, request_id, stream) -> str:
+    def _admit(self, prompt_ids, params, spec, priority, request_id, stream, tenant=None) -> str:
         if self._stopping or self._draining:
             raise RequestError("shutting_down", "the server is shutting down")
         if not self._alive():
@@ -339,7 +342,7 @@ class AsyncEngine:
         self.link.validate(ids, params)  # too_long / invalid_request, before anything is queued
         self._streams[rid] = stream
         self.last_progress = time.monotonic()
-        self.link.send(("add", rid, ids, params, spec, priority))
+        self.link.send(("add", rid, ids, params, spec, priority, tenant))
         return rid
 
     def abort(self, request_id: str) -> None:

@@ -351,7 +351,7 @@ class ProcessLink:
 
     def send(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, ids, _params, spec, priority = cmd
+            _, rid, ids, _params, spec, priority, _tenant = cmd
             self._seqs[rid] = RemoteSeq(rid, len(ids), priority, spec, time.monotonic())
         try:
             with self._send_lock:

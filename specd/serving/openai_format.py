@@ -19,6 +19,7 @@ __all__ = [
     "completion",
     "completion_chunk",
     "model_object",
+    "speculation",
     "sse",
     "usage",
     "usage_chunk",
@@ -36,6 +37,16 @@ def sse(obj, event: str | None = None) -> bytes:
     return data if event is None else b"event: " + event.encode() + b"\n" + data
 
 
+def speculation(seq) -> dict:
+    """A request's speculative decoding: totals, and ``by_proposer`` (the draft model, prompt lookup,
+    earlier requests, ...) when more than one proposed for it."""
+    spec = summarize(seq)["spec"]
+    by = seq.stats.as_dict()["by_proposer"]
+    if len(by) > 1:
+        spec["by_proposer"] = by
+    return spec
+
+
 def usage(seq) -> dict:
     """Chat / completions usage of a finished request (``seq``: its engine sequence or stand-in)."""
     p, c = seq.num_prompt, seq.num_output
@@ -44,7 +55,7 @@ def usage(seq) -> dict:
         "completion_tokens": c,
         "total_tokens": p + c,
         "prompt_tokens_details": {"cached_tokens": int(getattr(seq, "cached_prefix_tokens", 0) or 0)},
-        "speculation": summarize(seq)["spec"],
+        "speculation": speculation(seq),
     }
 
 

@@ -98,9 +98,10 @@ class OpenAIFront:
         self.admit()
         return parsed, key
 
-    async def start(self, engine_kwargs: dict, request_id: str) -> RequestStream:
+    async def start(self, engine_kwargs: dict, request_id: str, key: str | None = None) -> RequestStream:
         """Tokenize and admit a request; APIError when it is refused. Short prompts are tokenized on
-        the loop (as the websocket does: no thread hand-off), long ones on the tokenizer thread."""
+        the loop (as the websocket does: no thread hand-off), long ones on the tokenizer thread.
+        ``key``: the caller's API key (its tenant scopes what the engine may draft from)."""
         ae = self.front.ae
         kw = dict(engine_kwargs, max_model_len=ae.max_model_len)
         try:
@@ -108,7 +109,8 @@ class OpenAIFront:
                 built = build_request(ae.tokenizer, **kw)
             else:
                 built = await build_request_async(ae.tokenizer, **kw)
-            return ae.stream(built.prompt_ids, built.params, built.spec, built.priority, request_id)
+            tenant = self.front.auth.tenant(key)
+            return ae.stream(built.prompt_ids, built.params, built.spec, built.priority, request_id, tenant)
         except RequestError as e:
             raise self.refused(e) from None
 
@@ -159,8 +161,8 @@ class OpenAIFront:
     async def _run(self, request: Request, parse, prefix: str, events, whole) -> Response:
         rid, created = prefix + uuid.uuid4().hex, int(time.time())
         try:
-            p, _ = await self.prepare(request, parse)
-            stream = await self.start(p.engine, rid)
+            p, key = await self.prepare(request, parse)
+            stream = await self.start(p.engine, rid, key)
         except APIError as e:
             return self.fail(e)
         except ClientGone:

@@ -33,7 +33,6 @@ from specd.serving.engine_client import RequestStream
 from specd.serving.openai_errors import APIError, from_request_error
 from specd.serving.openai_params import ParsedRequest, parse_response
 from specd.serving.openai_routes import OpenAIFront, collect
-from specd.serving.request_build import summarize
 from specd.serving.response_store import ResponseStore, StoredResponse
 from specd.serving.routes import JSONResponse
 from specd.serving.sse import ClientGone, EventStream, until_disconnect
@@ -74,7 +73,7 @@ def _usage(seq) -> dict:
         "output_tokens": c,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": p + c,
-        "speculation": summarize(seq)["spec"],
+        "speculation": F.speculation(seq),
     }
 
 
@@ -141,8 +140,10 @@ class ResponsesAPI:
             base = prev.history
         return base + tuple(p.engine["messages"])
 
-    async def start(self, p: ParsedRequest, ns: str, local: StoredResponse | None = None) -> tuple:
-        """(Turn, its admitted RequestStream), or APIError."""
+    async def start(self, p: ParsedRequest, key: str | None, local: StoredResponse | None = None) -> tuple:
+        """(Turn, its admitted RequestStream), or APIError. ``key``: the caller's API key (its
+        namespace holds its stored responses; its tenant scopes drafting)."""
+        ns = self.oai.front.auth.namespace(key)
         history = self.conversation(p, ns, local)
         system = ({"role": "system", "content": p.instructions},) if p.instructions else ()
         turn = Turn(
@@ -154,7 +155,7 @@ class ResponsesAPI:
             ns,
             history,
         )
-        stream = await self.oai.start({**p.engine, "messages": list(system + history)}, turn.id)
+        stream = await self.oai.start({**p.engine, "messages": list(system + history)}, turn.id, key)
         return turn, stream
 
     def finish(self, turn: Turn, text: str, last) -> dict:
@@ -201,7 +202,7 @@ class ResponsesAPI:
     async def create(self, request: Request) -> Response:
         try:
             p, key = await self.oai.prepare(request, parse_response)
-            turn, stream = await self.start(p, self.oai.front.auth.namespace(key))
+            turn, stream = await self.start(p, key)
         except APIError as e:
             return self.oai.fail(e)
         except ClientGone:

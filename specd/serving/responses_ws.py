@@ -73,7 +73,7 @@ class ResponsesSocket:
         if refused is not None:
             await deny(send, *refused)
             return
-        c = _Conn(self, send, self.front.auth.namespace(self.front.auth.bearer(headers)))
+        c = _Conn(self, send, self.front.auth.bearer(headers))
         self.conns.add(c)
         try:
             await send({"type": "websocket.accept"})
@@ -95,8 +95,8 @@ class ResponsesSocket:
 class _Conn:
     """One Responses websocket: the response in flight and the last one (for chaining)."""
 
-    def __init__(self, srv: ResponsesSocket, send, ns: str):
-        self.srv, self._send, self.ns = srv, send, ns
+    def __init__(self, srv: ResponsesSocket, send, key: str | None):
+        self.srv, self._send, self.key = srv, send, key  # (the key names its stores and tenant)
         self.task: asyncio.Task | None = None
         self.stream = None  # the in-flight response's RequestStream
         self.last = None  # StoredResponse of the last finished response
@@ -162,7 +162,7 @@ class _Conn:
         body = {k: v for k, v in msg.items() if k not in ("type", "stream", "background")}
         p = parse_response(body, self.srv.front.model_name)
         self.srv.api.oai.admit()
-        turn, stream = await self.srv.api.start(p, self.ns, self.last)
+        turn, stream = await self.srv.api.start(p, self.key, self.last)
         events = self.srv.api.events(turn, stream)
         self.stream = stream
         try:  # response.created goes out before the next message is read: events follow messages

@@ -81,6 +81,7 @@ class WSServer:
             return
         key = self.front.auth.bearer(headers)
         c = Conn(self, receive, send, self.front.auth.api_key is None or key is not None, next(self._serial))
+        c.tenant = self.front.auth.tenant(key)
         self.conns.add(c)  # (before the accept's await: racing upgrades see it)
         try:
             await send({"type": "websocket.accept"})
@@ -115,6 +116,7 @@ class Conn:
     def __init__(self, srv: WSServer, receive, send, authed: bool, serial: int):
         self.srv, self._receive, self._send = srv, receive, send
         self.authed, self.serial = authed, serial
+        self.tenant: str | None = None  # the key's tenant (header or auth message): what drafting may read
         self.live: dict = {}
         self.auth_failures = 0
         self.pending: dict = {}  # client id -> _Req with output or error to send
@@ -270,6 +272,8 @@ class Conn:
         auth = self.srv.front.auth
         if auth.api_key is None:  # no key configured: every auth succeeds (docs/protocol.md)
             self.authed = True
+            key = msg.get("key")
+            self.tenant = auth.tenant(key) if isinstance(key, str) else self.tenant
             await self.send(b'{"type":"auth_ok"}')
             return
         key = msg.get("key")
@@ -281,6 +285,7 @@ class Conn:
                 raise Disconnected()
             return
         self.authed = True
+        self.tenant = auth.tenant(key)
         await self.send(b'{"type":"auth_ok"}')
 
     async def on_generate(self, msg: dict) -> None:
@@ -322,7 +327,8 @@ class Conn:
                 max_tokens = RB.default_max_tokens(len(ids), ae.max_model_len)
             params = RB.sampling_params(max_tokens, **req.sampling)
             r.done = asyncio.get_running_loop().create_future()
-            ae.submit(ids, params, req.spec, req.priority, r.engine_id, lambda item: self._deliver(r, item))
+            sink = lambda item: self._deliver(r, item)  # noqa: E731
+            ae.submit(ids, params, req.spec, req.priority, r.engine_id, sink, self.tenant)
             submitted = True
             await r.done
         except RequestError as e:  # refused before admission (admitted errors arrive via _deliver)

@@ -37,7 +37,8 @@ from specd.engine.kv_cache import KVCache
 from specd.engine.sampling import logits_to_probs
 from specd.engine.sequence import Sequence
 from specd.model.attention import build_metadata
-from specd.speculation.tree import DraftTree, static_tree_choices
+from specd.speculation.proposal import Proposal
+from specd.speculation.tree import DraftTree, TreeChoices, static_tree_choices
 
 SAMPLED_WIDTH = 2  # children per expanded node in sampled dynamic trees (see _num_children)
 
@@ -48,21 +49,15 @@ class Shape:
     budget: int  # max draft nodes
     topk: int = 1
     depth: int = 1
-    choices: object | None = None  # TreeChoices for static
+    choices: TreeChoices | None = None  # for static
 
     def max_nodes(self) -> int:
         if self.kind == "chain":
             return self.budget
         if self.kind == "static":
+            assert self.choices is not None
             return len(self.choices.parents) - 1
         return self.topk + (self.depth - 1) * self.topk * self.topk
-
-
-@dataclass
-class Proposal:
-    tree: DraftTree
-    draft_probs: torch.Tensor | None  # [n, V] for sampling requests, else None
-    depth: int
 
 
 class _Build:
@@ -108,15 +103,18 @@ class _Build:
 
 
 class Drafter:
-    def __init__(self, model, cache: KVCache, spec_cfg, device: torch.device, vocab_size: int, backend):
+    def __init__(self, model, cache: KVCache, spec_cfg, device: torch.device, vocab_size: int, backend, ledger):
         self.model = model
+        self.ledger = ledger  # the draft side of each request's KV state moves only through it
         self.backend = backend
         self.cache = cache
         self.cfg = spec_cfg
         self.device = device
         self.vocab = vocab_size
         self.static = static_tree_choices(spec_cfg.static_tree) if spec_cfg.static_tree else None
-        self.forwards = 0
+        self.forwards = 0  # draft forwards so far, and their wall and CPU seconds (benchmarks read them)
+        self.forward_wall = 0.0
+        self.forward_cpu = 0.0
         self.levels = 0  # tree-level draft forwards of the last propose()
         # seconds of the last propose()'s forwards after the first (which also catches the draft
         # cache up, a cost that varies with how far it lags): the per-level cost the policy models
@@ -163,10 +161,13 @@ class Drafter:
             seq_lens=slens,
         )
         dev = self.device
+        t0, c0 = time.perf_counter(), time.thread_time()
         hidden = self.model(
             torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache.kv, meta, self.backend
         )
         self.forwards += 1
+        self.forward_wall += time.perf_counter() - t0
+        self.forward_cpu += time.thread_time() - c0
         if not need_logits:
             return None
         return self.model.compute_logits(hidden[torch.tensor(need_logits, device=dev)])
@@ -177,14 +178,14 @@ class Drafter:
         rows = []
         for seq, end in seqs_ends:
             d0 = seq.draft_computed
-            if end <= d0 or not seq.draft_blocks.reserve(end):
+            if end <= d0 or not self.ledger.draft_reserve(seq, end):
                 continue
             toks = seq.tokens[d0:end]
             rows.append((seq, toks, list(range(d0, end)), seq.draft_blocks.slots(d0, end), d0, end, None))
         if rows:
             self._forward(rows, None)
-            for seq, toks, *_ in rows:
-                seq.draft_computed += len(toks)
+            for seq, _, _, _, _, end, _ in rows:
+                self.ledger.draft_advance(seq, end)
 
     def propose(self, reqs: list) -> dict:
         """reqs: list of (seq, Shape). Returns {request_id: Proposal}; seqs that cannot draft are left out."""
@@ -194,8 +195,8 @@ class Drafter:
         for seq, shape in reqs:
             L = len(seq.tokens)
             d0 = seq.draft_computed
-            if not seq.draft_blocks.reserve(L + shape.max_nodes()):
-                seq.draft_blocks.truncate(max(d0, 0))
+            if not self.ledger.draft_reserve(seq, L + shape.max_nodes()):
+                self.ledger.draft_release(seq)
                 continue
             toks = seq.tokens[d0:L]
             rows.append((seq, toks, list(range(d0, L)), seq.draft_blocks.slots(d0, L), d0, L, None))
@@ -208,56 +209,52 @@ class Drafter:
         self.levels = 1
         t_levels = self.clock()
         for b in builds:
-            b.seq.draft_computed = b.L
+            self.ledger.draft_advance(b.seq, b.L)
         frontier = [(b, 0, logits[i]) for i, b in enumerate(builds)]
         while frontier:
             feed = self._expand(frontier)
             if not feed:
                 break
-            rows, need = [], []
-            # group fed nodes by request (one row group per request)
-            groups: dict[int, list] = {}
-            order: list[_Build] = []
-            for b, i in feed:
-                if id(b) not in groups:
-                    groups[id(b)] = []
-                    order.append(b)
-                groups[id(b)].append(i)
-            flat = []
-            n_rows = 0
-            for b in order:
-                nodes = groups[id(b)]
-                b.fed_max = max(b.fed_max, max(nodes))
-                region = b.fed_max  # node j (>= 1) sits at region column j - 1
-                rows_m = None if b.shape.kind == "chain" else []  # a chain's region is all ancestors: causal
-                for i in nodes if rows_m is not None else ():
-                    row = [False] * region
-                    for j in b.anc[i]:
-                        if j > 0:
-                            row[j - 1] = True
-                    rows_m.append(row)
-                m = torch.tensor(rows_m, dtype=torch.bool) if rows_m is not None else None
-                Lb = b.L
-                rows.append(
-                    (
-                        b.seq,
-                        [b.tokens[i] for i in nodes],
-                        [Lb - 1 + b.depths[i] for i in nodes],
-                        [b.seq.draft_blocks.slot(Lb - 1 + i) for i in nodes],
-                        Lb,
-                        Lb + region,
-                        m,
-                    )
-                )
-                for i in nodes:
-                    flat.append((b, i))
-                    need.append(n_rows)
-                    n_rows += 1
-            logits = self._forward(rows, need)
+            rows, flat = self._level_rows(feed)
+            logits = self._forward(rows, list(range(len(flat))))
             self.levels += 1
             frontier = [(b, i, logits[k]) for k, (b, i) in enumerate(flat)]
         self.level_time = self.clock() - t_levels  # expansions + forwards of levels 2..
         return {b.seq.request_id: self._finish(b) for b in builds}
+
+    @staticmethod
+    def _level_rows(feed: list) -> tuple[list, list]:
+        """The draft forward rows of one tree level: the fed nodes grouped by request (one row
+        group each, with its ancestor mask over the nodes fed so far), and the (build, node) of
+        each logits row in order."""
+        groups: dict[int, list] = {}
+        order: list[_Build] = []
+        for b, i in feed:
+            if id(b) not in groups:
+                groups[id(b)] = []
+                order.append(b)
+            groups[id(b)].append(i)
+        rows: list = []
+        flat: list = []
+        for b in order:
+            nodes = groups[id(b)]
+            b.fed_max = max(b.fed_max, max(nodes))
+            region = b.fed_max  # node j (>= 1) sits at region column j - 1
+            m = None  # a chain's region is all ancestors: causal
+            if b.shape.kind != "chain":
+                m = torch.zeros((len(nodes), region), dtype=torch.bool)
+                for r, i in enumerate(nodes):
+                    cols = [j - 1 for j in b.anc[i] if j > 0]
+                    m[r, cols] = True
+            Lb = b.L
+            toks = [b.tokens[i] for i in nodes]
+            pos = [Lb - 1 + b.depths[i] for i in nodes]
+            blocks = b.seq.draft_blocks
+            assert blocks is not None
+            slots = [blocks.slot(Lb - 1 + i) for i in nodes]
+            rows.append((b.seq, toks, pos, slots, Lb, Lb + region, m))
+            flat.extend((b, i) for i in nodes)
+        return rows, flat
 
     def _expand(self, frontier) -> list:
         """Create children for every frontier node; return the (build, node) pairs to feed next."""
@@ -288,12 +285,12 @@ class Drafter:
         cand = top.indices.tolist()
         logp = logq.gather(1, top.indices).tolist()
         fed_next = []
-        new_by_build: dict[int, list] = {}
+        new_by_build: dict[int, tuple] = {}
         for r, (b, i, _) in enumerate(frontier):
             k = self._num_children(b, i)
             if k == 0:
                 continue
-            if b.sampled:
+            if probs is not None and b.sampled:
                 b.q[i] = probs[r]
             for c in range(k):
                 if not math.isfinite(logp[r][c]):
@@ -326,7 +323,8 @@ class Drafter:
             return sh.topk
         # static: count child choices under node i's path
         path = self._static_path(b, i)
-        return sum(1 for p in sh.choices.paths if len(p) == len(path) + 1 and p[:-1] == path)
+        assert sh.choices is not None
+        return sum(1 for p in sh.choices.paths if len(p) == len(path) + 1 and tuple(p[:-1]) == path)
 
     @staticmethod
     def _static_path(b: _Build, i: int) -> tuple:

@@ -66,7 +66,8 @@ class DraftTree:
     def __init__(
         self, tokens: Sequence[int] | torch.Tensor, parents: Sequence[int] | torch.Tensor, validate: bool = True
     ):
-        self._tokens_t = self._parents_t = None
+        self._tokens_t: torch.Tensor | None = None
+        self._parents_t: torch.Tensor | None = None
         if isinstance(tokens, torch.Tensor):
             if tokens.dim() != 1:
                 raise ValueError(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
@@ -81,10 +82,14 @@ class DraftTree:
             parents = parents.tolist()
         elif validate:
             parents = [int(p) for p in parents]
-        self._tok: list[int] = list(tokens) if not validate else tokens
-        self._par: list[int] = list(parents) if not validate else parents
-        self._children = self._depths = self._depths_t = self._mask = self._paths = None
-        self._siblings = None
+        self._tok: list[int] = list(tokens)
+        self._par: list[int] = list(parents)
+        self._children: list[list[int]] | None = None  # derived, cached on first use
+        self._depths: list[int] | None = None
+        self._depths_t: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+        self._paths: list[list[int]] | None = None
+        self._siblings: SiblingTable | None = None
         if validate:
             _check_parents(self._par, len(self._tok))
 
@@ -189,8 +194,7 @@ class DraftTree:
                     kt = [tok[c] for c in kids]
                     m = len(kt)
                     if m > 1 and len(set(kt)) != m:
-                        seen: set[int] = set()
-                        kt = [-1 if (x in seen or seen.add(x)) else x for x in kt]
+                        kt = _blank_repeats(kt)
                     kid_tokens.append(kt)
                     lo, hi = min(lo, m), max(hi, m)
             self._siblings = SiblingTable(internal, kid_tokens, index, hi, min(lo, hi))
@@ -228,6 +232,16 @@ class DraftTree:
         return self._mask
 
 
+def _blank_repeats(tokens: list[int]) -> list[int]:
+    """``tokens`` with every repeat of an earlier token replaced by -1."""
+    seen: set[int] = set()
+    out = []
+    for x in tokens:
+        out.append(-1 if x in seen else x)
+        seen.add(x)
+    return out
+
+
 def _check_parents(par: list[int], n: int) -> None:
     if n == 0:
         raise ValueError("a draft tree needs at least the root node")
@@ -247,14 +261,14 @@ class SiblingTable(NamedTuple):
     internal      nodes that have children, in index order
     kid_tokens    kid_tokens[j]: tokens of internal[j]'s children in creation order; a token that
                   repeats an earlier sibling's is replaced by -1 (it can never be accepted)
-    index         index[i]: position of node i in ``internal``, or -1 for a leaf
+    row_of        row_of[i]: position of node i in ``internal``, or -1 for a leaf
     max_children  most children of any node (0 for a root-only tree)
     min_children  fewest children of any internal node (0 for a root-only tree)
     """
 
     internal: list[int]
     kid_tokens: list[list[int]]
-    index: list[int]
+    row_of: list[int]
     max_children: int
     min_children: int
 

@@ -102,7 +102,7 @@ order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
@@ -307,21 +307,7 @@ def verify_batch(
     the walks, one batched inverse-CDF draw (and transfer) for the correction/bonus tokens.
     """
     nb = len(trees)
-    if offsets is None:
-        offsets = [0]
-        for t in trees:
-            offsets.append(offsets[-1] + t.num_nodes)
-    else:
-        offsets = [int(o) for o in offsets]
-    if len(offsets) != nb + 1:
-        raise ValueError(f"need B+1 = {nb + 1} offsets, got {len(offsets)}")
-    for b, t in enumerate(trees):
-        if offsets[b + 1] - offsets[b] != t.num_nodes:
-            raise ValueError(
-                f"request {b}: offsets give {offsets[b + 1] - offsets[b]} rows but its tree has {t.num_nodes} nodes"
-            )
-    if target.dim() != 2 or target.shape[0] < offsets[-1]:
-        raise ValueError(f"target must be [T >= {offsets[-1]}, V], got {tuple(target.shape)}")
+    offsets = _checked_offsets(trees, target, offsets)
     greedy_flags = [bool(greedy)] * nb if isinstance(greedy, bool) else [bool(g) for g in greedy]
     if len(greedy_flags) != nb:
         raise ValueError(f"{len(greedy_flags)} greedy flags for {nb} requests")
@@ -344,75 +330,110 @@ def verify_batch(
     return results  # type: ignore[return-value]
 
 
-def _sample_batch(trees, target, offsets, samp, draft_probs, gens, modes, results) -> None:
-    dev = target.device
-    # Layout of every internal node of the sampling requests: one row each.
-    rows: list[int] = []  # target row of the node
-    kid_lists: list[list[int]] = []  # children's tokens (a repeated token -> -1, never accepted)
-    det_rows: list[bool] = []
-    int_start: list[int] = []  # per sampling request: its first internal row
-    node_index: list[list[int]] = []  # per sampling request: node -> its internal position or -1
-    sizes: list[int] = []  # per sampling request: number of nodes
-    any_sampled = False
-    k_max, k_min = 0, 1 << 30  # most / fewest children of any internal node
+def _checked_offsets(trees, target: torch.Tensor, offsets) -> list[int]:
+    """The [B+1] row offsets (default: the trees back to back), checked against the trees and target."""
+    nb = len(trees)
+    if offsets is None:
+        offsets = [0]
+        for t in trees:
+            offsets.append(offsets[-1] + t.num_nodes)
+    else:
+        offsets = [int(o) for o in offsets]
+    if len(offsets) != nb + 1:
+        raise ValueError(f"need B+1 = {nb + 1} offsets, got {len(offsets)}")
+    for b, t in enumerate(trees):
+        if offsets[b + 1] - offsets[b] != t.num_nodes:
+            raise ValueError(
+                f"request {b}: offsets give {offsets[b + 1] - offsets[b]} rows but its tree has {t.num_nodes} nodes"
+            )
+    if target.dim() != 2 or target.shape[0] < offsets[-1]:
+        raise ValueError(f"target must be [T >= {offsets[-1]}, V], got {tuple(target.shape)}")
+    return offsets
+
+
+@dataclass
+class _Layout:
+    """Every internal node of the sampling requests, one row each."""
+
+    rows: list = field(default_factory=list)  # target row of the node
+    kid_lists: list = field(default_factory=list)  # children's tokens (a repeated token -> -1, never accepted)
+    det_rows: list = field(default_factory=list)  # the node's children were chosen deterministically
+    int_start: list = field(default_factory=list)  # per sampling request: its first internal row
+    node_index: list = field(default_factory=list)  # per sampling request: node -> internal position or -1
+    sizes: list = field(default_factory=list)  # per sampling request: number of nodes
+    any_sampled: bool = False
+    k_max: int = 0  # most children of any internal node
+    k_min: int = 1 << 30  # fewest
+
+
+def _layout(trees, offsets, samp, modes) -> _Layout:
+    lay = _Layout()
     for b in samp:
         mode = modes[b]
         if mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {mode!r}")
         det = mode == "deterministic"
-        any_sampled |= not det
-        t = trees[b]
-        internal, kid_tokens, index, most, fewest = t.sibling_table()
+        lay.any_sampled |= not det
+        internal, kid_tokens, index, most, fewest = trees[b].sibling_table()
         if internal:
-            k_max, k_min = max(k_max, most), min(k_min, fewest)
-        int_start.append(len(rows))
-        node_index.append(index)
-        sizes.append(len(index))
-        off = offsets[b]
-        rows.extend([off + i for i in internal])
-        kid_lists.extend(kid_tokens)
-        det_rows.extend([det] * len(internal))
-    if any_sampled and draft_probs is None:
-        raise ValueError('draft_mode "sampled" needs draft_probs')
+            lay.k_max, lay.k_min = max(lay.k_max, most), min(lay.k_min, fewest)
+        lay.int_start.append(len(lay.rows))
+        lay.node_index.append(index)
+        lay.sizes.append(len(index))
+        lay.rows.extend([offsets[b] + i for i in internal])
+        lay.kid_lists.extend(kid_tokens)
+        lay.det_rows.extend([det] * len(internal))
+    return lay
 
-    # Uniforms: per request n_b (= n_b - 1 children + 1) from its own generator. The first decides
-    # the final token; the others the children, in (internal node, sibling rank) order.
-    # Split on the host (boolean indexing on a device would sync), then copy.
-    u_all = draw_uniforms(sizes, [gens[b] for b in samp], "cpu")  # [sum(n_b)]
-    first_of = torch.zeros(u_all.shape[0], dtype=torch.bool)
-    first_of[torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0)] = True
-    u_final = u_all[first_of].to(dev, non_blocking=True)  # [S]
 
-    # One vectorised pass over every internal node: which child (sibling rank) is accepted, if any.
-    first_acc: list[int] = []
-    if rows:
-        if k_min == k_max:  # no padding needed
-            flat = list(chain.from_iterable(kid_lists))
-        else:
-            flat = list(chain.from_iterable(k + [_PAD] * (k_max - len(k)) for k in kid_lists))
-        kt_host = torch.tensor(flat, dtype=torch.int64).view(-1, k_max)  # [I, K]
-        kid_tok = kt_host.clamp(min=0).to(dev, non_blocking=True)  # [I, K]
-        kid_ok = (kt_host >= 0).to(dev, non_blocking=True)  # [I, K] a child that may be accepted
-        det_t = _host_tensor(det_rows, torch.bool, dev)  # [I]
-        rows_t = _host_tensor(rows, torch.int64, dev)  # [I]
-        draft = draft_probs if any_sampled else None
-        accept = _tables(target, draft, rows_t, kid_tok, kid_ok, det_t, True)  # [I, K]
-        u_kid = torch.ones(kt_host.shape, dtype=torch.float64)  # [I, K]
-        u_kid[kt_host != _PAD] = u_all[~first_of]  # one uniform per child, in layout order
-        u_kid = u_kid.to(dev, non_blocking=True)
-        hit = (u_kid < accept) & kid_ok  # [I, K]
-        rank = torch.arange(k_max, device=dev).expand_as(hit)
-        first = torch.where(hit, rank, k_max).amin(dim=1)  # [I] first accepted rank, K if none
-        first_acc = torch.where(first < k_max, first, -1).tolist()
+@dataclass
+class _Kids:
+    """The internal nodes' children as tensors on the target's device."""
 
-    # Host walks.
-    stop_rows: list[int] = []  # target row of the node where each walk stopped
-    stop_int: list[int] = []  # its internal-row index, or -1 for a leaf (bonus)
+    host: torch.Tensor  # [I, K] children's tokens, _PAD past the last child (host)
+    tok: torch.Tensor  # [I, K] clamped to valid ids
+    ok: torch.Tensor  # [I, K] a child that may be accepted
+    det: torch.Tensor  # [I] deterministic node
+    rows: torch.Tensor  # [I] target row
+
+
+def _kids(lay: _Layout, dev) -> _Kids:
+    if lay.k_min == lay.k_max:  # no padding needed
+        flat = list(chain.from_iterable(lay.kid_lists))
+    else:
+        flat = list(chain.from_iterable(k + [_PAD] * (lay.k_max - len(k)) for k in lay.kid_lists))
+    host = torch.tensor(flat, dtype=torch.int64).view(-1, lay.k_max)  # [I, K]
+    return _Kids(
+        host,
+        host.clamp(min=0).to(dev, non_blocking=True),
+        (host >= 0).to(dev, non_blocking=True),
+        _host_tensor(lay.det_rows, torch.bool, dev),
+        _host_tensor(lay.rows, torch.int64, dev),
+    )
+
+
+def _first_accepted(lay: _Layout, kids: _Kids, target, draft, u_kids: torch.Tensor) -> list[int]:
+    """One vectorised pass over every internal node: the sibling rank of its accepted child, -1 if
+    none. ``u_kids``: one uniform per child, in layout order (host)."""
+    dev = target.device
+    accept = _tables(target, draft, kids.rows, kids.tok, kids.ok, kids.det, True)  # [I, K]
+    u_kid = torch.ones(kids.host.shape, dtype=torch.float64)  # [I, K]
+    u_kid[kids.host != _PAD] = u_kids
+    hit = (u_kid.to(dev, non_blocking=True) < accept) & kids.ok  # [I, K]
+    rank = torch.arange(lay.k_max, device=dev).expand_as(hit)
+    first = torch.where(hit, rank, lay.k_max).amin(dim=1)  # [I] first accepted rank, K if none
+    return torch.where(first < lay.k_max, first, -1).tolist()
+
+
+def _walks(trees, offsets, samp, lay: _Layout, first_acc: list) -> tuple[list, list, list]:
+    """Host walks down each tree along accepted children: (target row of the node where each walk
+    stopped, its internal-row index or -1 for a leaf (bonus), the accepted path)."""
+    stop_rows: list[int] = []
+    stop_int: list[int] = []
     paths: list[list[int]] = []
     for j, b in enumerate(samp):
         ch = trees[b].children
-        idx = node_index[j]
-        start = int_start[j]
+        idx, start = lay.node_index[j], lay.int_start[j]
         node = 0
         path: list[int] = []
         while True:
@@ -428,25 +449,49 @@ def _sample_batch(trees, target, offsets, samp, draft_probs, gens, modes, result
             path.append(node)
         stop_rows.append(offsets[b] + node)
         paths.append(path)
+    return stop_rows, stop_int, paths
 
-    # Final tokens: the bonus from the leaf's target row, or the correction from the residual.
-    dist = target.index_select(0, _host_tensor(stop_rows, torch.int64, dev))
-    dist = dist.to(torch.float64)  # [S, V]
+
+def _final_dists(target, draft, kids: _Kids | None, stop_rows: list, stop_int: list) -> torch.Tensor:
+    """[S, V] float64: the bonus distribution (the leaf's target row) or the correction (the
+    residual at the node where the walk stopped)."""
+    dev = target.device
+    dist = target.index_select(0, _host_tensor(stop_rows, torch.int64, dev)).to(torch.float64)  # [S, V]
     corr = [j for j, s in enumerate(stop_int) if s >= 0]
     if corr:
+        assert kids is not None
         sel = _host_tensor([stop_int[j] for j in corr], torch.int64, dev)
         res = _tables(
             target,
-            draft_probs if any_sampled else None,
-            rows_t.index_select(0, sel),
-            kid_tok.index_select(0, sel),
-            kid_ok.index_select(0, sel),
-            det_t.index_select(0, sel),
+            draft,
+            kids.rows.index_select(0, sel),
+            kids.tok.index_select(0, sel),
+            kids.ok.index_select(0, sel),
+            kids.det.index_select(0, sel),
             False,
         )  # [C, V]
         dist.index_copy_(0, _host_tensor(corr, torch.int64, dev), res)
-    nxt = sample_from_uniform(dist, u_final).tolist()
+    return dist
 
+
+def _sample_batch(trees, target, offsets, samp, draft_probs, gens, modes, results) -> None:
+    """Rejection-sample every sampling request of the batch (``samp``: their indices) into ``results``."""
+    dev = target.device
+    lay = _layout(trees, offsets, samp, modes)
+    if lay.any_sampled and draft_probs is None:
+        raise ValueError('draft_mode "sampled" needs draft_probs')
+    draft = draft_probs if lay.any_sampled else None
+    # Uniforms: per request n_b (= n_b - 1 children + 1) from its own generator. The first decides
+    # the final token; the others the children, in (internal node, sibling rank) order.
+    # Split on the host (boolean indexing on a device would sync), then copy.
+    u_all = draw_uniforms(lay.sizes, [gens[b] for b in samp], "cpu")  # [sum(n_b)]
+    first_of = torch.zeros(u_all.shape[0], dtype=torch.bool)
+    first_of[torch.tensor([0] + lay.sizes[:-1], dtype=torch.int64).cumsum(0)] = True
+    u_final = u_all[first_of].to(dev, non_blocking=True)  # [S]
+    kids = _kids(lay, dev) if lay.rows else None
+    first_acc = _first_accepted(lay, kids, target, draft, u_all[~first_of]) if kids is not None else []
+    stop_rows, stop_int, paths = _walks(trees, offsets, samp, lay, first_acc)
+    nxt = sample_from_uniform(_final_dists(target, draft, kids, stop_rows, stop_int), u_final).tolist()
     for j, b in enumerate(samp):
         tok = trees[b].token_list
         path = paths[j]

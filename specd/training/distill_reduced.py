@@ -14,226 +14,27 @@ Data is self-distillation (never an evaluation set): the target's own greedy rep
 specd's engine, to prompts from ``--prompts`` (GSM8K train questions) and to prompts the target
 itself writes (``--self-prompts``, sampled at temperature 1). The loss is cross-entropy against the
 target's next token, on reply positions only.
+
+This module is the recipe; its pieces live with the other drafts' in the group: ``data``
+(``generate_replies``, ``pick_vocab``, ``reply_batches``), ``draft`` (``DraftNet``,
+``reduced_config``, ``init_from_target``), ``loop`` (``train_reduced``, ``reduced_agreement``),
+``export`` (``export_reduced``).
 """
 
 from __future__ import annotations
 
 import json
 import random
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-TOPICS = (
-    "cooking",
-    "history",
-    "science",
-    "travel",
-    "health",
-    "money",
-    "sports",
-    "music",
-    "computers",
-    "animals",
-    "weather",
-    "language",
-    "math homework",
-    "writing an email",
-    "gardening",
-    "movies",
-)
+from specd.training.data import generate_replies, pick_vocab
+from specd.training.draft import DraftNet, init_from_target, reduced_config
+from specd.training.export import export_reduced
+from specd.training.loop import reduced_agreement, train_reduced
 
-
-def _chat_ids(tok, text: str) -> list:
-    ids = tok.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def self_prompts(engine, n: int, seed: int) -> list:
-    """Questions the target writes itself, one per sampled reply (first line, stripped)."""
-    from specd.engine.sampling import SamplingParams
-    from specd.engine.sequence import SpecParams
-
-    rng = random.Random(seed)
-    asks = [
-        _chat_ids(
-            engine.tokenizer,
-            f"Write one short question a user might ask an AI assistant about "
-            f"{rng.choice(TOPICS)}. Reply with the question only.",
-        )
-        for _ in range(n)
-    ]
-    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=seed + i, max_tokens=48) for i in range(n)]
-    seqs = engine.generate(asks, params, SpecParams("off"))
-    out = [engine.output_text(s).strip().split("\n")[0] for s in seqs]
-    return [q for q in out if len(q) > 8]
-
-
-def generate_data(target: str, prompts_file: str, n_prompts: int, n_self: int, max_new: int, seed: int) -> tuple:
-    """(tokenizer, [(token ids, prompt length)]) of the target's greedy replies (fp32, specd engine)."""
-    from specd.config import CacheConfig, EngineConfig, SchedulerConfig
-    from specd.engine.engine import Engine
-    from specd.engine.sampling import SamplingParams
-    from specd.engine.sequence import SpecParams
-
-    eng = Engine(
-        EngineConfig(
-            target=target,
-            dtype="float32",
-            cache=CacheConfig(num_blocks=1024),
-            scheduler=SchedulerConfig(max_num_seqs=32),
-        )
-    )
-    questions = [json.loads(line)["question"] for line in Path(prompts_file).read_text().splitlines()[:n_prompts]]
-    t0 = time.perf_counter()
-    questions += self_prompts(eng, n_self, seed)
-    prompts = [_chat_ids(eng.tokenizer, q) for q in questions]
-    data = []
-    for i in range(0, len(prompts), 32):  # in waves, with progress
-        seqs = eng.generate(prompts[i : i + 32], SamplingParams(temperature=0.0, max_tokens=max_new), SpecParams("off"))
-        data += [(s.tokens[:], s.num_prompt) for s in seqs]
-        print(f"data: {len(data)}/{len(prompts)} replies ({time.perf_counter() - t0:.0f} s)", flush=True)
-    n_tok = sum(len(t) - p for t, p in data)
-    print(f"data: {len(data)} replies, {n_tok} reply tokens in {time.perf_counter() - t0:.0f} s", flush=True)
-    return eng.tokenizer, data, eng.target
-
-
-def pick_vocab(data: list, n: int, always: list, vocab_size: int) -> torch.Tensor:
-    """The ``n`` token ids the replies use most (plus ``always``, e.g. end-of-turn), ascending."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for toks, p in data:
-        counts += torch.bincount(torch.tensor(toks[p:]), minlength=counts.numel())
-    keep = set(always)
-    for i in counts.argsort(descending=True).tolist():
-        if len(keep) >= n or counts[i] == 0:
-            break
-        keep.add(i)
-    for i in range(vocab_size):  # fewer distinct tokens than n: the lowest ids next (in a byte-level
-        if len(keep) >= n:  # BPE vocabulary the earliest merges, i.e. the most common pieces)
-            break
-        keep.add(i)
-    return torch.tensor(sorted(keep), dtype=torch.long)
-
-
-class DraftNet(torch.nn.Module):
-    """Training-time draft: target embeddings (frozen, shared) -> decoder layers -> norm -> head rows."""
-
-    def __init__(self, hf_cfg, embed: torch.Tensor, head_rows: torch.Tensor):
-        super().__init__()
-        from transformers import LlamaModel
-
-        self.body = LlamaModel(hf_cfg)
-        self.body.embed_tokens.weight = torch.nn.Parameter(embed, requires_grad=False)
-        self.register_buffer("head_rows", head_rows, persistent=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.body(input_ids=ids).last_hidden_state  # [B, T, d]
-        return F.linear(h, self.head_rows)  # [B, T, N]
-
-
-def _hf_config(target_dir: Path, layers: int):
-    from transformers import LlamaConfig
-
-    cfg = json.loads((target_dir / "config.json").read_text())
-    cfg.update(
-        num_hidden_layers=layers, tie_word_embeddings=True, architectures=["LlamaForCausalLM"], model_type="llama"
-    )
-    return LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("transformers_version",)})
-
-
-def _init_from_target(net: DraftNet, target_dir: Path, layers: int) -> None:
-    """Copy the target's first ``layers`` decoder layers and its final norm into the draft."""
-    from safetensors.torch import load_file
-
-    w = {}
-    for f in sorted(target_dir.glob("*.safetensors")):
-        w.update(load_file(str(f)))
-    own = net.body.state_dict()
-    with torch.no_grad():
-        for name, t in own.items():
-            src = f"model.{name}"
-            if name.startswith("layers.") and int(name.split(".")[1]) < layers and src in w:
-                t.copy_(w[src])
-            elif name == "norm.weight":
-                t.copy_(w["model.norm.weight"])
-
-
-def _batches(data: list, t2d: torch.Tensor, batch: int, rng: random.Random):
-    """Right-padded (inputs, labels): labels are reduced ids of the next token on reply positions
-    (the last prompt position predicts the first reply token), -100 elsewhere or outside the vocab."""
-    order = list(range(len(data)))
-    while True:
-        rng.shuffle(order)
-        for i in range(0, len(order) - batch + 1, batch):
-            rows = [data[j] for j in order[i : i + batch]]
-            T = max(len(t) for t, _ in rows) - 1
-            x = torch.zeros((batch, T), dtype=torch.long)
-            y = torch.full((batch, T), -100, dtype=torch.long)
-            for b, (toks, p) in enumerate(rows):
-                t = torch.tensor(toks)
-                x[b, : len(toks) - 1] = t[:-1]
-                lab = t2d[t[1:]]
-                lab[: p - 1] = -100
-                y[b, : len(toks) - 1] = lab
-            yield x, y
-
-
-def train(net: DraftNet, data: list, t2d: torch.Tensor, steps: int, batch: int, lr: float, seed: int) -> dict:
-    params = [p for p in net.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
-    it = _batches(data, t2d, batch, random.Random(seed))
-    t0, hist = time.perf_counter(), []
-    for step in range(steps):
-        x, y = next(it)
-        loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten(), ignore_index=-100)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        sched.step()
-        hist.append(loss.item())
-        if step % 20 == 0 or step == steps - 1:
-            print(
-                f"step {step + 1}/{steps} loss {sum(hist[-20:]) / len(hist[-20:]):.3f} "
-                f"({time.perf_counter() - t0:.0f} s)",
-                flush=True,
-            )
-    return {"final_loss": round(sum(hist[-20:]) / len(hist[-20:]), 4), "train_seconds": round(time.perf_counter() - t0)}
-
-
-@torch.no_grad()
-def agreement(net: DraftNet, data: list, t2d: torch.Tensor) -> float:
-    """Share of held-out reply positions where the draft's top token is the target's next token."""
-    hit = tot = 0
-    batches = _batches(data, t2d, 1, random.Random(0))
-    for _ in range(len(data)):  # one pass
-        x, y = next(batches)
-        m = y != -100
-        hit += int((net(x).argmax(-1)[m] == y[m]).sum())
-        tot += int(m.sum())
-    return hit / max(tot, 1)
-
-
-def export(net: DraftNet, hf_cfg, d2t: torch.Tensor, out: Path, meta: dict) -> None:
-    """config.json (+ ``specd_draft``) and model.safetensors: layers, norm, ``specd.d2t``; no embeddings."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        f"model.{k}": v.detach().to(torch.float16).contiguous()
-        for k, v in net.body.state_dict().items()
-        if not k.startswith("embed_tokens")
-    }
-    tensors["specd.d2t"] = d2t.contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = hf_cfg.to_dict()
-    cfg["specd_draft"] = {"format": 1, "target_embeddings": True, "draft_vocab_size": int(d2t.numel()), **meta}
-    (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+__all__ = ["run"]
 
 
 def run(args) -> int:
@@ -248,7 +49,7 @@ def run(args) -> int:
         target = load_model(args.target, "cpu", "float32")
         tok, data = target.tokenizer, [tuple(x) for x in json.loads(Path(args.data_in).read_text())]
     else:
-        tok, data, target = generate_data(
+        tok, data, target = generate_replies(
             args.target, args.prompts, args.prompt_count, args.self_prompts, args.max_new_tokens, args.seed
         )
     if args.data_out:  # keep the (expensive) replies: they are the target's own outputs, reusable
@@ -261,12 +62,12 @@ def run(args) -> int:
     t2d = torch.full((target.config.vocab_size,), -100, dtype=torch.long)
     t2d[d2t] = torch.arange(d2t.numel())
     embed = target.model.embed.weight.detach().float()
-    hf_cfg = _hf_config(target_dir, args.layers)
+    hf_cfg = reduced_config(target_dir, args.layers)
     net = DraftNet(hf_cfg, embed, embed.index_select(0, d2t))
-    _init_from_target(net, target_dir, args.layers)
-    before = agreement(net, held, t2d)
-    res = train(net, train_data, t2d, args.steps, args.batch_size, args.lr, args.seed)
-    after = agreement(net, held, t2d)
+    init_from_target(net, target_dir, args.layers)
+    before = reduced_agreement(net, held, t2d)
+    res = train_reduced(net, train_data, t2d, args.steps, args.batch_size, args.lr, args.seed)
+    after = reduced_agreement(net, held, t2d)
     reply_tokens = sum(len(t) - p for t, p in train_data)
     covered = sum(int((t2d[torch.tensor(t[p:])] >= 0).sum()) for t, p in train_data) / max(reply_tokens, 1)
     meta = {
@@ -279,6 +80,6 @@ def run(args) -> int:
         "layers": args.layers,
         "steps": args.steps,
     }
-    export(net, hf_cfg, d2t, Path(args.out), meta)
+    export_reduced(net, hf_cfg, d2t, Path(args.out), meta)
     print(json.dumps(meta, indent=1))
     return 0

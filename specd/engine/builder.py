@@ -1,0 +1,142 @@
+"""Building an engine's parts from its config: load the models (unless given), check the draft
+against the target, size the KV caches, and wire the ledger, speculation policy, scheduler and
+drafter. ``Engine.__init__`` only takes the result."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from specd.config import EngineConfig
+from specd.engine.kv_cache import KVCache, PrefixCache
+from specd.engine.ledger import KVLedger
+from specd.engine.scheduler import Scheduler
+from specd.model.attention import get_backend
+from specd.model.loader import LoadedModel, LoadError, load_model
+from specd.speculation.drafter import Drafter
+from specd.speculation.ngram import NgramConfig, NgramProposer
+from specd.speculation.policy import SpecPolicy
+from specd.speculation.suffix import SuffixStore
+
+CPU_KV_BUDGET = 2 << 30  # bytes of KV cache on a CPU when no budget is given
+GPU_KV_SHARE = 0.85  # share of free device memory for the KV caches on a GPU
+TREE_ROOM = 300  # tokens per sequence beyond its context, for draft trees
+
+
+@dataclass
+class EngineParts:
+    target: LoadedModel
+    draft: LoadedModel | None
+    max_model_len: int
+    backend: object
+    cache: KVCache
+    draft_cache: KVCache | None
+    prefix_cache: PrefixCache
+    draft_prefix_cache: PrefixCache | None
+    ledger: KVLedger
+    policy: SpecPolicy
+    scheduler: Scheduler
+    drafter: Drafter | None
+    ngram: NgramProposer
+    policy_clock: Callable[[], float]  # seconds: the engine thread's CPU time on a CPU, wall time on a GPU
+
+
+def load_models(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | None) -> tuple:
+    """(target, draft) from the config unless given; the draft computes in the target's dtype and
+    ``dtype auto`` on a CPU weighs the widths a step will have."""
+    if target is None:
+        width = 1 + (max(cfg.spec.tree_budget, cfg.spec.num_draft_tokens) if cfg.draft else 0)
+        target = load_model(cfg.target, cfg.device, cfg.dtype, widths=(1, max(width, 8)))
+    if draft is None and cfg.draft:
+        dtype = str(target.dtype).removeprefix("torch.")
+        draft = load_model(cfg.draft, cfg.device, dtype, with_tokenizer=True, target=target)
+    if draft is not None:
+        check_draft(target, draft)
+    return target, draft
+
+
+def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
+    """The draft must share the target's vocabulary and tokenizer (LoadError otherwise)."""
+    tv, dv = target.config.vocab_size, draft.config.vocab_size
+    if tv != dv:
+        raise LoadError(
+            f"draft vocabulary ({dv} tokens, {draft.path}) does not match the target's "
+            f"({tv} tokens, {target.path}): the draft must share the target's tokenizer"
+        )
+    tt, dt = cast(Any, target.tokenizer), cast(Any, draft.tokenizer)
+    if tt is not None and dt is not None and tt.get_vocab() != dt.get_vocab():
+        raise LoadError(
+            f"draft tokenizer ({draft.path}) differs from the target's ({target.path}): "
+            f"the draft must share the target's tokenizer"
+        )
+
+
+def max_model_len(target: LoadedModel, draft: LoadedModel | None) -> int:
+    tc = target.config
+    n = tc.max_position_embeddings
+    if tc.sliding_window:
+        n = min(n, int(tc.sliding_window))
+    if draft is not None:
+        n = min(n, draft.config.max_position_embeddings)
+    return n
+
+
+def cache_blocks(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int) -> int:
+    """KV blocks per cache: the configured number, else enough for every sequence at full length
+    (plus tree room) within the memory budget (both caches together)."""
+    if cfg.cache.num_blocks is not None:
+        return cfg.cache.num_blocks
+    bs = cfg.cache.block_size
+    tc = target.config
+    per = KVCache.bytes_per_block(tc.num_layers, tc.num_kv_heads, tc.head_dim, bs, target.dtype)
+    if draft is not None:
+        dc = draft.config
+        per += KVCache.bytes_per_block(dc.num_layers, dc.num_kv_heads, dc.head_dim, bs, draft.dtype)
+    want = cfg.scheduler.max_num_seqs * (-(-(max_len + TREE_ROOM) // bs)) + 8
+    budget = cfg.cache.memory_bytes
+    if budget is None:
+        if target.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(target.device)
+            budget = int(free * GPU_KV_SHARE)
+        else:
+            budget = CPU_KV_BUDGET
+    return max(16, min(want, budget // per))
+
+
+def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | None, clock) -> EngineParts:
+    target, draft = load_models(cfg, target, draft)
+    device = target.device
+    max_len = max_model_len(target, draft)
+    backend = get_backend(cfg.attention_backend, device)
+    n = cache_blocks(cfg, target, draft, max_len)
+    bs = cfg.cache.block_size
+    tc = target.config
+    cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, n, bs, target.dtype, device)
+    draft_cache = None
+    if draft is not None:
+        dc = draft.config
+        draft_cache = KVCache(dc.num_layers, dc.num_kv_heads, dc.head_dim, n, bs, draft.dtype, device)
+    prefix_cache = PrefixCache(cache.pool, bs)
+    draft_prefix_cache = PrefixCache(draft_cache.pool, bs) if draft_cache is not None else None
+    on = cfg.scheduler.enable_prefix_cache
+    ledger = KVLedger(
+        cache, draft_cache, prefix_cache if on else None, draft_prefix_cache if on else None, backend=backend
+    )
+    policy = SpecPolicy(cfg.spec, has_draft=draft is not None)
+    scheduler = Scheduler(cfg.scheduler, policy, ledger, clock=clock)
+    policy_clock = time.thread_time if device.type == "cpu" else time.perf_counter
+    drafter = None
+    if draft is not None:
+        assert draft_cache is not None
+        drafter = Drafter(draft.model, draft_cache, cfg.spec, device, draft.config.vocab_size, backend, ledger)
+        drafter.clock = policy_clock
+    ngram_cfg = NgramConfig(max_tokens=cfg.spec.ngram_tokens, branches=cfg.spec.ngram_branches)
+    ngram = NgramProposer(ngram_cfg, SuffixStore() if cfg.spec.suffix_store else None)
+    return EngineParts(
+        target, draft, max_len, backend, cache, draft_cache, prefix_cache, draft_prefix_cache, ledger, policy,
+        scheduler, drafter, ngram, policy_clock,
+    )  # fmt: skip

@@ -1,0 +1,190 @@
+"""The compute stages of an engine step, as functions with typed inputs and outputs:
+
+- ``target_pass(scheduled, proposals, ...) -> TargetPass``: one forward of the target over every
+  scheduled request's tokens (prefill chunks, plain decode roots, draft trees with their ancestor
+  masks) and the logits rows verification needs;
+- ``verify(target_pass) -> [AcceptResult | None]``: per request, the accepted path and the next
+  token (greedy: argmax walk; sampled: the rejection sampler, one vectorised pass for the batch).
+
+Vocabulary: a request's *root* is its pending token (the last committed one); its *tree* holds
+the root (node 0) and the draft tokens; the target verifies every node at position
+``context + depth``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.engine.sampling import logits_to_probs
+from specd.engine.scheduler import Scheduled
+from specd.model.attention import build_metadata
+from specd.speculation.proposal import Proposal
+from specd.speculation.tree import DraftTree
+from specd.speculation.verify import AcceptResult, greedy_verify, verify_batch
+
+
+@dataclass
+class WorkItem:
+    """One scheduled request in the target pass: its tree (None for a prefill chunk that does not
+    reach the pending token), its proposal (None without drafts) and its first logits row."""
+
+    sc: Scheduled
+    tree: DraftTree | None
+    proposal: Proposal | None
+    row0: int
+
+
+@dataclass
+class TargetPass:
+    work: list[WorkItem]
+    logits: torch.Tensor | None  # [rows, vocab]; None when no request reached its pending token
+
+
+@dataclass
+class _Batch:
+    """The flat token batch of a target forward."""
+
+    ids: list = field(default_factory=list)
+    pos: list = field(default_factory=list)
+    slots: list = field(default_factory=list)
+    qlens: list = field(default_factory=list)
+    ctxs: list = field(default_factory=list)
+    tables: list = field(default_factory=list)
+    masks: list = field(default_factory=list)
+    logit_rows: list = field(default_factory=list)
+    work: list = field(default_factory=list)
+    n: int = 0  # tokens so far
+
+
+def _add_chunk(b: _Batch, sc: Scheduled) -> None:
+    """A prefill chunk that does not reach the pending token: no logits."""
+    seq = sc.seq
+    assert seq.blocks is not None
+    c0 = seq.num_computed
+    c1 = c0 + sc.num_tokens
+    b.ids += seq.tokens[c0:c1]
+    b.pos += range(c0, c1)
+    b.slots += seq.blocks.slots(c0, c1)
+    b.qlens.append(c1 - c0)
+    b.masks.append(None)
+    b.work.append(WorkItem(sc, None, None, 0))
+
+
+def _add_tree(b: _Batch, sc: Scheduled, tree: DraftTree, prop: Proposal | None) -> None:
+    """The committed tokens not yet computed (a final prefill chunk, possibly none) and the tree at
+    its root's position: every node at ``root position + depth``, masked to its ancestors."""
+    seq = sc.seq
+    assert seq.blocks is not None
+    c0, L = seq.num_computed, len(seq.tokens)
+    m, nt = L - 1 - c0, tree.num_nodes  # committed tokens before the root; tree nodes
+    b.ids += seq.tokens[c0 : L - 1]
+    b.ids += tree.token_list
+    b.pos += range(c0, L - 1)
+    b.pos += [L - 1 + d for d in tree.depth_list]
+    b.slots += seq.blocks.slots(c0, L - 1 + nt)
+    b.qlens.append(m + nt)
+    mask = None
+    if nt > 1 and tree.max_depth < nt - 1:  # a chain is plain causal: no mask needed
+        mask = torch.zeros((m + nt, m + nt), dtype=torch.bool)
+        mask[:m, :m] = torch.ones((m, m), dtype=torch.bool).tril_()
+        mask[m:, :m] = True
+        mask[m:, m:] = tree.ancestor_mask()
+    b.masks.append(mask)
+    b.work.append(WorkItem(sc, tree, prop, len(b.logit_rows)))
+    b.logit_rows += range(b.n + m, b.n + m + nt)
+
+
+def _assemble(scheduled: list, proposals: dict) -> _Batch:
+    b = _Batch()
+    for sc in scheduled:
+        seq = sc.seq
+        if not sc.final:
+            _add_chunk(b, sc)
+        else:
+            prop = proposals.get(seq.request_id)
+            tree = prop.tree if prop is not None else DraftTree([seq.tokens[-1]], [-1], validate=False)
+            if seq.blocks is None or seq.blocks.capacity < len(seq.tokens) - 1 + tree.num_nodes:
+                raise RuntimeError("KV reservation lost")  # the scheduler reserves every step's tree
+            _add_tree(b, sc, tree, prop)
+        b.ctxs.append(seq.num_computed)
+        b.tables.append(seq.blocks.blocks)
+        b.n += b.qlens[-1]
+    return b
+
+
+def target_pass(scheduled: list, proposals: dict, model, kv: torch.Tensor, block_size: int, backend) -> TargetPass:
+    """One target forward over ``scheduled`` (with ``proposals``: request id -> Proposal)."""
+    b = _assemble(scheduled, proposals)
+    dev = kv.device
+    masks = b.masks if any(x is not None for x in b.masks) else None
+    meta = build_metadata(b.qlens, b.ctxs, b.tables, b.slots, block_size, dev, tree_masks=masks)
+    hidden = model(torch.tensor(b.ids, device=dev), torch.tensor(b.pos, device=dev), kv, meta, backend)
+    if not b.logit_rows:
+        return TargetPass(b.work, None)
+    if len(b.logit_rows) < b.n:  # prefill rows carry no logits
+        hidden = hidden[torch.tensor(b.logit_rows, device=dev)]
+    return TargetPass(b.work, model.compute_logits(hidden))
+
+
+def verify(tp: TargetPass) -> list:
+    """Per work item: its ``AcceptResult``, or None for a prefill chunk."""
+    results: list = [None] * len(tp.work)
+    if tp.logits is None:
+        return results
+    greedy = [k for k, w in enumerate(tp.work) if w.tree is not None and w.sc.seq.params.greedy]
+    sampled = [k for k, w in enumerate(tp.work) if w.tree is not None and not w.sc.seq.params.greedy]
+    if greedy:
+        argmax = tp.logits.argmax(dim=-1).tolist()  # one host transfer for the whole batch
+        for k in greedy:
+            w = tp.work[k]
+            assert w.tree is not None
+            if w.tree.num_nodes == 1:  # root only: the target's token is the bonus token
+                t = argmax[w.row0]
+                results[k] = AcceptResult([], [t], t, True)
+            else:
+                results[k] = greedy_verify(w.tree, argmax[w.row0 : w.row0 + w.tree.num_nodes])
+    if sampled:
+        for k, res in zip(sampled, _verify_sampled([tp.work[k] for k in sampled], tp.logits)):
+            results[k] = res
+    return results
+
+
+def _draft_mode(w: WorkItem) -> str:
+    """How the verifier treats ``w``'s children: drawn from the draft model, or chosen (a point mass)."""
+    return "deterministic" if w.proposal is not None and w.proposal.deterministic else "sampled"
+
+
+def _verify_sampled(work: list, logits: torch.Tensor) -> list:
+    """The rejection sampler over the sampled requests in one vectorised pass (two host
+    transfers), each request drawing only from its own generator."""
+    rows: list[int] = []
+    temp: list[float] = []
+    topk: list[int] = []
+    topp: list[float] = []
+    for w in work:
+        p, n = w.sc.seq.params, w.tree.num_nodes
+        rows += range(w.row0, w.row0 + n)
+        temp += [p.temperature] * n
+        topk += [p.top_k] * n
+        topp += [p.top_p] * n
+    dev = logits.device
+    # params stay on the host: logits_to_probs picks its fast path without a device sync
+    probs = logits_to_probs(
+        logits[torch.tensor(rows, device=dev)], torch.tensor(temp), torch.tensor(topk), torch.tensor(topp)
+    )
+    dps = []
+    for w in work:
+        dp = w.proposal.draft_probs if w.proposal is not None else None
+        if dp is None:
+            dp = torch.zeros((w.tree.num_nodes, probs.shape[1]), dtype=probs.dtype, device=dev)
+        dps.append(dp)
+    return verify_batch(
+        [w.tree for w in work],
+        probs,
+        greedy=False,
+        draft_probs=torch.cat(dps),
+        generators=[w.sc.seq.generator for w in work],
+        draft_mode=[_draft_mode(w) for w in work],
+    )

@@ -1,0 +1,145 @@
+"""Model-free drafting by prompt lookup: propose what followed an earlier occurrence of the
+context's most recent n-gram.
+
+Vocabulary (as in ``verify.py``): the *root* is the request's pending token (the last committed
+one); the proposal is a tree of *draft tokens* below it. Here every draft token is a copy of the
+context, so the draft distribution is a point mass: verification uses the ``deterministic`` draft
+mode (``verify.py``), which keeps sampling lossless.
+
+Matching: for n from ``max_n`` down to ``min_n``, the last n committed tokens are looked up among
+the earlier n-grams of the request's own context (prompt and output so far); the first n with a
+match wins (longer matches predict better). Each earlier occurrence, most recent first, offers the
+``max_tokens`` tokens that followed it; up to ``branches`` distinct continuations are merged into a
+trie below the root (a chain when ``branches`` is 1). No match: no proposal, the step decodes
+plainly at no extra cost.
+
+Worked example (``max_n`` 2, ``min_n`` 1, ``max_tokens`` 3, ``branches`` 2): context
+``a b c d a b x a b`` ends with the bigram ``a b``, seen ending at positions 1 and 5 (0-based);
+the most recent, at 5, was followed by ``x a b``, the earlier one by ``c d a``. The tree is
+``root -> x -> a -> b`` and ``root -> c -> d -> a`` (the root is the last ``b``).
+
+The index of a request (``NgramIndex``) lives on its ``Sequence`` and grows with it: O(new tokens
+x n sizes) per step, memory O(context x n sizes) per request, freed with the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specd.speculation.proposal import Proposal
+from specd.speculation.suffix import SuffixStore
+from specd.speculation.tree import DraftTree
+
+MAX_OCCURRENCES = 64  # most recent occurrences of an n-gram scanned for distinct continuations
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    max_n: int = 4  # longest n-gram matched
+    min_n: int = 2  # shortest n-gram matched
+    max_tokens: int = 8  # draft tokens per continuation (the tree's depth)
+    branches: int = 1  # distinct continuations merged into the tree (1 = a chain)
+
+    def __post_init__(self):
+        if not 1 <= self.min_n <= self.max_n <= 16:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n <= 16, got {self.min_n}..{self.max_n}")
+        if not 1 <= self.max_tokens <= 256 or not 1 <= self.branches <= 8:
+            raise ValueError("n-gram max_tokens must be in 1..256 and branches in 1..8")
+
+
+class NgramIndex:
+    """Where each n-gram (n in ``sizes``) of a token list ends: ``{n: {ngram: [end positions]}}``,
+    an end position being the index of the token that followed it. Updated incrementally."""
+
+    def __init__(self, sizes: range):
+        self.sizes = sizes
+        self.table: dict[int, dict[tuple, list[int]]] = {n: {} for n in sizes}
+        self.indexed = 0  # tokens[:indexed] are indexed
+
+    def update(self, tokens: list) -> None:
+        """Index every n-gram ending before ``len(tokens) - 1`` (the newest n-gram is the query)."""
+        upto = len(tokens) - 1
+        for end in range(max(self.indexed, 1), upto + 1):
+            for n in self.sizes:
+                if end >= n:
+                    self.table[n].setdefault(tuple(tokens[end - n : end]), []).append(end)
+        self.indexed = max(self.indexed, upto + 1)
+
+    def continuations(self, tokens: list, max_tokens: int, branches: int) -> list[list[int]]:
+        """Up to ``branches`` distinct continuations (most recent occurrence first) of the longest
+        matching n-gram that ends the context."""
+        self.update(tokens)
+        L = len(tokens)
+        for n in reversed(self.sizes):
+            if L < n:
+                continue
+            ends = self.table[n].get(tuple(tokens[L - n :]))
+            if not ends:
+                continue
+            out: list[list[int]] = []
+            for end in reversed(ends[-MAX_OCCURRENCES:]):
+                cont = tokens[end : min(end + max_tokens, L)]
+                if cont and cont not in out:
+                    out.append(cont)
+                    if len(out) == branches:
+                        break
+            if out:
+                return out
+        return []
+
+
+def trie(root: int, continuations: list, budget: int) -> DraftTree:
+    """The continuations merged below ``root`` (shared prefixes once), at most ``budget`` draft
+    nodes, in breadth-first order (parents before children, siblings in continuation order)."""
+    children: list[dict[int, int]] = [{}]  # node -> {token: child node} (tentative numbering)
+    tokens, parents = [root], [-1]
+    for cont in continuations:
+        node = 0
+        for t in cont:
+            nxt = children[node].get(t)
+            if nxt is None:
+                if len(tokens) - 1 >= budget:
+                    break
+                nxt = len(tokens)
+                children[node][t] = nxt
+                children.append({})
+                tokens.append(t)
+                parents.append(node)
+            node = nxt
+    depth = [0] * len(tokens)
+    for i in range(1, len(tokens)):
+        depth[i] = depth[parents[i]] + 1
+    order = sorted(range(len(tokens)), key=lambda i: (depth[i], i))
+    new = {old: k for k, old in enumerate(order)}
+    return DraftTree([tokens[i] for i in order], [-1] + [new[parents[i]] for i in order[1:]], validate=False)
+
+
+class NgramProposer:
+    """Model-free proposals for requests in ``ngram`` mode (no model, no KV cache): prompt lookup in
+    the request's own context first, else (with a ``SuffixStore``) the tenant's earlier requests."""
+
+    def __init__(self, cfg: NgramConfig | None = None, store: SuffixStore | None = None):
+        self.cfg = cfg or NgramConfig()
+        self.store = store
+
+    def propose(self, seq, budget: int) -> Proposal | None:
+        """A proposal of at most ``budget`` draft tokens for ``seq``, or None without a match."""
+        if budget <= 0:
+            return None
+        index = seq.ngram_index
+        if index is None:
+            index = seq.ngram_index = NgramIndex(range(self.cfg.min_n, self.cfg.max_n + 1))
+        k = min(self.cfg.max_tokens, budget)
+        conts, name = index.continuations(seq.tokens, k, self.cfg.branches), "ngram"
+        if not conts and self.store is not None:
+            cont = self.store.continuation(seq.tenant, seq.tokens, k)
+            conts, name = ([cont] if cont else []), "suffix"
+        if not conts:
+            return None
+        tree = trie(seq.tokens[-1], conts, budget)
+        return Proposal(tree, None, tree.max_depth, proposer=name)
+
+    def finished(self, seq) -> None:
+        """A request completed: its tokens join its tenant's store."""
+        if self.store is not None:
+            self.store.add(seq.tenant, seq.tokens)

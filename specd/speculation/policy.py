@@ -1,0 +1,346 @@
+"""How to speculate: per request and per step, which mode and how many draft tokens (the scheduler
+decides who runs and how many tokens; this decides how they speculate).
+
+Adaptive requests (``speculation: auto``): each step picks the draft depth D (0..max) that
+maximises the expected tokens per second of the whole step, ``sum_i E(a_i, D) / T(D)`` with
+``E(a, D) = (1 - a^(D+1)) / (1 - a)`` (Leviathan et al. 2023) and a_i each request's per-position
+acceptance (EMA of accepted / drafted depth; new requests start from the engine-wide EMA). Costs
+are measured by the engine in its thread's CPU time on a CPU (waits for the GIL or other load do
+not distort them; wall time on a GPU):
+
+- T(0) = the measured cost of a draft-free decode step at this batch size (a batch size not yet
+  seen gets one plain step first);
+- T(D>0) = ``max(t_fixed + t_per_token * B * (1 + nodes(D)), T(0) + t_per_token * B * nodes(D))
+  + D * t_draft``: t_fixed and t_per_token fitted (least squares over the last 64 speculative decode
+  steps; a verification never costs less than a plain step plus its extra tokens), t_draft = one
+  draft level after the first (which also catches the draft cache up).
+
+D = 0 turns speculation off: at high batch the target step grows and D shrinks; when the batch
+drains it grows back. While D = 0, a probe step drafts one token for ONE request (the least
+recently probed) so acceptance estimates stay current; the probe interval doubles (16 -> 256
+steps) while D stays 0 (every 4096 steps when not even perfect acceptance would make drafting pay
+at this batch size: probing acceptance cannot change that answer; the rare probe refreshes the
+costs). Decisions are reused for up to 8 steps while the batch's acceptance estimates are
+unchanged. Chains use k = D; trees keep ``min(tree_budget, D * tree_topk)`` nodes up to depth D.
+Requests that name a mode (chain/tree) get that fixed size (capped by their max_draft_tokens);
+the step's draft tokens are also capped at ``max_verify_tokens - batch``.
+
+Worked example: B = 1, a = 0.8, T(0) = 10 ms, t_fixed = 10 ms, t_per_token = 0, t_draft = 1 ms.
+D = 4 gives E = (1 - 0.8^5) / 0.2 = 3.36 tokens per 14 ms = 240 tokens/s against 100 for D = 0.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from specd.config import SpecConfig
+from specd.engine.sequence import Sequence
+
+MODEL_MODES = ("chain", "tree", "static")  # modes that draft with the draft model
+DECISION_REUSE_STEPS = 8  # a decision is reused while the batch's estimates are unchanged
+HOPELESS_REUSE_STEPS = 64  # "drafting cannot pay at this batch size" is trusted this long
+FIT_WINDOW = 64  # speculative steps in the least-squares cost fit
+
+
+@dataclass
+class StepPlan:
+    """One step's speculation decision: ``depth`` for adaptive requests (None: no adaptive policy
+    this step), the one request a probe step drafts for, and the per-request draft-token cap."""
+
+    depth: int | None
+    probe: Sequence | None
+    cap: int
+    batch: int = 1  # requests expected in the step
+
+
+class CostFit:
+    """Least squares ``seconds = fixed + per_token * tokens`` over a sliding window, from running
+    sums (O(1) per step; re-summed exactly every window so float drift never accumulates)."""
+
+    def __init__(self, window: int = FIT_WINDOW):
+        self.window = window
+        self.obs: collections.deque = collections.deque()  # recent (tokens, seconds)
+        self.sums = [0, 0.0, 0, 0.0]  # sum x, sum y, sum x^2, sum x*y over obs
+        self.count = 0
+
+    def add(self, tokens: int, seconds: float) -> tuple[float, float] | None:
+        """Record one step; the fitted (fixed, per_token) once at least 8 steps with varying token
+        counts are in the window, else None."""
+        obs = self.obs
+        obs.append((tokens, seconds))
+        self.sums = [s + d for s, d in zip(self.sums, (tokens, seconds, tokens * tokens, tokens * seconds))]
+        if len(obs) > self.window:
+            x0, y0 = obs.popleft()
+            self.sums = [s - d for s, d in zip(self.sums, (x0, y0, x0 * x0, x0 * y0))]
+        self.count += 1
+        if self.count % self.window == 0:
+            self.sums = [
+                sum(x for x, _ in obs),
+                sum(y for _, y in obs),
+                sum(x * x for x, _ in obs),
+                sum(x * y for x, y in obs),
+            ]
+        n = len(obs)
+        sx, sy, sxx, sxy = self.sums
+        nvx = n * sxx - sx * sx  # n * variance of x: exact for integer token counts
+        if n < 8 or nvx <= 0:
+            return None
+        b = max(0.0, (n * sxy - sx * sy) / nvx)
+        return max(sy / n - b * sx / n, 1e-6), b
+
+
+def expected_tokens(groups: collections.Counter, batch: int, dmax: int) -> list[float]:
+    """``tot[d] = sum_i E(a_i, d)`` for d in 0..dmax, over acceptance ``groups`` (rounded estimate ->
+    count), so the cost is O(distinct * dmax), not O(batch * dmax)."""
+    tot = [float(batch)] * (dmax + 1)
+    for a, n in groups.items():
+        p, acc = 1.0, 1.0
+        for d in range(1, dmax + 1):
+            p *= a
+            acc += p
+            tot[d] += n * (acc - 1.0)
+    return tot
+
+
+class SpecPolicy:
+    """The speculation cost model and per-step decision (see the module docstring). ``step`` counts
+    planned steps: the scheduler advances it through ``plan``; tests may set it directly."""
+
+    def __init__(self, spec: SpecConfig, has_draft: bool, max_verify_tokens: int = 256):
+        self.spec = spec
+        self.has_draft = has_draft
+        self.max_verify_tokens = max_verify_tokens
+        self.step = 0
+        self.t_target: float | None = None  # seconds of a target step's fixed part (forward + verify + commit)
+        self.t_per_token = 0.0  # marginal seconds per target token
+        self.t_draft: float | None = None  # EMA seconds of one draft forward (one tree level)
+        self.t_plain: dict = {}  # batch size -> EMA seconds of a decode step without drafts
+        self.accept_ema: float | None = None  # engine-wide per-position acceptance (prior for new requests)
+        self.probe_every = 16  # current probe interval (steps) while speculation is off
+        self.probe_min, self.probe_max = 16, 256
+        self.probe_hopeless = 4096  # probe interval while even perfect acceptance would not pay
+        self.probing = False
+        self.last_depth = 0
+        self._fit = CostFit()
+        self._decision: tuple | None = None  # (alphas, step, config, depth, hopeless) of the last decision
+        self.hopeless_batch: tuple | None = None  # (batch, step, mode) of the last "drafting cannot pay"
+
+    # per request --------------------------------------------------------------------------------
+    def mode_of(self, seq: Sequence) -> str:
+        """The request's effective mode: ``auto`` means the configured one; a draft-model mode
+        (chain, tree, static) is ``off`` without a draft model; ``ngram`` needs none."""
+        m = seq.spec.mode
+        if m == "auto":
+            m = self.spec.mode
+        if m in MODEL_MODES and not self.has_draft:
+            return "off"
+        return m
+
+    def desired_budget(self, seq: Sequence) -> int:
+        """Draft tokens the request's mode asks for (before the adaptive depth and step caps)."""
+        mode = self.mode_of(seq)
+        if mode == "off":
+            return 0
+        if mode == "ngram":
+            base = self.spec.ngram_tokens * self.spec.ngram_branches
+        else:
+            base = self.spec.num_draft_tokens if mode == "chain" else self.spec.tree_budget
+        if seq.spec.max_draft_tokens is not None:
+            base = min(base, seq.spec.max_draft_tokens)
+        return max(base, 0)
+
+    def start(self, seq: Sequence) -> None:
+        """A new request starts from the engine-wide acceptance estimate."""
+        if self.accept_ema is not None and seq.stats.steps == 0:
+            seq.recent_accept = self.accept_ema
+
+    def nodes_for_depth(self, d: int) -> int:
+        return d if self.spec.mode == "chain" else min(self.spec.tree_budget, d * self.spec.tree_topk)
+
+    def step_spec_cap(self, batch: int) -> int:
+        """Per-sequence cap on draft tokens so the step's verification tokens stay bounded."""
+        if batch <= 0:
+            return 0
+        return max(0, (self.max_verify_tokens - batch) // batch)
+
+    # measurements -------------------------------------------------------------------------------
+    def observe(self, t_target: float, t_draft_level: float | None, tokens: int = 0) -> None:
+        """Measured costs of a speculative decode step: its target part (forward + verify + commit)
+        with ``tokens`` target tokens, and one draft level (None: not measured this step)."""
+        a = 0.2
+        if t_draft_level is not None:
+            self.t_draft = t_draft_level if self.t_draft is None else (1 - a) * self.t_draft + a * t_draft_level
+        fit = self._fit.add(tokens, t_target)
+        if fit is not None:
+            self.t_target, self.t_per_token = fit
+            return
+        self.t_target = t_target if self.t_target is None else (1 - a) * self.t_target + a * t_target
+
+    def observe_plain(self, batch: int, seconds: float) -> None:
+        """A decode step with no drafts at all, ``batch`` requests, took ``seconds``: the cost of
+        depth 0 at this batch size, measured rather than extrapolated from speculative steps (plain
+        decoding takes a cheaper attention path)."""
+        old = self.t_plain.get(batch)
+        self.t_plain[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def note_accept(self, rate: float) -> None:
+        """Per-position acceptance of a speculating step; new requests start from its EMA."""
+        self.accept_ema = rate if self.accept_ema is None else 0.9 * self.accept_ema + 0.1 * rate
+
+    def forget(self) -> None:
+        """Drop the cached decision: the next ``choose_depth`` recomputes from the current costs."""
+        self._decision = None
+
+    # the decision -------------------------------------------------------------------------------
+    def plan(self, candidates: list, batch: int) -> StepPlan:
+        """Advance the step counter and decide this step's adaptive depth and probe among
+        ``candidates`` (the requests that may run this step, in rank order)."""
+        cap = self.step_spec_cap(batch) if self.spec.adaptive else 1 << 30
+        self.step += 1
+        if not (self.spec.adaptive and self.has_draft) or self.spec.mode not in MODEL_MODES:
+            return StepPlan(None, None, cap, batch)
+        autos = [s for s in candidates if s.spec.mode == "auto"]
+        if autos and self._hopeless_now(len(autos)):
+            depth = 0
+        else:
+            depth = self.choose_depth([s.recent_accept for s in autos])
+        self.last_depth = depth
+        probe = None
+        if self.probing and autos:
+            probe = min(autos, key=lambda s: s.last_probe)
+            probe.last_probe = self.step
+        return StepPlan(depth, probe, cap, batch)
+
+    def budget(self, seq: Sequence, plan: StepPlan) -> tuple[int, int]:
+        """(draft tokens wanted, tree depth allowed; 0 = the configured depth) for ``seq`` this step."""
+        if self.mode_of(seq) == "ngram":
+            return self.ngram_budget(seq, plan.batch), 0
+        auto = seq.spec.mode == "auto"
+        if plan.depth == 0 and not self.probing and auto:
+            return 0, 0  # speculation off for adaptive requests this step (the common case at load)
+        want = self.desired_budget(seq)
+        if plan.depth is None or not auto or want <= 0:
+            return want, 0
+        depth = plan.depth
+        want = depth if self.mode_of(seq) == "chain" else min(self.spec.tree_budget, depth * self.spec.tree_topk)
+        if self.probing:
+            want = 1 if seq is plan.probe else 0  # a probe drafts a single token for one request
+        if seq.spec.max_draft_tokens is not None:
+            want = min(want, seq.spec.max_draft_tokens)
+        return want, depth
+
+    def ngram_budget(self, seq: Sequence, batch: int) -> int:
+        """Prompt-lookup draft tokens for ``seq``: the length that maximises expected tokens per
+        second at its acceptance (drafting itself costs nothing; verifying each token does), capped
+        by its mode's budget. A step with no n-gram match drafts nothing, whatever is reserved.
+        While nothing pays (or with adaptive speculation off: always) the full budget is kept on
+        every ``probe_every``-th step so the estimate stays current."""
+        want = self.desired_budget(seq)
+        t_plain = self.t_plain.get(batch)
+        if not self.spec.adaptive or want <= 0 or self.t_target is None or t_plain is None:
+            return want
+        a = min(max(seq.ngram_accept, 0.0), 0.999)
+        t0, tpt = self.t_target, self.t_per_token
+        best, best_d, e = 1.0 / t_plain, 0, 1.0
+        for d in range(1, want + 1):
+            e += a**d
+            rate = e / max(t0 + tpt * batch * (1 + d), t_plain + tpt * batch * d)
+            if rate > best * 1.02:
+                best, best_d = rate, d
+        if best_d == 0 and self.step % self.probe_min == 0:
+            return want
+        return best_d
+
+    def prefer_ngram(self, seq: Sequence, ngram_tokens: int, model_depth: int, batch: int) -> bool:
+        """For an adaptive request that could draft with either proposer this step: is the prompt
+        lookup match (``ngram_tokens`` long) worth more tokens per second than the draft model at
+        ``model_depth``? Expected tokens from each one's own acceptance of this request; costs:
+        verification of the proposal's tokens (measured), plus the draft levels for the model."""
+        if self.t_target is None or self.t_draft is None or model_depth <= 0:
+            return True  # nothing measured yet (or the model would not draft): the free proposal
+        t0, tpt = self.t_target, self.t_per_token
+        t_plain = self.t_plain.get(batch, t0)
+
+        def verify_cost(nodes: int) -> float:
+            return max(t0 + tpt * batch * (1 + nodes), t_plain + tpt * batch * nodes)
+
+        def expected(a: float, d: int) -> float:
+            a = min(max(a, 0.0), 0.999)
+            return (1 - a ** (d + 1)) / (1 - a)
+
+        ngram_rate = expected(seq.ngram_accept, ngram_tokens) / verify_cost(ngram_tokens)
+        nodes = self.nodes_for_depth(model_depth)
+        model_rate = expected(seq.recent_accept, model_depth) / (verify_cost(nodes) + model_depth * self.t_draft)
+        return ngram_rate >= model_rate
+
+    def choose_depth(self, alphas: list) -> int:
+        """Draft depth maximising expected tokens/s of the step (0 = no speculation). While the
+        answer is 0, every ``probe_every`` steps it returns 1 and sets ``probing``."""
+        dmax = max(self.spec.tree_depth, self.spec.num_draft_tokens)
+        self.probing = False
+        if not alphas:
+            return 0
+        if self.t_target is None or self.t_draft is None:
+            return min(dmax, 4)  # no measurements yet: start speculating, measure
+        best_d, hopeless = self._decide(alphas, dmax)
+        if best_d == 0:
+            every = self.probe_hopeless if hopeless else self.probe_every
+            if self.step % every == 0:
+                self.probing = True  # one draft token keeps the estimates fresh...
+                if not hopeless:
+                    self.probe_every = min(self.probe_max, self.probe_every * 2)  # ...ever more rarely
+                return 1
+            return 0
+        self.probe_every = self.probe_min
+        return best_d
+
+    def _decide(self, alphas: list, dmax: int) -> tuple[int, bool]:
+        """(best depth, hopeless), reusing a recent decision for the same estimates (costs drift
+        slowly). Hopeless: not even perfect acceptance would make drafting pay at this batch size."""
+        c = self._decision
+        key = (self.spec.mode, dmax)
+        if c is not None and c[0] == alphas and self.step - c[1] < DECISION_REUSE_STEPS and c[2] == key:
+            return c[3], c[4]
+        best_d = self._best_depth(alphas, dmax)
+        hopeless = best_d == 0 and self._best_depth([0.999] * len(alphas), dmax) == 0
+        if len(alphas) in self.t_plain:  # (an unmeasured batch size is re-asked next step)
+            self._decision = (list(alphas), self.step, key, best_d, hopeless)
+            self.hopeless_batch = (len(alphas), self.step, self.spec.mode) if hopeless else None
+        return best_d, hopeless
+
+    def _hopeless_now(self, batch: int) -> bool:
+        """Depth 0 without looking at acceptance: a recent decision found drafting hopeless at this
+        batch size and this is not a probe step (saves building the acceptance list every step)."""
+        h = self.hopeless_batch
+        if (
+            h is None
+            or h[0] != batch
+            or self.step - h[1] >= HOPELESS_REUSE_STEPS
+            or h[2] != self.spec.mode
+            or self.step % self.probe_hopeless == 0
+            or self.t_target is None
+        ):
+            return False
+        self.probing = False
+        return True
+
+    def _best_depth(self, alphas: list, dmax: int) -> int:
+        B = len(alphas)
+        t_plain = self.t_plain.get(B)
+        if t_plain is None:
+            return 0  # first time at this batch size: one plain step measures the cost of depth 0
+        groups = collections.Counter(round(min(max(a, 0.0), 0.999), 2) for a in alphas)
+        tot = expected_tokens(groups, B, dmax)
+        t0, tpt, td = self.t_target, self.t_per_token, self.t_draft
+        assert t0 is not None and td is not None
+        best, best_d = B / t_plain, 0
+        for d in range(1, dmax + 1):
+            nodes = self.nodes_for_depth(d)
+            # a verification step costs at least a plain step plus its extra tokens: the fit alone
+            # can underestimate it (a fixed part fitted near 0 from a few probe steps)
+            t_verify = max(t0 + tpt * B * (1 + nodes), t_plain + tpt * B * nodes)
+            rate = tot[d] / (t_verify + d * td)
+            if rate > best * 1.02:  # a clear win only
+                best, best_d = rate, d
+        return best_d

@@ -1,0 +1,28 @@
+"""What a proposer hands the verifier for one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specd.speculation.tree import DraftTree
+
+
+@dataclass
+class Proposal:
+    """A draft tree below the request's root, with how it was made.
+
+    ``draft_probs`` [n, V]: row i is the distribution node i's children were drawn from (sampled
+    proposals of the draft model for sampling requests); None for greedy requests and for
+    ``deterministic`` proposers, whose children are chosen, not drawn (prompt lookup): their
+    draft distribution is a point mass and verification uses the ``deterministic`` draft mode."""
+
+    tree: DraftTree
+    draft_probs: torch.Tensor | None
+    depth: int
+    proposer: str = "draft"  # draft (the draft model) | ngram (prompt lookup) | suffix (earlier requests)
+
+    @property
+    def deterministic(self) -> bool:
+        return self.proposer in ("ngram", "suffix")

@@ -1,0 +1,211 @@
+"""Prompt lookup (``--spec ngram``): the index and trie against brute force, greedy output identical
+to plain decoding (with and without a draft model, mixed with draft-model requests), sampled output
+following the target's distribution with a point-mass proposer, and per-proposer statistics."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specd.config import EngineConfig, SchedulerConfig, SpecConfig
+from specd.engine.engine import Engine
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import SpecParams
+from specd.speculation.ngram import NgramConfig, NgramIndex, trie
+from specd.speculation.suffix import SuffixConfig, SuffixStore
+from tests.conftest import DRAFT, TARGET
+from tests.test_spec_sampling import TEMP, TOPK, _target_probs
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+REPETITIVE = [
+    "Once upon a time, there was a girl. Once upon a time, there was a",
+    "Tom had a red ball. Tom had a red ball. Tom had a red ball. Tom had a",
+    "The cat sat on the mat. The dog sat on the mat. The bird sat on the",
+    "Lily said: I like cake. Sam said: I like cake. Mom said: I like",
+]
+
+
+def _brute_continuations(tokens, sizes, max_tokens, branches):
+    L = len(tokens)
+    for n in reversed(sizes):
+        if L < n:
+            continue
+        tail = tokens[L - n :]
+        out = []
+        for end in range(L - 1, n - 1, -1):  # most recent occurrence first
+            if tokens[end - n : end] == tail:
+                cont = tokens[end : min(end + max_tokens, L)]
+                if cont not in out:
+                    out.append(cont)
+                if len(out) == branches:
+                    break
+        if out:
+            return out
+    return []
+
+
+def test_index_matches_brute_force_as_the_context_grows():
+    rng = random.Random(0)
+    for trial in range(30):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        ix = NgramIndex(range(1, 4))
+        for _ in range(25):  # incremental: one or a few tokens committed per step
+            want = _brute_continuations(tokens, range(1, 4), 5, 3)
+            assert ix.continuations(tokens, 5, 3) == want, (trial, tokens)
+            tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+
+
+def test_trie_merges_shared_prefixes_in_breadth_first_order_within_the_budget():
+    tree = trie(7, [[1, 2, 3], [1, 4], [5]], budget=16)
+    assert tree.token_list == [7, 1, 5, 2, 4, 3]
+    assert [tree.path_to(i) for i in range(tree.num_nodes)][-1] == [0, 1, 3, 5]
+    assert trie(7, [[1, 2, 3], [4, 5]], budget=3).token_list == [7, 1, 2, 3]  # budget: 3 draft nodes
+    with pytest.raises(ValueError):
+        NgramConfig(min_n=3, max_n=2)
+
+
+@pytest.fixture(scope="module")
+def engines(shared_pair):
+    """(with the draft model loaded, target only), both defaulting to prompt lookup."""
+    t, d = shared_pair
+    spec = SpecConfig(mode="ngram", ngram_tokens=6, ngram_branches=2, adaptive=False)
+    sch = SchedulerConfig(max_num_seqs=16)
+    with_draft = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=spec, scheduler=sch), t, d)
+    alone = Engine(EngineConfig(target=str(TARGET), spec=spec, scheduler=sch), t)
+    return with_draft, alone
+
+
+def _ids(eng, texts):
+    return [eng.tokenizer(x)["input_ids"] for x in texts]
+
+
+def test_greedy_prompt_lookup_equals_plain_decoding(engines):
+    with_draft, alone = engines
+    prompts = _ids(alone, REPETITIVE)
+    plain = [s.output_ids for s in alone.generate(prompts, GREEDY, SpecParams(mode="off"))]
+    alone.stats.by_proposer.clear()
+    for p, want in zip(prompts, plain):  # batch 1, no draft model at all
+        assert alone.generate([p], GREEDY, SpecParams(mode="ngram"))[0].output_ids == want
+    row = alone.stats.by_proposer["ngram"]
+    assert row[2] > 0, "no prompt-lookup draft was ever accepted: the test proves nothing"
+    # a mixed batch on the engine with a draft model: ngram, tree, auto (= ngram here) and off together
+    modes = ["ngram", "tree", "auto", "off"]
+    seqs = [with_draft.add_request(p, GREEDY, SpecParams(mode=m)) for p, m in zip(prompts, modes)]
+    while any(not s.finished for s in seqs):
+        with_draft.step()
+    assert [s.output_ids for s in seqs] == plain
+    assert set(with_draft.stats.by_proposer) == {"ngram", "draft"}
+    assert with_draft.kv_blocks_used() == (0, 0) and alone.kv_blocks_used() == (0, 0)
+
+
+def test_per_proposer_statistics_add_up(engines):
+    _, alone = engines
+    seq = alone.generate(_ids(alone, REPETITIVE[1:2]), GREEDY, SpecParams(mode="ngram"))[0]
+    by = seq.stats.as_dict()["by_proposer"]  # prompt lookup, and (the prompt ran before) earlier requests
+    assert sum(d["accepted_tokens"] for d in by.values()) == seq.stats.accepted_tokens
+    assert sum(d["draft_tokens"] for d in by.values()) == seq.stats.draft_tokens
+    assert sum(d["steps"] for d in by.values()) <= seq.stats.steps
+    assert by["ngram"]["mean_accepted_length"] > 1.0 and by["suffix"]["accepted_tokens"] > 0
+
+
+def test_sampled_prompt_lookup_follows_the_targets_distribution(shared_pair):
+    """The draft distribution of prompt lookup is a point mass: verification in deterministic mode
+    keeps sampling exact (chi-square on the first two tokens, as for the draft model)."""
+    t, _ = shared_pair
+    eng = Engine(
+        EngineConfig(
+            target=str(TARGET),
+            spec=SpecConfig(mode="ngram", ngram_tokens=3, ngram_branches=2, adaptive=False),
+            scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096),
+        ),
+        target=t,
+    )
+    prompt = eng.tokenizer("Once upon a time, there was a girl. Once upon a time, there was a")["input_ids"]
+    p1 = _target_probs(t, prompt)
+    joint = {}
+    for x1 in torch.nonzero(p1).flatten().tolist():
+        p2 = _target_probs(t, prompt + [x1])
+        for x2 in torch.nonzero(p2).flatten().tolist():
+            joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    n = 2000
+    # max_tokens 3: the first step may draft two tokens; the tiny model copies rarely (~5% accepted)
+    params = [SamplingParams(temperature=TEMP, top_k=TOPK, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)]
+    seqs = eng.generate([prompt] * n, params, SpecParams(mode="ngram"))
+    assert eng.stats.by_proposer["ngram"][2] > 0.03 * n  # drafts were really accepted
+    keys = sorted(joint)
+    counts = dict.fromkeys(keys, 0)
+    for s in seqs:
+        counts[tuple(s.output_ids[:2])] += 1  # a pair outside the target's support raises KeyError
+    obs = np.array([counts[k] for k in keys], dtype=float)
+    exp = np.array([joint[k] for k in keys]) * n
+    big = exp >= 5
+    obs_m, exp_m = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
+    exp_m *= obs_m.sum() / exp_m.sum()
+    assert chisquare(obs_m, exp_m).pvalue > 1e-3
+    assert 0.5 * np.abs(obs / n - exp / n).sum() < 0.07
+    assert eng.kv_blocks_used() == (0, 0)
+
+
+def test_adaptive_requests_choose_a_proposer_per_step_and_stay_lossless(shared_pair):
+    """``auto`` requests on an engine with a draft model: each step drafts with prompt lookup when it
+    has a match the policy expects to pay more, else with the draft model; greedy output is still
+    identical to plain decoding, and both proposers show up in the statistics."""
+    t, d = shared_pair
+    spec = SpecConfig(mode="tree", adaptive=True, suffix_store=False)  # (else the plain run predicts everything)
+    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=spec), t, d)
+    prompts = _ids(eng, REPETITIVE)
+    plain = [s.output_ids for s in eng.generate(prompts, GREEDY, SpecParams(mode="off"))]
+    eng.stats.by_proposer.clear()
+    for p, want in zip(prompts, plain):
+        assert eng.generate([p], GREEDY, SpecParams(mode="auto"))[0].output_ids == want
+    assert set(eng.stats.by_proposer) == {"ngram", "draft"}
+    assert eng.kv_blocks_used() == (0, 0)
+
+
+def test_the_policy_prefers_the_proposal_with_more_tokens_per_second(shared_pair):
+    t, d = shared_pair
+    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
+    pol, seq = eng.policy, eng.add_request([5, 6, 7], GREEDY)
+    assert pol.prefer_ngram(seq, 4, 3, 1)  # nothing measured yet: the free proposal
+    pol.t_target, pol.t_per_token, pol.t_draft, pol.t_plain = 0.010, 0.001, 0.004, {1: 0.010}
+    seq.ngram_accept, seq.recent_accept = 0.9, 0.3
+    assert pol.prefer_ngram(seq, 4, 3, 1)  # lookup accepted far more often than the model
+    seq.ngram_accept, seq.recent_accept = 0.05, 0.9
+    assert not pol.prefer_ngram(seq, 4, 3, 1)
+
+
+# drafting from earlier requests -------------------------------------------------------------------
+def test_suffix_store_is_bounded_and_never_crosses_tenants():
+    store = SuffixStore(SuffixConfig(max_tokens_per_tenant=40, max_tenants=2, min_n=2, max_n=3))
+    store.add("alice", [1, 2, 3, 4, 5, 6])
+    assert store.continuation("alice", [9, 1, 2], 3) == [3, 4, 5]
+    assert store.continuation("bob", [9, 1, 2], 3) == []  # another key never sees alice's requests
+    assert store.continuation(None, [9, 1, 2], 3) == []
+    for k in range(10):  # 10 x 10 tokens into a 40-token budget: the oldest documents go
+        store.add("alice", [100 + k] * 2 + list(range(20 + 10 * k, 28 + 10 * k)))
+    assert store.stats() == {"tenants": 1, "tokens": 40}
+    assert store.continuation("alice", [9, 1, 2], 3) == []  # evicted, and its index entries with it
+    assert store.continuation("alice", [109, 109], 2) == [110, 111]
+    store.add("bob", [1, 2, 3])
+    store.add("carol", [1, 2, 3])  # a third tenant evicts the least recently used (alice)
+    assert store.stats()["tenants"] == 2 and store.continuation("alice", [109, 109], 2) == []
+
+
+def test_a_repeated_request_drafts_from_the_first_and_stays_lossless(shared_pair):
+    t, _ = shared_pair
+    eng = Engine(EngineConfig(target=str(TARGET), spec=SpecConfig(mode="ngram", adaptive=False)), t)
+    prompt = _ids(eng, ["Sam was sad because"])[0]
+    first = eng.add_request(prompt, GREEDY, SpecParams(mode="ngram"), tenant="k1")
+    while not first.finished:
+        eng.step()
+    eng.stats.by_proposer.clear()
+    again = eng.generate([prompt], GREEDY, SpecParams(mode="ngram"))[0]  # tenant None: nothing to reuse
+    assert "suffix" not in eng.stats.by_proposer
+    second = eng.add_request(prompt, GREEDY, SpecParams(mode="ngram"), tenant="k1")
+    while not second.finished:
+        eng.step()
+    assert second.output_ids == first.output_ids == again.output_ids
+    steps, drafted, accepted = eng.stats.by_proposer["suffix"]
+    assert accepted >= 0.8 * drafted and second.stats.steps < 0.5 * len(second.output_ids)
