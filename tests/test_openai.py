@@ -202,6 +202,30 @@ def test_responses_http_chain_stream_store(client, reference):
     assert ei.value.body["code"] == "previous_response_not_found"
 
 
+def test_the_callers_key_is_its_tenant_in_the_engine(server):
+    """Model-free drafting reads only the same key's earlier requests: every front end hands the
+    engine the key's tenant (HTTP bearer, the websocket's header or auth message)."""
+    from specd.serving.auth import Auth
+
+    seen = []
+    listener = lambda outs, dt: seen.extend(o.seq.tenant for o in outs if o.finished)  # noqa: E731
+    server.call(lambda: server.app.ae.listeners.append(listener))
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="key-t", max_retries=0)
+        c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+        c.responses.create(model=MODEL, input=PROMPT, max_output_tokens=2)
+        headers = {"Authorization": "Bearer key-t"}
+        with connect(f"ws://127.0.0.1:{server.port}/ws", additional_headers=headers) as ws:
+            ws.send(orjson.dumps({"type": "generate", "id": "t", "prompt": PROMPT, "max_tokens": 2}).decode())
+            ws_collect(ws, "t")
+        with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:  # no key: no tenant
+            ws.send(orjson.dumps({"type": "generate", "id": "u", "prompt": PROMPT, "max_tokens": 2}).decode())
+            ws_collect(ws, "u")
+    finally:
+        server.call(lambda: server.app.ae.listeners.remove(listener))
+    assert seen == [Auth.tenant("key-t")] * 3 + [None] and Auth.tenant("key-t") is not None
+
+
 def test_stored_responses_belong_to_their_key(server):
     a = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="key-a", max_retries=0)
     b = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="key-b", max_retries=0)

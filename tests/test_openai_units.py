@@ -181,3 +181,19 @@ def test_bearer_and_key_checks():
     assert auth.bearer({"authorization": "Basic abc"}) == "" and auth.bearer({}) is None
     assert auth.key_ok("s3cret") and not auth.key_ok("nope") and not auth.key_ok(None)
     assert Auth(None).key_ok(None) and Auth("").key_ok("anything")
+
+
+def test_usage_speculation_by_proposer_only_when_several():
+    from types import SimpleNamespace
+
+    from specd.engine.sequence import SpecStats
+    from specd.serving.openai_format import usage
+
+    st = SpecStats()
+    st.record(4, 4, 2, "draft")
+    seq = SimpleNamespace(num_prompt=5, num_output=3, stats=st, cached_prefix_tokens=0)
+    seq.arrival = seq.scheduled_time = seq.first_token_time = seq.finish_time = None
+    assert "by_proposer" not in usage(seq)["speculation"]
+    st.record(2, 2, 1, "ngram")
+    by = usage(seq)["speculation"]["by_proposer"]
+    assert set(by) == {"draft", "ngram"} and by["draft"]["accepted_tokens"] == 2 and by["ngram"]["draft_tokens"] == 2
