@@ -232,12 +232,16 @@ def _ws_text_frame(text: str) -> bytes:
     return hdr + b"\0\0\0\0" + data
 
 
+def _ws_transports(srv) -> dict:
+    """Client port -> the server's transport of each open websocket (uvicorn's connections)."""
+    return {c.client[1]: c.transport for c in srv.app.http.connections if c.client and hasattr(c, "conn")}
+
+
 def _shrink_sndbuf(srv, client_port: int, size: int = 4096) -> int:
     n = 0
-    for c in srv.app.ws.conns:
-        sock = c.ws.transport.get_extra_info("socket")
-        if c.ws.remote_address[1] == client_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    for port, transport in _ws_transports(srv).items():
+        if port == client_port:
+            transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
             n += 1
     return n
 
@@ -279,7 +283,7 @@ def test_slow_readers_do_not_stall_others(make_server, engine):
         end = time.monotonic() + 60
         blocked = 0
         while time.monotonic() < end:
-            blocked = srv.call(lambda: sum(1 for c in srv.app.ws.conns if c.ws.transport.get_write_buffer_size() > 0))
+            blocked = srv.call(lambda: sum(1 for t in _ws_transports(srv).values() if t.get_write_buffer_size() > 0))
             if blocked == len(slow):
                 break
             time.sleep(0.1)

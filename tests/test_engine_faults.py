@@ -229,7 +229,7 @@ def test_schedule_failures_fail_everyone_after_three_then_recover(engine, prompt
 def test_failing_steps_back_off_instead_of_spinning(engine, prompts):
     """An exception escaping ``Engine.step()`` with work that cannot be failed: the loop backs off
     (a handful of steps a second, not thousands), turns unhealthy, and recovers when steps do."""
-    from specd.serving.engine_loop import AsyncEngine
+    from specd.serving.engine_client import AsyncEngine
 
     assert [backoff_s(n) for n in (0, 1, 2, 20)] == [0.0, 0.02, 0.04, 1.0]
     calls = [0]
@@ -244,7 +244,7 @@ def test_failing_steps_back_off_instead_of_spinning(engine, prompts):
         await ae.start()
         engine.step, engine.fail_all = bad_step, lambda exc, stage="step": []
         engine.add_request(prompts["short"], _greedy(), TREE, request_id="stuck")
-        ae._wake.set()
+        ae.wake()
         await asyncio.sleep(1.0)
         assert 3 <= calls[0] <= 10 and ae.num_step_errors == calls[0]
         assert ae.unhealthy_reason().endswith("engine steps in a row failed")

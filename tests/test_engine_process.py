@@ -18,10 +18,12 @@ pytestmark = pytest.mark.timeout(180)
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"]
 
 
-def _idle_kv(remote, timeout=20.0):
+def _idle_kv(server, timeout=20.0):
+    """Until no request is outstanding and the engine process reports zero KV blocks in use."""
+    ae = server.app.ae
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if not remote.has_work() and remote.refresh()["kv_used"] == (0, 0):
+        if ae.num_requests == 0 and server.call(ae.refresh_snapshot).kv_used == (0, 0):
             return True
         time.sleep(0.05)
     return False
@@ -57,10 +59,10 @@ def reference(shared_pair):
 
 
 def test_streams_equal_the_in_process_engine(server, reference):
-    from specd.serving.engine_proc import RemoteEngine
+    from specd.serving.engine_proc import ProcessLink
 
-    remote = server.app.ae.engine
-    assert isinstance(remote, RemoteEngine) and remote.proc.pid != os.getpid() and remote.alive
+    remote = server.app.ae.link
+    assert isinstance(remote, ProcessLink) and remote.pid != os.getpid() and remote.alive
     with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
         for i, p in enumerate(PROMPTS):  # concurrent requests, speculation off and on
             for mode in ("off", "tree"):
@@ -93,7 +95,7 @@ def test_streams_equal_the_in_process_engine(server, reference):
                 assert done["spec"]["steps"] >= 1 and done["timing"]["ttft_ms"] is not None
                 if mode == "tree":
                     assert done["spec"]["draft_tokens"] > 0
-    assert _idle_kv(remote)
+    assert _idle_kv(server)
     # the child's state reaches /metrics
     status, body = http_get(server.port, "/metrics")
     text = body.decode()
@@ -113,7 +115,6 @@ def test_too_long_is_refused_by_the_server_process(server):
 
 
 def test_cancel_and_disconnect_free_the_childs_kv(server):
-    remote = server.app.ae.engine
     with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
         ws.send(
             orjson.dumps(
@@ -125,7 +126,7 @@ def test_cancel_and_disconnect_free_the_childs_kv(server):
         ws.send(orjson.dumps({"type": "cancel", "id": "c"}).decode())
         deltas, done = ws_collect(ws, "c")
         assert done["finish_reason"] == "cancelled"
-    assert _idle_kv(remote)
+    assert _idle_kv(server)
     with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
         ws.send(
             orjson.dumps(
@@ -134,7 +135,7 @@ def test_cancel_and_disconnect_free_the_childs_kv(server):
         )
         assert orjson.loads(ws.recv(timeout=30))["type"] == "delta"
     # (the connection closed mid-stream)
-    assert _idle_kv(remote)
+    assert _idle_kv(server)
 
 
 def test_a_request_the_child_cannot_run_fails_alone(server, reference):
@@ -147,8 +148,8 @@ def test_a_request_the_child_cannot_run_fails_alone(server, reference):
     from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
 
-    remote = server.app.ae.engine
-    ids = remote.tokenizer(PROMPTS[0])["input_ids"]
+    ae = server.app.ae
+    ids = ae.tokenizer(PROMPTS[0])["input_ids"]
     bad = SamplingParams(temperature=1.0, max_tokens=8)
     object.__setattr__(bad, "top_k", -(2**63) - 1)  # (pickled to the child as is)
     good = SamplingParams(temperature=0.0, max_tokens=32)
@@ -171,17 +172,17 @@ def test_a_request_the_child_cannot_run_fails_alone(server, reference):
     err, toks = server.call(both)
     assert isinstance(err, RequestError) and err.code == "internal" and "failed" in str(err), err
     assert toks == reference[PROMPTS[0], "tree"][0]
-    assert _idle_kv(remote)
+    assert _idle_kv(server)
     status, body = http_get(server.port, "/metrics")
     assert status == 200 and b"specd_engine_failed_requests_total" in body
-    assert sum(remote.health_snapshot()["failed_requests"].values()) >= 1
+    assert sum(ae.snapshot().health["failed_requests"].values()) >= 1
     assert http_get(server.port, "/readyz")[0] == 200
 
 
 def test_a_stuck_engine_process_turns_health_red_until_it_resumes(server):
     """A step that does not return (the child stopped) is a stuck engine for /healthz and the systemd
     watchdog; once the child runs again, health recovers and the stream completes."""
-    remote = server.app.ae.engine
+    remote = server.app.ae.link
     ae = server.app.ae
     old = ae.watchdog_timeout_s
     ae.watchdog_timeout_s = 0.5
@@ -200,14 +201,14 @@ def test_a_stuck_engine_process_turns_health_red_until_it_resumes(server):
                 ).decode()
             )
             assert orjson.loads(ws.recv(timeout=30))["type"] == "delta"
-            os.kill(remote.proc.pid, signal.SIGSTOP)
+            os.kill(remote.pid, signal.SIGSTOP)
             try:
                 end = time.monotonic() + 10
                 while http_get(server.port, "/healthz")[0] != 503 and time.monotonic() < end:
                     time.sleep(0.05)
                 assert http_get(server.port, "/healthz")[0] == 503
             finally:
-                os.kill(remote.proc.pid, signal.SIGCONT)
+                os.kill(remote.pid, signal.SIGCONT)
             deltas, done = ws_collect(ws, "s")
             assert done["finish_reason"] == "length"
         assert http_get(server.port, "/healthz")[0] == 200
@@ -221,7 +222,7 @@ def test_a_dead_engine_process_fails_requests_and_health(shared_pair):
 
     srv = ServerThread(serve_args(num_blocks=128, log_level="error")).start()
     try:
-        remote = srv.app.ae.engine
+        remote = srv.app.ae.link
         with connect(f"ws://127.0.0.1:{srv.port}/ws") as ws:
             ws.send(
                 orjson.dumps(
@@ -229,7 +230,7 @@ def test_a_dead_engine_process_fails_requests_and_health(shared_pair):
                 ).decode()
             )
             assert orjson.loads(ws.recv(timeout=30))["type"] == "delta"
-            os.kill(remote.proc.pid, signal.SIGKILL)
+            os.kill(remote.pid, signal.SIGKILL)
             deltas, done = ws_collect(ws, "k")
             assert done["type"] == "done" and done["finish_reason"] == "error", done
             assert done["error"]["code"] == "internal"
@@ -267,44 +268,30 @@ def test_cpu_split_pins_the_server_to_the_first_cpu_and_the_engine_to_the_rest()
     assert server == cpus[:1] and engine == cpus[1:], out.stdout
 
 
-def _drive(remote, prompts_ids, max_tokens, tag):
-    """Run requests on a RemoteEngine by hand: (pipe messages, step records per request, tokens)."""
+def _drive(link, prompts_ids, max_tokens, tag):
+    """Run requests on a ProcessLink by hand: (pipe messages, step records per request, tokens)."""
     import select
 
     from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
 
-    pipe = remote._out
-    read, msgs = pipe.read, []
-
-    def counting_read():
-        got = read()
-        msgs.extend(got)
-        return got
-
-    pipe.read = counting_read
-    try:
-        for i, ids in enumerate(prompts_ids):
-            remote.add_request(
-                ids,
-                SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                SpecParams(mode="off"),
-                "interactive",
-                f"{tag}{i}",
-            )
-        steps: dict = {}
-        toks: dict = {}
-        end = time.monotonic() + 60
-        while remote.has_work() and time.monotonic() < end:
-            select.select([remote.fileno()], [], [], 1.0)
-            for outs, _dt in remote.read_ready():
+    msgs, steps, toks, done = [], {}, {}, set()
+    for i, ids in enumerate(prompts_ids):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        link.send(("add", f"{tag}{i}", ids, params, SpecParams(mode="off"), "interactive", None))
+    end = time.monotonic() + 60
+    while len(done) < len(prompts_ids) and time.monotonic() < end:
+        select.select([link.fileno()], [], [], 1.0)
+        for m in link.read_raw():
+            msgs.append(m)
+            for outs, _dt in link.decode(m).steps:
                 for o in outs:
                     steps.setdefault(o.request_id, []).append(len(o.token_ids))
                     toks.setdefault(o.request_id, []).extend(o.token_ids)
-        assert not remote.has_work()
-        return [m for m in msgs if m[0] == "outs"], steps, toks
-    finally:
-        pipe.read = read
+                    if o.finished:
+                        done.add(o.request_id)
+    assert len(done) == len(prompts_ids)
+    return [m for m in msgs if m[0] == "outs"], steps, toks
 
 
 def test_stream_interval_holds_short_steps_but_never_first_or_last_tokens(shared_pair, reference):
@@ -312,16 +299,16 @@ def test_stream_interval_holds_short_steps_but_never_first_or_last_tokens(shared
     message (each step still arrives as its own record, in order), but a request's first token and its
     finish go out at once; with 0 every step is its own message. Tokens equal the in-process engine's."""
     from specd.cli import engine_config
-    from specd.serving.engine_proc import RemoteEngine
+    from specd.serving.engine_proc import ProcessLink
 
     tok = shared_pair[0].tokenizer
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     for interval in (0.05, 0.0):
-        remote = RemoteEngine(engine_config(serve_args(num_blocks=256)), stream_interval_s=interval)
+        link = ProcessLink(engine_config(serve_args(num_blocks=256)), stream_interval_s=interval)
         try:
-            msgs, steps, toks = _drive(remote, ids, 32, f"i{interval}-")
+            msgs, steps, toks = _drive(link, ids, 32, f"i{interval}-")
         finally:
-            remote.shutdown()
+            link.close()
         for i, p in enumerate(PROMPTS):
             ref = reference[p, "off"][0]
             assert toks[f"i{interval}-{i}"] == ref

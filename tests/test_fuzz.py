@@ -438,6 +438,7 @@ def test_fuzz_json_frames_long(probe, server):
     _run_binary_fuzz(probe, server, N_SLOW // 4, SLOW)
     _run_raw_fuzz(server, N_SLOW // 10, SLOW)
     _run_grpc_fuzz(server, N_SLOW // 2, SLOW)
+    _run_http_fuzz(server, N_SLOW // 2, SLOW)
 
 
 def test_keyless_auth_without_key_field(probe):
@@ -623,3 +624,274 @@ def test_nonfinite_floats_in_the_oracle():
         "internal",
         "message_too_large",
     }
+
+
+# the OpenAI-compatible HTTP routes and the Responses WebSocket mode ---------------------------------
+OAI_CODES = {
+    "invalid_json",
+    "invalid_value",
+    "unsupported_parameter",
+    "context_length_exceeded",
+    "invalid_api_key",
+    "model_not_found",
+    "response_not_found",
+    "previous_response_not_found",
+    "request_too_large",
+    "overloaded",
+    "model_loading",
+    "shutting_down",
+    "internal",
+    "response_already_in_flight",
+    "unknown_event_type",
+    "unknown_url",
+}
+MODEL = "stories260K"
+ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+
+
+def test_openai_error_codes_are_documented():
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    for code in OAI_CODES:
+        assert f"`{code}`" in text, code
+
+
+_role = st.sampled_from(["user", "system", "assistant", "developer", "tool", "", "x"])
+_part = st.fixed_dictionaries({"type": st.sampled_from(["text", "input_text", "image_url", 3]), "text": json_scalars})
+oai_fields = {
+    "model": _maybe(st.just(MODEL), st.sampled_from(["gpt-4o", "", MODEL.lower()]) | json_values),
+    "messages": _maybe(
+        st.lists(st.fixed_dictionaries({"role": _role, "content": st.text(max_size=30) | st.lists(_part, max_size=2)}))
+    ),
+    "prompt": _maybe(st.sampled_from(PROMPTS) | st.lists(st.integers(-3, 600), max_size=6) | st.just([PROMPTS[0]])),
+    "input": _maybe(
+        st.sampled_from(PROMPTS)
+        | st.lists(
+            st.fixed_dictionaries({"role": _role, "content": st.text(max_size=20)}, optional={"type": json_scalars})
+        )
+    ),
+    "instructions": _maybe(st.text(max_size=20)),
+    "previous_response_id": _maybe(st.sampled_from(["resp_nope", ""]) | st.text(max_size=8)),
+    "max_tokens": _maybe(st.integers(1, 12), st.sampled_from([0, -1, 10**6, 2**63, 1.5, "8", True])),
+    "max_completion_tokens": _maybe(st.integers(1, 12), st.sampled_from([0, 10**6, "8"])),
+    "max_output_tokens": _maybe(st.integers(1, 12), st.sampled_from([0, 10**6, 2.5])),
+    "temperature": gen_fields["temperature"],
+    "top_p": gen_fields["top_p"],
+    "top_k": gen_fields["top_k"],
+    "seed": gen_fields["seed"],
+    "stop": gen_fields["stop"],
+    "n": _maybe(st.sampled_from([1, 2, 0, "1"])),
+    "logprobs": _maybe(st.booleans()),
+    "presence_penalty": _maybe(st.sampled_from([0, 0.5, "x"])),
+    "stream": _maybe(st.booleans()),
+    "stream_options": _maybe(st.fixed_dictionaries({"include_usage": st.booleans()})),
+    "store": _maybe(st.booleans()),
+    "metadata": _maybe(st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2)),
+    "speculation": gen_fields["speculation"],
+    "unknown_field": json_values,
+}
+
+
+REQUIRED = {"/v1/chat/completions": "messages", "/v1/completions": "prompt", "/v1/responses": "input"}
+
+
+@st.composite
+def oai_bodies(draw, path: str = "/v1/responses") -> bytes:
+    """A body for ``path``: its required field (usually present), the model, a few other fields."""
+    keys = draw(st.sets(st.sampled_from(sorted(oai_fields)), max_size=5))
+    if draw(st.integers(0, 9)) < 8:
+        keys.add(REQUIRED[path])
+    body = {k: draw(oai_fields[k]) for k in sorted(keys | {"model"})}
+    for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):  # bound a valid request's time
+        body.setdefault(k, draw(st.integers(1, 8)))
+    return json.dumps(body, ensure_ascii=draw(st.booleans()) or _has_surrogate(body), allow_nan=True).encode(
+        "utf-8", "surrogatepass"
+    )
+
+
+raw_bodies = st.one_of(
+    st.binary(max_size=200),
+    st.sampled_from(
+        [b"", b"{", b"[]", b"null", b'{"model":"stories260K","messages":[{"role":"user","content":"\xff"}]}']
+    ),
+    st.integers(MAX_MESSAGE_BYTES - 64, MAX_MESSAGE_BYTES * 2).map(
+        lambda n: b'{"model":"stories260K","prompt":"' + b"a" * n + b'","max_tokens":2}'
+    ),
+)
+
+
+def _post_raw(port: int, path: str, body: bytes, read_events: int | None) -> tuple:
+    """(status, JSON body or the SSE data lines) of a POST; a stream is read whole, or only its first
+    ``read_events`` events before the connection is dropped."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if not r.getheader("Content-Type", "").startswith("text/event-stream"):
+            return r.status, orjson.loads(r.read())
+        events = []
+        while read_events is None or len(events) < read_events:
+            line = r.readline()
+            if not line:
+                break
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip())
+        return r.status, events
+    finally:
+        conn.close()
+
+
+def _expected_http(path: str, body: bytes) -> set:
+    """The statuses docs/protocol.md allows for ``body`` (200 only when it can be a valid request)."""
+    if len(body) > MAX_MESSAGE_BYTES:
+        return {413}
+    try:
+        msg = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return {400}
+    if not isinstance(msg, dict) or not isinstance(msg.get("model"), str) or not msg["model"]:
+        return {400}
+    if msg["model"] != MODEL:
+        return {404}
+    return {200, 400, 404} if path == "/v1/responses" else {200, 400}
+
+
+def _check_http(port: int, path: str, body: bytes, drop_after: int | None, stats: dict) -> None:
+    status, got = _post_raw(port, path, body, drop_after)
+    allowed = _expected_http(path, body)
+    assert status in allowed, (status, allowed, path, body[:300], got)
+    stats[status] = stats.get(status, 0) + 1
+    if status != 200:
+        assert set(got) == {"error"} and set(got["error"]) == {"message", "type", "param", "code"}, got
+        assert got["error"]["code"] in OAI_CODES, got
+        return
+    if isinstance(got, dict):
+        assert got["object"] in ("chat.completion", "text_completion", "response"), got
+        return
+    events = [e for e in got if e != b"[DONE]"]
+    assert all(isinstance(orjson.loads(e), dict) for e in events)
+    if drop_after is None:  # read to the end: a proper ending
+        last = orjson.loads(events[-1])
+        if path == "/v1/responses":
+            assert last["type"] in ("response.completed", "response.incomplete"), last
+        else:
+            assert got[-1] == b"[DONE]", got[-3:]
+
+
+class _Canary:
+    """Greedy chat completions in a background thread while the fuzzer runs: each must be exact."""
+
+    def __init__(self, port: int):
+        import threading
+
+        self.port, self.results, self.stop = port, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.body = orjson.dumps(
+            {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 24, "temperature": 0}
+        )
+
+    def _run(self):
+        while not self.stop.is_set():
+            status, got = _post_raw(self.port, "/v1/chat/completions", self.body, None)
+            self.results.append((status, got["choices"][0]["message"]["content"] if status == 200 else got))
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(60)
+
+
+def _run_http_fuzz(server, n, opts):
+    stats: dict = {}
+    with _Canary(server.port) as canary:
+
+        @settings(max_examples=n, **opts)
+        @given(data=st.data(), path=st.sampled_from(ROUTES), drop=st.sampled_from([None, None, 1, 2]))
+        def run(data, path, drop):
+            body = data.draw(st.one_of(oai_bodies(path), oai_bodies(path), raw_bodies))
+            _check_http(server.port, path, body, drop, stats)
+
+        run()
+    texts = {t for s, t in canary.results}
+    assert canary.results and all(s == 200 for s, _ in canary.results) and len(texts) == 1, canary.results[:3]
+    assert _idle(server), f"KV blocks still held: {server.app.ae.engine.kv_blocks_used()}"
+    return stats
+
+
+def test_fuzz_openai_http(server):
+    stats = _run_http_fuzz(server, max(60, N_FAST // 3), FAST)
+    assert stats.get(200, 0) > 0 and stats.get(400, 0) > 0 and stats.get(404, 0) > 0, stats
+
+
+# the Responses WebSocket mode ---------------------------------------------------------------------------
+def _responses_ws(port):
+    return connect(f"ws://127.0.0.1:{port}/v1/responses", compression=None, max_size=None, open_timeout=30)
+
+
+def _ws_exchange(ws, frame, binary: bool) -> list:
+    """Send a frame, then a sentinel; every reply until the sentinel's error (and, when a response
+    started, until its final event; it is cancelled after its first delta to bound the time)."""
+    ws.send(frame, text=not binary)
+    ws.send('{"type": "__sync__"}')
+    replies, synced, open_response, end = [], False, False, time.monotonic() + 60
+    while not synced or open_response:
+        assert time.monotonic() < end, f"no answer within 60 s to {str(frame)[:200]!r}: {replies[-3:]}"
+        m = orjson.loads(ws.recv(timeout=60))
+        assert isinstance(m, dict) and isinstance(m.get("type"), str), m
+        if m["type"] == "error":
+            assert set(m) >= {"status", "error"} and m["error"]["code"] in OAI_CODES, m
+            assert m["status"] in (400, 404, 413, 429, 503), m
+            if m["error"]["code"] == "unknown_event_type" and not synced and "__sync__" in m["error"]["message"]:
+                synced = True
+                continue
+        elif m["type"] == "response.created":
+            open_response = True
+        elif m["type"] == "response.output_text.delta":
+            ws.send('{"type": "response.cancel"}')
+        elif m["type"] in ("response.completed", "response.incomplete", "response.failed"):
+            open_response = False
+        replies.append(m)
+    return replies
+
+
+ws_events = st.one_of(
+    st.builds(
+        lambda body, kind: json.dumps({**orjson.loads(body), "type": kind}, allow_nan=True),
+        oai_bodies("/v1/responses"),
+        st.sampled_from(["response.create"] * 6 + ["response.cancel", "response.steer", "", "response.created"]),
+    ),
+    raw_text_frames,
+    st.sampled_from(['{"type":"response.cancel"}', '{"type":"response.cancel","response_id":"x"}']),
+)
+
+
+def test_fuzz_responses_websocket(server):
+    opts = dict(FAST)
+
+    @settings(max_examples=max(40, N_FAST // 5), **opts)
+    @given(frame=st.one_of(ws_events, st.binary(max_size=50)))
+    def run(frame):
+        with _responses_ws(server.port) as ws:
+            _ws_exchange(ws, frame, isinstance(frame, bytes))
+            # the connection still serves a normal response afterwards
+            ok = {"type": "response.create", "model": MODEL, "input": "Hi", "max_output_tokens": 2, "temperature": 0}
+            ws.send(orjson.dumps(ok).decode())
+            while (m := orjson.loads(ws.recv(timeout=30)))["type"] not in ("response.completed", "response.incomplete"):
+                assert m["type"] != "error", m
+
+    run()
+    assert _idle(server)
+
+
+def test_responses_websocket_invalid_utf8_closes_1007(server):
+    with _responses_ws(server.port) as ws:
+        ws.send(b'{"type":"response.create","input":"\xc3\x28"}', text=True)
+        with pytest.raises(ConnectionClosed) as ei:
+            ws.recv(timeout=10)
+        assert ei.value.rcvd is not None and ei.value.rcvd.code == 1007
+    with _responses_ws(server.port) as ws:
+        assert _ws_exchange(ws, '{"type":"response.cancel"}', False) == []

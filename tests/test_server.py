@@ -81,9 +81,9 @@ def http_get(srv, path, headers=None):
     req = urllib.request.Request(f"http://127.0.0.1:{srv.port}{path}", headers=headers or {})
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read(), dict(r.headers)
+            return r.status, r.read(), r.headers  # (names are case-insensitive)
     except urllib.error.HTTPError as e:
-        return e.code, e.read(), dict(e.headers)
+        return e.code, e.read(), e.headers
 
 
 def send(ws, **msg):

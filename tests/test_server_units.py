@@ -157,21 +157,49 @@ class FakeOut:
 
 
 class FakeEngine:
-    """Emits one token per step per request, ``n`` tokens each; abort -> a cancelled output."""
+    """Emits one token per step per request, ``n`` tokens each; abort -> a cancelled output. Has the
+    public surface the engine loop and ``snapshot_of`` read."""
+
+    max_model_len = 64
+    tokenizer = None
 
     def __init__(self, n=5, fail_at=None):
+        from types import SimpleNamespace
+
+        from specd.engine.sequence import SpecStats
+
         self.n, self.fail_at = n, fail_at
         self.reqs, self.inbox, self.lock = {}, [], threading.Lock()
         self.steps = 0
-        self.scheduler = type("S", (), {"running": []})()
-        self.seqs = self.reqs
-        self._lock = self.lock
+        self.scheduler = SimpleNamespace(
+            running=[], queue_lengths=lambda: {"interactive": 0, "batch": 0}, num_preemptions=0, last_spec_budget=0
+        )
+        self.scheduler.last_depth = 0
+        self.health = SimpleNamespace(consecutive_failed=0)
+        self.stats, self.num_steps = SpecStats(), 0
 
-    def add_request(self, prompt, params, spec, priority, rid):
+    def kv_blocks_used(self):
+        return (len(self.reqs), 0)
+
+    def prefix_cache_stats(self):
+        return {"query_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0, "evictions": 0}
+
+    def health_snapshot(self):
+        return {"failed_steps": {}, "failed_requests": {}, "consecutive_failed": 0, "last_progress": time.monotonic()}
+
+    def validate(self, prompt, params):
         from specd.engine.engine import RequestError
 
         if not prompt:
             raise RequestError("invalid_request", "prompt is empty")
+
+    def add_request(self, prompt, params, spec, priority, rid, tenant=None):
+        from specd.engine.engine import RequestError
+
+        if not prompt:
+            raise RequestError("invalid_request", "prompt is empty")
+        if prompt == [13]:  # refused by the engine itself (a race validation could not see)
+            raise RequestError("too_long", "the KV cache shrank")
         with self.lock:
             self.inbox.append(("add", rid))
 
@@ -205,7 +233,7 @@ class FakeEngine:
             elif rid in self.reqs:
                 del self.reqs[rid]
                 outs.append(FakeOut(rid, [], True, "cancelled"))
-        self.scheduler.running = [type("Q", (), {"request_id": r})() for r in self.reqs]
+        self.scheduler.running = [type("Q", (), {"request_id": r, "priority": "interactive"})() for r in self.reqs]
         if self.fail_at is not None and self.steps == self.fail_at:
             raise RuntimeError("boom")
         for rid in list(self.reqs):
@@ -224,7 +252,7 @@ def run(coro):
 
 def test_async_engine_streams_overload_and_abort():
     from specd.engine.engine import RequestError
-    from specd.serving.engine_loop import AsyncEngine
+    from specd.serving.engine_client import AsyncEngine
 
     async def main():
         fe = FakeEngine(n=5)
@@ -279,10 +307,29 @@ def test_async_engine_streams_overload_and_abort():
     run(main())
 
 
+def test_a_request_the_engine_refuses_on_arrival_ends_with_its_error():
+    """The engine loop's add may still refuse (validation raced): the stream ends with that error,
+    not admitted, nothing is left behind, and the next request runs."""
+    from specd.engine.engine import RequestError
+    from specd.serving.engine_client import AsyncEngine
+
+    async def main():
+        ae = AsyncEngine(FakeEngine(n=3), max_queue=4)
+        await ae.start()
+        with pytest.raises(RequestError) as ei:
+            [o async for o in ae.generate([13], None, None, "interactive", "r")]
+        assert ei.value.code == "too_long" and not getattr(ei.value, "admitted", False) and ae.num_requests == 0
+        outs = [o async for o in ae.generate([1], None, None, "interactive", "r")]
+        assert outs[-1].finish_reason == "length"
+        await ae.stop()
+
+    run(main())
+
+
 def test_async_engine_merges_outputs_that_queued_behind_a_slow_consumer():
     """A consumer that falls behind gets everything queued meanwhile as one output (fewer messages
     exactly when sending is the bottleneck); nothing is lost, and an error still ends the stream."""
-    from specd.serving.engine_loop import AsyncEngine
+    from specd.serving.engine_client import AsyncEngine
 
     async def main():
         fe = FakeEngine(n=40)
@@ -302,7 +349,7 @@ def test_async_engine_merges_outputs_that_queued_behind_a_slow_consumer():
 
 def test_async_engine_step_exception_fails_running_requests():
     from specd.engine.engine import RequestError
-    from specd.serving.engine_loop import AsyncEngine
+    from specd.serving.engine_client import AsyncEngine
 
     async def main():
         fe = FakeEngine(n=50, fail_at=3)
@@ -322,7 +369,7 @@ def test_async_engine_step_exception_fails_running_requests():
 
 
 def test_async_engine_drain_deadline_aborts_and_idle_thread_sleeps():
-    from specd.serving.engine_loop import AsyncEngine
+    from specd.serving.engine_client import AsyncEngine
 
     async def main():
         fe = FakeEngine(n=10_000)
@@ -349,52 +396,59 @@ def test_async_engine_drain_deadline_aborts_and_idle_thread_sleeps():
 
 
 class FakeRemote:
-    """The engine-process surface AsyncEngine relies on (RemoteEngine's), over a socketpair the test
-    writes to: ``push`` queues outputs / a failed step / death and makes the pipe readable."""
+    """An ``EngineLink`` like ``ProcessLink``'s (the event loop reads a pipe; no engine thread), over a
+    socketpair the test writes to: ``push`` queues outputs / a failed step / death and makes the pipe
+    readable; the link's reader turns what is queued into ``Batch``es."""
+
+    relaying = True
+    tokenizer = None
+    max_model_len = 64
+    limits = None
+    engine = None
 
     def __init__(self):
         import socket
-        from types import SimpleNamespace
 
         self.r, self.w = socket.socketpair()
         self.items, self.err, self.alive = [], None, True
-        self.seqs, self._lock = {}, threading.Lock()
-        self.scheduler = SimpleNamespace(running=[])
         self.reader_attached = False
-        self.last_msg_time, self.last_add_time = time.monotonic(), 0.0
         self.aborted = []
 
-    def fileno(self):
-        return self.r.fileno()
+    def validate(self, prompt, params):
+        pass
 
-    def read_ready(self):
+    def start(self, loop, deliver, died):
+        self.loop, self.deliver, self.died = loop, deliver, died
+        loop.add_reader(self.r.fileno(), self._on_readable)
+        self.reader_attached = True
+
+    def _on_readable(self):
+        from specd.engine.client import Batch
+
         self.r.recv(4096)
-        self.last_msg_time = time.monotonic()
         items, self.items = self.items, []
-        return items
+        err, self.err = self.err, None
+        self.deliver(Batch(items, None, [err] if err else []))
+        if not self.alive:
+            self.loop.remove_reader(self.r.fileno())
+            self.died("engine process died")
 
-    def take_error(self):
-        e, self.err = self.err, None
-        return e
+    def send(self, cmd):
+        if cmd[0] == "abort":
+            self.aborted.append(cmd[1])
 
-    def has_buffered(self):
-        return False
+    def wake(self):
+        pass
 
-    def add_request(self, prompt, params, spec, priority, rid):
-        self.seqs[rid] = True
-        self.last_add_time = time.monotonic()
+    def detach(self):
+        pass
 
-    def abort(self, rid):
-        self.aborted.append(rid)
-
-    def has_work(self):
-        return bool(self.seqs)
+    def close(self):
+        self.r.close()
+        self.w.close()
 
     def push(self, outs=None, err=None, dead=False):
         if outs is not None:
-            for o in outs:
-                if o.finished:
-                    self.seqs.pop(o.request_id, None)
             self.items.append((outs, 0.001))
         self.err = err
         if dead:
@@ -407,7 +461,7 @@ def test_engine_process_mode_relays_on_the_loop_and_fails_cleanly():
     listeners; a failed request's error output ends its stream with `internal`; a dead engine fails the rest,
     turns health red, and nothing hangs."""
     from specd.engine.engine import RequestError
-    from specd.serving.engine_loop import AsyncEngine
+    from specd.serving.engine_client import AsyncEngine
 
     async def main():
         fr = FakeRemote()
@@ -415,7 +469,7 @@ def test_engine_process_mode_relays_on_the_loop_and_fails_cleanly():
         seen = []
         ae.listeners.append(lambda outs, dt: seen.append((len(outs), dt)))
         await ae.start()
-        assert ae._thread is None and fr.reader_attached and ae.ready and ae.watchdog_ok()
+        assert ae.relaying and ae.engine is None and fr.reader_attached and ae.ready and ae.watchdog_ok()
         ga, gb = ae.generate([1], None, None, "interactive", "a"), ae.generate([1], None, None, "interactive", "b")
         fa = asyncio.ensure_future(ga.__anext__())
         fb = asyncio.ensure_future(gb.__anext__())
@@ -437,7 +491,7 @@ def test_engine_process_mode_relays_on_the_loop_and_fails_cleanly():
         fr.push(dead=True)
         with pytest.raises(RequestError) as ei:
             await gb.__anext__()
-        assert ei.value.code == "internal" and not ae.ready and not ae.watchdog_ok() and not ae._reading
+        assert ei.value.code == "internal" and not ae.ready and not ae.watchdog_ok() and not ae.relaying
         await ae.stop()
 
     run(main())
@@ -446,7 +500,7 @@ def test_engine_process_mode_relays_on_the_loop_and_fails_cleanly():
 def test_handoff_holds_short_steps_within_the_interval_only():
     """HandOff: a step's outputs are held only while the next step still ends within the interval of
     the last hand-off; urgent outputs, an unsteady engine, long steps and interval 0 go at once."""
-    from specd.serving.engine_loop import HandOff
+    from specd.engine.loop import HandOff
 
     h = HandOff(0.001)
     assert h.now(10.0, 0.0004, urgent=True, steady=True)  # first token: at once
@@ -467,20 +521,12 @@ def test_handoff_holds_short_steps_within_the_interval_only():
 def test_engine_thread_mode_holds_outputs_but_streams_everything():
     """Engine-thread mode with a long interval: the loop is woken fewer times than there are steps,
     yet every request gets all its tokens in order and its end."""
-    from specd.serving.engine_loop import AsyncEngine
+    from specd.serving.engine_client import AsyncEngine
 
     eng = FakeEngine(n=12)
 
     async def main():
         ae = AsyncEngine(eng, stream_interval_s=0.05)
-        wakes = []
-        orig = ae._dispatch_outbox
-
-        def counting(arg):
-            wakes.append(1)
-            orig(arg)
-
-        ae._dispatch_outbox = counting
         await ae.start()
         results = {}
 
@@ -492,7 +538,7 @@ def test_engine_thread_mode_holds_outputs_but_streams_everything():
 
         await asyncio.gather(*(one(f"r{i}") for i in range(3)))
         await ae.stop()
-        return results, len(wakes)
+        return results, ae.num_batches  # (each hand-off wakes the event loop once at most)
 
     results, wakes = run(main())
     assert results == {f"r{i}": [7] * 12 for i in range(3)}

@@ -1,22 +1,23 @@
-"""``specd serve``: load the models, serve websocket + HTTP (+ gRPC), drain on SIGTERM, exit 0.
+"""``specd serve``: load the models, serve HTTP + websockets (+ gRPC), drain on SIGTERM, exit 0.
 
 Order of events:
 
-1. listen on ``--host:--port`` (``/healthz`` 200, ``/readyz`` 503 "loading");
-2. load target + draft and run a short warm-up generation (in a worker thread);
-3. start the engine thread (``AsyncEngine``) and gRPC (``--grpc-port``, when ``specd.serving.grpc_server``
+1. listen on ``--host:--port`` (uvicorn + Starlette, ``specd.serving.http_server``): ``/healthz`` 200,
+   ``/readyz`` 503 "loading", new requests get ``overloaded``;
+2. load target + draft and run a short warm-up generation (in a worker thread, or in the engine
+   process: ``specd.serving.engine_proc``);
+3. start the engine client (``AsyncEngine``) and gRPC (``--grpc-port``, when ``specd.serving.grpc_server``
    is importable); ``/readyz`` turns 200; systemd gets ``READY=1``;
 4. SIGTERM / SIGINT: ``STOPPING=1``, ``/readyz`` 503 at once, new requests get ``shutting_down``,
-   running ones get ``--drain-timeout`` seconds to finish and are then cancelled; connections close
+   running ones get ``--drain-timeout`` seconds to finish and are then cancelled; websockets close
    with 1001; exit status 0. A second signal cuts the drain short.
 
 systemd watchdog: with ``WATCHDOG_USEC`` set, ``WATCHDOG=1`` goes out every ``WATCHDOG_USEC / 2``
-while ``AsyncEngine.unhealthy_reason()`` is None (no engine step running longer than that
+while ``AsyncEngine.unhealthy_reason()`` is None (requests outstanding get answers within that
 half-interval, fewer than ``--max-failed-steps`` failed steps in a row, queued work being served), so
 a hung or failing engine gets restarted. Without systemd, an engine unhealthy for
-``--unhealthy-exit-s`` stops the daemon with exit status 1 (``App.exit_code``). Logs are JSON lines on stderr, one per
-finished request with its
-speculation stats.
+``--unhealthy-exit-s`` stops the daemon with exit status 1 (``App.exit_code``). Logs are JSON lines on
+stderr, one per finished request with its speculation stats.
 """
 
 from __future__ import annotations
@@ -27,20 +28,31 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import orjson
+from starlette.routing import WebSocketRoute
 
 from specd.engine.health import DEFAULT_MAX_FAILED_STEPS
+from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S
 from specd.engine.warmup import warm_up
 from specd.serving import notify
-from specd.serving.engine_loop import DEFAULT_STREAM_INTERVAL_S, AsyncEngine
+from specd.serving.asgi import build_app
+from specd.serving.auth import Auth
+from specd.serving.engine_client import AsyncEngine
+from specd.serving.frontend import Frontend
+from specd.serving.http_server import HttpServer
 from specd.serving.logs import log_request, setup_logging
 from specd.serving.metrics import Metrics
-from specd.serving.ws import WSServer
+from specd.serving.openai_routes import OpenAIFront
+from specd.serving.response_store import ResponseStore
+from specd.serving.responses_api import ResponsesAPI
+from specd.serving.responses_ws import ResponsesSocket
+from specd.serving.ws import HARD_LIMIT_FACTOR, WSServer
 
 log = logging.getLogger("specd.serve")
 
-DEFAULT_WATCHDOG_TIMEOUT_S = 120.0  # engine step "stuck" threshold without systemd (for /healthz)
+DEFAULT_WATCHDOG_TIMEOUT_S = 120.0  # engine "stuck" threshold without systemd (for /healthz)
 DEFAULT_UNHEALTHY_EXIT_S = 60.0  # --unhealthy-exit-s
 
 
@@ -49,6 +61,26 @@ def stream_interval_s(args) -> float:
     refuses a negative one)."""
     ms = getattr(args, "stream_interval_ms", None)
     return DEFAULT_STREAM_INTERVAL_S if ms is None else ms / 1000.0
+
+
+def served_model_name(args) -> str:
+    """The model id of the OpenAI routes: the target's folder or GGUF file name, without ``.gguf``."""
+    target = getattr(args, "target", None)
+    if not target:
+        return "specd"
+    name = Path(str(target).rstrip("/")).name
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
+def _frontend(args, metrics: Metrics) -> Frontend:
+    return Frontend(
+        auth=Auth(getattr(args, "api_key", None), getattr(args, "allowed_origins", "")),
+        metrics=metrics,
+        max_message_bytes=getattr(args, "max_message_bytes", 1 << 20),
+        max_connections=getattr(args, "max_connections", 256),
+        model_name=served_model_name(args),
+        created=int(time.time()),
+    )
 
 
 class App:
@@ -60,19 +92,20 @@ class App:
         self.ae: AsyncEngine | None = None
         self.grpc = None
         self.metrics = Metrics(
-            lambda: self.ae.engine if self.ae else None,
-            ready_getter=lambda: self.ws.ready,
-            loop_getter=lambda: self.ae,
-            connections_getter=lambda: len(self.ws.conns),
+            lambda: self.ae,
+            ready_getter=lambda: self.front.ready,
+            connections_getter=lambda: self.front.open_websockets,
             log_request=log_request,
         )
-        self.ws = WSServer(
-            api_key=getattr(args, "api_key", None),
-            allowed_origins=getattr(args, "allowed_origins", ""),
-            max_connections=getattr(args, "max_connections", 256),
-            max_message_bytes=getattr(args, "max_message_bytes", 1 << 20),
-            metrics=self.metrics,
-        )
+        self.front = _frontend(args, self.metrics)
+        self.ws = WSServer(self.front)
+        hard = self.front.max_message_bytes * HARD_LIMIT_FACTOR + 65536
+        self.openai = OpenAIFront(self.front)
+        self.responses = ResponsesAPI(self.openai, ResponseStore())
+        self.responses_ws = ResponsesSocket(self.responses)
+        routes = self.openai.routes() + self.responses.routes() + self.openai.fallback()
+        ws_routes = [WebSocketRoute("/v1/responses", self.responses_ws)]
+        self.http = HttpServer(build_app(self.ws, routes, ws_routes), ws_max_size=hard)
         self.stop_requested: asyncio.Event | None = None
         self.force: asyncio.Event | None = None
         self._watchdog_task: asyncio.Task | None = None
@@ -81,7 +114,7 @@ class App:
         self.port: int | None = None
         self._shut_down = False
         self.stopped_while_loading = False
-        self._remote = None  # RemoteEngine when the engine runs in its own process
+        self._link = None  # the ProcessLink being loaded, until an AsyncEngine owns it
 
     # start ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -89,8 +122,8 @@ class App:
         if self.stop_requested is None:
             self.stop_requested = asyncio.Event()
             self.force = asyncio.Event()
-        await self.ws.listen(a.host, a.port)
-        self.port = self.ws.port
+        await self.http.listen(a.host, a.port)
+        self.port = self.http.port
         log.info(
             "listening", extra={"fields": {"host": a.host, "port": self.port, "ws": f"ws://{a.host}:{self.port}/ws"}}
         )
@@ -101,6 +134,16 @@ class App:
         engine = self._engine
         if engine is None:
             engine = await self._load_in_thread()
+        ae = await self._start_engine(engine, wd)
+        await self._start_grpc(ae)
+        lim = ae.limits
+        fields = {"load_s": round(time.monotonic() - t0, 3), "max_model_len": lim.max_model_len}
+        fields.update(kv_blocks=lim.num_blocks, draft=lim.has_draft, model=self.front.model_name)
+        log.info("ready", extra={"fields": fields})
+        notify.notify("READY=1\nSTATUS=serving")
+
+    async def _start_engine(self, engine, wd: float | None) -> AsyncEngine:
+        a = self.args
         ae = AsyncEngine(
             engine,
             max_queue=getattr(a, "max_queue", 256),
@@ -110,40 +153,31 @@ class App:
         )
         ae.listeners.append(self.metrics.on_step)
         await ae.start()
-        self.ae = ae
-        self.ws.ae = ae
+        self._link = None  # (ae.stop() closes it now)
+        self.ae = self.front.ae = ae
         self._health_task = asyncio.get_running_loop().create_task(
             self._health_monitor(float(getattr(a, "unhealthy_exit_s", DEFAULT_UNHEALTHY_EXIT_S)))
         )
-        grpc_port = getattr(a, "grpc_port", 0)
-        if grpc_port:
-            try:
-                from specd.serving.grpc_server import start_grpc_server
-            except ImportError as e:
-                log.warning("gRPC disabled: %s", e)
-            else:
-                import inspect
+        return ae
 
-                kw = {}
-                params = inspect.signature(start_grpc_server).parameters
-                if "api_key" in params:
-                    kw["api_key"] = getattr(a, "api_key", None)
-                if "max_message_bytes" in params:
-                    kw["max_message_bytes"] = getattr(a, "max_message_bytes", 1 << 20)
-                self.grpc = await start_grpc_server(ae, a.host, grpc_port, **kw)
-                log.info("grpc listening", extra={"fields": {"host": a.host, "port": grpc_port}})
-        log.info(
-            "ready",
-            extra={
-                "fields": {
-                    "load_s": round(time.monotonic() - t0, 3),
-                    "max_model_len": engine.max_model_len,
-                    "kv_blocks": engine.cache.pool.num_blocks,
-                    "draft": engine.drafter is not None,
-                }
-            },
+    async def _start_grpc(self, ae: AsyncEngine) -> None:
+        a = self.args
+        grpc_port = getattr(a, "grpc_port", 0)
+        if not grpc_port:
+            return
+        try:
+            from specd.serving.grpc_server import start_grpc_server
+        except ImportError as e:
+            log.warning("gRPC disabled: %s", e)
+            return
+        self.grpc = await start_grpc_server(
+            ae,
+            a.host,
+            grpc_port,
+            api_key=getattr(a, "api_key", None),
+            max_message_bytes=getattr(a, "max_message_bytes", 1 << 20),
         )
-        notify.notify("READY=1\nSTATUS=serving")
+        log.info("grpc listening", extra={"fields": {"host": a.host, "port": grpc_port}})
 
     async def _load_in_thread(self):
         """``_load`` in a daemon thread: a signal during a long load can exit without waiting for it."""
@@ -174,12 +208,12 @@ class App:
             extra={"fields": {"target": a.target, "draft": a.draft, "engine": "thread" if in_thread else "process"}},
         )
         if not in_thread:  # the default for `specd serve`: the engine steps in its own process
-            from specd.serving.engine_proc import RemoteEngine
+            from specd.serving.engine_proc import ProcessLink
 
-            self._remote = RemoteEngine(
+            self._link = ProcessLink(
                 engine_config(a), split_cpus=getattr(a, "cpu_split", False), stream_interval_s=stream_interval_s(a)
             )
-            return self._remote
+            return self._link
         from specd.model.cpu import set_threads
 
         cfg = engine_config(a)
@@ -228,45 +262,54 @@ class App:
         if self.stop_requested.is_set() or force:
             self.force.set()
         self.stop_requested.set()
-        self.ws.draining = True
+        self.front.draining = True
+
+    async def _drain(self, ae: AsyncEngine) -> None:
+        timeout = float(getattr(self.args, "drain_timeout", 30.0))
+        log.info("draining", extra={"fields": {"requests": ae.num_requests, "timeout_s": timeout}})
+        drain = asyncio.ensure_future(ae.drain(timeout))
+        force = asyncio.ensure_future(self.force.wait())
+        await asyncio.wait([drain, force], return_when=asyncio.FIRST_COMPLETED)
+        if not drain.done():
+            await ae.drain(0.0)
+            drain.cancel()
+        force.cancel()
+        await asyncio.gather(drain, force, return_exceptions=True)
+
+    async def _close_front(self) -> None:
+        """Websockets close with 1001 (going away); then the HTTP server stops."""
+        await self.ws.close(1001)
+        await self.responses_ws.close(1001)
+        await self.http.close()
 
     async def shutdown(self) -> None:
         if self._shut_down:
             return
         self._shut_down = True
         notify.notify("STOPPING=1\nSTATUS=draining")
-        self.ws.draining = True
+        self.front.draining = True
         ae = self.ae
         if ae is not None:
-            timeout = float(getattr(self.args, "drain_timeout", 30.0))
-            log.info("draining", extra={"fields": {"requests": ae.num_requests, "timeout_s": timeout}})
-            drain = asyncio.ensure_future(ae.drain(timeout))
-            force = asyncio.ensure_future(self.force.wait())
-            await asyncio.wait([drain, force], return_when=asyncio.FIRST_COMPLETED)
-            if not drain.done():
-                await ae.drain(0.0)
-                drain.cancel()
-            force.cancel()
-            await asyncio.gather(drain, force, return_exceptions=True)
+            await self._drain(ae)
         if self.grpc is not None:
             try:
                 await self.grpc.stop(1.0)
             except Exception:  # noqa: BLE001
                 log.exception("gRPC stop failed")
-        await self.ws.close()
+        await self._close_front()
         if ae is not None:
             await ae.stop()
-        await self._stop_remote()
+        await self._close_link()
         for task in (self._watchdog_task, self._health_task):
             if task is not None and task is not asyncio.current_task():
                 task.cancel()
         log.info("stopped")
 
-    async def _stop_remote(self) -> None:
-        r = self._remote
-        if r is not None:
-            self._remote = None
-            await asyncio.get_running_loop().run_in_executor(None, r.shutdown)
+    async def _close_link(self) -> None:
+        """An engine process no AsyncEngine took over (startup failed or was interrupted)."""
+        link, self._link = self._link, None
+        if link is not None:
+            await asyncio.get_running_loop().run_in_executor(None, link.close)
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
@@ -281,10 +324,10 @@ class App:
             starter.cancel()
             await asyncio.gather(starter, return_exceptions=True)
             notify.notify("STOPPING=1")
-            await self.ws.close()
+            await self._close_front()
             if self.ae is not None:
                 await self.ae.stop()
-            await self._stop_remote()
+            await self._close_link()
             log.info("stopped while loading")
             self.stopped_while_loading = True
             return 0
@@ -292,8 +335,8 @@ class App:
             e = starter.exception()
             log.error("startup failed: %s", e, exc_info=e if not isinstance(e, (OSError, ValueError)) else None)
             stopper.cancel()
-            await self.ws.close()
-            await self._stop_remote()
+            await self._close_front()
+            await self._close_link()
             return 1
         await stopper
         await self.shutdown()

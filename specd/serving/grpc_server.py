@@ -117,6 +117,18 @@ class SpecdServicer:
         self.ae = async_engine
         self._auth = f"Bearer {api_key}".encode() if api_key else None
 
+    @staticmethod
+    def _tenant(context) -> str | None:
+        """The engine's tenant of the call's ``authorization: Bearer KEY`` (None without one)."""
+        from specd.serving.auth import Auth
+
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                v = value if isinstance(value, str) else bytes(value).decode("latin-1")
+                scheme, _, token = v.partition(" ")
+                return Auth.tenant(token.strip()) if scheme.lower() == "bearer" else None
+        return None
+
     def _authorized(self, context) -> bool:
         if self._auth is None:
             return True
@@ -154,11 +166,12 @@ class SpecdServicer:
         client_id = req.id
         rid = f"grpc-{_INSTANCE}-{next(_ids)}" + (f":{client_id[:64]}" if client_id else "")
         try:
-            eng = self.ae.engine
-            built = await build_request_async(eng.tokenizer, max_model_len=eng.max_model_len, **_to_engine_args(req))
+            ae = self.ae
+            built = await build_request_async(ae.tokenizer, max_model_len=ae.max_model_len, **_to_engine_args(req))
         except RequestError as e:
             await self._fail(context, e.code, str(e))
-        stream = self.ae.generate(built.prompt_ids, built.params, built.spec, built.priority, rid)
+        tenant = self._tenant(context)
+        stream = self.ae.generate(built.prompt_ids, built.params, built.spec, built.priority, rid, tenant)
         n = 0
         try:
             async for out in stream:

@@ -28,6 +28,7 @@ def setup_logging(level: str = "info") -> None:
     root.handlers[:] = [h]
     root.setLevel(getattr(logging, str(level).upper(), logging.INFO))
     logging.getLogger("websockets").setLevel(logging.WARNING)
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)  # (one info line per websocket otherwise)
 
 
 def _ms(a, b):

@@ -1,9 +1,9 @@
 """Prometheus metrics in the text exposition format (hand-written: no runtime dependency).
 
-Event metrics (histograms, counters) are recorded by ``Metrics.on_step``, an ``AsyncEngine``
-listener that runs in the engine thread; request refusals by the servers (``count_error``) on the
-event loop. Every metric has a single writer thread, so no locks. Gauges (queues, KV blocks, speculation
-totals) are read from the engine when ``/metrics`` is scraped.
+Event metrics (histograms, counters) are recorded by ``Metrics.on_step``, an ``EngineClient``
+listener, and request refusals by the servers (``count_error``), all on the event loop: one writer
+thread, no locks. Gauges and the engine's counters (queues, KV blocks, speculation totals, failed
+steps) come from the client's latest ``EngineSnapshot`` when ``/metrics`` is scraped.
 
 Inter-token latency is per output token: a step that emits n tokens for a request, t seconds after its
 previous emission, records n observations of t / n (speculation makes several tokens share one step).
@@ -101,21 +101,20 @@ class Histogram:
 
 
 class Metrics:
-    """All the daemon's metrics. ``engine_getter()`` returns the Engine (None while loading)."""
+    """All the daemon's metrics. ``client_getter()`` returns the ``EngineClient`` (None while loading):
+    gauges and engine counters come from its ``snapshot()``, health from ``unhealthy_reason()``."""
 
     def __init__(
         self,
-        engine_getter: Callable[[], object | None],
+        client_getter: Callable[[], object | None],
         ready_getter: Callable[[], bool] = lambda: True,
-        loop_getter: Callable[[], object | None] = lambda: None,
         connections_getter: Callable[[], int] = lambda: 0,
         log_request: Callable | None = None,
     ):
-        self.engine_getter = engine_getter
+        self.client_getter = client_getter
         self.ready_getter = ready_getter
-        self.loop_getter = loop_getter  # the AsyncEngine (step errors, watchdog state)
         self.connections_getter = connections_getter
-        self.log_request = log_request  # f(RequestOutput) for finished requests (engine thread)
+        self.log_request = log_request  # f(RequestOutput) for finished requests (event loop)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.step_time = Histogram(STEP_BUCKETS)
@@ -127,7 +126,7 @@ class Metrics:
         self.steps = 0
         self._last_emit: dict = {}  # request id -> monotonic time of its previous emission
 
-    # engine thread ------------------------------------------------------------------------------
+    # engine steps (an EngineClient listener, on the event loop) ----------------------------------
     def on_step(self, outputs: list, step_seconds: float) -> None:
         self.steps += 1
         self.step_time.observe(step_seconds)
@@ -162,161 +161,144 @@ class Metrics:
         self.errors[code] = self.errors.get(code, 0) + 1
 
     def render(self) -> bytes:
-        lines: list = []
-
-        def metric(name, kind, help_, samples):
-            if kind == "counter":  # text format 0.0.4: the family is named with the _total suffix
-                name += "_total"
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, v in samples:
-                lines.append(f"{name}{_labels(labels)} {_fmt(v)}")
-
-        def hist(name, help_, h):
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} histogram")
-            lines.extend(h.lines(name, {}))
-
-        eng = self.engine_getter()
-        metric(
-            "specd_ready",
-            "gauge",
-            "1 when serving (models loaded, not draining)",
-            [({}, 1 if self.ready_getter() else 0)],
+        """The Prometheus text (format 0.0.4) of every metric."""
+        out = _Text()
+        client = self.client_getter()
+        ready = [({}, int(self.ready_getter()))]
+        out.metric("specd_ready", "gauge", "1 when serving (models loaded, not draining)", ready)
+        out.metric(
+            "specd_websocket_connections", "gauge", "open websocket connections", [({}, self.connections_getter())]
         )
-        metric("specd_websocket_connections", "gauge", "open websocket connections", [({}, self.connections_getter())])
-        if eng is not None:
-            sch = eng.scheduler
-            running = {"interactive": 0, "batch": 0}
-            for s in list(sch.running):
-                running[s.priority] = running.get(s.priority, 0) + 1
-            try:
-                waiting = sch.queue_lengths()
-            except RuntimeError:  # mutated mid-iteration by the engine thread
-                waiting = {"interactive": 0, "batch": 0}
-            metric(
-                "specd_requests_running",
-                "gauge",
-                "requests in the running batch",
-                [({"priority": k}, v) for k, v in running.items()],
-            )
-            metric(
-                "specd_requests_waiting",
-                "gauge",
-                "requests waiting to be scheduled",
-                [({"priority": k}, v) for k, v in waiting.items()],
-            )
-            t_used, d_used = eng.kv_blocks_used()
-            used = [({"cache": "target"}, t_used)]
-            total = [({"cache": "target"}, eng.cache.pool.num_blocks)]
-            if eng.draft_cache is not None:
-                used.append(({"cache": "draft"}, d_used))
-                total.append(({"cache": "draft"}, eng.draft_cache.pool.num_blocks))
-            metric("specd_kv_blocks_used", "gauge", "KV cache blocks allocated", used)
-            metric("specd_kv_blocks_total", "gauge", "KV cache blocks in the pool", total)
-            st = eng.stats
-            drafts = st.drafted_per_depth[0] if st.drafted_per_depth else 0
-            metric(
-                "specd_spec_decode_num_drafts", "counter", "verification steps that had draft tokens", [({}, drafts)]
-            )
-            metric("specd_spec_decode_num_draft_tokens", "counter", "draft tokens proposed", [({}, st.draft_tokens)])
-            metric(
-                "specd_spec_decode_num_accepted_tokens", "counter", "draft tokens accepted", [({}, st.accepted_tokens)]
-            )
-            metric(
-                "specd_spec_decode_num_accepted_tokens_per_pos",
-                "counter",
-                "draft tokens accepted at each tree depth (position 0 = first draft token)",
-                [
-                    ({"position": str(i)}, st.accepted_per_depth[i] if i < len(st.accepted_per_depth) else 0)
-                    for i in range(max(len(st.accepted_per_depth), len(st.drafted_per_depth)))
-                ],
-            )
-            metric(
-                "specd_spec_decode_verify_steps",
-                "counter",
-                "target verification steps (all requests)",
-                [({}, st.steps)],
-            )
-            metric(
-                "specd_preemptions", "counter", "running requests preempted for KV space", [({}, sch.num_preemptions)]
-            )
-            metric(
-                "specd_spec_budget",
-                "gauge",
-                "draft tokens granted in the last step (all requests)",
-                [({}, sch.last_spec_budget)],
-            )
-            metric(
-                "specd_spec_depth",
-                "gauge",
-                "draft depth the adaptive policy chose for the last step",
-                [({}, getattr(sch, "last_depth", 0))],
-            )
-            rate = _prefix_hit_rate(eng)
-            if rate is not None:
-                metric(
-                    "specd_prefix_cache_hit_rate",
-                    "gauge",
-                    "prompt tokens served from the prefix cache / prompt tokens",
-                    [({}, rate)],
-                )
-        metric("specd_engine_steps", "counter", "engine steps that emitted outputs", [({}, self.steps)])
-        ae = self.loop_getter()
-        if ae is not None:
-            metric(
-                "specd_engine_step_errors",
-                "counter",
-                "exceptions that escaped an engine step (every active request failed)",
-                [({}, ae.num_step_errors)],
-            )
-            metric(
-                "specd_engine_healthy",
-                "gauge",
-                "1 while the engine completes steps (/readyz, /healthz and the systemd watchdog follow it)",
-                [({}, 1 if ae.unhealthy_reason() is None else 0)],
-            )
-        _health_metrics(metric, eng)
-        hist("specd_engine_step_seconds", "duration of one engine step", self.step_time)
-        hist("specd_time_to_first_token_seconds", "request arrival to its first token", self.ttft)
-        hist("specd_inter_token_latency_seconds", "latency per output token after the first", self.itl)
-        hist("specd_e2e_request_latency_seconds", "request arrival to its last token", self.e2e)
-        metric(
+        if client is not None:
+            snap = client.snapshot()
+            _engine_metrics(out, snap, client.limits)
+            _spec_metrics(out, snap)
+        out.metric("specd_engine_steps", "counter", "engine steps that emitted outputs", [({}, self.steps)])
+        if client is not None:
+            _health_metrics(out, client)
+        out.hist("specd_engine_step_seconds", "duration of one engine step", self.step_time)
+        out.hist("specd_time_to_first_token_seconds", "request arrival to its first token", self.ttft)
+        out.hist("specd_inter_token_latency_seconds", "latency per output token after the first", self.itl)
+        out.hist("specd_e2e_request_latency_seconds", "request arrival to its last token", self.e2e)
+        finished = [({"finish_reason": k}, v) for k, v in sorted(self.finished.items())]
+        out.metric(
             "specd_requests",
             "counter",
             "finished requests by finish reason",
-            [({"finish_reason": k}, v) for k, v in sorted(self.finished.items())] or [({"finish_reason": "stop"}, 0)],
+            finished or [({"finish_reason": "stop"}, 0)],
         )
-        metric(
+        out.metric(
             "specd_request_errors",
             "counter",
             "refused requests and protocol errors by code",
             [({"code": k}, v) for k, v in sorted(self.errors.items())],
         )
-        metric("specd_prompt_tokens", "counter", "prompt tokens of finished requests", [({}, self.prompt_tokens)])
-        metric("specd_generation_tokens", "counter", "generated tokens", [({}, self.generation_tokens)])
-        return "\n".join(lines).encode() + b"\n"
+        out.metric("specd_prompt_tokens", "counter", "prompt tokens of finished requests", [({}, self.prompt_tokens)])
+        out.metric("specd_generation_tokens", "counter", "generated tokens", [({}, self.generation_tokens)])
+        return "\n".join(out.lines).encode() + b"\n"
 
 
-def _health_metrics(metric, eng) -> None:
-    """Failed steps and failed requests by stage (``specd.engine.health``), from the engine's snapshot."""
-    fn = getattr(eng, "health_snapshot", None) if eng is not None else None
-    snap = fn() if fn is not None else None
+class _Text:
+    """Exposition-format lines being built."""
+
+    def __init__(self):
+        self.lines: list = []
+
+    def metric(self, name: str, kind: str, help_: str, samples) -> None:
+        if kind == "counter":  # text format 0.0.4: the family is named with the _total suffix
+            name += "_total"
+        self.lines.append(f"# HELP {name} {help_}")
+        self.lines.append(f"# TYPE {name} {kind}")
+        for labels, v in samples:
+            self.lines.append(f"{name}{_labels(labels)} {_fmt(v)}")
+
+    def hist(self, name: str, help_: str, h: Histogram) -> None:
+        self.lines.append(f"# HELP {name} {help_}")
+        self.lines.append(f"# TYPE {name} histogram")
+        self.lines.extend(h.lines(name, {}))
+
+
+def _engine_metrics(out: _Text, snap, limits) -> None:
+    """Queues, KV blocks, scheduler counters and the prefix cache, from an ``EngineSnapshot``."""
+    by_prio = lambda d: [({"priority": k}, v) for k, v in d.items()]  # noqa: E731
+    out.metric("specd_requests_running", "gauge", "requests in the running batch", by_prio(snap.running))
+    out.metric("specd_requests_waiting", "gauge", "requests waiting to be scheduled", by_prio(snap.waiting))
+    used = [({"cache": "target"}, snap.kv_used[0])]
+    total = [({"cache": "target"}, limits.num_blocks)]
+    if limits.draft_num_blocks is not None:
+        used.append(({"cache": "draft"}, snap.kv_used[1]))
+        total.append(({"cache": "draft"}, limits.draft_num_blocks))
+    out.metric("specd_kv_blocks_used", "gauge", "KV cache blocks allocated", used)
+    out.metric("specd_kv_blocks_total", "gauge", "KV cache blocks in the pool", total)
+    out.metric("specd_preemptions", "counter", "running requests preempted for KV space", [({}, snap.preemptions)])
+    out.metric(
+        "specd_spec_budget", "gauge", "draft tokens granted in the last step (all requests)", [({}, snap.spec_budget)]
+    )
+    out.metric(
+        "specd_spec_depth", "gauge", "draft depth the adaptive policy chose for the last step", [({}, snap.depth)]
+    )
+    rate = _prefix_hit_rate(snap.prefix)
+    if rate is not None:
+        out.metric(
+            "specd_prefix_cache_hit_rate",
+            "gauge",
+            "prompt tokens served from the prefix cache / prompt tokens",
+            [({}, rate)],
+        )
+
+
+def _spec_metrics(out: _Text, snap) -> None:
+    """Speculation totals (vLLM's spec-decode names)."""
+    st = snap.stats
+    drafts = st.drafted_per_depth[0] if st.drafted_per_depth else 0
+    out.metric("specd_spec_decode_num_drafts", "counter", "verification steps that had draft tokens", [({}, drafts)])
+    out.metric("specd_spec_decode_num_draft_tokens", "counter", "draft tokens proposed", [({}, st.draft_tokens)])
+    out.metric("specd_spec_decode_num_accepted_tokens", "counter", "draft tokens accepted", [({}, st.accepted_tokens)])
+    depths = max(len(st.accepted_per_depth), len(st.drafted_per_depth))
+    out.metric(
+        "specd_spec_decode_num_accepted_tokens_per_pos",
+        "counter",
+        "draft tokens accepted at each tree depth (position 0 = first draft token)",
+        [
+            ({"position": str(i)}, st.accepted_per_depth[i] if i < len(st.accepted_per_depth) else 0)
+            for i in range(depths)
+        ],
+    )
+    out.metric(
+        "specd_spec_decode_verify_steps", "counter", "target verification steps (all requests)", [({}, st.steps)]
+    )
+
+
+def _health_metrics(out: _Text, client) -> None:
+    """Step errors, health, and failed steps / requests by stage (``specd.engine.health``)."""
+    out.metric(
+        "specd_engine_step_errors",
+        "counter",
+        "exceptions that escaped an engine step (every active request failed)",
+        [({}, client.num_step_errors)],
+    )
+    out.metric(
+        "specd_engine_healthy",
+        "gauge",
+        "1 while the engine completes steps (/readyz, /healthz and the systemd watchdog follow it)",
+        [({}, 1 if client.unhealthy_reason() is None else 0)],
+    )
+    snap = client.snapshot().health
     if not snap:
         return
-    metric(
+    out.metric(
         "specd_engine_failed_steps",
         "counter",
         "engine steps in which a stage raised, by stage",
         [({"stage": k}, v) for k, v in snap["failed_steps"].items()],
     )
-    metric(
+    out.metric(
         "specd_engine_failed_requests",
         "counter",
         "requests ended with finish_reason error, by the stage that failed",
         [({"stage": k}, v) for k, v in snap["failed_requests"].items()],
     )
-    metric(
+    out.metric(
         "specd_engine_consecutive_failed_steps",
         "gauge",
         "failed engine steps in a row (0 after a step that made progress)",
@@ -324,25 +306,8 @@ def _health_metrics(metric, eng) -> None:
     )
 
 
-def _prefix_hit_rate(eng) -> float | None:
-    s = getattr(eng, "prefix_cache_stats", None)
-    if s is None:
-        return None
+def _prefix_hit_rate(prefix: dict) -> float | None:
     try:
-        if callable(s):
-            s = s()
-        if isinstance(s, (int, float)):
-            return float(s)
-        if isinstance(s, dict):
-            if "hit_rate" in s:
-                return float(s["hit_rate"])
-            q, h = s.get("queries", s.get("query_tokens")), s.get("hits", s.get("hit_tokens"))
-        else:
-            if hasattr(s, "hit_rate"):
-                return float(s.hit_rate)
-            q, h = getattr(s, "queries", None), getattr(s, "hits", None)
-        if q is None or h is None:
-            return None
-        return float(h) / float(q) if q else 0.0
-    except Exception:  # noqa: BLE001 - metrics must never break the scrape
+        return float(prefix["hit_rate"])
+    except (KeyError, TypeError, ValueError):  # metrics must never break the scrape
         return None

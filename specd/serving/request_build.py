@@ -121,6 +121,16 @@ def prompt_ids_from(tokenizer, messages: Sequence[Mapping[str, Any]] | None = No
     return ids
 
 
+def _check_ids(ids) -> list:
+    if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence):
+        raise _bad("prompt token ids must be a list of integers")
+    if not ids:
+        raise _bad("prompt is empty")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise _bad("prompt token ids must be integers")
+    return list(ids)
+
+
 def _check_messages(messages) -> list:
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise _bad("'messages' must be a list of {role, content} objects")
@@ -217,6 +227,7 @@ def build_request(
     *,
     messages=None,
     prompt=None,
+    prompt_ids=None,
     max_tokens=None,
     temperature=None,
     top_p=None,
@@ -230,6 +241,8 @@ def build_request(
     max_model_len: int | None = None,
 ) -> BuiltRequest:
     """Validate everything cheap first, then tokenize. ``speculation``: {mode, max_draft_tokens}.
+    ``prompt_ids`` (token ids, the OpenAI completions API's other prompt form) replaces
+    ``messages`` / ``prompt``; the engine limits check them against the vocabulary.
 
     ``max_tokens`` None: ``default_max_tokens(prompt tokens, max_model_len)``.
     """
@@ -243,7 +256,12 @@ def build_request(
         speculation = {k: v for k, v in speculation.items() if v is not None}  # None = the default
     spec = speculation_params(speculation)
     prio = check_priority("interactive" if priority is None else priority)
-    ids = prompt_ids_from(tokenizer, messages, prompt)
+    if prompt_ids is not None:
+        if messages is not None or prompt is not None:
+            raise _bad("give exactly one of 'messages', 'prompt' and 'prompt_ids'")
+        ids = _check_ids(prompt_ids)
+    else:
+        ids = prompt_ids_from(tokenizer, messages, prompt)
     if max_tokens is None:
         params = dataclasses.replace(params, max_tokens=default_max_tokens(len(ids), max_model_len))
     return BuiltRequest(ids, params, spec, prio)

@@ -1,260 +1,99 @@
-"""Websocket server (``/ws``, also ``/`` with an Upgrade) and the HTTP routes on the same port.
+"""specd's websocket protocol (``/ws``; an upgrade on ``/`` works too) as a raw ASGI endpoint.
 
-HTTP (answered in websockets' ``process_request`` hook, before any upgrade):
-``/healthz`` 200 while the engine completes steps (503 with the reason when the engine thread or
-process died, one step has been stuck longer than the watchdog timeout, ``--max-failed-steps`` steps
-in a row failed, or queued work saw no step complete within the watchdog timeout); ``/readyz`` 200
-when serving and healthy, 503 while loading, draining or unhealthy; ``/metrics`` Prometheus text (needs the API key
-when one is set); ``/`` and
-``/index.html`` the web chat page. Other paths: 404.
-
-One ``Conn`` per websocket connection multiplexes requests by their client ``id``; every request has
-a task that admits it and waits for its end; its ``delta`` frames and exactly one ``done`` (or an
-``error`` when the request is refused before it starts) are written by the connection, which sends
-each event-loop pass's frames in one socket write. Protocol: ``docs/protocol.md``.
+At the upgrade: a disallowed ``Origin`` gets HTTP 403, a wrong ``Authorization: Bearer`` key 401,
+``--max-connections`` open connections 503 (``Retry-After: 1``). One ``Conn`` per connection
+multiplexes requests by their client ``id``; every request has a task that tokenizes and admits it
+and waits for its end. Outputs are pushed by the engine client into ``Conn.pending`` and written by
+the connection's writer task: each pending request gets one ``delta`` (the outputs of all steps since
+its last one, merged) and, at its end, one ``done``. While a slow client's socket is full the
+writer's send waits and outputs keep merging instead of queueing frames. Protocol: ``docs/protocol.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from urllib.parse import urlsplit
 
-from websockets.asyncio.server import ServerConnection, serve
-from websockets.exceptions import ConnectionClosed
-from websockets.protocol import State
+from starlette.datastructures import Headers
 
 from specd.engine.engine import RequestError
 from specd.serving import protocol as P
 from specd.serving import request_build as RB
-from specd.serving.engine_loop import AsyncEngine, _merge
-from specd.serving.metrics import Metrics
+from specd.serving.engine_client import AsyncEngine, merge_outputs
+from specd.serving.frontend import Frontend
 
 log = logging.getLogger("specd.ws")
 
-STATIC = Path(__file__).with_name("static")
-WS_PATHS = ("/ws", "/")
+__all__ = ["WSServer", "Conn", "deny", "HARD_LIMIT_FACTOR"]
+
 MAX_AUTH_FAILURES = 5  # failed auth messages before the connection is closed (1008)
 INLINE_TOKENIZE_CHARS = 8192  # longer prompts are tokenized in a worker thread
 HARD_LIMIT_FACTOR = 4  # frames above max_message_bytes * this are refused by closing with 1009
 
 
-class WSServer:
-    """The websocket + HTTP front end. ``ae`` is set once the engine is loaded (None while loading)."""
+class Disconnected(Exception):
+    """The client is gone (a send failed or the connection closed)."""
 
-    def __init__(
-        self,
-        *,
-        api_key: str | None = None,
-        allowed_origins: str = "",
-        max_connections: int = 256,
-        max_message_bytes: int = 1 << 20,
-        metrics: Metrics | None = None,
-    ):
-        self.api_key = api_key or None
-        origins = [o.strip().rstrip("/") for o in (allowed_origins or "").split(",") if o.strip()]
-        self.any_origin = "*" in origins
-        self.origins = set(origins) - {"*"}
-        self.max_connections = max_connections
-        self.max_message_bytes = max_message_bytes
-        self.ae: AsyncEngine | None = None
-        self.draining = False
+
+async def deny(send, status: int, body: str, headers: dict | None = None) -> None:
+    """Refuse a websocket upgrade with an HTTP answer (ASGI's websocket.http.response extension)."""
+    hdrs = [(b"content-type", b"text/plain; charset=utf-8")]
+    hdrs += [(k.lower().encode(), str(v).encode()) for k, v in (headers or {}).items()]
+    await send({"type": "websocket.http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "websocket.http.response.body", "body": body.encode()})
+
+
+class WSServer:
+    """The websocket front end: an ASGI app for websocket scopes; ``conns`` its open connections."""
+
+    def __init__(self, front: Frontend):
+        self.front = front
         self.conns: set = set()
-        self.metrics = metrics or Metrics(lambda: self.ae.engine if self.ae else None)
+        front.ws_sets.append(self.conns)
         self._serial = itertools.count()
-        self._page: bytes | None = None
         # long prompts are tokenized in this one worker thread (the loop tokenizes short ones itself)
         self.tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-tokenize")
-        self.server = None
-        self._tcp: set = set()
 
-    # lifecycle -----------------------------------------------------------------------------------
-    async def listen(self, host: str, port: int):
-        hard = self.max_message_bytes * HARD_LIMIT_FACTOR + 65536
-        tcp = self._tcp
-
-        class Tracked(ServerConnection):  # every TCP connection, handshaking ones included
-            def connection_made(self, transport):
-                super().connection_made(transport)
-                tcp.add(self)
-
-            def connection_lost(self, exc):
-                super().connection_lost(exc)
-                tcp.discard(self)
-
-        self.server = await serve(
-            self.handler,
-            host,
-            port,
-            process_request=self.process_request,
-            compression=None,
-            max_size=hard,
-            server_header="specd",
-            ping_interval=20,
-            ping_timeout=20,
-            create_connection=Tracked,
-        )
-        return self.server
-
-    @property
-    def port(self) -> int:
-        return self.server.sockets[0].getsockname()[1]
-
-    @property
-    def ready(self) -> bool:
-        return self.ae is not None and self.ae.ready and not self.draining
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()  # closes open connections with 1001 (going away)
-            for c in list(self._tcp):
-                if c.protocol.state is State.CONNECTING and c.transport is not None:
-                    c.transport.abort()  # idle pre-connected sockets (browsers) would hold us open_timeout
-            await self.server.wait_closed()
-        self.tok_pool.shutdown(wait=False)
-
-    # HTTP ----------------------------------------------------------------------------------------
-    def _key_ok(self, key: str | None) -> bool:
-        if self.api_key is None:
-            return True
-        return key is not None and hmac.compare_digest(key.encode(), self.api_key.encode())
-
-    @staticmethod
-    def _bearer(request) -> str | None:
-        h = request.headers.get("Authorization")
-        if h is None:
-            return None
-        scheme, _, token = h.partition(" ")
-        return token.strip() if scheme.lower() == "bearer" else ""
-
-    def _origin_ok(self, request) -> bool:
-        origin = request.headers.get("Origin")
-        if origin is None or self.any_origin:
-            return True  # not a browser (browsers always send Origin on websockets)
-        origin = origin.rstrip("/")
-        if origin in self.origins:
-            return True
-        if self.origins:
-            return False
-        # default: same host only (the page this server serves)
-        try:
-            u = urlsplit(origin)
-        except ValueError:
-            return False
-        host = (request.headers.get("Host") or "").lower()
-        net = (u.netloc or "").lower()
-        default = {"http": ":80", "https": ":443"}.get(u.scheme, "")
-        return bool(net) and (net == host or net + default == host or net == host + default)
-
-    def _respond(
-        self,
-        conn: ServerConnection,
-        status: int,
-        body: bytes,
-        ctype: str = "text/plain; charset=utf-8",
-        extra: dict | None = None,
-    ):
-        r = conn.respond(status, "")
-        r.body = body
-        h = r.headers  # websockets' Headers: item assignment appends, so delete first
-        for k, v in {
-            "Content-Length": str(len(body)),
-            "Content-Type": ctype,
-            "Cache-Control": "no-store",
-            "X-Content-Type-Options": "nosniff",
-            **(extra or {}),
-        }.items():
-            if k in h:
-                del h[k]
-            h[k] = v
-        return r
-
-    def process_request(self, conn: ServerConnection, request):
-        path = request.path.split("?", 1)[0]
-        upgrade = "websocket" in request.headers.get("Upgrade", "").lower()
-        if upgrade and path in WS_PATHS:
-            return self._check_upgrade(conn, request)
-        if path in ("/healthz", "/readyz"):
-            return self._health(conn, path)
-        if path == "/metrics":
-            if not self._key_ok(self._bearer(request)):
-                return self._respond(conn, 401, b"unauthorized\n", extra={"WWW-Authenticate": "Bearer"})
-            return self._respond(conn, 200, self.metrics.render(), "text/plain; version=0.0.4; charset=utf-8")
-        if path in ("/", "/index.html"):
-            return self._respond(
-                conn,
-                200,
-                self.page(),
-                "text/html; charset=utf-8",
-                extra={
-                    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src "
-                    "'unsafe-inline'; connect-src 'self' ws: wss:; img-src data:",
-                    "Referrer-Policy": "no-referrer",
-                },
-            )
-        if upgrade:
-            return self._respond(conn, 404, b"websocket endpoint is /ws\n")
-        return self._respond(conn, 404, b"not found\n")
-
-    def _health(self, conn: ServerConnection, path: str):
-        """``/healthz``: 503 once the engine cannot complete steps (dead, stuck, failing); ``/readyz``:
-        200 only while serving AND healthy, else 503 with the reason (loading, draining, unhealthy)."""
-        sick = self.ae.unhealthy_reason() if self.ae is not None else None
-        if path == "/healthz":
-            return (
-                self._respond(conn, 503, f"unhealthy: {sick}\n".encode()) if sick else self._respond(conn, 200, b"ok\n")
-            )
-        if self.ready and sick is None:
-            return self._respond(conn, 200, b"ready\n")
-        if self.draining or (self.ae is not None and self.ae.draining):
-            return self._respond(conn, 503, b"draining\n")
-        return self._respond(conn, 503, f"unhealthy: {sick}\n".encode() if sick else b"loading\n")
-
-    def _check_upgrade(self, conn: ServerConnection, request):
-        if not self._origin_ok(request):
-            self.metrics.count_error("forbidden_origin")
-            return self._respond(conn, 403, b"origin not allowed (see --allowed-origins)\n")
-        key = self._bearer(request)
-        if key is not None and not self._key_ok(key):
-            self.metrics.count_error("unauthorized")
-            return self._respond(conn, 401, b"unauthorized\n", extra={"WWW-Authenticate": "Bearer"})
-        if len(self.conns) >= self.max_connections:
-            self.metrics.count_error("too_many_connections")
-            return self._respond(conn, 503, b"too many connections\n", extra={"Retry-After": "1"})
-        conn.specd_authed = self.api_key is None or key is not None
+    def _refusal(self, headers: Headers) -> tuple | None:
+        """(status, body, headers) refusing the upgrade, or None; counts the refusal."""
+        auth, m = self.front.auth, self.front.metrics
+        if not auth.origin_ok(headers):
+            m.count_error("forbidden_origin")
+            return 403, "origin not allowed (see --allowed-origins)\n", None
+        key = auth.bearer(headers)
+        if key is not None and not auth.key_ok(key):
+            m.count_error("unauthorized")
+            return 401, "unauthorized\n", {"WWW-Authenticate": "Bearer"}
+        if self.front.open_websockets >= self.front.max_connections:
+            m.count_error("too_many_connections")
+            return 503, "too many connections\n", {"Retry-After": "1"}
         return None
 
-    def page(self) -> bytes:
-        if self._page is None:
-            self._page = (STATIC / "index.html").read_bytes()
-        return self._page
-
-    # websocket -----------------------------------------------------------------------------------
-    async def handler(self, ws: ServerConnection) -> None:
-        if len(self.conns) >= self.max_connections:  # lost the race with another handshake
-            await ws.close(1013, "too many connections")
+    async def __call__(self, scope, receive, send) -> None:
+        if (await receive())["type"] != "websocket.connect":
             return
-        c = Conn(self, ws, getattr(ws, "specd_authed", self.api_key is None), next(self._serial))
-        self.conns.add(c)
+        headers = Headers(scope=scope)
+        refused = self._refusal(headers)
+        if refused is not None:
+            await deny(send, *refused)
+            return
+        key = self.front.auth.bearer(headers)
+        c = Conn(self, receive, send, self.front.auth.api_key is None or key is not None, next(self._serial))
+        c.tenant = self.front.auth.tenant(key)
+        self.conns.add(c)  # (before the accept's await: racing upgrades see it)
         try:
+            await send({"type": "websocket.accept"})
             await c.run()
         finally:
             self.conns.discard(c)
             await c.cancel_all()
 
-
-def _text_frame(payload: bytes) -> bytes:
-    """A final, unmasked text frame (server to client)."""
-    n = len(payload)
-    if n < 126:
-        return b"\x81" + bytes((n,)) + payload
-    if n < 65536:
-        return b"\x81\x7e" + n.to_bytes(2, "big") + payload
-    return b"\x81\x7f" + n.to_bytes(8, "big") + payload
+    async def close(self, code: int = 1001) -> None:
+        """Close every connection (1001 going away at shutdown); their requests are cancelled."""
+        await asyncio.gather(*(c.close(code) for c in list(self.conns)), return_exceptions=True)
+        self.tok_pool.shutdown(wait=False)
 
 
 class _Req:
@@ -267,59 +106,81 @@ class _Req:
         self.done: asyncio.Future | None = None  # set once the final frame is out (admitted requests)
         self.n = 0  # deltas sent
         self.last = None  # last RequestOutput sent (its seq carries the stats for a done(error))
-        self.out = None  # output not sent yet (merged while the connection could not keep up)
+        self.out = None  # output not sent yet (merged while the writer was busy)
         self.err: BaseException | None = None  # an admitted error not sent yet
 
 
 class Conn:
-    """One websocket connection: its auth state and its live requests by client id.
+    """One websocket connection: its auth state, its live requests by client id, its writer."""
 
-    Outputs are pushed by the engine loop (``AsyncEngine.submit``) into ``pending``; once per event
-    loop pass every pending request gets one ``delta`` (the outputs of all steps since the last
-    flush, merged) and, at the end, its ``done``, and the frames go out in ONE socket write. While a
-    slow client's write buffer is full, outputs keep merging instead of queueing frames."""
-
-    HIGH_WATER = 1 << 16  # bytes buffered for the client above which frames wait (and merge)
-
-    def __init__(self, srv: WSServer, ws: ServerConnection, authed: bool, serial: int):
-        self.srv, self.ws, self.authed, self.serial = srv, ws, authed, serial
+    def __init__(self, srv: WSServer, receive, send, authed: bool, serial: int):
+        self.srv, self._receive, self._send = srv, receive, send
+        self.authed, self.serial = authed, serial
+        self.tenant: str | None = None  # the key's tenant (header or auth message): what drafting may read
         self.live: dict = {}
         self.auth_failures = 0
         self.pending: dict = {}  # client id -> _Req with output or error to send
-        self._flush_at: asyncio.Handle | None = None
-        self._waiting_drain = False
+        self.open = True
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task | None = None
 
     async def send(self, data: bytes) -> None:
-        await self.ws.send(data, text=True)
+        try:
+            await self._send({"type": "websocket.send", "text": data.decode()})
+        except OSError as e:  # (uvicorn's ClientDisconnected)
+            self.open = False
+            raise Disconnected() from e
+
+    async def close(self, code: int, reason: str = "") -> None:
+        if self.open:
+            self.open = False
+            try:
+                await self._send({"type": "websocket.close", "code": code, "reason": reason})
+            except (OSError, RuntimeError):
+                pass
+
+    async def run(self) -> None:
+        self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+        try:
+            while True:
+                msg = await self._receive()
+                if msg["type"] != "websocket.receive":
+                    break  # websocket.disconnect
+                frame = msg.get("text")
+                await self.on_frame(frame if frame is not None else msg.get("bytes") or b"")
+        except Disconnected:
+            pass
+        finally:
+            self.open = False
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)
 
     # pushed outputs ------------------------------------------------------------------------------
     def _deliver(self, r: _Req, item) -> None:
-        """Engine output (or admitted error) for ``r``; called on the loop by the AsyncEngine."""
+        """Engine output (or admitted error) for ``r``; called on the loop by the engine client."""
         if isinstance(item, BaseException):
             r.err = item
         else:
-            r.out = item if r.out is None else _merge(r.out, item)
+            r.out = item if r.out is None else merge_outputs(r.out, item)
         self.pending[r.id] = r
-        if self._flush_at is None and not self._waiting_drain:
-            self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+        self._wake.set()
 
-    def _flush(self) -> None:
-        self._flush_at = None
-        ws = self.ws
-        if ws.protocol.state is not State.OPEN:  # client gone: nothing can be sent, free the KV
-            ae = self.srv.ae
-            for r in self.pending.values():
-                ended = r.err is not None or (r.out is not None and r.out.finished)
-                if not ended and ae is not None:
-                    ae.abort(r.engine_id)
-                if r.done is not None and not r.done.done():
-                    r.done.set_result(None)
-            self.pending.clear()
-            return
-        if ws.transport.get_write_buffer_size() > self.HIGH_WATER:  # slow client: merge until it drains
-            self._waiting_drain = True
-            asyncio.get_running_loop().create_task(self._after_drain())
-            return
+    async def _write_loop(self) -> None:
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                frames, finished = self._frames()
+                for f in frames:
+                    await self.send(f)  # waits while the socket is full: outputs merge meanwhile
+                for r in finished:
+                    if r.done is not None and not r.done.done():
+                        r.done.set_result(None)
+        finally:  # client gone or connection ending: nothing more can be sent, free the KV
+            self._abandon()
+
+    def _frames(self) -> tuple:
+        """The pending requests' frames (one delta each, then a done when it ended)."""
         frames, finished = [], []
         for r in self.pending.values():
             out, err = r.out, r.err
@@ -334,58 +195,46 @@ class Conn:
                     finished.append(r)
                     continue
             if err is not None:
-                code = getattr(err, "code", "internal")
-                self.srv.metrics.count_error(code)
-                e = (code, str(err))
-                seq = getattr(err, "seq", None) or (r.last.seq if r.last is not None else None)
-                frames.append(P.done(r.id, seq, "error", e) if seq is not None else P.done_empty(r.id, "error", err=e))
+                frames.append(self._error_done(r, err))
                 finished.append(r)
         self.pending.clear()
-        if frames:
-            # the pass's frames for this connection in one write; server frames are unmasked and,
-            # with compression off, a text frame is just its header + the UTF-8 payload (RFC 6455 5.2)
-            queued = ws.protocol.data_to_send()  # anything websockets queued first (e.g. a pong)
-            ws.transport.write(b"".join(queued + [_text_frame(f) for f in frames]))
-        for r in finished:
+        return frames, finished
+
+    def _error_done(self, r: _Req, err: BaseException) -> bytes:
+        code = getattr(err, "code", "internal")
+        self.srv.front.metrics.count_error(code)
+        e = (code, str(err))
+        seq = getattr(err, "seq", None) or (r.last.seq if r.last is not None else None)
+        return P.done(r.id, seq, "error", e) if seq is not None else P.done_empty(r.id, "error", err=e)
+
+    def _abandon(self) -> None:
+        ae = self.srv.front.ae
+        for r in list(self.pending.values()) + list(self.live.values()):
+            ended = r.err is not None or (r.out is not None and r.out.finished)
+            if not ended and r.done is not None and ae is not None:
+                ae.abort(r.engine_id)
             if r.done is not None and not r.done.done():
                 r.done.set_result(None)
+        self.pending.clear()
 
-    async def _after_drain(self) -> None:
-        ws = self.ws
-        try:
-            while ws.protocol.state is State.OPEN and ws.transport.get_write_buffer_size() > self.HIGH_WATER:
-                await ws.drain()  # waits while the transport is paused (above its own high-water mark)
-                if ws.transport.get_write_buffer_size() > self.HIGH_WATER:
-                    await asyncio.sleep(0.005)  # (not paused yet above ours: never spin)
-        except Exception:  # noqa: BLE001 - closed: _flush resolves the requests
-            pass
-        self._waiting_drain = False
-        if self._flush_at is None:
-            self._flush()
-
+    # client messages -----------------------------------------------------------------------------
     async def error(self, rid: str | None, code: str, message: str) -> None:
-        self.srv.metrics.count_error(code)
+        self.srv.front.metrics.count_error(code)
         await self.send(P.error(rid, code, message))
 
-    async def run(self) -> None:
-        try:
-            async for frame in self.ws:
-                await self.on_frame(frame)
-        except ConnectionClosed:
-            pass
-
     def _too_large(self, frame) -> bool:
-        limit = self.srv.max_message_bytes
+        limit = self.srv.front.max_message_bytes
         n = len(frame)
         if n > limit:
             return True
         if isinstance(frame, str) and n * 4 > limit:
-            return len(frame.encode()) > limit
+            return len(frame.encode("utf-8", "surrogatepass")) > limit
         return False
 
     async def on_frame(self, frame) -> None:
         if self._too_large(frame):
-            await self.error(None, "message_too_large", f"message larger than {self.srv.max_message_bytes} bytes")
+            limit = self.srv.front.max_message_bytes
+            await self.error(None, "message_too_large", f"message larger than {limit} bytes")
             return
         try:
             msg = P.decode(frame)
@@ -395,45 +244,48 @@ class Conn:
         t = msg["type"]
         if t == "auth":
             await self.on_auth(msg)
-            return
-        if not self.authed:
-            await self.error(
-                P.message_id(msg),
-                "unauthorized",
-                'send {"type":"auth","key":...} first (or an Authorization: Bearer header)',
-            )
-            return
-        if t == "generate":
+        elif not self.authed:
+            hint = 'send {"type":"auth","key":...} first (or an Authorization: Bearer header)'
+            await self.error(P.message_id(msg), "unauthorized", hint)
+        elif t == "generate":
             await self.on_generate(msg)
         elif t == "cancel":
-            try:
-                rid = P.parse_id(msg)
-            except P.ProtocolError as e:
-                await self.error(None, e.code, str(e))
-                return
-            r = self.live.get(rid)
-            if r is not None and not r.cancelled:  # unknown / finished ids: ignored (races are normal)
-                r.cancelled = True
-                if self.srv.ae is not None:
-                    self.srv.ae.abort(r.engine_id)
+            await self.on_cancel(msg)
         else:
             await self.error(
                 P.message_id(msg), "unknown_type", f"unknown message type {t!r} (generate | cancel | auth)"
             )
 
+    async def on_cancel(self, msg: dict) -> None:
+        try:
+            rid = P.parse_id(msg)
+        except P.ProtocolError as e:
+            await self.error(None, e.code, str(e))
+            return
+        r = self.live.get(rid)
+        if r is not None and not r.cancelled:  # unknown / finished ids: ignored (races are normal)
+            r.cancelled = True
+            if self.srv.front.ae is not None:
+                self.srv.front.ae.abort(r.engine_id)
+
     async def on_auth(self, msg: dict) -> None:
-        if self.srv.api_key is None:  # no key configured: every auth succeeds (docs/protocol.md)
+        auth = self.srv.front.auth
+        if auth.api_key is None:  # no key configured: every auth succeeds (docs/protocol.md)
             self.authed = True
+            key = msg.get("key")
+            self.tenant = auth.tenant(key) if isinstance(key, str) else self.tenant
             await self.send(b'{"type":"auth_ok"}')
             return
         key = msg.get("key")
-        if not isinstance(key, str) or not self.srv._key_ok(key):
+        if not isinstance(key, str) or not auth.key_ok(key):
             self.auth_failures += 1
             await self.error(None, "unauthorized", "wrong API key")
             if self.auth_failures >= MAX_AUTH_FAILURES:
-                await self.ws.close(1008, "too many failed auth attempts")
+                await self.close(1008, "too many failed auth attempts")
+                raise Disconnected()
             return
         self.authed = True
+        self.tenant = auth.tenant(key)
         await self.send(b'{"type":"auth_ok"}')
 
     async def on_generate(self, msg: dict) -> None:
@@ -445,59 +297,59 @@ class Conn:
         if req.id in self.live:
             await self.error(req.id, "duplicate_id", f"request {req.id!r} is still running on this connection")
             return
-        ae = self.srv.ae
-        if self.srv.draining or (ae is not None and ae.draining):
-            await self.error(req.id, "shutting_down", "the server is shutting down")
-            return
-        if ae is None or not ae.ready:
-            await self.error(req.id, "overloaded", "the server is not ready yet (models loading); retry later")
+        refused = self.srv.front.admission()
+        if refused is not None:
+            await self.error(req.id, refused.code, str(refused))
             return
         r = _Req(req.id, f"ws{self.serial}:{req.id}")
         self.live[req.id] = r
-        r.task = asyncio.get_running_loop().create_task(self._serve(r, req, ae))
+        r.task = asyncio.get_running_loop().create_task(self._serve(r, req, self.srv.front.ae))
+
+    async def _tokenize(self, ae: AsyncEngine, req: P.GenerateRequest) -> list:
+        if P.prompt_chars(req) <= INLINE_TOKENIZE_CHARS:  # cheap: no thread hand-off
+            return RB.encode_prompt(ae.tokenizer, req.messages, req.prompt)
+        try:  # long prompts must not stall the event loop
+            return await asyncio.get_running_loop().run_in_executor(
+                self.srv.tok_pool, RB.encode_prompt, ae.tokenizer, req.messages, req.prompt
+            )
+        except RuntimeError as e:  # the pool is shut down (server closing)
+            raise RequestError("shutting_down", str(e)) from None
 
     async def _serve(self, r: _Req, req: P.GenerateRequest, ae: AsyncEngine) -> None:
         submitted = False
         try:
-            eng = ae.engine
-            loop = asyncio.get_running_loop()
-            if P.prompt_chars(req) <= INLINE_TOKENIZE_CHARS:  # cheap: no thread hand-off
-                ids = RB.encode_prompt(eng.tokenizer, req.messages, req.prompt)
-            else:  # long prompts must not stall the event loop
-                try:
-                    ids = await loop.run_in_executor(
-                        self.srv.tok_pool, RB.encode_prompt, eng.tokenizer, req.messages, req.prompt
-                    )
-                except RuntimeError as e:  # the pool is shut down (server closing)
-                    raise RequestError("shutting_down", str(e)) from None
+            ids = await self._tokenize(ae, req)
             if r.cancelled:
                 await self.send(P.done_empty(r.id, "cancelled", len(ids)))
                 return
-            max_tokens = (
-                req.max_tokens if req.max_tokens is not None else RB.default_max_tokens(len(ids), eng.max_model_len)
-            )
+            max_tokens = req.max_tokens
+            if max_tokens is None:
+                max_tokens = RB.default_max_tokens(len(ids), ae.max_model_len)
             params = RB.sampling_params(max_tokens, **req.sampling)
-            r.done = loop.create_future()
-            # outputs are pushed to _deliver and flushed per loop pass (no per-output task wake-ups)
-            ae.submit(ids, params, req.spec, req.priority, r.engine_id, lambda item: self._deliver(r, item))
+            r.done = asyncio.get_running_loop().create_future()
+            sink = lambda item: self._deliver(r, item)  # noqa: E731
+            ae.submit(ids, params, req.spec, req.priority, r.engine_id, sink, self.tenant)
             submitted = True
             await r.done
         except RequestError as e:  # refused before admission (admitted errors arrive via _deliver)
-            await self.error(r.id, e.code, str(e))
-        except ConnectionClosed:
+            await self._safe_error(r.id, e.code, str(e))
+        except Disconnected:
             pass
         except Exception as e:  # noqa: BLE001 - never let one request take the connection down
             log.exception("request %s failed", r.engine_id)
-            try:
-                await self.error(r.id, "internal", f"{type(e).__name__}: {e}")
-            except ConnectionClosed:
-                pass
+            await self._safe_error(r.id, "internal", f"{type(e).__name__}: {e}")
         finally:
             if submitted and not r.done.done():  # task cancelled (client gone): free the engine's KV
                 ae.abort(r.engine_id)
             self.pending.pop(r.id, None)
             if self.live.get(r.id) is r:
                 del self.live[r.id]
+
+    async def _safe_error(self, rid: str, code: str, message: str) -> None:
+        try:
+            await self.error(rid, code, message)
+        except Disconnected:
+            pass
 
     async def cancel_all(self) -> None:
         """Client went away: cancel its requests (each aborts in the engine, freeing its KV)."""

@@ -1,0 +1,392 @@
+"""``AsyncEngine``: the ``EngineClient`` every front end uses, on the server's event loop.
+
+It owns the request bookkeeping that is the same wherever the engine runs: admission (``max_queue``,
+draining, duplicate ids, validation against the engine's limits), one stream per request (a pushed
+``sink`` or a pulled async iterator), per-step listeners (metrics, request logs), drain and stop, and
+health. The engine itself runs behind an ``EngineLink``: ``specd.engine.loop.ThreadLink`` (a thread of
+this process; what ``AsyncEngine(engine)`` builds) or ``specd.serving.engine_proc.ProcessLink`` (a
+child process, the default of ``specd serve``). Either way the engine loop sends ``Batch``es, which
+are applied here in one place (``_on_batch``).
+
+Usage (inside the event loop that called ``start()``)::
+
+    ae = AsyncEngine(engine, max_queue=256)
+    await ae.start()
+    try:
+        async for out in ae.generate(prompt_ids, SamplingParams(...), SpecParams(), "interactive", "r1"):
+            ...  # out: RequestOutput (token_ids / text of one engine step - or of every step that
+                 # queued up while the consumer was busy, merged; out.finished on the last)
+    except RequestError as e:  # raised on the first iteration, before any compute:
+        ...  # e.code: overloaded | shutting_down | too_long | invalid_request | duplicate_id | internal
+    await ae.drain(30.0)  # SIGTERM: refuse new requests, let running ones finish, abort the rest
+    await ae.stop()
+
+A consumer that stops iterating (``break``, ``aclose()``, task cancelled because the client went away)
+aborts its request; the engine frees its KV blocks on its next step. Wrap the stream in
+``contextlib.aclosing(...)`` so that leaving the loop early closes it at once.
+
+A request the engine failed (``finish_reason: "error"``) ends its stream with ``RequestError("internal")``
+(``admitted``, with the failed ``seq`` attached). Health (``unhealthy_reason()``): the link is alive;
+requests are outstanding and nothing came back for ``watchdog_timeout_s`` (a stuck step, a stopped
+process); ``max_failed_steps`` failed steps in a row; queued work and no step completed within the
+watchdog timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from specd.engine.client import Batch, EngineLimits, EngineLink, EngineSnapshot, StreamSink
+from specd.engine.engine import RequestError, RequestOutput
+from specd.engine.health import DEFAULT_MAX_FAILED_STEPS, unhealthy_reason
+from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S, ThreadLink
+from specd.engine.sampling import SamplingParams
+from specd.engine.sequence import PRIORITIES, SpecParams
+
+log = logging.getLogger("specd.engine_client")
+
+__all__ = ["AsyncEngine", "RequestError", "RequestOutput", "RequestStream", "merge_outputs"]
+
+
+class _Sink:
+    """A push consumer in ``_streams`` (which otherwise holds ``asyncio.Queue``s): same put_nowait."""
+
+    __slots__ = ("put_nowait",)
+
+    def __init__(self, fn):
+        self.put_nowait = fn
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one (tokens and text concatenated)."""
+    return RequestOutput(a.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason, b.seq)
+
+
+def _admitted(e: RequestError) -> RequestError:
+    """Mark an error raised after the request was admitted (mid-stream) rather than refused."""
+    e.admitted = True
+    return e
+
+
+def _failed(out: RequestOutput) -> RequestError:
+    """A request the engine failed as its stream's ``internal`` error; ``seq`` carries its usage."""
+    e = _admitted(RequestError("internal", out.error or "the engine failed while running the request"))
+    e.seq = out.seq
+    return e
+
+
+class RequestStream:
+    """An admitted request's outputs as an async iterator: what queued up while the consumer was
+    busy comes merged into one ``RequestOutput``; the last has ``finished`` set, or a ``RequestError``
+    ends it. ``close()`` (idempotent) aborts the request unless it has ended; its KV blocks are
+    freed in the engine's next step."""
+
+    def __init__(self, ae: AsyncEngine, request_id: str, q: asyncio.Queue):
+        self.ae, self.request_id, self._q = ae, request_id, q
+        self.ended = False
+        self._pending = None  # an error that ends the stream after the output merged before it
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.ended:
+            raise StopAsyncIteration
+        q = self._q
+        item, self._pending = (self._pending if self._pending is not None else await q.get()), None
+        while not q.empty() and not isinstance(item, BaseException) and not item.finished:
+            nxt = q.get_nowait()
+            if isinstance(nxt, BaseException):
+                self._pending = nxt
+                break
+            item = merge_outputs(item, nxt)
+        if isinstance(item, BaseException):
+            self._end()
+            raise item
+        if item.finished:
+            self._end()
+        return item
+
+    def _end(self) -> None:
+        self.ended = True
+        if self.ae._streams.get(self.request_id) is self._q:
+            del self.ae._streams[self.request_id]
+
+    def close(self) -> None:
+        if not self.ended:  # consumer went away (break / cancelled / disconnect): free the KV
+            self.ae.abort(self.request_id)
+            self._end()
+
+
+class AsyncEngine:
+    """``EngineClient`` over an ``EngineLink``. Create, ``start()``, ``stop()`` on ONE event loop.
+
+    ``engine``: an ``Engine`` (stepped by a ``ThreadLink``) or an ``EngineLink``.
+    ``max_queue``: admitted requests (waiting + running, not finished) at most; the next one is
+    refused at once with ``RequestError("overloaded")``.
+    ``watchdog_timeout_s``: how long requests may be outstanding with nothing coming back from the
+    engine (no output, no heartbeat) before it counts as stuck.
+    ``max_failed_steps``: failed steps in a row after which the engine is unhealthy (0: never).
+    """
+
+    def __init__(
+        self,
+        engine,
+        max_queue: int = 256,
+        watchdog_timeout_s: float = 30.0,
+        stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
+        max_failed_steps: int = DEFAULT_MAX_FAILED_STEPS,
+    ):
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.link = engine if isinstance(engine, EngineLink) else ThreadLink(engine, stream_interval_s)
+        self.max_queue = max_queue
+        self.watchdog_timeout_s = watchdog_timeout_s
+        self.max_failed_steps = max_failed_steps
+        self.listeners: list[Callable[[list, float], None]] = []
+        self.num_step_errors = 0  # exceptions that escaped Engine.step() (each failed every active request)
+        self.num_batches = 0  # hand-offs received from the engine loop (each one event-loop wake-up)
+        self.last_progress = time.monotonic()  # last batch received or request submitted
+        self._streams: dict = {}  # request id -> asyncio.Queue or _Sink (event-loop thread only)
+        self._snap = EngineSnapshot()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: str | None = None
+        self._draining = False
+        self._stopping = False
+
+    # lifecycle -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self.last_progress = time.monotonic()
+        self.link.start(self._loop, self._on_batch, self._on_dead)
+        self.link.send(("snapshot",))
+
+    async def drain(self, deadline_s: float) -> None:
+        """Refuse new requests (``shutting_down``); wait up to ``deadline_s`` for the admitted ones to
+        finish, then abort the rest (their streams end with finish_reason ``cancelled``)."""
+        self._draining = True
+        end = time.monotonic() + max(0.0, deadline_s)
+        while self._streams and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        if self._streams:
+            log.warning("drain deadline reached: cancelling %d request(s)", len(self._streams))
+            for rid in list(self._streams):
+                self.abort(rid)
+            end = time.monotonic() + 5.0  # let the cancellations reach their consumers
+            while self._streams and time.monotonic() < end and self._alive():
+                await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        """Stop the engine loop (and its process); any stream still open fails with ``shutting_down``."""
+        self._draining = self._stopping = True
+        if self._loop is not None:
+            self.link.detach()
+            await self._loop.run_in_executor(None, self.link.close)
+        self._fail_all("shutting_down", "the server is shutting down")
+
+    # state ---------------------------------------------------------------------------------------
+    @property
+    def engine(self):
+        """The ``Engine`` when it steps in this process (tests read its public state), else None."""
+        return getattr(self.link, "engine", None)
+
+    @property
+    def tokenizer(self):
+        return self.link.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.link.max_model_len
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self.link.limits
+
+    @property
+    def relaying(self) -> bool:
+        """True while the event loop reads an engine process's pipe (there is no engine thread)."""
+        return self.link.relaying and self._dead is None and self._loop is not None
+
+    def _alive(self) -> bool:
+        return self._loop is not None and self._dead is None and self.link.alive
+
+    @property
+    def ready(self) -> bool:
+        """Models loaded, engine loop running, not draining."""
+        return self._alive() and not self._draining and not self._stopping
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def num_requests(self) -> int:
+        """Admitted requests not finished yet (waiting + running)."""
+        return len(self._streams)
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snap
+
+    async def refresh_snapshot(self, timeout_s: float = 5.0) -> EngineSnapshot:
+        """Ask the engine loop for a snapshot now; returns it once it has arrived (or the last one)."""
+        before = self._snap
+        self.link.send(("snapshot",))
+        end = time.monotonic() + timeout_s
+        while self._snap is before and time.monotonic() < end and self._alive():
+            await asyncio.sleep(0.005)
+        return self._snap
+
+    def watchdog_ok(self) -> bool:
+        """The engine loop lives and is not stuck: with requests outstanding, something (outputs or a
+        heartbeat) came back from it within ``watchdog_timeout_s``."""
+        if not self._alive():
+            return False
+        return not self._streams or time.monotonic() - self.last_progress <= self.watchdog_timeout_s
+
+    def unhealthy_reason(self) -> str | None:
+        """None while the engine completes steps; else why not, in one line (``specd.engine.health``)."""
+        if not self._alive():
+            return "engine process or thread is not running"
+        if not self.watchdog_ok():
+            return f"an engine step has been running (or silent with work) for over {self.watchdog_timeout_s:g} s"
+        s = self._snap
+        h = dict(s.health) if s.health else {"consecutive_failed": 0, "last_progress": 0.0}
+        h["consecutive_failed"] = max(h["consecutive_failed"], s.loop_failures)
+        h["last_progress"] = max(h["last_progress"], self.last_progress)  # a fresh submit is not stuck
+        now, busy = time.monotonic(), bool(self._streams)
+        return unhealthy_reason(h, now, busy, self.max_failed_steps, self.watchdog_timeout_s)
+
+    def healthy(self) -> bool:
+        return self.unhealthy_reason() is None
+
+    def wake(self) -> None:
+        """Wake the engine loop now (after work was handed to the engine directly: tests)."""
+        self.link.wake()
+
+    # requests ------------------------------------------------------------------------------------
+    def validate(self, prompt_ids: list, params: SamplingParams) -> None:
+        self.link.validate(prompt_ids, params)
+
+    async def generate(
+        self,
+        prompt_ids: list,
+        params: SamplingParams,
+        spec: SpecParams = SpecParams(),
+        priority: str = "interactive",
+        request_id: str | None = None,
+        tenant: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request: one ``RequestOutput`` per engine step that emitted for it (outputs
+        that queued up while the consumer was busy come merged); the last has ``finished`` set.
+        Raises ``RequestError`` on the first iteration when the request is refused, or later
+        (``internal`` if the engine failed, ``shutting_down`` on ``stop()``: ``admitted`` set)."""
+        stream = self.stream(prompt_ids, params, spec, priority, request_id, tenant)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def stream(
+        self,
+        prompt_ids: list,
+        params: SamplingParams,
+        spec: SpecParams = SpecParams(),
+        priority: str = "interactive",
+        request_id: str | None = None,
+        tenant: str | None = None,
+    ) -> RequestStream:
+        """Admit a request now (``RequestError`` at once when refused) and return its stream: an async
+        iterator like ``generate()``'s; ``close()`` aborts the request unless it has finished."""
+        q: asyncio.Queue = asyncio.Queue()
+        rid = self._admit(prompt_ids, params, spec, priority, request_id, q, tenant)
+        return RequestStream(self, rid, q)
+
+    def submit(
+        self,
+        prompt_ids: list,
+        params: SamplingParams,
+        spec: SpecParams,
+        priority: str,
+        request_id: str,
+        sink: StreamSink,
+        tenant: str | None = None,
+    ) -> None:
+        """Admit a request whose outputs are pushed: ``sink(item)`` runs on the event loop with each
+        ``RequestOutput`` (the last has ``finished`` set) or an admitted ``RequestError`` that ends the
+        stream. Raises ``RequestError`` at once when refused. ``abort()`` ends it (``cancelled``)."""
+        self._admit(prompt_ids, params, spec, priority, request_id, _Sink(sink), tenant)
+
+    def _admit(self, prompt_ids, params, spec, priority, request_id, stream, tenant=None) -> str:
+        if self._stopping or self._draining:
+            raise RequestError("shutting_down", "the server is shutting down")
+        if not self._alive():
+            raise RequestError("shutting_down", "the engine is not running")
+        if len(self._streams) >= self.max_queue:
+            raise RequestError(
+                "overloaded",
+                f"server busy: {len(self._streams)} requests queued or running (max {self.max_queue}); retry later",
+            )
+        if not isinstance(priority, str) or priority not in PRIORITIES:
+            raise RequestError("invalid_request", f"priority must be interactive|batch, got {priority!r}")
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if rid in self._streams:
+            raise RequestError("duplicate_id", f"request id {rid!r} is already running")
+        ids = list(prompt_ids)
+        self.link.validate(ids, params)  # too_long / invalid_request, before anything is queued
+        self._streams[rid] = stream
+        self.last_progress = time.monotonic()
+        self.link.send(("add", rid, ids, params, spec, priority, tenant))
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (any thread); its stream ends with finish_reason ``cancelled``."""
+        self.link.send(("abort", request_id))
+
+    # batches from the engine loop (event loop) ---------------------------------------------------
+    def _on_batch(self, b: Batch) -> None:
+        self.num_batches += 1
+        self.last_progress = time.monotonic()
+        if b.snapshot is not None:
+            self._snap = b.snapshot
+        self.num_step_errors += len(b.errors)
+        for rid, code, msg in b.refused:
+            s = self._streams.pop(rid, None)
+            if s is not None:
+                s.put_nowait(RequestError(code, msg))
+        for outs, dt in b.steps:
+            if outs:
+                self._notify(outs, dt)
+                self._dispatch(outs)
+
+    def _notify(self, outs: list, step_seconds: float) -> None:
+        for f in self.listeners:
+            try:
+                f(outs, step_seconds)
+            except Exception:  # noqa: BLE001 - a listener never stops the stream
+                log.exception("step listener failed")
+
+    def _dispatch(self, outs: list) -> None:
+        streams = self._streams
+        for out in outs:
+            q = streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out if out.finish_reason != "error" else _failed(out))
+                if out.finished:  # accounting must not wait for the consumer to resume
+                    del streams[out.request_id]
+
+    def _on_dead(self, msg: str) -> None:
+        if self._dead is None:
+            self._dead = msg
+            log.critical("%s", msg)
+        self._fail_all("internal", msg)
+
+    def _fail_all(self, code: str, msg: str) -> None:
+        for rid in list(self._streams):
+            self._streams.pop(rid).put_nowait(_admitted(RequestError(code, msg)))

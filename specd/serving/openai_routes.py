@@ -1,0 +1,225 @@
+"""OpenAI-compatible HTTP: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``.
+
+Each request: the API key (``Authorization: Bearer``, 401), the body (413 / 400), its fields
+(``specd.serving.openai_params``: 400, 404 for another model), admission (503 while loading or
+draining), then the shared request builder (tokenizing off the loop; 400 for bad values or a prompt
+too long for the context) and the engine client (429 when ``--max-queue`` requests are in). Only
+then does the answer start: a JSON body, or server-sent events ending with ``data: [DONE]``.
+A client that disconnects cancels its request at once (``specd.serving.sse.until_disconnect``).
+A request cut short by the drain deadline at shutdown ends with a 503 ``shutting_down`` error (an
+``error`` event mid-stream); one the engine fails ends with a 500 (the same mid-stream).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from specd.engine.engine import RequestError
+from specd.serving import openai_format as F
+from specd.serving.engine_client import RequestStream
+from specd.serving.frontend import Frontend
+from specd.serving.openai_errors import APIError, error_response, from_request_error
+from specd.serving.openai_params import ParsedRequest, parse_chat, parse_completion
+from specd.serving.request_build import build_request, build_request_async
+from specd.serving.routes import JSONResponse
+from specd.serving.sse import ClientGone, EventStream, read_json, until_disconnect
+from specd.serving.ws import INLINE_TOKENIZE_CHARS
+
+__all__ = ["OpenAIFront", "collect", "cut_short"]
+
+
+def _prompt_chars(kw: dict) -> int:
+    messages = kw.get("messages")
+    if messages is not None:
+        return sum(len(m["content"]) for m in messages)
+    prompt = kw.get("prompt")
+    return len(prompt) if isinstance(prompt, str) else 0
+
+
+def cut_short(reason: str | None) -> APIError | None:
+    """A finish that is no answer (the drain deadline cancelled it) as the error to report."""
+    if reason in F.FINISH:
+        return None
+    return APIError(503, "the server is shutting down: the request was cut short", "server_error", code="shutting_down")
+
+
+async def collect(stream: RequestStream) -> tuple:
+    """(text, last output) of a whole request; the stream is closed whatever happens."""
+    parts, last = [], None
+    try:
+        async for out in stream:
+            parts.append(out.text)
+            last = out
+    finally:
+        stream.close()
+    return "".join(parts), last
+
+
+class OpenAIFront:
+    """The ``/v1`` routes over one ``Frontend`` (``routes()``); ``prepare`` / ``start`` are shared with
+    the Responses API."""
+
+    def __init__(self, front: Frontend):
+        self.front = front
+
+    def authorize(self, headers) -> str | None:
+        """The presented key (None without one); APIError 401 when the server's key is not it."""
+        auth = self.front.auth
+        key = auth.bearer(headers)
+        if not auth.key_ok(key):
+            what = "You didn't provide an API key" if not key else "Incorrect API key provided"
+            raise APIError(401, f"{what} (Authorization: Bearer KEY).", code="invalid_api_key")
+        return key
+
+    def admit(self) -> None:
+        refusal = self.front.admission()
+        if refusal is not None:
+            raise self.refused(refusal)
+
+    def refused(self, e: RequestError) -> APIError:
+        return from_request_error(e)
+
+    def fail(self, e: APIError) -> Response:
+        """The error response, counted in ``specd_request_errors_total`` by its code."""
+        self.front.metrics.count_error(e.code or e.type)
+        return error_response(e)
+
+    async def prepare(self, request: Request, parse: Callable[[dict, str], ParsedRequest]) -> tuple:
+        """(parsed request, presented key) of an HTTP request, or APIError."""
+        key = self.authorize(request.headers)
+        body = await read_json(request, self.front.max_message_bytes)
+        parsed = parse(body, self.front.model_name)
+        self.admit()
+        return parsed, key
+
+    async def start(self, engine_kwargs: dict, request_id: str, key: str | None = None) -> RequestStream:
+        """Tokenize and admit a request; APIError when it is refused. Short prompts are tokenized on
+        the loop (as the websocket does: no thread hand-off), long ones on the tokenizer thread.
+        ``key``: the caller's API key (its tenant scopes what the engine may draft from)."""
+        ae = self.front.ae
+        kw = dict(engine_kwargs, max_model_len=ae.max_model_len)
+        try:
+            if _prompt_chars(engine_kwargs) <= INLINE_TOKENIZE_CHARS:
+                built = build_request(ae.tokenizer, **kw)
+            else:
+                built = await build_request_async(ae.tokenizer, **kw)
+            tenant = self.front.auth.tenant(key)
+            return ae.stream(built.prompt_ids, built.params, built.spec, built.priority, request_id, tenant)
+        except RequestError as e:
+            raise self.refused(e) from None
+
+    def routes(self) -> list:
+        return [
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+        ]
+
+    def fallback(self) -> list:
+        """Any other ``/v1`` path: 404 in OpenAI's shape (after every other route)."""
+        return [Route("/v1/{path:path}", self.unknown, methods=["GET", "POST", "PUT", "PATCH", "DELETE"])]
+
+    async def unknown(self, request: Request) -> Response:
+        what = f"Unknown request URL: {request.method} {request.url.path[:200]}"
+        return self.fail(APIError(404, what, code="unknown_url"))
+
+    # routes --------------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        try:
+            self.authorize(request.headers)
+        except APIError as e:
+            return self.fail(e)
+        return JSONResponse({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self.authorize(request.headers)
+        except APIError as e:
+            return self.fail(e)
+        name = request.path_params["model"]
+        if name != self.front.model_name:
+            return self.fail(APIError(404, f"The model '{name[:200]}' does not exist", code="model_not_found"))
+        return JSONResponse(self._model_object())
+
+    def _model_object(self) -> dict:
+        ae = self.front.ae
+        return F.model_object(self.front.model_name, self.front.created, ae.max_model_len if ae else None)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._run(request, parse_chat, "chatcmpl-", _chat_events, F.chat_completion)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._run(request, parse_completion, "cmpl-", _completion_events, F.completion)
+
+    async def _run(self, request: Request, parse, prefix: str, events, whole) -> Response:
+        rid, created = prefix + uuid.uuid4().hex, int(time.time())
+        try:
+            p, key = await self.prepare(request, parse)
+            stream = await self.start(p.engine, rid, key)
+        except APIError as e:
+            return self.fail(e)
+        except ClientGone:
+            return Response(status_code=499)
+        model = self.front.model_name
+        if p.stream:
+            return EventStream(events(stream, rid, created, model, p.include_usage))
+        try:
+            text, last = await until_disconnect(request.receive, collect(stream))
+        except ClientGone:
+            return Response(status_code=499)  # (nobody reads it)
+        except RequestError as e:  # the engine failed the request
+            return self.fail(from_request_error(e))
+        err = cut_short(last.finish_reason)
+        if err is not None:
+            return self.fail(err)
+        return JSONResponse(whole(rid, created, model, text, F.FINISH[last.finish_reason], F.usage(last.seq)))
+
+
+async def _chat_events(stream: RequestStream, rid: str, created: int, model: str, with_usage: bool) -> AsyncIterator:
+    chunk = lambda delta, finish=None: F.sse(F.chat_chunk(rid, created, model, delta, finish, with_usage))  # noqa: E731
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for out in stream:
+            if out.text:
+                yield chunk({"content": out.text})
+            if out.finished:
+                err = cut_short(out.finish_reason)
+                if err is not None:
+                    yield F.sse(err.body())
+                    break
+                yield chunk({}, F.FINISH[out.finish_reason])
+                if with_usage:
+                    yield F.sse(F.usage_chunk(rid, created, model, "chat.completion.chunk", F.usage(out.seq)))
+    except RequestError as e:  # the engine failed the request mid-stream
+        yield F.sse(from_request_error(e).body())
+    finally:
+        stream.close()
+    yield F.DONE
+
+
+async def _completion_events(stream: RequestStream, rid: str, created: int, model: str, with_usage: bool):
+    chunk = lambda text, finish=None: F.sse(F.completion_chunk(rid, created, model, text, finish, with_usage))  # noqa: E731
+    try:
+        async for out in stream:
+            if out.text:
+                yield chunk(out.text)
+            if out.finished:
+                err = cut_short(out.finish_reason)
+                if err is not None:
+                    yield F.sse(err.body())
+                    break
+                yield chunk("", F.FINISH[out.finish_reason])
+                if with_usage:
+                    yield F.sse(F.usage_chunk(rid, created, model, "text_completion", F.usage(out.seq)))
+    except RequestError as e:
+        yield F.sse(from_request_error(e).body())
+    finally:
+        stream.close()
+    yield F.DONE
