@@ -39,7 +39,7 @@ class QuantLinear(nn.Module):
 
     # Up to this many rows the quantized kernel runs (decode, verification, draft trees); above it
     # one dequantization into an fp32 matmul is cheaper (eval: tests/test_quant.py, docs/benchmarks.md).
-    KERNEL_MAX_ROWS = 48
+    KERNEL_MAX_ROWS = 64
 
     def __init__(self, fmt: str, qweight, scale, minv, group: int, in_features: int, bias=None):
         super().__init__()

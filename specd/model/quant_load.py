@@ -37,11 +37,12 @@ INT8_NEAREST = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_1", "Q8_K")
 
 
 def resolve(quantization: str, is_gguf: bool, path) -> str:
-    """The effective mode for a checkpoint: ``auto`` -> ``gguf`` (a GGUF file) or ``none``."""
+    """The effective mode for a checkpoint: ``auto`` stays ``auto`` for a GGUF file (its blocks where
+    a kernel takes them, the nearest format elsewhere) and is ``none`` for a folder."""
     if quantization not in QUANTIZATIONS:
         raise LoadError(f"unsupported quantization {quantization!r}; supported: {', '.join(QUANTIZATIONS)}")
     if quantization == "auto":
-        return "gguf" if is_gguf else "none"
+        return "auto" if is_gguf else "none"
     if quantization == "gguf" and not is_gguf:
         raise LoadError(f"{path}: --quantization gguf needs a .gguf file (use int8 or int4 for a folder)")
     return quantization
