@@ -220,7 +220,10 @@ def load_model(
     folder = cached_folder_of(path, progress, weights=not direct)
     cfg, gen = read_config(folder)
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev, cfg, widths)
+    if dtype == "auto" and dev.type == "cpu" and mode != "none":
+        dt = torch.float32  # the CPU kernel computes in fp32 from the codes: 16-bit activations only add casts
+    else:
+        dt = resolve_dtype(dtype, dev, cfg, widths)
     shared = draft_spec(folder)
     if shared is not None:
         return _load_shared_draft(path, folder, cfg, gen, shared, target, dt, dev, max_positions, mode)

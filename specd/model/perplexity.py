@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 
 @torch.inference_mode()
-def nll(lm, ids: list, window: int = 256, chunk: int = 64) -> tuple[float, int]:
+def nll(lm, ids: list, window: int = 256, chunk: int = 128) -> tuple[float, int]:
     """(summed negative log-likelihood in nats, tokens scored) of ``ids`` cut into independent
     windows of ``window`` tokens (each prefilled in ``chunk``-token steps; its first token is
     context only)."""

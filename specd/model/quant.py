@@ -11,8 +11,8 @@ Formats (``QuantLinear.fmt``); a *group* is ``group`` consecutive weights of one
 Rows whose length K is not a multiple of 32 are zero-padded to ``K_pad`` (and so is x in the
 forward), so any shape works. ``QuantLinear`` computes ``x @ W^T (+ bias)`` with the CPU kernel of
 ``specd.model.qkernel`` (fp32 arithmetic, weights read once per call for all rows, a row's result
-independent of the other rows) for up to ``KERNEL_MAX_ROWS`` rows, and by dequantizing once into a
-torch matmul for more (prefill chunks, where the matmul's arithmetic dominates); on CUDA with the
+independent of the other rows) for up to ``KERNEL_MAX_ROWS`` rows (every step shape measured), and
+by dequantizing once into a torch matmul for more or where the kernel cannot be built; on CUDA with the
 Triton kernels of ``specd_kernels.woq``. ``linear`` / ``addmm`` dispatch between a plain weight
 tensor and a ``QuantLinear`` so that ``LlamaModel.forward`` stays one path.
 """
@@ -37,9 +37,10 @@ class QuantLinear(nn.Module):
     ``minv`` fp32 like scale (int4) or None; ``bias`` [N] or None.
     """
 
-    # Up to this many rows the quantized kernel runs (decode, verification, draft trees); above it
-    # one dequantization into an fp32 matmul is cheaper (eval: tests/test_quant.py, docs/benchmarks.md).
-    KERNEL_MAX_ROWS = 64
+    # Up to this many rows the quantized kernel runs; above it one dequantization into an fp32 matmul.
+    # Measured on SmolLM2-135M's shapes (AVX2, 1-2 threads, docs/benchmarks.md): the kernel wins at
+    # every width up to 256 rows (a --prefill-chunk), the dequantization alone costing more than it.
+    KERNEL_MAX_ROWS = 1024
 
     def __init__(self, fmt: str, qweight, scale, minv, group: int, in_features: int, bias=None):
         super().__init__()
