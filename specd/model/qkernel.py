@@ -99,7 +99,7 @@ def qgemm(
     if add is not None:
         add = add.contiguous()
     if int4:
-        xsum = torch.empty((M, K // group), dtype=torch.float32)
+        xsum = torch.empty((M, K // group), dtype=torch.float32) if minv is not None else y
         lib.specd_qgemm_i4(
             x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), _ptr(minv), N, group, _ptr(add), _ptr(bias),
             y.data_ptr(), xsum.data_ptr(),

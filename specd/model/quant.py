@@ -104,6 +104,8 @@ class QuantLinear(nn.Module):
     # compute --------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """``add + x @ W^T + bias`` for x [..., K] (add [..., N] or None); the result in x's dtype."""
+        if x.dim() == 2:  # the forward's case: [T, K]
+            return self._matmul(x, add).to(x.dtype)
         shape, dt = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1])
         a2 = None if add is None else add.reshape(-1, self.out_features)
@@ -135,14 +137,14 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + b`` for a plain weight tensor W [N, K] or a ``QuantLinear`` (its own bias)."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, b)
-    return w(x)
+    return w.forward(x)  # (no hooks on decoder projections: skip nn.Module.__call__'s per-call cost)
 
 
 def addmm(res: torch.Tensor, x: torch.Tensor, w) -> torch.Tensor:
     """``res + x @ W^T``: ``w`` is a plain transposed weight W^T [K, N] or a ``QuantLinear``."""
     if isinstance(w, torch.Tensor):
         return torch.addmm(res, x, w)
-    return w(x, add=res)
+    return w.forward(x, add=res)
 
 
 def embedding(ids: torch.Tensor, table) -> torch.Tensor:
