@@ -49,12 +49,15 @@ BENCH_PER_CATEGORY ?= 8
 BENCH_TOKENS ?= 256
 BENCH_DRAFT ?= models/smollm2-draft
 BENCH_LLAMA ?= 1
+# issue #19: specd's systems once per weight format (none = fp32 floats; gguf = the file's Q4_1/Q8_0 blocks)
+BENCH_QUANT ?= none,int8,int4,gguf
 bench: install
 	@test "$(BENCH_LLAMA)" = 0 || $(BIN)/python -c 'import llama_cpp' 2>/dev/null || $(MAKE) bench-deps || \
 		echo "note: llama-cpp-python did not build: the llama.cpp systems will be skipped"
 	$(BIN)/python -m eval.bench_real --target "$$($(BIN)/python -c 'from specd import builtin; print(builtin.builtin_gguf())')" \
 		--draft $(BENCH_DRAFT) --prompts $(SHARED)/data/spec_bench/question.jsonl --per-category $(BENCH_PER_CATEGORY) \
-		--max-tokens $(BENCH_TOKENS) --batch 1,4 --threads $(THREADS) --out eval/out/bench_real
+		--max-tokens $(BENCH_TOKENS) --batch 1,4 --threads $(THREADS) --quantization $(BENCH_QUANT) \
+		--out eval/out/bench_real
 
 # optional benchmark dependency (never a runtime one): llama-cpp-python, built from source for this CPU
 # (OpenMP, -march=native, no multimodal library / tools / tests; a few minutes on 2 cores)

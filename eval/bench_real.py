@@ -72,6 +72,12 @@ def parse_args(argv=None):
     ap.add_argument("--batch", default="1,4", help="batch sizes, one run each (comma list)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads alike")
     ap.add_argument("--dtype", default="float32", help="specd and transformers weights (auto: specd's choice)")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        help="specd weights, comma list of none | int8 | int4 | gguf | auto: each specd system runs with "
+        "each (named specd[Q]:MODE when more than one); the draft keeps float weights",
+    )
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--per-category", type=int, default=None)
     ap.add_argument("--categories", default=None)
@@ -82,13 +88,19 @@ def parse_args(argv=None):
 
 
 # setup ------------------------------------------------------------------------------------------
-def load_pair(a):
+def quantizations(a) -> list:
+    return [q.strip() for q in a.quantization.split(",") if q.strip()]
+
+
+def load_pair(a, quantization: str = "none"):
+    """(target, draft, hf_draft_ok) with the target's weights in ``quantization`` (the draft float;
+    a reduced-vocabulary draft uses the target's embeddings and head rows in the target's format)."""
     from specd.model.loader import checkpoint_folder, draft_spec, load_model
 
     for what, path in (("target", a.target), ("draft", a.draft)):
         if not Path(path).exists():
             raise SystemExit(f"bench_real: the {what} {path} does not exist (make: BENCH_DRAFT=DIR for another draft)")
-    target = load_model(a.target, "cpu", a.dtype, progress=False)
+    target = load_model(a.target, "cpu", a.dtype, progress=False, quantization=quantization)
     dtype = str(target.dtype).removeprefix("torch.")  # the draft computes in the target's dtype
     draft = load_model(a.draft, "cpu", dtype, progress=False, target=target)
     hf_draft_ok = draft_spec(checkpoint_folder(a.draft)) is None
@@ -108,7 +120,7 @@ def encode_prompts(a, target):
     return prompts, ids, chat
 
 
-def make_context(a, target, draft, hf_draft_ok, ids_list, batches):
+def make_context(a, target, draft, hf_draft_ok, ids_list, batches, pairs=None):
     longest = max(map(len, ids_list)) + a.max_tokens + 64
     per_tok = H.kv_bytes_per_token(target) + H.kv_bytes_per_token(draft)
     tok = target.tokenizer
@@ -122,6 +134,7 @@ def make_context(a, target, draft, hf_draft_ok, ids_list, batches):
         eos=eos,
         pad=pad,
         hf=None,
+        pairs=pairs or {"none": (target, draft)},  # quantization -> (target, draft) for specd systems
         memory=max(256 << 20, int(1.25 * per_tok * longest * max(batches))),
         max_seqs=max(batches),
         n_ctx=max(2048, 256 * math.ceil((longest + PLD_K) / 256)),
@@ -141,17 +154,7 @@ def make_system(name: str, ctx):
     a = ctx.a
     kind, _, arg = name.partition(":")
     if kind == "specd":
-        mode = C.Mode.parse(arg or "off")
-        return P.Specd(
-            mode,
-            ctx.target,
-            ctx.draft,
-            "cpu",
-            a.max_tokens,
-            prefix_cache=False,
-            memory_bytes=ctx.memory,
-            max_num_seqs=ctx.max_seqs,
-        )
+        return _specd_systems(arg, ctx)
     if kind == "hf":
         if ctx.hf is None:
             ctx.hf = _hf_model(ctx, a.target)
@@ -188,11 +191,24 @@ def make_system(name: str, ctx):
     raise ValueError(f"unknown system {name!r} (see --help)")
 
 
+def _specd_systems(arg: str, ctx) -> list:
+    """One specd system per quantization of ``ctx.pairs`` (named ``specd[Q]:MODE`` when several)."""
+    out = []
+    for q, (target, draft) in ctx.pairs.items():
+        s = P.Specd(C.Mode.parse(arg or "off"), target, draft, "cpu", ctx.a.max_tokens, prefix_cache=False,
+                    memory_bytes=ctx.memory, max_num_seqs=ctx.max_seqs)  # fmt: skip
+        if len(ctx.pairs) > 1:
+            s.name = s.name.replace("specd:", f"specd[{q}]:", 1)
+        out.append(s)
+    return out
+
+
 def build_systems(names: list, ctx) -> tuple:
     systems, notes = [], {}
     for n in names:
         try:
-            systems.append(make_system(n, ctx))
+            made = make_system(n, ctx)
+            systems.extend(made if isinstance(made, list) else [made])
         except Skip as e:
             notes[n] = str(e)
             print(f"note: {n}: {e}", flush=True)
@@ -300,10 +316,12 @@ def profile_step(system, ids: list, tokens: int) -> dict:
 
 
 def weight_bytes(module) -> int:
-    """Bytes of a module's parameters, each tensor once (tied embeddings and head: one read per
-    step, the head's full matrix; the embedding lookup itself reads one row)."""
+    """Bytes of a module's parameters and quantized weight buffers (codes, scales, mins), each tensor
+    once (tied embeddings and head: one read per step, the head's full matrix; the embedding lookup
+    itself reads one row). KV caches and rotary tables are not weights."""
     seen = {}
-    for p in module.parameters():
+    tensors = list(module.parameters()) + [b for n, b in module.named_buffers() if "rotary" not in n]
+    for p in tensors:
         seen[p.data_ptr()] = p.numel() * p.element_size()
     return sum(seen.values())
 
@@ -331,29 +349,39 @@ def bandwidth(mib: int = 256, reps: int = 5) -> dict:
     }
 
 
-def bandwidth_floor(target, target_path, profile: dict) -> dict:
-    """The memory-bandwidth floor of one target step: weight bytes read / measured read GB/s, for
-    specd's (and transformers') weights and, for llama.cpp, the GGUF file's."""
+def step_weight_bytes(target) -> int:
+    """Weight bytes one target step reads (folded fp32 copies of small unquantized models included)."""
     import torch
 
-    bw = bandwidth()
     wb = weight_bytes(target.model)
     c = target.config
-    if target.dtype == torch.float32 and c.hidden_size <= type(target.model).FOLD_MAX_HIDDEN:
+    folded = target.dtype == torch.float32 and c.hidden_size <= type(target.model).FOLD_MAX_HIDDEN
+    if folded and not target.model.quantized():
         # small fp32 models run on folded copies: q/k projections with their RoPE-rotated rows
         wb += c.num_layers * (c.num_heads + c.num_kv_heads) * c.head_dim * c.hidden_size * 4
-    floor_ms = 1e3 * wb / (bw["read_GBps"] * 1e9)
-    out = {
-        "bandwidth": bw,
-        "weights": str(target.dtype).removeprefix("torch."),
-        "weight_bytes_read": wb,
-        "floor_ms_per_step": round(floor_ms, 3),
-        "max_plain_tokens_per_s": round(1e3 / floor_ms, 1),
-    }
-    plain = profile.get("specd:off", {}).get("step_ms")
-    if plain:
-        out["specd_off_step_ms"] = plain
-        out["specd_off_step_over_floor"] = round(plain / floor_ms, 2)
+    return wb
+
+
+def bandwidth_floor(pairs: dict, target_path, profile: dict) -> dict:
+    """The memory-bandwidth floor of one target step per weight format: weight bytes read / measured
+    read GB/s, for specd's weights (``pairs``: quantization -> (target, draft)) and, for llama.cpp,
+    the GGUF file's; with each specd plain step measured against it."""
+    bw = bandwidth()
+    out = {"bandwidth": bw, "formats": {}}
+    for q, (target, _) in pairs.items():
+        wb = step_weight_bytes(target)
+        floor_ms = 1e3 * wb / (bw["read_GBps"] * 1e9)
+        f = {
+            "weights": f"{str(target.dtype).removeprefix('torch.')} activations, {q} weights",
+            "weight_bytes_read": wb,
+            "floor_ms_per_step": round(floor_ms, 3),
+            "max_plain_tokens_per_s": round(1e3 / floor_ms, 1),
+        }
+        name = "specd:off" if len(pairs) == 1 else f"specd[{q}]:off"
+        plain = profile.get(name, {}).get("step_ms")
+        if plain:
+            f.update(specd_off_step_ms=plain, specd_off_step_over_floor=round(plain / floor_ms, 2))
+        out["formats"][q] = f
     if str(target_path).endswith(".gguf"):
         gb = Path(target_path).stat().st_size
         out["gguf_bytes"] = gb
@@ -442,7 +470,7 @@ def render(rep: dict) -> str:
     if rep["profile"]:
         md += render_profile(rep["profile"])
     if rep["bandwidth_floor"]:
-        md.append(render_floor(rep["bandwidth_floor"]))
+        md += floor_lines(rep["bandwidth_floor"])
     return "\n".join(md) + "\n"
 
 
@@ -489,24 +517,28 @@ def render_profile(profile: dict) -> list:
     ]
 
 
-def render_floor(f: dict) -> str:
+def floor_lines(f: dict) -> list:
+    """The bandwidth-floor table: per specd weight format (and the GGUF file llama.cpp reads)."""
+    if not f:
+        return []
     bw = f["bandwidth"]
-    return (
-        f"Memory-bandwidth floor of one target step: {f['weight_bytes_read'] / 1e6:.1f} MB of {f['weights']} "
-        f"weights read / {bw['read_GBps']} GB/s (read; copy {bw['copy_GBps']} GB/s, {bw['buffer_mib']} MiB, "
-        f"{bw['threads']} threads) = {f['floor_ms_per_step']} ms, at most {f['max_plain_tokens_per_s']} "
-        f"tokens/s without speculation"
-        + (
-            f"; specd:off measured {f['specd_off_step_ms']} ms per step = {f['specd_off_step_over_floor']}x the floor"
-            if "specd_off_step_ms" in f
-            else ""
-        )
-        + (
-            f". The GGUF file ({f['gguf_bytes'] / 1e6:.1f} MB, what llama.cpp reads): {f['gguf_floor_ms_per_step']} ms."
-            if "gguf_bytes" in f
-            else "."
-        )
-    )
+    rows = [
+        [q, d["weights"], f"{d['weight_bytes_read'] / 1e6:.1f}", d["floor_ms_per_step"], d["max_plain_tokens_per_s"],
+         d.get("specd_off_step_ms", "-"), d.get("specd_off_step_over_floor", "-")]
+        for q, d in f["formats"].items()
+    ]  # fmt: skip
+    if "gguf_bytes" in f:
+        ms = f["gguf_floor_ms_per_step"]
+        rows.append(["llama.cpp (GGUF file)", "the file's blocks", f"{f['gguf_bytes'] / 1e6:.1f}", ms,
+                     round(1e3 / ms, 1), "-", "-"])  # fmt: skip
+    head = ["format", "weights", "MB read per step", "floor ms", "max tokens/s", "specd plain step ms", "x floor"]
+    return [
+        f"## Memory-bandwidth floor of one target step ({bw['read_GBps']} GB/s read; copy {bw['copy_GBps']} GB/s, "
+        f"{bw['buffer_mib']} MiB, {bw['threads']} threads)",
+        "",
+        C.md_table(head, rows),
+        "",
+    ]
 
 
 def plot(rep: dict, path) -> Path:
@@ -542,6 +574,32 @@ def plot(rep: dict, path) -> Path:
     ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     m = rep["meta"]
     fig.suptitle(f"{Path(m['target']).name}, {m['threads']} threads, {m['cpu_info']['model']}", fontsize=9)
+    return C._save(fig, path)
+
+
+def plot_floor(rep: dict, path) -> Path | None:
+    """Batch-1 tokens/s of every system against each weight format's bandwidth ceiling (the tokens/s
+    one plain step per token would give at the floor): how close each engine and format gets."""
+    f = rep.get("bandwidth_floor")
+    if not f:
+        return None
+    plt = C._plt()
+    res = rep["batches"][next(iter(rep["batches"]))]["systems"]
+    names = list(res)
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    ax.bar(range(len(names)), [res[n]["per_category"]["overall"]["tokens_per_s"] for n in names], color="tab:blue")
+    ceilings = {q: d["max_plain_tokens_per_s"] for q, d in f["formats"].items()}
+    if "gguf_floor_ms_per_step" in f:
+        ceilings["GGUF file (llama.cpp)"] = round(1e3 / f["gguf_floor_ms_per_step"], 1)
+    for i, (q, v) in enumerate(ceilings.items()):
+        ax.axhline(v, ls="--", lw=1, color=f"C{i + 1}", label=f"bandwidth ceiling, {q}: {v} tok/s")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s, batch 1 (log)")
+    ax.legend(fontsize=7)
+    m = rep["meta"]
+    ax.set_title(f"{Path(m['target']).name}, {m['threads']} threads, {m['cpu_info']['model']}", fontsize=9)
     return C._save(fig, path)
 
 
@@ -596,13 +654,18 @@ def main(argv=None) -> int:
     meta = H.run_meta("bench_real", argv)
     meta.update(threads=a.threads, cpu_info=H.cpu_info(), **library_info(names))
     print(header(meta), flush=True)
-    target, draft, hf_draft_ok = load_pair(a)
+    pairs = {}
+    for q in quantizations(a):
+        target, draft, hf_draft_ok = load_pair(a, q)
+        pairs[q] = (target, draft)
+    target, draft = next(iter(pairs.values()))
     prompts, ids, chat = encode_prompts(a, target)
-    ctx = make_context(a, target, draft, hf_draft_ok, ids, batches)
+    ctx = make_context(a, target, draft, hf_draft_ok, ids, batches, pairs)
     systems, notes = build_systems(names, ctx)
     if not hf_draft_ok and not any(n.startswith("hf:assisted") for n in notes):
         notes["hf:assisted"] = HF_DRAFT_NOTE
-    ref = "specd:off" if any(s.name == "specd:off" for s in systems) else systems[0].name
+    offs = [s.name for s in systems if isinstance(s, P.Specd) and s.name.endswith(":off")]
+    ref = offs[0] if offs else systems[0].name
     cats = list(dict.fromkeys(p.category for p in prompts))
     out = Path(a.out) if a.out else C.default_out("bench_real")
     out.mkdir(parents=True, exist_ok=True)
@@ -612,7 +675,7 @@ def main(argv=None) -> int:
         for s in systems
         if isinstance(s, P.Specd) and a.profile_tokens > 0
     }
-    floor = bandwidth_floor(target, a.target, profile)
+    floor = bandwidth_floor(pairs, a.target, profile)
     meta.update(
         target=str(a.target),
         draft=str(a.draft),
@@ -621,6 +684,7 @@ def main(argv=None) -> int:
         prompts=len(prompts),
         chat_template=chat,
         dtype=str(target.dtype).removeprefix("torch."),
+        quantization=list(pairs),
         llama_n_ctx=ctx.n_ctx,
         elapsed_s=round(time.perf_counter() - t_start, 1),
     )
@@ -640,6 +704,7 @@ def main(argv=None) -> int:
     md = render(rep)
     (out / "summary.md").write_text(md, encoding="utf-8")
     plot(rep, out / "bench_real.png")
+    plot_floor(rep, out / "bench_floor.png")
     print(md)
     print(f"wrote {out} ({meta['elapsed_s']} s)")
     return 0

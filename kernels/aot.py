@@ -169,6 +169,31 @@ def _other_plans(dname, d):
     return out
 
 
+# weight-only GEMM (specd_kernels.woq): a 4096 x 4096 projection (a 7B model's q/o) in GGUF-style
+# groups of 32, at decode, tree-verification and prefill-chunk widths
+WOQ_SHAPES = {"decode": 1, "tree": 17, "prefill": 256}
+WOQ_NK = (4096, 4096)
+
+
+def _woq_plans(dname):
+    """``[(kernel label, shape, plan)]`` for the int8 and int4 weight-only GEMM at every width."""
+    from . import woq
+
+    dt, (n, k), g = DTYPES[dname], WOQ_NK, 32
+    out = []
+    for fmt in woq.FORMATS:
+        q = torch.empty(
+            n, k if fmt == "int8" else k // 2, dtype=torch.int8 if fmt == "int8" else torch.uint8, device="meta"
+        )
+        scale = torch.empty(n, k // g, device="meta")
+        minv = scale if fmt == "int4" else None
+        for sname, m in WOQ_SHAPES.items():
+            x = torch.empty(m, k, dtype=dt, device="meta")
+            y = torch.empty(m, n, dtype=dt, device="meta")
+            out.append((f"woq_{fmt}", sname, woq._launch_plan(x, q, scale, minv, None, y, y, g, fmt)))
+    return out
+
+
 def compile_spec(kernel, args, kw, cap: int) -> dict:
     """Picklable description of one compile: the specialization ``JITFunction.run`` would build
     for ``kernel[grid](*args, **kw)`` on a device of capability ``cap``."""
@@ -293,24 +318,25 @@ def build_jobs(
     if others:
         for tname in targets:
             for dname in dtypes:
-                for d in head_dims:
-                    for label, sname, plan in _other_plans(dname, d):
-                        row = {
-                            "kernel": label,
-                            "target": tname,
-                            "dtype": dname,
-                            "head_dim": d,
-                            "group": None,
-                            "batch": None,
-                            "max_seq_len": None,
-                            "shape": sname,
-                            "block_q": None,
-                            "block_n": None,
-                            "block_m": None,
-                            "split_kv": None,
-                        }
-                        for kernel, _grid, args, kw in plan:
-                            jobs.append((row, compile_spec(kernel, args, kw, TARGETS[tname])))
+                plans = [(d, p) for d in head_dims for p in _other_plans(dname, d)]
+                plans += [(None, p) for p in _woq_plans(dname)]
+                for d, (label, sname, plan) in plans:
+                    row = {
+                        "kernel": label,
+                        "target": tname,
+                        "dtype": dname,
+                        "head_dim": d,
+                        "group": None,
+                        "batch": None,
+                        "max_seq_len": None,
+                        "shape": sname,
+                        "block_q": None,
+                        "block_n": None,
+                        "block_m": None,
+                        "split_kv": None,
+                    }
+                    for kernel, _grid, args, kw in plan:
+                        jobs.append((row, compile_spec(kernel, args, kw, TARGETS[tname])))
     return jobs
 
 
@@ -418,7 +444,7 @@ def problems(rows) -> list:
         if r["shared_bytes"] > SMEM_LIMIT[TARGETS[r["target"]]]:
             bad.append(f"{what}: {r['shared_bytes']} B shared memory")
         want = _OPERAND.get(r["dtype"])
-        if r["kernel"] == "tree_attention" and {m.split()[1] for m in r["mma"]} != {want}:
+        if r["kernel"] in ("tree_attention", "woq_int8", "woq_int4") and {m.split()[1] for m in r["mma"]} != {want}:
             bad.append(f"{what}: MMA operands {r['mma']}, want {want}")
     return bad
 

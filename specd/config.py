@@ -180,6 +180,9 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"  # auto | torch | triton
+    # weights: auto | none | int8 | int4 | gguf (specd.model.quant_load); the engine passes it to
+    # load_model for the target and the draft (each resolves it for its own checkpoint)
+    quantization: str = "auto"
     threads: int | None = None  # CPU math threads, applied by the launchers (specd.model.cpu.set_threads)
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -190,5 +193,7 @@ class EngineConfig:
             raise ValueError(f"device must be auto|cpu|cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4", "gguf"):
+            raise ValueError(f"quantization must be auto|none|int8|int4|gguf, got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention backend must be auto|torch|triton, got {self.attention_backend!r}")

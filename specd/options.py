@@ -77,6 +77,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CPU threads for the engine's math (0 = every usable CPU; default: $OMP_NUM_THREADS if "
         "set, else every usable CPU)",
     )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        help="weights: auto (a .gguf file keeps its Q8_0/Q4_0/Q4_1 blocks, other quantized types "
+        "become the nearest of int8/int4; a folder stays unquantized) | none | int8 (per channel) | "
+        "int4 (groups of 32) | gguf (the file's own blocks, nothing else); target and draft alike",
+    )
     p.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per cache (default: from memory)")
@@ -156,6 +163,7 @@ def engine_config(a):
         device=a.device,
         dtype=a.dtype,
         attention_backend=a.attention_backend,
+        quantization=getattr(a, "quantization", "auto"),
         threads=getattr(a, "threads", None),
         cache=CacheConfig(
             block_size=a.block_size,

@@ -11,6 +11,8 @@ from conftest import DRAFT, SHARED, TARGET
 from eval import bench_real
 
 SYSTEMS = ["specd:off", "specd:chain", "hf:generate", "hf:pld"]
+# one specd system per quantization (--quantization none,int8)
+NAMES = ["specd[none]:off", "specd[int8]:off", "specd[none]:chain", "specd[int8]:chain", "hf:generate", "hf:pld"]
 
 
 def test_bench_real_smoke(tmp_path, monkeypatch):
@@ -35,6 +37,8 @@ def test_bench_real_smoke(tmp_path, monkeypatch):
             "1",
             "--systems",
             ",".join(SYSTEMS + ["llamacpp:plain", "llamacpp:pld:4"]),
+            "--quantization",
+            "none,int8",
             "--profile-tokens",
             "12",
             "--out",
@@ -44,20 +48,22 @@ def test_bench_real_smoke(tmp_path, monkeypatch):
     )
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
-    assert rep["kind"] == "bench_real" and rep["systems"] == SYSTEMS
+    assert rep["kind"] == "bench_real" and rep["systems"] == NAMES and rep["reference"] == "specd[none]:off"
     assert rep["meta"]["cpu_info"]["model"] and rep["meta"]["threads"] == 1
     for name in ("llamacpp:plain", "llamacpp:pld:4"):
         assert "not installed" in rep["notes"][name]
     b1 = rep["batches"]["1"]
-    assert set(b1["systems"]) == set(SYSTEMS)
+    assert set(b1["systems"]) == set(NAMES)
     for name, res in b1["systems"].items():
         assert res["per_category"]["overall"]["tokens_per_s"] > 0, name
         assert res["groups"] == 2
     # greedy speculation is lossless: the specd systems agree with specd:off token for token
-    assert b1["systems"]["specd:chain"]["greedy_equal_to_ref"] == 2
-    assert b1["systems"]["specd:chain"]["mean_accepted_length"] >= 1.0
-    assert set(rep["profile"]) == {"specd:off", "specd:chain"}
-    assert rep["profile"]["specd:chain"]["steps"] > 0 and rep["profile"]["specd:chain"]["draft_ms"] > 0
-    assert rep["bandwidth_floor"]["floor_ms_per_step"] > 0
-    assert (out / "bench_real.png").stat().st_size > 0
+    assert b1["systems"]["specd[none]:chain"]["greedy_equal_to_ref"] == 2
+    assert b1["systems"]["specd[int8]:chain"]["mean_accepted_length"] >= 1.0
+    assert set(rep["profile"]) == set(NAMES[:4])
+    assert rep["profile"]["specd[int8]:chain"]["steps"] > 0 and rep["profile"]["specd[int8]:chain"]["draft_ms"] > 0
+    floors = rep["bandwidth_floor"]["formats"]
+    assert floors["int8"]["weight_bytes_read"] < floors["none"]["weight_bytes_read"] / 3  # int8 vs folded fp32
+    assert all(f["floor_ms_per_step"] > 0 and f["specd_off_step_ms"] > 0 for f in floors.values())
+    assert (out / "bench_real.png").stat().st_size > 0 and (out / "bench_floor.png").stat().st_size > 0
     assert "llama-cpp-python is not installed" in (out / "summary.md").read_text()

@@ -5,7 +5,8 @@ the ptxas bundled with Triton. Here: every decode and tree-verify configuration 
 attention launcher (head_dim 64/128, GQA groups 1/3/4/8; a full batch and a single long sequence
 that splits the KV range) in fp16, the same in bf16 for group 3 (the launcher's choice does not
 depend on the dtype, and bf16 compiles to the same registers, spills and shared memory as fp16 in
-all 222 pairs of the full report in docs/benchmarks.md), plus the KV-cache and verify kernels.
+all 222 pairs of the full report in docs/benchmarks.md), plus the KV-cache kernels and the int8 /
+int4 weight-only GEMM (specd_kernels.woq) at decode, tree and prefill widths.
 The tests fail on any register spill, on shared memory beyond the target's limit, and on
 tree-attention dots whose operands are not the 16-bit storage type (an fp32 upcast compiles to
 tf32 MMAs). The compiles run in a subprocess without TRITON_INTERPRET, one process per CPU;
@@ -59,7 +60,17 @@ def test_every_configuration_compiles_for_both_targets(rows):
     combine = {_what(r) for r in rows if r["kernel"] == "tree_attention_combine"}
     assert combine == {_what(dict(r, kernel="tree_attention_combine")) for r in split}
     others = {(r["kernel"], r["target"]) for r in rows if not r["kernel"].startswith("tree_attention")}
-    assert others == {(k, t) for k in ("write_kv", "copy_slots") for t in aot.TARGETS}
+    assert others == {(k, t) for k in ("write_kv", "copy_slots", "woq_int8", "woq_int4") for t in aot.TARGETS}
+
+
+def test_weight_only_gemm_compiles_without_spills_with_16bit_mmas(rows):
+    """The int8 / int4 weight-only GEMMs (issue 19) at decode, tree and prefill widths, both targets:
+    no spills (test_no_register_spills covers every row) and dots on the 16-bit activation type."""
+    woq = [r for r in rows if r["kernel"].startswith("woq_")]
+    got = {(r["kernel"], r["target"], r["shape"]) for r in woq}
+    assert got == {(f"woq_{f}", t, s) for f in ("int8", "int4") for t in aot.TARGETS for s in aot.WOQ_SHAPES}
+    assert all(r["mma"] and {m.split()[1] for m in r["mma"]} == {WANT[r["dtype"]]} for r in woq)
+    assert not [r for r in woq if r["spill_stores"] or r["spill_loads"]]
 
 
 def test_no_register_spills(rows):

@@ -47,13 +47,16 @@ class EngineParts:
 
 def load_models(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | None) -> tuple:
     """(target, draft) from the config unless given; the draft computes in the target's dtype and
-    ``dtype auto`` on a CPU weighs the widths a step will have."""
+    ``dtype auto`` on a CPU weighs the widths a step will have. ``quantization`` applies to each
+    (``auto``: a GGUF file keeps its blocks, a folder stays unquantized)."""
     if target is None:
         width = 1 + (max(cfg.spec.tree_budget, cfg.spec.num_draft_tokens) if cfg.draft else 0)
-        target = load_model(cfg.target, cfg.device, cfg.dtype, widths=(1, max(width, 8)))
+        target = load_model(cfg.target, cfg.device, cfg.dtype, widths=(1, max(width, 8)), quantization=cfg.quantization)
     if draft is None and cfg.draft:
         dtype = str(target.dtype).removeprefix("torch.")
-        draft = load_model(cfg.draft, cfg.device, dtype, with_tokenizer=True, target=target)
+        draft = load_model(
+            cfg.draft, cfg.device, dtype, with_tokenizer=True, target=target, quantization=cfg.quantization
+        )
     if draft is not None:
         check_draft(target, draft)
     return target, draft

@@ -587,8 +587,10 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
-def convert(in_path, out_dir, progress: bool = False, overwrite: bool = False) -> dict:
+def convert(in_path, out_dir, progress: bool = False, overwrite: bool = False, weights: bool = True) -> dict:
     """Write a Hugging Face folder for the GGUF file ``in_path``; returns its config.json dict.
+    ``weights=False``: config, generation config and tokenizer only (a quantized load reads the
+    weights from the GGUF file itself, see ``specd.model.quant_load``).
 
     Everything (metadata, tokenizer, tensor types, names and shapes) is checked before anything
     is written, so a bad file leaves no half-written folder.
@@ -600,12 +602,13 @@ def convert(in_path, out_dir, progress: bool = False, overwrite: bool = False) -
     meta = read_metadata(reader, path)
     cfg, gen = hf_config(meta, reader, path)
     tok, tok_config, special = build_tokenizer(meta, path)
-    weights = hf_state_dict(reader, cfg, path, progress=progress)
+    tensors = hf_state_dict(reader, cfg, path, progress=progress) if weights else None
     try:
         from safetensors.torch import save_file
 
         out.mkdir(parents=True, exist_ok=True)
-        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        if tensors is not None:
+            save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         _write_json(out / "config.json", cfg)
         _write_json(out / "generation_config.json", gen)
         tok.save(str(out / "tokenizer.json"))
@@ -625,13 +628,14 @@ def cache_root() -> Path:
     return cache_dir() / "gguf"
 
 
-def cached_folder(in_path, progress: bool = False) -> Path:
+def cached_folder(in_path, progress: bool = False, weights: bool = True) -> Path:
     """The converted folder for a GGUF file, converting it on first use.
 
     The folder is named after the file's resolved path and keyed by its size and mtime (and
     ``FORMAT_VERSION``), so a changed file converts again and the stale folder is removed. A
     conversion goes to a temporary folder renamed into place, so a crash or a concurrent start
-    never leaves a half-written folder behind.
+    never leaves a half-written folder behind. ``weights=False``: a folder without weights (config
+    and tokenizer, for a load that keeps the file's quantized blocks), cached beside the full one.
     """
     path = Path(in_path)
     try:
@@ -641,7 +645,8 @@ def cached_folder(in_path, progress: bool = False) -> Path:
     where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]
     state = hashlib.sha256(f"{FORMAT_VERSION}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
     root = cache_root()
-    folder = root / f"{path.stem}-{where}-{state}"
+    kind = "" if weights else "meta-"
+    folder = root / f"{path.stem}-{where}-{kind}{state}"
     if folder.is_dir():
         return folder
     try:
@@ -653,7 +658,7 @@ def cached_folder(in_path, progress: bool = False) -> Path:
             f"set SPECD_CACHE_DIR to a writable folder"
         ) from None
     try:
-        convert(path, tmp, progress=progress, overwrite=True)
+        convert(path, tmp, progress=progress, overwrite=True, weights=weights)
         try:
             tmp.rename(folder)
         except OSError:
@@ -661,8 +666,8 @@ def cached_folder(in_path, progress: bool = False) -> Path:
                 raise LoadError(f"{folder}: cannot store the converted checkpoint") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for old in root.glob(f"{path.stem}-{where}-*"):
-        if old != folder:
+    for old in root.glob(f"{path.stem}-{where}-{kind}*"):
+        if old != folder and (kind or not old.name.startswith(f"{path.stem}-{where}-meta-")):
             shutil.rmtree(old, ignore_errors=True)
     return folder
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from specd.config import ModelConfig
 from specd.model.attention import AttentionMetadata, TorchAttention
+from specd.model.quant import QuantLinear, addmm, embedding, linear
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -122,12 +123,13 @@ class LlamaModel(nn.Module):
         are multiplied into the projection that follows, and the q/k projection is extended with
         its RoPE-rotated copy (rotate_half(x W^T) = x (R^T W)^T), so RoPE needs no extra matmul.
         """
+        table = self.embed_table()
         w = getattr(self, "_flat", None)
-        if w is not None and w[0] is self.embed.weight:
+        if w is not None and w[0] is table:
             return w
         cfg = self.cfg
         D, d, H, KVH = cfg.head_dim, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
-        wt = self.embed.weight
+        wt = self.norm.weight
         rot = torch.zeros((D, D), dtype=wt.dtype, device=wt.device)
         h = D // 2
         idx = torch.arange(h)
@@ -136,22 +138,24 @@ class LlamaModel(nn.Module):
         # fp32 RMSNorm as mean(x^2) + eps = addmm(eps, x*x, 1/d): one GEMV instead of a reduction chain
         mean_col = torch.full((d, 1), 1.0 / d, dtype=wt.dtype, device=wt.device)
         eps_col = torch.full((1, 1), cfg.rms_norm_eps, dtype=wt.dtype, device=wt.device)
-        folded = wt.dtype == torch.float32 and d <= self.FOLD_MAX_HIDDEN
+        folded = wt.dtype == torch.float32 and d <= self.FOLD_MAX_HIDDEN and not self.quantized()
         layers = []
         with torch.no_grad():
             for blk in self.layers:
-                w_qkv, b_qkv = blk.attn.qkv.weight, blk.attn.qkv.bias
+                w_qkv, b_qkv = _op(blk.attn.qkv), blk.attn.qkv.bias
                 if not folded:
                     # o and down are used through addmm (residual + x @ W^T in one op): keep W^T views
+                    # (a QuantLinear is its own op: the forward dispatches in quant.linear / addmm)
+                    b_qkv = b_qkv if isinstance(w_qkv, torch.Tensor) else None
                     layers.append(
                         (
                             blk.input_norm.weight,
                             w_qkv,
                             b_qkv,
-                            blk.attn.o.weight.t(),
+                            _op(blk.attn.o, t=True),
                             blk.post_norm.weight,
-                            blk.mlp.gate_up.weight,
-                            blk.mlp.down.weight.t(),
+                            _op(blk.mlp.gate_up),
+                            _op(blk.mlp.down, t=True),
                         )
                     )
                     continue
@@ -163,7 +167,7 @@ class LlamaModel(nn.Module):
                     b_ext = torch.cat([b_qkv, (b_qkv[:nqk].view(H + KVH, D) @ rot).reshape(nqk)])
                 w_gu = blk.mlp.gate_up.weight * blk.post_norm.weight
                 layers.append((w_ext.t(), b_ext, blk.attn.o.weight.t(), w_gu.t(), blk.mlp.down.weight.t()))
-        w = (wt, folded, layers, self.norm.weight, rot, mean_col, eps_col)
+        w = (table, folded, layers, self.norm.weight, rot, mean_col, eps_col)
         self._flat = w
         return w
 
@@ -183,7 +187,7 @@ class LlamaModel(nn.Module):
         H, KVH, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         inter = cfg.intermediate_size
         emb, folded, layers, norm_w, rot, mean_col, eps_col = self._flat_weights()
-        x = F.embedding(input_ids, emb)  # [T, d]
+        x = embedding(input_ids, emb).to(norm_w.dtype)  # [T, d] (a quantized table gives fp32)
         T = x.shape[0]
         dt = x.dtype
         cos = self.rotary.cos[positions].unsqueeze(1)  # [T, 1, D]
@@ -215,17 +219,26 @@ class LlamaModel(nn.Module):
             return _rms(x, w, eps)
 
         for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
-            qkv = F.linear(norm(x, w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
+            qkv = linear(norm(x, w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
             qk = qkv[:, :nqk].reshape(T, H + KVH, D)
             qk = torch.addcmul(qk * cos, qk @ rot, sin)  # RoPE on q and k heads at once
             v = qkv[:, nqk:].view(T, KVH, D)
             kvl = kv[i]
             backend.write_kv(kvl, qk[:, H:], v, meta.slot_mapping)
             o = backend.attention(qk[:, :H], kvl, meta, scale)  # [T, H, D]
-            x = torch.addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
-            gu = F.linear(norm(x, w_post), w_gu)
-            x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
+            x = addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
+            gu = linear(norm(x, w_post), w_gu)
+            x = addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
         return norm(x, norm_w)
+
+    def embed_table(self):
+        """The token embedding table: ``embed.weight`` [V, d], or with tied embeddings in a quantized
+        model the quantized head itself (``QuantLinear``, whose ``rows`` a lookup dequantizes)."""
+        return self.embed if isinstance(self.embed, QuantLinear) else self.embed.weight
+
+    def quantized(self) -> bool:
+        """True when any projection is a ``QuantLinear``."""
+        return any(isinstance(m, QuantLinear) for m in self.modules())
 
     d2t = None  # reduced-vocabulary draft: [N] target ids of its N head rows (see set_draft_vocab)
 
@@ -239,10 +252,17 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.d2t is None:
             return self.lm_head(hidden).float()  # [N, vocab]
-        small = F.linear(hidden, self.head_rows).float()  # [N, draft vocab]
+        small = linear(hidden, self.head_rows).float()  # [N, draft vocab]
         out = torch.full((hidden.shape[0], self.cfg.vocab_size), float("-inf"), device=hidden.device)
         out.index_copy_(1, self.d2t, small)  # [N, vocab]
         return out
+
+
+def _op(mod, t: bool = False):
+    """A projection for the lean forward: a ``QuantLinear`` as is, else its weight (``t``: W^T for addmm)."""
+    if isinstance(mod, QuantLinear):
+        return mod
+    return mod.weight.t() if t else mod.weight
 
 
 # HF parameter names -> ours. Fused projections are assembled in load_state_dict_hf.

@@ -204,23 +204,49 @@ def load_model(
     progress: bool = True,
     widths: tuple = (1, 8),
     target: LoadedModel | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
     """``widths``: the row counts one forward will have (decode batch, verification tree), which
     ``dtype="auto"`` weighs on a CPU (``resolve_dtype``). ``target``: for a draft that shares its
-    target's embeddings (``draft_spec``), the loaded target."""
+    target's embeddings (``draft_spec``), the loaded target. ``quantization``: auto | none | int8 |
+    int4 | gguf (``specd.model.quant_load``; a draft's is its own, independent of its target's)."""
+    from specd.model.gguf import is_gguf_path
+    from specd.model.quant_load import load_gguf, quantize_model, resolve
+
     path = Path(path)
-    folder = checkpoint_folder(path, progress=progress)
+    gguf_file = not path.is_dir() and is_gguf_path(path)
+    mode = resolve(quantization, gguf_file, path)
+    direct = gguf_file and mode != "none"  # the file's blocks, never a full-precision copy
+    folder = cached_folder_of(path, progress, weights=not direct)
     cfg, gen = read_config(folder)
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev, cfg, widths)
+    if dtype == "auto" and dev.type == "cpu" and mode != "none":
+        dt = torch.float32  # the CPU kernel computes in fp32 from the codes: 16-bit activations only add casts
+    else:
+        dt = resolve_dtype(dtype, dev, cfg, widths)
     shared = draft_spec(folder)
     if shared is not None:
-        return _load_shared_draft(path, folder, cfg, gen, shared, target, dt, dev, max_positions)
-    model = LlamaModel(cfg, max_positions=max_positions)
-    load_weights(model, cfg, folder, dt, dev, progress=progress)
+        return _load_shared_draft(path, folder, cfg, gen, shared, target, dt, dev, max_positions, mode)
+    if direct:
+        model = load_gguf(path, mode, cfg, _read_json(folder / "config.json"), max_positions)
+        model.to(device=dev, dtype=dt)
+    else:
+        model = LlamaModel(cfg, max_positions=max_positions)
+        load_weights(model, cfg, folder, dt, dev, progress=progress)
+        if mode in ("int8", "int4"):
+            quantize_model(model, mode)
     model.eval()
     tok = load_tokenizer(folder) if with_tokenizer else None
     return LoadedModel(model, cfg, tok, path, dt, dev, gen)
+
+
+def cached_folder_of(path: Path, progress: bool, weights: bool) -> Path:
+    """``checkpoint_folder``, or for a GGUF file loaded quantized its config + tokenizer folder only."""
+    if weights or path.is_dir():
+        return checkpoint_folder(path, progress=progress)
+    from specd.model.gguf import cached_folder
+
+    return cached_folder(path, progress=progress, weights=False)
 
 
 def draft_spec(folder: Path) -> dict | None:
@@ -230,9 +256,14 @@ def draft_spec(folder: Path) -> dict | None:
     return spec if isinstance(spec, dict) else None
 
 
-def _load_shared_draft(path, folder, cfg, gen, spec, target, dt, dev, max_positions) -> LoadedModel:
+def _load_shared_draft(path, folder, cfg, gen, spec, target, dt, dev, max_positions, mode="none") -> LoadedModel:
     """A draft that uses its target's token embeddings and head rows by reference: its files hold
-    only its decoder layers, final norm and the draft-to-target id map ``specd.d2t``."""
+    only its decoder layers, final norm and the draft-to-target id map ``specd.d2t``. ``mode``
+    int8 / int4 quantizes its own layers; the embeddings and head rows are the target's, in the
+    target's format (a quantized target's head rows stay quantized)."""
+    from specd.model.quant import QuantLinear
+    from specd.model.quant_load import quantize_model
+
     if target is None:
         raise LoadError(f"{path}: this draft uses its target's embeddings; load it with its target")
     tc = target.config
@@ -243,14 +274,20 @@ def _load_shared_draft(path, folder, cfg, gen, spec, target, dt, dev, max_positi
         )
     cfg = dataclasses.replace(cfg, tie_word_embeddings=True)  # (one placeholder table, replaced at once)
     model = LlamaModel(cfg, max_positions=max_positions)
-    model.embed.weight = target.model.embed.weight  # by reference: never copied, never saved
-    model.lm_head.weight = target.model.embed.weight
+    if isinstance(target.model.embed, torch.nn.Embedding):  # (no placeholder table kept meanwhile)
+        model.embed.weight = model.lm_head.weight = target.model.embed.weight
     extras = load_weights(model, cfg, folder, dt, dev, shared_embeddings=True)
+    model.embed = target.model.embed  # by reference: never copied, never saved
+    model.lm_head = target.model.lm_head
     d2t = extras.get("specd.d2t")
     if d2t is None or d2t.dim() != 1 or int(d2t.max()) >= tc.vocab_size or int(d2t.min()) < 0:
         raise LoadError(f"{path}: missing or invalid draft-to-target id map specd.d2t")
     d2t = d2t.to(device=dev, dtype=torch.long)
-    model.set_draft_vocab(d2t, target.model.lm_head.weight.detach().index_select(0, d2t))
+    head = target.model.lm_head
+    rows = head.select(d2t) if isinstance(head, QuantLinear) else head.weight.detach().index_select(0, d2t)
+    model.set_draft_vocab(d2t, rows)
+    if mode in ("int8", "int4"):
+        quantize_model(model, mode, head=False)
     model.eval()
     return LoadedModel(model, cfg, None, Path(path), dt, dev, gen)
 

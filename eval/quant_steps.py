@@ -1,0 +1,90 @@
+"""Step costs per weight format (issue 19), one process, rotated: plain greedy decode tokens/s of the
+target alone for each ``DTYPE:QUANT`` variant, and the cost of a forward of W rows (a verification
+of W - 1 draft tokens) relative to one row, which is what the adaptive speculation policy weighs.
+
+    python eval/quant_steps.py --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --variants float32:none,bfloat16:none,float32:int8,float32:int4,float32:gguf --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common as C  # noqa: E402
+
+PROMPTS = ["The capital of France is a city that", "Write a short poem about the sea.", "What is 17 times 23?"]
+
+
+def forward_ms(lm, rows: int, reps: int = 15) -> float:
+    """Median ms of one target forward of ``rows`` new tokens after a 32-token context."""
+    import torch
+
+    from specd.engine.kv_cache import KVCache
+    from specd.model.attention import build_metadata
+
+    c, m = lm.config, lm.model
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 8, 16, lm.dtype, torch.device("cpu"))
+    seq = cache.new_seq()
+    seq.reserve(32 + rows)
+    meta = build_metadata([rows], [32], [seq.blocks], seq.slots(32, 32 + rows), 16, torch.device("cpu"))
+    ids, pos = torch.randint(0, c.vocab_size, (rows,)), torch.arange(32, 32 + rows)
+    times = []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        m.compute_logits(m(ids, pos, cache.kv, meta))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times[2:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--variants", default="float32:none,bfloat16:none,float32:int8,float32:int4,float32:gguf")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--widths", default="1,5,17")
+    a = ap.parse_args(argv)
+    C.set_threads(a.threads)
+    C.quiet_transformers()
+    from specd.engine.sampling import SamplingParams
+    from specd.model.loader import load_model
+
+    engines, models = {}, {}
+    for v in a.variants.split(","):
+        dtype, q = v.split(":")
+        models[v] = load_model(a.target, "cpu", dtype, progress=False, quantization=q)
+        engines[v] = C.make_engine(C.Mode.parse("off"), models[v], None, "cpu", prefix_cache=False)
+    tok = next(iter(models.values())).tokenizer
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    p = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True)
+    tps = {v: [] for v in engines}
+    for e in engines.values():
+        e.generate(ids[:1], SamplingParams(temperature=0.0, max_tokens=4))
+    for _ in range(a.rounds):  # rotated: the variants see the same machine load
+        for v, e in engines.items():
+            for x in ids:
+                t0 = time.perf_counter()
+                e.generate([x], p)
+                tps[v].append(a.tokens / (time.perf_counter() - t0))
+    widths = [int(w) for w in a.widths.split(",")]
+    rows = []
+    for v, lm in models.items():
+        ms = {w: forward_ms(lm, w) for w in widths}
+        rows.append([v, f"{statistics.median(tps[v]):.1f}"] + [f"{ms[w]:.1f}" for w in widths]
+                    + [f"{ms[w] / ms[widths[0]]:.2f}" for w in widths[1:]])  # fmt: skip
+    head = ["dtype:weights", "plain tokens/s"] + [f"forward {w} rows ms" for w in widths]
+    head += [f"{w} rows / {widths[0]}" for w in widths[1:]]
+    print(f"threads {a.threads}; {a.tokens} tokens x {len(PROMPTS)} prompts x {a.rounds} rounds, medians")
+    print(C.md_table(head, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

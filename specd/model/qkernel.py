@@ -1,0 +1,111 @@
+"""The CPU weight-only matmul kernel (``qgemm.cpp``): built once per machine with the system C++
+compiler, loaded with ctypes, run on torch's own OpenMP threads.
+
+Why not torch's kernels: on an AVX2-only CPU (measured on the AMD EPYC of docs/benchmarks.md)
+``torch._weight_int8pack_mm`` and ``torch._weight_int4pack_mm_for_cpu`` with fp32 activations run
+their reference path (10-20x slower than an fp32 matmul); with bf16 activations they are fast at one
+row but change the numerics with the batch shape. ``qgemm.cpp`` computes in fp32 from the quantized
+weights, reads a weight once for all rows of a call, and gives a row the same bits whatever the
+other rows are, so speculative verification stays lossless.
+
+``kernel()`` returns the loaded library or None (no x86-64 with AVX2 + FMA, no compiler, or
+``SPECD_QGEMM=0``): callers then fall back to dequantize + ``torch`` matmul, with a warning logged
+once. The shared object is cached under ``$SPECD_CACHE_DIR/kernels`` keyed by the source's hash.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from specd.model.errors import cache_dir
+
+log = logging.getLogger("specd.quant")
+SOURCE = Path(__file__).with_name("qgemm.cpp")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+def _cpu_ok() -> bool:
+    from specd.model.cpu import cpu_info
+
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= cpu_info()["flags"]
+
+
+def _build(out: Path) -> None:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        r = subprocess.run([cxx, *FLAGS, "-o", str(so), str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cxx} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+        so.rename(out)  # atomic: a concurrent build never sees half a file
+
+
+@functools.cache
+def kernel() -> ctypes.CDLL | None:
+    """The loaded ``qgemm`` library, or None where it cannot run here (see the module doc)."""
+    if os.environ.get("SPECD_QGEMM", "1") == "0" or not _cpu_ok():
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    path = cache_dir() / "kernels" / f"qgemm-{key}.so"
+    try:
+        if not path.exists():
+            _build(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("quantized CPU kernel unavailable (%s); falling back to dequantize + matmul", e)
+        return None
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.specd_qgemm_i8.argtypes = [p, i, i, p, p, i, i, p, p, p]
+    lib.specd_qgemm_i8.restype = None
+    lib.specd_qgemm_i4.argtypes = [p, i, i, p, p, p, i, i, p, p, p, p]
+    lib.specd_qgemm_i4.restype = None
+    return lib
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def qgemm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    minv: torch.Tensor | None,
+    group: int,
+    int4: bool,
+    add: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``add + x @ W^T + bias`` for x fp32 [M, K] (contiguous), q the packed weight ([N, K] int8 or
+    [N, K/2] uint8), scale / minv fp32 [N, K/group], add fp32 [M, N] or None; returns fp32 [M, N]."""
+    M, K = x.shape
+    N = q.shape[0]
+    y = torch.empty((M, N), dtype=torch.float32)
+    if add is not None:
+        add = add.contiguous()
+    if int4:
+        xsum = torch.empty((M, K // group), dtype=torch.float32) if minv is not None else y
+        lib.specd_qgemm_i4(
+            x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), _ptr(minv), N, group, _ptr(add), _ptr(bias),
+            y.data_ptr(), xsum.data_ptr(),
+        )  # fmt: skip
+    else:
+        lib.specd_qgemm_i8(
+            x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), N, group, _ptr(add), _ptr(bias), y.data_ptr()
+        )
+    return y

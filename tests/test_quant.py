@@ -1,0 +1,115 @@
+"""Quantized linear layers: every format's matmul against its pure-torch reference (a tolerance table),
+row-independence of the CPU kernel, quantization error bounds, and GGUF blocks repacked bit-exactly."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from specd.model.qkernel import kernel
+from specd.model.quant import QuantLinear, addmm, linear, quantize_int4, quantize_int8, unpack_int4
+from specd.model.quant_load import repack
+
+Q = gguf.GGMLQuantizationType
+# |y - y_ref| <= TOL[dtype] * (|x| @ |W|^T): fp32 accumulation of K products (reference in fp64);
+# bf16 activations round x to 8 bits of mantissa on the way in and y on the way out
+TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
+FORMATS = {
+    "int8/channel": lambda w, b=None: quantize_int8(w, b),
+    "int8/g32": lambda w, b=None: quantize_int8(w, b, group=32),
+    "int4/g32": lambda w, b=None: quantize_int4(w, b, group=32),
+    "int4/g64": lambda w, b=None: quantize_int4(w, b, group=64),
+    "int4/g128": lambda w, b=None: quantize_int4(w, b, group=128),
+}
+SHAPES = [(37, 128), (13, 172), (96, 576), (5, 1536)]  # (N, K): odd N, K not a multiple of 32
+
+
+def _check(y, x, op, dtype, add=None):
+    w = op.dequantize().double()
+    ref = x.double() @ w.t()
+    bound = x.double().abs() @ w.abs().t()
+    if op.bias is not None:
+        ref, bound = ref + op.bias.double(), bound + op.bias.double().abs()
+    if add is not None:
+        ref, bound = ref + add.double(), bound + add.double().abs()
+    assert y.dtype == dtype and y.shape == ref.shape
+    err = (y.double() - ref).abs()
+    assert (err <= TOL[dtype] * bound + 1e-30).all(), float((err / (bound + 1e-30)).max())
+
+
+# (group 128 only where the padded row length is a multiple of it)
+CASES = [(f, s) for f in FORMATS for s in SHAPES if "g128" not in f or (s[1] + -s[1] % 32) % 128 == 0]
+
+
+@pytest.mark.parametrize("fmt,shape", CASES, ids=[f"{f}-{n}x{k}" for f, (n, k) in CASES])
+def test_matmul_matches_reference(fmt, shape):
+    """Kernel rows (1..13), the dequantize-into-matmul rows (> KERNEL_MAX_ROWS), bias and residual."""
+    N, K = shape
+    g = torch.Generator().manual_seed(N * K)
+    op = FORMATS[fmt](torch.randn(N, K, generator=g) * 0.05, torch.randn(N, generator=g))
+    for M in (1, 2, 3, 4, 5, 7, 13, QuantLinear.KERNEL_MAX_ROWS + 3):
+        x = torch.randn(M, K, generator=g)
+        for dt in TOL:
+            _check(op(x.to(dt)), x.to(dt).float(), op, dt)
+        res = torch.randn(M, N, generator=g)
+        _check(addmm(res, x, op), x, op, torch.float32, add=res)
+        _check(linear(x, op), x, op, torch.float32)
+
+
+def test_the_cpu_kernel_is_built_here():
+    """This machine (x86-64, AVX2 + FMA, g++) runs the compiled kernel, not the fallback."""
+    assert kernel() is not None
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS)[:3] + ["int4/g32"])
+def test_a_row_does_not_depend_on_the_other_rows(fmt):
+    """Bitwise: row i of an M-row call equals the same row alone (lossless verification)."""
+    g = torch.Generator().manual_seed(7)
+    op = FORMATS[fmt](torch.randn(67, 576, generator=g) * 0.05)
+    x = torch.randn(13, 576, generator=g)
+    alone = torch.cat([op(x[i : i + 1]) for i in range(13)])
+    for M in range(1, 14):
+        assert torch.equal(op(x[:M]), alone[:M]), M
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantization_error_is_half_a_step(fmt):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 256, generator=g)
+    op = quantize_int8(w, group=32) if fmt == "int8" else quantize_int4(w, group=32)
+    step = op.scale.repeat_interleave(32, dim=1)  # [N, K]
+    assert ((op.dequantize() - w).abs() <= step / 2 + 1e-6).all()
+    if fmt == "int4":
+        codes = unpack_int4(op.qweight)
+        assert int(codes.max()) <= 15 and codes.shape == w.shape
+
+
+def test_rows_and_select_are_views_of_the_same_weights():
+    op = quantize_int4(torch.randn(50, 96))
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(op.rows(ids), op.dequantize()[ids])
+    assert torch.equal(op.select(ids).dequantize(), op.dequantize()[ids])
+
+
+def _gguf_tensor(w: np.ndarray, qtype) -> SimpleNamespace:
+    """What ``GGUFReader`` gives for a quantized tensor: raw bytes [N, bytes per row], ggml dims."""
+    raw = gguf.quants.quantize(w, qtype)
+    return SimpleNamespace(name="t", tensor_type=qtype, shape=np.array([w.shape[1], w.shape[0]]), data=raw)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=["Q8_0", "Q4_0", "Q4_1"])
+def test_repacked_gguf_blocks_equal_gguf_dequantization(qtype):
+    """Bit-exact: the kernel layout holds the file's codes and fp16 scales; nothing is rounded."""
+    w = np.random.default_rng(0).standard_normal((45, 320)).astype(np.float32)
+    t = _gguf_tensor(w, qtype)
+    op = repack(t)
+    want = torch.from_numpy(gguf.quants.dequantize(t.data, qtype).reshape(w.shape).astype(np.float32))
+    assert op.fmt == ("int8" if qtype == Q.Q8_0 else "int4") and op.group == 32
+    assert torch.equal(op.dequantize(), want)
+    assert op.nbytes() < w.nbytes / 3  # the codes stay 8 / 4 bits (plus fp32 scales)
+    x = torch.randn(3, 320)
+    _check(op(x), x, op, torch.float32)
