@@ -644,16 +644,9 @@ def header(meta: dict) -> str:
     )
 
 
-def main(argv=None) -> int:
-    a = parse_args(argv)
-    H.set_threads(a.threads)
-    H.quiet_transformers()
-    t_start = time.perf_counter()
-    names = [n.strip() for n in a.systems.split(",") if n.strip()]
-    batches = [int(x) for x in a.batch.split(",") if x.strip()]
-    meta = H.run_meta("bench_real", argv)
-    meta.update(threads=a.threads, cpu_info=H.cpu_info(), **library_info(names))
-    print(header(meta), flush=True)
+def setup(a, names: list, batches: list) -> tuple:
+    """The model pair per quantization, the encoded prompts and the systems under test:
+    ``(pairs, prompts, ids, chat_template, context, systems, notes)``."""
     pairs = {}
     for q in quantizations(a):
         target, draft, hf_draft_ok = load_pair(a, q)
@@ -664,11 +657,24 @@ def main(argv=None) -> int:
     systems, notes = build_systems(names, ctx)
     if not hf_draft_ok and not any(n.startswith("hf:assisted") for n in notes):
         notes["hf:assisted"] = HF_DRAFT_NOTE
+    return pairs, prompts, ids, chat, ctx, systems, notes
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    H.set_threads(a.threads)
+    H.quiet_transformers()
+    t_start = time.perf_counter()
+    names = [n.strip() for n in a.systems.split(",") if n.strip()]
+    batches = [int(x) for x in a.batch.split(",") if x.strip()]
+    meta = H.run_meta("bench_real", argv)
+    meta.update(threads=a.threads, cpu_info=H.cpu_info(), **library_info(names))
+    print(header(meta), flush=True)
+    pairs, prompts, ids, chat, ctx, systems, notes = setup(a, names, batches)
+    target = next(iter(pairs.values()))[0]
     offs = [s.name for s in systems if isinstance(s, P.Specd) and s.name.endswith(":off")]
     ref = offs[0] if offs else systems[0].name
     cats = list(dict.fromkeys(p.category for p in prompts))
-    out = Path(a.out) if a.out else C.default_out("bench_real")
-    out.mkdir(parents=True, exist_ok=True)
     res = run_batches(systems, prompts, ids, batches, cats, ref, a)
     profile = {
         s.name: profile_step(s, ids[0], a.profile_tokens)
@@ -700,6 +706,8 @@ def main(argv=None) -> int:
         "profile": profile,
         "bandwidth_floor": floor,
     }
+    out = Path(a.out) if a.out else C.default_out("bench_real")
+    out.mkdir(parents=True, exist_ok=True)
     C.write_json(out / "report.json", rep)
     md = render(rep)
     (out / "summary.md").write_text(md, encoding="utf-8")
