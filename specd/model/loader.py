@@ -96,30 +96,19 @@ def _safetensor_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(
-    model: LlamaModel,
-    cfg: ModelConfig,
-    path: Path,
-    dtype: torch.dtype,
-    device: torch.device,
-    progress: bool = False,
-    shared_embeddings: bool = False,
-) -> dict:
-    """Load the checkpoint's weights into ``model``; returns the tensors it did not use (``specd.*``
-    extras). ``shared_embeddings``: the checkpoint has no embeddings or LM head (a draft that uses
-    its target's, see ``load_model``)."""
+def _read_safetensors(path: Path, progress: bool) -> dict:
+    """Every tensor of the folder's ``*.safetensors`` files (a progress bar over 64 MiB)."""
     from safetensors import safe_open
 
     files = _safetensor_files(path)
     tensors: dict[str, torch.Tensor] = {}
-    it = files
     total = sum(f.stat().st_size for f in files)
     bar = None
     if progress and total > 64 * 1024 * 1024:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {path.name}")
-    for f in it:
+    for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for name in sf.keys():
                 tensors[name] = sf.get_tensor(name)
@@ -127,6 +116,11 @@ def load_weights(
             bar.update(f.stat().st_size)
     if bar is not None:
         bar.close()
+    return tensors
+
+
+def _our_names(tensors: dict, cfg: ModelConfig, path: Path, shared_embeddings: bool) -> dict:
+    """HF tensor names -> ours, q/k/v and gate/up fused; LoadError naming a missing weight."""
 
     def take(name: str) -> torch.Tensor:
         if name not in tensors:
@@ -148,11 +142,26 @@ def load_weights(
         ours[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
             [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0
         )
+    return ours
+
+
+def load_weights(
+    model: LlamaModel,
+    cfg: ModelConfig,
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = False,
+    shared_embeddings: bool = False,
+) -> dict:
+    """Load the checkpoint's weights into ``model``; returns the tensors it did not use (``specd.*``
+    extras). ``shared_embeddings``: the checkpoint has no embeddings or LM head (a draft that uses
+    its target's, see ``load_model``)."""
+    tensors = _read_safetensors(path, progress)
+    ours = _our_names(tensors, cfg, path, shared_embeddings)
     own = model.state_dict()
     for name, t in ours.items():
-        if name not in own:
-            continue
-        if tuple(own[name].shape) != tuple(t.shape):
+        if name in own and tuple(own[name].shape) != tuple(t.shape):
             raise LoadError(
                 f"{path}: shape mismatch for {name}: checkpoint {tuple(t.shape)} vs config {tuple(own[name].shape)}"
             )
