@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     eng = build(a.quantization)
     warm_up(eng)
     res = run(eng, questions(a.categories.split(","), a.per_category), modes, a.max_tokens)
-    print(f"`{H.command_line('eval.bench_ngram', argv)}`; CPU {H.cpu_name()}; {a.threads} thread(s)\n")
+    print(f"`{H.command_line('bench_ngram', argv)}`; CPU {H.cpu_name()}; {a.threads} thread(s)\n")
     print("| category | " + " | ".join(f"{m} tok/s | {m} speedup | {m} tokens/step" for m in modes) + " |")
     print("|---|" + "---|---|---|" * len(modes))
     tot = {m: [0, 0.0, 0, 0] for m in modes}

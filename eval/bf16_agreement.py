@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     from specd.engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
-    res = {"meta": H.run_meta("eval.bf16_agreement", argv), "dtypes": {}}
+    res = {"meta": H.run_meta("bf16_agreement", argv), "dtypes": {}}
     ref = engine("float32")
     ids_list = chat_ids(ref.tokenizer, prompts(a.prompts))
     for dtype in ("float32", "bfloat16"):
