@@ -41,6 +41,24 @@ class Frontend:
     def ready(self) -> bool:
         return self.ae is not None and self.ae.ready and not self.draining
 
+    def upgrade_refusal(self, headers, key_required: bool) -> tuple | None:
+        """(status, body, headers) refusing a websocket upgrade, or None; counts the refusal. Both
+        websocket endpoints check the origin and the connection limit; a wrong key is always
+        refused, a missing one only where ``key_required`` (our protocol may authenticate in-band)."""
+        auth, m = self.auth, self.metrics
+        if not auth.origin_ok(headers):
+            m.count_error("forbidden_origin")
+            return 403, "origin not allowed (see --allowed-origins)\n", None
+        key = auth.bearer(headers)
+        if (key is not None or key_required) and not auth.key_ok(key):
+            m.count_error("unauthorized")
+            body = "unauthorized: Authorization: Bearer KEY required\n" if key_required else "unauthorized\n"
+            return 401, body, {"WWW-Authenticate": "Bearer"}
+        if self.open_websockets >= self.max_connections:
+            m.count_error("too_many_connections")
+            return 503, "too many connections\n", {"Retry-After": "1"}
+        return None
+
     def admission(self) -> RequestError | None:
         """Why a new request must be refused now (None: go ahead)."""
         ae = self.ae

@@ -52,24 +52,11 @@ class ResponsesSocket:
         self.conns: set = set()
         self.front.ws_sets.append(self.conns)
 
-    def _refusal(self, headers: Headers) -> tuple | None:
-        auth, m = self.front.auth, self.front.metrics
-        if not auth.origin_ok(headers):
-            m.count_error("forbidden_origin")
-            return 403, "origin not allowed (see --allowed-origins)\n", None
-        if not auth.key_ok(auth.bearer(headers)):
-            m.count_error("unauthorized")
-            return 401, "unauthorized: Authorization: Bearer KEY required\n", {"WWW-Authenticate": "Bearer"}
-        if self.front.open_websockets >= self.front.max_connections:
-            m.count_error("too_many_connections")
-            return 503, "too many connections\n", {"Retry-After": "1"}
-        return None
-
     async def __call__(self, scope, receive, send) -> None:
         if (await receive())["type"] != "websocket.connect":
             return
         headers = Headers(scope=scope)
-        refused = self._refusal(headers)
+        refused = self.front.upgrade_refusal(headers, key_required=True)
         if refused is not None:
             await deny(send, *refused)
             return

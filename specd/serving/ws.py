@@ -56,26 +56,11 @@ class WSServer:
         # long prompts are tokenized in this one worker thread (the loop tokenizes short ones itself)
         self.tok_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-tokenize")
 
-    def _refusal(self, headers: Headers) -> tuple | None:
-        """(status, body, headers) refusing the upgrade, or None; counts the refusal."""
-        auth, m = self.front.auth, self.front.metrics
-        if not auth.origin_ok(headers):
-            m.count_error("forbidden_origin")
-            return 403, "origin not allowed (see --allowed-origins)\n", None
-        key = auth.bearer(headers)
-        if key is not None and not auth.key_ok(key):
-            m.count_error("unauthorized")
-            return 401, "unauthorized\n", {"WWW-Authenticate": "Bearer"}
-        if self.front.open_websockets >= self.front.max_connections:
-            m.count_error("too_many_connections")
-            return 503, "too many connections\n", {"Retry-After": "1"}
-        return None
-
     async def __call__(self, scope, receive, send) -> None:
         if (await receive())["type"] != "websocket.connect":
             return
         headers = Headers(scope=scope)
-        refused = self._refusal(headers)
+        refused = self.front.upgrade_refusal(headers, key_required=False)
         if refused is not None:
             await deny(send, *refused)
             return
