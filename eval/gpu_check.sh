@@ -8,8 +8,8 @@
 #
 # Python: $PY if set, else the first of .venv/bin/python, python3 whose torch sees a CUDA device
 # and which has triton. If none does, a .venv is created / installed from pyproject.toml (needs
-# network). specd_kernels is imported from this checkout (a symlink on PYTHONPATH when the package
-# is not installed), so no install is needed when torch+triton+pytest are present.
+# network). specd and specd_kernels are imported from this checkout (the repository root goes on
+# PYTHONPATH), so no install is needed when torch+triton+pytest are present.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -35,11 +35,7 @@ if [ -z "$PYBIN" ]; then
 fi
 echo "== python: $PYBIN ($("$PYBIN" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'))"
 
-if ! "$PYBIN" -c 'import specd_kernels' >/dev/null 2>&1; then
-    mkdir -p "$OUT/pypath"
-    ln -sfn "$ROOT/kernels" "$OUT/pypath/specd_kernels"
-    export PYTHONPATH="$ROOT/$OUT/pypath:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 status=0
 echo "== pytest tests/test_kernels*.py (compiled Triton on the GPU)"

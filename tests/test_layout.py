@@ -124,9 +124,9 @@ def _is_triton_kernel(fn: ast.AST) -> bool:
 
 
 def _function_lengths() -> dict:
-    """``"path:qualified name" -> lines`` for every function in specd/, eval/ and kernels/."""
+    """``"path:qualified name" -> lines`` for every function in specd/, eval/ and specd_kernels/."""
     out = {}
-    for base in ("specd", "eval", "kernels"):
+    for base in ("specd", "eval", "specd_kernels"):
         for p in sorted((ROOT / base).rglob("*.py")):
             if "proto" in p.parts:
                 continue
