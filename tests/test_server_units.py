@@ -153,6 +153,7 @@ class FakeOut:
 
         self.request_id, self.token_ids, self.text = rid, toks, "x" * len(toks)
         self.finished, self.finish_reason, self.error = finished, reason, error
+        self.logprobs = None
         self.seq = SimpleNamespace(num_output=num_output)
 
 

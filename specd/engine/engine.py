@@ -27,7 +27,7 @@ from specd.engine.builder import build
 from specd.engine.detokenizer import IncrementalDetokenizer
 from specd.engine.health import EngineHealth, RateLimitedLog
 from specd.engine.ledger import Checkpoint
-from specd.engine.output import RequestOutput, emit
+from specd.engine.output import RequestOutput, emit, token_logprobs
 from specd.engine.requests import RequestError, normalize_params, validate_request
 from specd.engine.sampling import SamplingParams, make_generator
 from specd.engine.scheduler import SchedulerOutput
@@ -294,7 +294,7 @@ class Engine:
         now = self.clock()
         for w, res in zip(tp.work, results):
             try:
-                out = self._commit_one(w, res, now)
+                out = self._commit_one(w, res, now, tp.logits)
             except Exception as e:  # noqa: BLE001 - this request's own data: it fails alone
                 self.health.stage_failed(self._stage)
                 outs.append(self._fail_request(w.sc.seq, self._stage, e, cps[id(w.sc.seq)]))
@@ -303,7 +303,7 @@ class Engine:
                 outs.append(out)
         return outs
 
-    def _commit_one(self, w: WorkItem, res, now: float) -> RequestOutput | None:
+    def _commit_one(self, w: WorkItem, res, now: float, logits) -> RequestOutput | None:
         """One request's bookkeeping after verification. What can fail (emit: stop conditions,
         detokenization) runs before the counters, the policy's acceptance and the prefix cache
         are touched, so a failure leaves those as if the step never ran."""
@@ -318,13 +318,19 @@ class Engine:
             seq.first_token_time = now
         self._enter("emit", [seq])
         new, reason, text = emit(seq, res.tokens, self.eos_ids, self.max_model_len)
+        lps = None
+        if seq.params.logprobs is not None:  # token i comes from the row of path node i (root first)
+            rows = [w.row0 + node for node in [0, *res.accepted][: len(new)]]
+            lps = token_logprobs(logits, rows, new, seq.params.logprobs)
+            if seq.logprobs is not None:
+                seq.logprobs.extend(lps)
         self._record(seq, w, accepted, len(new))
         if reason is not None:
             self._finish(seq, reason)
             self.ngram.finished(seq)
         else:
             self.ledger.register(seq)
-        return RequestOutput(seq.request_id, new, text, reason is not None, reason, seq)
+        return RequestOutput(seq.request_id, new, text, reason is not None, reason, seq, logprobs=lps)
 
     def _record(self, seq: Sequence, w: WorkItem, accepted: int, emitted: int) -> None:
         """Speculation statistics (request and engine, by proposer) and the acceptance the policy
