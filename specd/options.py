@@ -143,6 +143,12 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
         default=60.0,
         help="exit non-zero (for systemd to restart) after the engine has been unhealthy this long; 0 = never exit",
     )
+    s.add_argument(
+        "--replica",
+        default=None,
+        help="this daemon's name in a fleet: the replica label on every /metrics sample "
+        "(SPECD_REPLICA; default <hostname>:<port>)",
+    )
     s.add_argument("--log-level", default="info")
 
 

@@ -10,7 +10,7 @@ import time
 
 import orjson
 import pytest
-from conftest import http_get, serve_args, ws_collect
+from conftest import http_get, metrics_text, serve_args, ws_collect
 from websockets.sync.client import connect
 
 pytestmark = pytest.mark.timeout(180)
@@ -97,9 +97,8 @@ def test_streams_equal_the_in_process_engine(server, reference):
                     assert done["spec"]["draft_tokens"] > 0
     assert _idle_kv(server)
     # the child's state reaches /metrics
-    status, body = http_get(server.port, "/metrics")
-    text = body.decode()
-    assert status == 200 and 'specd_kv_blocks_total{cache="target"} 256' in text
+    text = metrics_text(server.port)
+    assert 'specd_kv_blocks_total{cache="target"} 256' in text
     assert 'specd_kv_blocks_used{cache="target"} 0' in text
     accepted = [ln for ln in text.splitlines() if ln.startswith("specd_spec_decode_num_draft_tokens_total")]
     assert accepted and float(accepted[0].split()[-1]) > 0
