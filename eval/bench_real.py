@@ -100,7 +100,7 @@ def load_pair(a, quantization: str = "none"):
     for what, path in (("target", a.target), ("draft", a.draft)):
         if not Path(path).exists():
             raise SystemExit(f"bench_real: the {what} {path} does not exist (make: BENCH_DRAFT=DIR for another draft)")
-    target = load_model(a.target, "cpu", a.dtype, progress=False, quantization=quantization)
+    target = C.load_variant(a.target, quantization, "cpu", a.dtype, progress=False)
     dtype = str(target.dtype).removeprefix("torch.")  # the draft computes in the target's dtype
     draft = load_model(a.draft, "cpu", dtype, progress=False, target=target)
     hf_draft_ok = draft_spec(checkpoint_folder(a.draft)) is None

@@ -41,14 +41,13 @@ def texts(tokens_chars: int) -> dict:
 
 
 def run(a) -> dict:
-    from specd.model.loader import load_model
     from specd.model.perplexity import perplexity
 
     out: dict = {}
     data = None
     for q in [x.strip() for x in a.quantization.split(",") if x.strip()]:
         t0 = time.perf_counter()
-        lm = load_model(a.target, "cpu", "float32", quantization=q, progress=False)
+        lm = C.load_variant(a.target, q, "cpu", "float32", progress=False)
         if data is None:
             data = {k: lm.tokenizer(v)["input_ids"][: a.tokens] for k, v in texts(a.tokens * 6).items()}
         out[q] = {k: round(perplexity(lm, ids, a.window), 4) for k, ids in data.items()}

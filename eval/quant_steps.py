@@ -54,12 +54,11 @@ def main(argv=None) -> int:
     C.set_threads(a.threads)
     C.quiet_transformers()
     from specd.engine.sampling import SamplingParams
-    from specd.model.loader import load_model
 
     engines, models = {}, {}
     for v in a.variants.split(","):
         dtype, q = v.split(":")
-        models[v] = load_model(a.target, "cpu", dtype, progress=False, quantization=q)
+        models[v] = C.load_variant(a.target, q, "cpu", dtype, progress=False)
         engines[v] = C.make_engine(C.Mode.parse("off"), models[v], None, "cpu", prefix_cache=False)
     tok = next(iter(models.values())).tokenizer
     ids = [tok(p)["input_ids"] for p in PROMPTS]

@@ -17,6 +17,7 @@ from specd.engine.ledger import KVLedger
 from specd.engine.scheduler import Scheduler
 from specd.model.attention import get_backend
 from specd.model.loader import LoadedModel, LoadError, load_model
+from specd.model.quant import set_act_int8
 from specd.speculation.drafter import Drafter
 from specd.speculation.ngram import NgramConfig, NgramProposer
 from specd.speculation.policy import SpecPolicy
@@ -59,7 +60,18 @@ def load_models(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedMode
         )
     if draft is not None:
         check_draft(target, draft)
+    _act_quant(cfg.act_quant, target, draft)
     return target, draft
+
+
+def _act_quant(mode: str, target: LoadedModel, draft: LoadedModel | None) -> None:
+    """``int8``: the CPU kernel's int8 activations for both models (models passed in included);
+    ``none`` leaves them as loaded (fp32 activations, unless a caller set them)."""
+    if mode != "int8":
+        return
+    n = sum(set_act_int8(m.model, True) for m in (target, draft) if m is not None)
+    if n == 0 or target.device.type != "cpu":
+        raise LoadError("--act-quant int8 needs quantized weights (--quantization) on a CPU device")
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:

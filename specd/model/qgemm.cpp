@@ -13,9 +13,16 @@
 //         byte j of a block holding weight j (low nibble) and weight j + 16 (high nibble)
 //         (GGUF Q4_0 / Q4_1 block order), scale and min fp32 [N, K/G]
 // Threads: OpenMP over output rows, linked against the OpenMP runtime torch already loaded.
+//
+// The *_q8 entry points quantize each row of x to int8 first (blocks of 32: d = max|x| / 127,
+// q = round(x / d), GGUF Q8_0 / llama.cpp's activation format) and multiply codes by codes in
+// integers (maddubs: 32 products per instruction), each 32-block's integer sum then scaled in fp32.
+// A row's result still depends on that row alone (its own blocks and scales), so speculation stays
+// lossless; it is no longer equal to the fp32-activation result (a relative error ~1e-3 per output).
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 
 #define PF_ROWS 8  // software prefetch distance in weight rows
 
@@ -165,6 +172,228 @@ static void gemm(const float* x, int64_t M, int64_t K, const void* qv, const flo
     }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// int8 activations (see the top): qx int8 [M, K], dx fp32 [M, K/32]
+static void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx) {
+    const int64_t nb = K / 32;
+    const __m256 signbit = _mm256_set1_ps(-0.0f);
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+    for (int64_t i = 0; i < M * nb; i++) {
+        const float* xb = x + i * 32;
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int t = 0; t < 4; t++) {
+            v[t] = _mm256_loadu_ps(xb + 8 * t);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(signbit, v[t]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.0f;
+        dx[i] = d;
+        const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+        __m256i q[4];
+        for (int t = 0; t < 4; t++)
+            q[t] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[t], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        // pack 32 int32 -> 32 int8 in order (packs work per 128-bit lane: fix the order after)
+        __m256i a = _mm256_packs_epi32(q[0], q[1]), b = _mm256_packs_epi32(q[2], q[3]);
+        __m256i c = _mm256_packs_epi16(a, b);
+        c = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i*)(qx + i * 32), c);
+    }
+}
+
+// 8 int32 lanes of sum(u[i] * s[i]) over 32 bytes: u unsigned (<= 128), s signed (|s| <= 127)
+static inline __m256 dot32(__m256i u, __m256i s) {
+    const __m256i p16 = _mm256_maddubs_epi16(u, s);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+template <int R, int NB>
+static inline void tile_i8_q8(const int8_t* qx, const float* dx, int64_t K, int64_t G, const int8_t* q, const float* sc,
+                              int64_t ng, float* out) {
+    const int64_t nbk = K / 32;
+    __m256 acc[R][NB];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+        __m256 ga[R][NB];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NB; j++) ga[r][j] = _mm256_setzero_ps();
+        for (int64_t k = g0; k < g0 + G; k += 32) {
+            if ((k & 63) == 0)
+                for (int j = 0; j < NB; j++) _mm_prefetch((const char*)(q + (j + PF_ROWS) * K + k), _MM_HINT_T0);
+            __m256i w[NB], aw[NB];
+            for (int j = 0; j < NB; j++) {
+                w[j] = _mm256_loadu_si256((const __m256i*)(q + j * K + k));
+                aw[j] = _mm256_sign_epi8(w[j], w[j]);  // |w|
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(qx + r * K + k));
+                const __m256 d = _mm256_broadcast_ss(dx + r * nbk + k / 32);
+                for (int j = 0; j < NB; j++)
+                    ga[r][j] = _mm256_fmadd_ps(d, dot32(aw[j], _mm256_sign_epi8(xv, w[j])), ga[r][j]);
+            }
+        }
+        for (int j = 0; j < NB; j++) {
+            __m256 s = _mm256_set1_ps(sc[j * ng + g0 / G]);
+            for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(s, ga[r][j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NB; j++) out[r * NB + j] = hsum8(acc[r][j]);
+}
+
+template <int R, int NB>
+static inline void tile_i4_q8(const int8_t* qx, const float* dx, int64_t K, int64_t G, const uint8_t* q,
+                              const float* sc, int64_t ng, float* out) {
+    const int64_t nbk = K / 32;
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m256 acc[R][NB];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < K; g0 += G) {
+        __m256 ga[R][NB];
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < NB; j++) ga[r][j] = _mm256_setzero_ps();
+        for (int64_t b = g0; b < g0 + G; b += 32) {
+            if ((b & 127) == 0)
+                for (int j = 0; j < NB; j++)
+                    _mm_prefetch((const char*)(q + (j + PF_ROWS) * (K / 2) + b / 2), _MM_HINT_T0);
+            __m256i w[NB];
+            for (int j = 0; j < NB; j++) {
+                const __m128i v = _mm_loadu_si128((const __m128i*)(q + j * (K / 2) + b / 2));
+                w[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i*)(qx + r * K + b));
+                const __m256 d = _mm256_broadcast_ss(dx + r * nbk + b / 32);
+                for (int j = 0; j < NB; j++) ga[r][j] = _mm256_fmadd_ps(d, dot32(w[j], xv), ga[r][j]);
+            }
+        }
+        for (int j = 0; j < NB; j++) {
+            __m256 s = _mm256_set1_ps(sc[j * ng + g0 / G]);
+            for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(s, ga[r][j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NB; j++) out[r * NB + j] = hsum8(acc[r][j]);
+}
+
+template <bool INT4, int R, int NB>
+static inline void tile_q8(const int8_t* qx, const float* dx, int64_t K, int64_t G, const void* qv, int64_t n,
+                           const float* scale, int64_t ng, float* out) {
+    if (INT4)
+        tile_i4_q8<R, NB>(qx, dx, K, G, (const uint8_t*)qv + n * (K / 2), scale + n * ng, ng, out);
+    else
+        tile_i8_q8<R, NB>(qx, dx, K, G, (const int8_t*)qv + n * K, scale + n * ng, ng, out);
+}
+
+template <bool INT4>
+static inline void block_q8(const int8_t* qx, const float* dx, int64_t r, int64_t K, int64_t G, const void* q,
+                            int64_t n, int64_t nb, const float* scale, int64_t ng, float* out) {
+    if (nb == 4) tile_q8<INT4, 1, 4>(qx, dx, K, G, q, n, scale, ng, out);
+    else if (nb == 2) tile_q8<INT4, 2, 2>(qx, dx, K, G, q, n, scale, ng, out);
+    else if (r == 6) tile_q8<INT4, 6, 1>(qx, dx, K, G, q, n, scale, ng, out);
+    else if (r == 5) tile_q8<INT4, 5, 1>(qx, dx, K, G, q, n, scale, ng, out);
+    else if (r == 4) tile_q8<INT4, 4, 1>(qx, dx, K, G, q, n, scale, ng, out);
+    else if (r == 3) tile_q8<INT4, 3, 1>(qx, dx, K, G, q, n, scale, ng, out);
+    else if (r == 2) tile_q8<INT4, 2, 1>(qx, dx, K, G, q, n, scale, ng, out);
+    else tile_q8<INT4, 1, 1>(qx, dx, K, G, q, n, scale, ng, out);
+}
+
+template <bool INT4>
+static void gemm_q8(const int8_t* qx, const float* dx, int64_t M, int64_t K, const void* qv, const float* scale,
+                    const float* mins, int64_t N, int64_t G, const float* add, const float* bias, float* y,
+                    const float* xsum) {
+    const int64_t ng = K / G, nbk = K / 32;
+    const int64_t NT = (N + 3) / 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < NT; t++) {
+        const int64_t n0 = t * 4, n1 = n0 + 4 < N ? n0 + 4 : N;
+        float out[RB * 4];
+        for (int64_t m0 = 0; m0 < M; m0 += RB) {
+            const int64_t r = M - m0 < RB ? M - m0 : RB;
+            const int64_t nb = (r == 1 && n1 - n0 == 4) ? 4 : (r == 2 && n1 - n0 == 4) ? 2 : 1;
+            for (int64_t n = n0; n < n1; n += nb) {
+                block_q8<INT4>(qx + m0 * K, dx + m0 * nbk, r, K, G, qv, n, nb, scale, ng, out);
+                for (int64_t i = 0; i < r; i++)
+                    for (int64_t j = 0; j < nb; j++) {
+                        const int64_t m = m0 + i, nn = n + j;
+                        float v = out[i * nb + j];
+                        if (INT4 && mins) {
+                            const float* mn = mins + nn * ng;
+                            const float* xs = xsum + m * ng;
+                            float s = 0.f;
+                            for (int64_t g = 0; g < ng; g++) s += mn[g] * xs[g];
+                            v += s;
+                        }
+                        if (bias) v += bias[nn];
+                        if (add) v += add[m * N + nn];
+                        y[m * N + nn] = v;
+                    }
+            }
+        }
+    }
+}
+
+static void group_sums(const float* x, int64_t M, int64_t K, int64_t G, float* xsum) {
+    const int64_t ng = K / G;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < ng; g++) {
+            __m256 s = _mm256_setzero_ps();
+            for (int64_t k = g * G; k < (g + 1) * G; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + m * K + k));
+            xsum[m * ng + g] = hsum8(s);
+        }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Attention over gathered keys, one query row at a time: every row's result is computed by the same
+// loop whatever the other rows are (torch's SDPA blocks query rows through GEMMs whose kernels, and
+// so sum orders, change with the number of rows). Scores sum over D in a fixed order, the softmax
+// and the weighted sum over keys run key by key in order; keys whose mask is -inf are skipped
+// (adding exact zeros), so a row's keys padded out to a longer batch do not change it either.
+//   q    [B, KVH, R, D]  query rows grouped under their KV head (row r uses mask row r % Q)
+//   kv   [2, B, L, KVH, D] keys then values
+//   mask [B, Q, L] additive (0 or -inf)
+//   out  [B, KVH, R, D]
+static inline float dot_d(const float* a, const float* b, int64_t D) {
+    __m256 s = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+    float t = hsum8(s);
+    for (; i < D; i++) t += a[i] * b[i];
+    return t;
+}
+
+static void attn_row(const float* q, const float* kb, const float* vb, const float* mask, int64_t L, int64_t KVH,
+                     int64_t D, float scale, float* sc, float* o) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < L; j++) {
+        if (mask[j] == -INFINITY) {
+            sc[j] = -INFINITY;
+            continue;
+        }
+        sc[j] = dot_d(q, kb + j * KVH * D, D) * scale + mask[j];
+        if (sc[j] > mx) mx = sc[j];
+    }
+    for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+    float l = 0.f;
+    for (int64_t j = 0; j < L; j++) {
+        if (sc[j] == -INFINITY) continue;
+        const float p = expf(sc[j] - mx);
+        l += p;
+        const float* vj = vb + j * KVH * D;
+        int64_t d = 0;
+        const __m256 pv = _mm256_set1_ps(p);
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + d), _mm256_loadu_ps(o + d)));
+        for (; d < D; d++) o[d] += p * vj[d];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t d = 0; d < D; d++) o[d] *= inv;
+}
+
 extern "C" {
 // y = x @ W^T (+ add[M,N]) (+ bias[N]); add/bias may be NULL; add may alias y.
 void specd_qgemm_i8(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
@@ -175,15 +404,42 @@ void specd_qgemm_i8(const float* x, int64_t M, int64_t K, const int8_t* q, const
 // xsum [M, K/G]: per-group sums of x (the caller's scratch; filled here when mins is not NULL)
 void specd_qgemm_i4(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, const float* mins,
                     int64_t N, int64_t G, const float* add, const float* bias, float* y, float* xsum) {
-    const int64_t ng = K / G;
-    if (mins) {
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t g = 0; g < ng; g++) {
-                __m256 s = _mm256_setzero_ps();
-                for (int64_t k = g * G; k < (g + 1) * G; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + m * K + k));
-                xsum[m * ng + g] = hsum8(s);
-            }
-    }
+    if (mins) group_sums(x, M, K, G, xsum);
     gemm<true>(x, M, K, q, scale, mins, N, G, add, bias, y, xsum);
+}
+
+// The same with int8 activations: qx int8 [M, K] and dx fp32 [M, K/32] are the caller's scratch,
+// filled here from x (see the top).
+void specd_qgemm_i8_q8(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
+                       int64_t G, const float* add, const float* bias, float* y, int8_t* qx, float* dx) {
+    quantize_q8(x, M, K, qx, dx);
+    gemm_q8<false>(qx, dx, M, K, q, scale, nullptr, N, G, add, bias, y, nullptr);
+}
+
+void specd_qgemm_i4_q8(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
+                       const float* mins, int64_t N, int64_t G, const float* add, const float* bias, float* y,
+                       float* xsum, int8_t* qx, float* dx) {
+    if (mins) group_sums(x, M, K, G, xsum);
+    quantize_q8(x, M, K, qx, dx);
+    gemm_q8<true>(qx, dx, M, K, q, scale, mins, N, G, add, bias, y, xsum);
+}
+
+void specd_attention(const float* q, const float* kv, const float* mask, int64_t B, int64_t KVH, int64_t R,
+                     int64_t Q, int64_t L, int64_t D, float scale, float* out) {
+    const float* kbase = kv;
+    const float* vbase = kv + B * L * KVH * D;
+#pragma omp parallel
+    {
+        float* sc = new float[L > 0 ? L : 1];
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < KVH; h++)
+                for (int64_t r = 0; r < R; r++) {
+                    const int64_t row = (b * KVH + h) * R + r;
+                    attn_row(q + row * D, kbase + (b * L * KVH + h) * D, vbase + (b * L * KVH + h) * D,
+                             mask + (b * Q + r % Q) * L, L, KVH, D, scale, sc, out + row * D);
+                }
+        delete[] sc;
+    }
 }
 }
