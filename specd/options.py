@@ -85,6 +85,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "int4 (groups of 32) | gguf (the file's own blocks, nothing else); target and draft alike",
     )
     p.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the target's heads, MLP and KV cache over N ranks (processes started by the engine; gloo "
+        "on a CPU, NCCL on CUDA); unquantized weights only (quantization auto loads them so); --threads "
+        "then counts per rank (default: the usable CPUs / N)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per cache (default: from memory)")
     p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache budget in GiB (both caches)")
@@ -165,6 +173,7 @@ def engine_config(a):
         attention_backend=a.attention_backend,
         quantization=getattr(a, "quantization", "auto"),
         threads=getattr(a, "threads", None),
+        tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
         cache=CacheConfig(
             block_size=a.block_size,
             num_blocks=a.num_blocks,
