@@ -249,6 +249,7 @@ class ShardedTarget:
         self._failure: str | None = None
         self._closing = False
         self.forwards = 0
+        self.kv_copies = 0  # KV compactions sent to every rank
         max_pos = model.rotary.cos.shape[0]
         dtype = model.norm.weight.dtype
         store = dist.TCPStore("127.0.0.1", 0, world, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
@@ -326,6 +327,7 @@ class ShardedTarget:
         self.check()
         self._send(("copy", src.tolist(), dst.tolist()))
         self.backend.copy_slots(kv, src, dst)
+        self.kv_copies += 1
 
     @staticmethod
     def quantized() -> bool:
