@@ -207,5 +207,6 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.quantization in ("int8", "int4", "gguf"):
             raise ValueError(
                 f"--quantization {self.quantization} cannot be combined with --tensor-parallel-size "
-                f"{self.tensor_parallel_size}: quantized blocks are not split across ranks yet (use --quantization none)"
+                f"{self.tensor_parallel_size}: quantized blocks are not split across ranks yet "
+                "(use --quantization none)"
             )

@@ -39,6 +39,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -72,15 +73,16 @@ class Rendezvous:
     timeout_s: float
 
 
-def make_group(rv: Rendezvous, rank: int, store) -> dist.ProcessGroup:
+def make_group(rv: Rendezvous, rank: int, store) -> Any:
     """gloo on a CPU (bound to the loopback device), NCCL on CUDA; every collective times out."""
     timeout = datetime.timedelta(seconds=rv.timeout_s)
+    c10d: Any = dist
     if rv.device.startswith("cuda"):
-        nccl = getattr(dist, "ProcessGroupNCCL")
-        opts = nccl.Options()
-        opts._timeout = timeout
-        return nccl(store, rank, rv.world, opts)
-    opts = dist.ProcessGroupGloo._Options()
+        nccl = c10d.ProcessGroupNCCL
+        nopts = nccl.Options()
+        nopts._timeout = timeout
+        return nccl(store, rank, rv.world, nopts)
+    opts = c10d.ProcessGroupGloo._Options()
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     return dist.ProcessGroupGloo(store, rank, rv.world, opts)
@@ -89,10 +91,11 @@ def make_group(rv: Rendezvous, rank: int, store) -> dist.ProcessGroup:
 class Comm:
     """The collectives a forward needs, over one process group; rank 0 times them."""
 
-    def __init__(self, pg: dist.ProcessGroup, rank: int, world: int):
+    def __init__(self, pg: Any, rank: int, world: int):
         self.pg, self.rank, self.world = pg, rank, world
         self.seconds = 0.0  # wall time inside all-reduces (waiting for the slower rank included)
         self.calls = 0
+        self.logits_seconds = 0.0  # wall time broadcasting hidden rows and gathering logits
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (16-bit tensors are summed in fp32); returns ``t``."""
@@ -250,9 +253,11 @@ class ShardedTarget:
         self._closing = False
         self.forwards = 0
         self.kv_copies = 0  # KV compactions sent to every rank
-        max_pos = model.rotary.cos.shape[0]
+        max_pos = int(cast(torch.Tensor, model.rotary.cos).shape[0])
         dtype = model.norm.weight.dtype
-        store = dist.TCPStore("127.0.0.1", 0, world, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
         rv = Rendezvous(store.port, world, str(self.device), timeout_s)
         self.procs: list = []
         self.conns: list = []
@@ -314,8 +319,13 @@ class ShardedTarget:
         h = hidden.contiguous()
         self._send(("logits", h.shape[0], str(h.dtype).removeprefix("torch.")))
         try:
+            t0 = time.perf_counter()
             self.comm.broadcast(h)
-            parts = self.comm.gather(shard_logits(self.shard, h))
+            t1 = time.perf_counter()
+            part = shard_logits(self.shard, h)
+            t2 = time.perf_counter()
+            parts = self.comm.gather(part)
+            self.comm.logits_seconds += t1 - t0 + time.perf_counter() - t2
         except Exception as e:  # noqa: BLE001
             raise self._fatal("logits", e) from e
         return torch.cat(parts, dim=1)[:, : self.cfg.vocab_size]

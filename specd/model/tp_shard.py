@@ -117,7 +117,7 @@ def shard_weights(model: LlamaModel, p: ShardPlan) -> dict:
             "blocks (Q4_1 / Q8_0 / int8 / int4) are not split across ranks yet"
         )
     cfg = model.cfg
-    D, I = cfg.head_dim, cfg.intermediate_size
+    D, inter = cfg.head_dim, cfg.intermediate_size
     (q0, q1), (i0, i1), (v0, v1) = p.q_heads, p.inter, p.vocab
     out: dict = {"embed": model.embed.weight.detach(), "norm": model.norm.weight.detach()}
     head = model.lm_head.weight.detach()
@@ -134,7 +134,7 @@ def shard_weights(model: LlamaModel, p: ShardPlan) -> dict:
         if a.qkv.bias is not None:
             out[f"{i}.qkv_bias"] = _rows(a.qkv.bias.detach(), p, cfg)
         out[f"{i}.o"] = a.o.weight.detach()[:, q0 * D : q1 * D].contiguous()
-        out[f"{i}.gate_up"] = torch.cat([gu[i0:i1], gu[I + i0 : I + i1]]).contiguous()
+        out[f"{i}.gate_up"] = torch.cat([gu[i0:i1], gu[inter + i0 : inter + i1]]).contiguous()
         out[f"{i}.down"] = m.down.weight.detach()[:, i0:i1].contiguous()
     return out
 
