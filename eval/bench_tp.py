@@ -115,7 +115,7 @@ def run(a, engines: dict, prompts: list) -> dict:
     return samples
 
 
-def report(a, samples: dict, argv) -> dict:
+def report(a, samples: dict, engines: dict, argv) -> dict:
     rows, res = [], {}
     for (name, b), s in samples.items():
         ref = samples[("TP=1, 1 thread", b)]["outs"]
@@ -128,6 +128,13 @@ def report(a, samples: dict, argv) -> dict:
         res[f"{name} b{b}"] = {"tokens_per_s": rate, "step_ms": 1000 * step, "allreduce_ms_per_step": row[5],
                                "logits_collectives_ms_per_step": rows[-1][7], "same_tokens_as_tp1": s["outs"] == ref,
                                "rates": s["rate"]}  # fmt: skip
+    probe = {}
+    for name, (tp, _, _) in CONFIGS.items():
+        if tp > 1 and not probe:
+            probe = {b: engines[name].tp.probe_allreduce(500, b) for b in (1, 4)}
+    for b, sec in probe.items():
+        print(f"all-reduce of [{b}, hidden] fp32 with both ranks ready: {1e6 * sec:.0f} us")
+    res["allreduce_probe_us"] = {str(b): 1e6 * sec for b, sec in probe.items()}
     meta = H.run_meta("bench_tp", argv)
     cpu = H.cpu_info()
     print(f"\n{meta['date']}  `{meta['command']}`")
@@ -144,7 +151,7 @@ def main(argv=None) -> None:
     tok = target.tokenizer
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     try:
-        out = report(a, run(a, engines, prompts), argv)
+        out = report(a, run(a, engines, prompts), engines, argv)
     finally:
         for e in engines.values():
             e.close()

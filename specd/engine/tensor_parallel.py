@@ -209,8 +209,20 @@ def _serve(conn, comm: Comm, m: LlamaModel, kv: torch.Tensor, backend, dev: torc
         elif op == "copy":
             src = torch.tensor(msg[1], dtype=torch.int64, device=dev)
             backend.copy_slots(kv, src, torch.tensor(msg[2], dtype=torch.int64, device=dev))
+        elif op == "probe":
+            _probe(comm, msg[1], msg[2], m.cfg.hidden_size, dev)
         elif op == "stop":
             return
+
+
+def _probe(comm: Comm, n: int, rows: int, d: int, dev: torch.device) -> float:
+    """``n`` back-to-back all-reduces of ``[rows, d]`` fp32 with nothing else to wait for: seconds each."""
+    t = torch.zeros((rows, d), device=dev)
+    comm.pg.barrier().wait()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        comm.pg.allreduce([t]).wait()
+    return (time.perf_counter() - t0) / max(n, 1)
 
 
 # rank 0 ------------------------------------------------------------------------------------------
@@ -338,6 +350,13 @@ class ShardedTarget:
         self._send(("copy", src.tolist(), dst.tolist()))
         self.backend.copy_slots(kv, src, dst)
         self.kv_copies += 1
+
+    def probe_allreduce(self, n: int = 200, rows: int = 1) -> float:
+        """Seconds per all-reduce of ``[rows, hidden]`` fp32 when every rank is ready (benchmarks:
+        the collective's own cost, apart from waiting for a slower rank)."""
+        self.check()
+        self._send(("probe", n, rows))
+        return _probe(self.comm, n, rows, self.cfg.hidden_size, self.device)
 
     @staticmethod
     def quantized() -> bool:
