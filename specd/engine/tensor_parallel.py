@@ -174,6 +174,8 @@ def _worker_main(rank: int, rv: Rendezvous, spec: ShardSpec, conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for rank 0, which stops us
     torch.set_num_threads(spec.threads)
     dev = torch.device(f"cuda:{rank}") if rv.device.startswith("cuda") else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)  # (NCCL: one device per rank)
     try:
         store = dist.TCPStore("127.0.0.1", rv.port, rv.world, False, datetime.timedelta(seconds=rv.timeout_s))
         comm = Comm(make_group(rv, rank, store), rank, rv.world)
