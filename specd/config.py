@@ -179,7 +179,7 @@ class EngineConfig:
     draft: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | cpu | torch | triton
     # weights: auto | none | int8 | int4 | gguf (specd.model.quant_load); the engine passes it to
     # load_model for the target and the draft (each resolves it for its own checkpoint)
     quantization: str = "auto"
@@ -187,6 +187,9 @@ class EngineConfig:
     # int8 (per row in blocks of 32, integer products: faster, row-independent; specd.model.qgemm.cpp)
     act_quant: str = "none"
     threads: int | None = None  # CPU math threads, applied by the launchers (specd.model.cpu.set_threads)
+    # the target split over this many ranks (specd.engine.tensor_parallel); threads then count per rank
+    tensor_parallel_size: int = 1
+    tensor_parallel_lm_head: str = "split"  # split (by vocabulary, gathered once) | rank0 (whole head on rank 0)
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -202,3 +205,13 @@ class EngineConfig:
             raise ValueError(f"act_quant must be none|int8, got {self.act_quant!r}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"attention backend must be auto|cpu|torch|triton, got {self.attention_backend!r}")
+        if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be an integer in 1..64, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_lm_head not in ("split", "rank0"):
+            raise ValueError(f"tensor_parallel_lm_head must be split|rank0, got {self.tensor_parallel_lm_head!r}")
+        if self.tensor_parallel_size > 1 and self.quantization in ("int8", "int4", "gguf"):
+            raise ValueError(
+                f"--quantization {self.quantization} cannot be combined with --tensor-parallel-size "
+                f"{self.tensor_parallel_size}: quantized blocks are not split across ranks yet "
+                "(use --quantization none)"
+            )

@@ -97,6 +97,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (triton on CUDA, cpu on a CPU where specd's kernel builds, else torch) | cpu | torch | triton",
     )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the target's heads, MLP and KV cache over N ranks (processes started by the engine; gloo "
+        "on a CPU, NCCL on CUDA); unquantized weights only (quantization auto loads them so); --threads "
+        "then counts per rank (default: the usable CPUs / N)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per cache (default: from memory)")
     p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache budget in GiB (both caches)")
@@ -184,6 +192,7 @@ def engine_config(a):
         quantization=getattr(a, "quantization", "auto"),
         act_quant=getattr(a, "act_quant", "none"),
         threads=getattr(a, "threads", None),
+        tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
         cache=CacheConfig(
             block_size=a.block_size,
             num_blocks=a.num_blocks,

@@ -64,6 +64,7 @@ class Engine:
         self.prefix_cache, self.draft_prefix_cache = p.prefix_cache, p.draft_prefix_cache
         self.ledger, self.policy, self.scheduler, self.drafter = p.ledger, p.policy, p.scheduler, p.drafter
         self.ngram = p.ngram
+        self.tp = p.tp  # the target's tensor-parallel ranks, or None
         self._policy_clock = p.policy_clock
         self.eos_ids = set(p.target.config.eos_token_ids)
         self.vocab_size = p.target.config.vocab_size
@@ -117,6 +118,9 @@ class Engine:
             self._inbox.append(("abort", request_id))
 
     def has_work(self) -> bool:
+        """Requests to run, or a dead tensor-parallel rank (the next ``step`` raises ``RankFailure``)."""
+        if self.tp is not None and self.tp.failed:
+            return True
         with self._lock:
             return bool(self._inbox) or self.scheduler.has_work()
 
@@ -153,6 +157,8 @@ class Engine:
         ``_run_isolating`` (a failed request ends alone with ``finish_reason: "error"``)."""
         if self.step_hook is not None:
             self.step_hook(self)
+        if self.tp is not None:
+            self.tp.check()  # a dead rank ends the engine (RankFailure escapes every step isolation)
         outputs = self._drain_inbox()
         start = self.timings.now()
         try:
@@ -432,6 +438,11 @@ class Engine:
         self.scheduler.finish(seq)
         with self._lock:
             self.seqs.pop(seq.request_id, None)
+
+    def close(self) -> None:
+        """Release what outlives the object: the tensor-parallel worker processes (idempotent)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # convenience ---------------------------------------------------------------------------------
     def output_text(self, seq: Sequence) -> str:

@@ -256,6 +256,12 @@ class App:
             elif sick is None and since is not None:
                 log.warning("engine healthy again after %.1f s", now - since)
                 since = None
+            if sick is not None and exit_after_s > 0 and not self.ae.link.alive:
+                # the engine process / thread is gone (e.g. a tensor-parallel rank died): it will not recover
+                log.critical("engine stopped (%s): exiting for the service manager to restart", sick)
+                self.exit_code = 1
+                self.request_stop(force=True)
+                return
             if since is not None and exit_after_s > 0 and now - since >= exit_after_s:
                 log.critical(
                     "engine unhealthy for %.0f s (%s): exiting for the service manager to restart", now - since, sick
