@@ -77,6 +77,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CPU threads for the engine's math (0 = every usable CPU; default: $OMP_NUM_THREADS if "
         "set, else every usable CPU)",
     )
+    add_compute_args(p)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per cache (default: from memory)")
+    p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache budget in GiB (both caches)")
+    add_spec_args(p)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-batched-tokens", type=int, default=1024)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument(
+        "--batch-seqs-with-interactive",
+        type=int,
+        default=1,
+        help="batch-priority requests per step while interactive work runs (0 = no cap)",
+    )
+    p.add_argument("--no-prefix-cache", action="store_true")
+
+
+def add_compute_args(p: argparse.ArgumentParser) -> None:
+    """How the engine computes: weight format, activations, attention backend, tensor parallelism."""
     p.add_argument(
         "--quantization",
         default="auto",
@@ -105,21 +125,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "on a CPU, NCCL on CUDA); unquantized weights only (quantization auto loads them so); --threads "
         "then counts per rank (default: the usable CPUs / N)",
     )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per cache (default: from memory)")
-    p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache budget in GiB (both caches)")
-    add_spec_args(p)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-batched-tokens", type=int, default=1024)
-    p.add_argument("--prefill-chunk", type=int, default=256)
-    p.add_argument("--max-queue", type=int, default=256)
-    p.add_argument(
-        "--batch-seqs-with-interactive",
-        type=int,
-        default=1,
-        help="batch-priority requests per step while interactive work runs (0 = no cap)",
-    )
-    p.add_argument("--no-prefix-cache", action="store_true")
 
 
 def add_serve_args(s: argparse.ArgumentParser) -> None:

@@ -366,33 +366,109 @@ static inline float dot_d(const float* a, const float* b, int64_t D) {
     return t;
 }
 
-static void attn_row(const float* q, const float* kb, const float* vb, const float* mask, int64_t L, int64_t KVH,
-                     int64_t D, float scale, float* sc, float* o) {
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < L; j++) {
-        if (mask[j] == -INFINITY) {
-            sc[j] = -INFINITY;
+// exp of x <= 0 (a score minus its row's max), 8 lanes, Cephes' expf polynomial (about 1 ulp);
+// below -87.3 (and -inf, a masked key) exactly 0. Every key goes through this one function, so a
+// key's weight never depends on where it falls in a vector.
+static inline __m256 exp_nonpos(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 xc = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 v = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
+}
+
+// Rows r0 .. r0+nr-1 of one (sequence, KV head): they share its keys and values. Scores come 8 keys
+// at a time from the keys transposed (KT [D, L8], packed by the caller): each score is a sum over d
+// in order 0..D-1 in one vector lane, the same computation for every row and key whichever rows or
+// keys share the vector. S: scratch [nr, L8] (L8 = L rounded up to 8).
+static void attn_rows(const float* q, int64_t r0, int64_t nr, const float* KT, const float* vb, const float* mask,
+                      int64_t Q, int64_t L, int64_t KVH, int64_t D, float scale, float* S, float* out) {
+    const int64_t L8 = (L + 7) / 8 * 8;
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), sc8 = _mm256_set1_ps(scale);
+    float mtmp[8];
+    for (int64_t i0 = 0; i0 < nr; i0 += 4) {
+        const int64_t ni = nr - i0 < 4 ? nr - i0 : 4;
+        for (int64_t j = 0; j < L8; j += 8) {
+            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int64_t d = 0; d < D; d++) {
+                const __m256 kd = _mm256_loadu_ps(KT + d * L8 + j);
+                for (int64_t i = 0; i < ni; i++)
+                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(q[(r0 + i0 + i) * D + d]), kd, acc[i]);
+            }
+            for (int64_t i = 0; i < ni; i++) {
+                const float* mrow = mask + ((r0 + i0 + i) % Q) * L;
+                __m256 mk;
+                if (j + 8 <= L) {
+                    mk = _mm256_loadu_ps(mrow + j);
+                } else {
+                    for (int t = 0; t < 8; t++) mtmp[t] = j + t < L ? mrow[j + t] : -INFINITY;
+                    mk = _mm256_loadu_ps(mtmp);
+                }
+                const __m256 sv = _mm256_add_ps(_mm256_mul_ps(acc[i], sc8), mk);
+                // a masked key is -inf whatever its (possibly uninitialised) key held
+                _mm256_storeu_ps(S + (i0 + i) * L8 + j, _mm256_blendv_ps(sv, ninf, _mm256_cmp_ps(mk, ninf, _CMP_EQ_OQ)));
+            }
+        }
+    }
+    for (int64_t i = 0; i < nr; i++) {
+        float* si = S + i * L8;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < L; j++) mx = si[j] > mx ? si[j] : mx;
+        const __m256 m8 = _mm256_set1_ps(mx == -INFINITY ? 0.f : mx);
+        for (int64_t j = 0; j < L8; j += 8)
+            _mm256_storeu_ps(si + j, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(si + j), m8)));
+        float l = 0.f;
+        for (int64_t j = 0; j < L; j++) l += si[j];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        float* o = out + (r0 + i) * D;
+        if (D == 64) {  // the common head size: the output row stays in 8 registers
+            __m256 ov[8];
+            for (int t = 0; t < 8; t++) ov[t] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < L; j++) {
+                const float p = si[j];
+                if (p == 0.f) continue;  // masked or negligible: never read its value (padding may hold anything)
+                const float* vj = vb + j * KVH * D;
+                const __m256 pv = _mm256_set1_ps(p);
+                for (int t = 0; t < 8; t++) ov[t] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * t), ov[t]);
+            }
+            const __m256 iv = _mm256_set1_ps(inv);
+            for (int t = 0; t < 8; t++) _mm256_storeu_ps(o + 8 * t, _mm256_mul_ps(ov[t], iv));
             continue;
         }
-        sc[j] = dot_d(q, kb + j * KVH * D, D) * scale + mask[j];
-        if (sc[j] > mx) mx = sc[j];
+        for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+        for (int64_t j = 0; j < L; j++) {
+            const float p = si[j];
+            if (p == 0.f) continue;
+            const float* vj = vb + j * KVH * D;
+            for (int64_t d = 0; d < D; d++) o[d] = fmaf(p, vj[d], o[d]);
+        }
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
     }
-    for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-    float l = 0.f;
-    for (int64_t j = 0; j < L; j++) {
-        if (sc[j] == -INFINITY) continue;
-        const float p = expf(sc[j] - mx);
-        l += p;
-        const float* vj = vb + j * KVH * D;
-        int64_t d = 0;
-        const __m256 pv = _mm256_set1_ps(p);
-        for (; d + 8 <= D; d += 8)
-            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + d), _mm256_loadu_ps(o + d)));
-        for (; d < D; d++) o[d] += p * vj[d];
-    }
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    for (int64_t d = 0; d < D; d++) o[d] *= inv;
 }
+
+// keys of one (sequence, KV head) transposed: KT [D, L8], zero past L
+static void pack_kt(const float* kb, int64_t L, int64_t KVH, int64_t D, float* KT) {
+    const int64_t L8 = (L + 7) / 8 * 8;
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t j = L; j < L8; j++) KT[d * L8 + j] = 0.f;
+    for (int64_t j = 0; j < L; j++) {
+        const float* kj = kb + j * KVH * D;
+        for (int64_t d = 0; d < D; d++) KT[d * L8 + j] = kj[d];
+    }
+}
+
+#define ATT_ROWS 16  // query rows per task (they share one pass over the keys)
 
 extern "C" {
 // y = x @ W^T (+ add[M,N]) (+ bias[N]); add/bias may be NULL; add may alias y.
@@ -428,18 +504,23 @@ void specd_attention(const float* q, const float* kv, const float* mask, int64_t
                      int64_t Q, int64_t L, int64_t D, float scale, float* out) {
     const float* kbase = kv;
     const float* vbase = kv + B * L * KVH * D;
+    const int64_t L8 = (L + 7) / 8 * 8;
 #pragma omp parallel
     {
-        float* sc = new float[L > 0 ? L : 1];
+        float* S = new float[ATT_ROWS * (L8 > 0 ? L8 : 8)];
+        float* KT = new float[D * (L8 > 0 ? L8 : 8)];
 #pragma omp for schedule(static) collapse(2)
         for (int64_t b = 0; b < B; b++)
-            for (int64_t h = 0; h < KVH; h++)
-                for (int64_t r = 0; r < R; r++) {
-                    const int64_t row = (b * KVH + h) * R + r;
-                    attn_row(q + row * D, kbase + (b * L * KVH + h) * D, vbase + (b * L * KVH + h) * D,
-                             mask + (b * Q + r % Q) * L, L, KVH, D, scale, sc, out + row * D);
+            for (int64_t h = 0; h < KVH; h++) {
+                pack_kt(kbase + (b * L * KVH + h) * D, L, KVH, D, KT);
+                for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {
+                    const int64_t nr = R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS;
+                    attn_rows(q + (b * KVH + h) * R * D, r0, nr, KT, vbase + (b * L * KVH + h) * D, mask + b * Q * L,
+                              Q, L, KVH, D, scale, S, out + (b * KVH + h) * R * D);
                 }
-        delete[] sc;
+            }
+        delete[] S;
+        delete[] KT;
     }
 }
 }
