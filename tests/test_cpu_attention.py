@@ -71,22 +71,25 @@ def backend():
     return b
 
 
+@pytest.mark.parametrize("d", [16, 64, 12], ids=["d16", "d64", "d12"])
 @pytest.mark.parametrize("case", list(_cases()))
-def test_cpu_attention_equals_the_torch_reference(backend, case):
+def test_cpu_attention_equals_the_torch_reference(backend, case, d):
+    """Head sizes: vector paths (16), the register path of 64, and the scalar fallback (12)."""
     qlens, ctxs, masks = _cases()[case]
-    q, kv, meta = _problem(qlens, ctxs, masks, seed=len(case))
+    q, kv, meta = _problem(qlens, ctxs, masks, d=d, seed=len(case))
     out = backend.attention(q, kv, meta, 0.25)
     meta.cache.clear()
     ref = TorchAttention.attention(q, kv, meta, 0.25)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_a_query_row_does_not_depend_on_the_batch(backend):
+@pytest.mark.parametrize("d", [64, 12])
+def test_a_query_row_does_not_depend_on_the_batch(backend, d):
     """A tree request's rows: alone, next to a longer causal chunk (more padded keys, more
     queries), and next to a decode row: bitwise equal."""
     rng = random.Random(9)
     tree = _tree_mask(9, rng)
-    q, kv, meta = _problem([9, 40, 1], [20, 90, 5], [tree, None, None], seed=3)
+    q, kv, meta = _problem([9, 40, 1], [20, 90, 5], [tree, None, None], d=d, seed=3)
     together = backend.attention(q, kv, meta, 0.3)[:9]
     block_tables = [meta.block_tables[0, : -(-29 // 4)].tolist()]
     alone_meta = build_metadata([9], [20], block_tables, meta.slot_mapping[:9].tolist(), 4, CPU, tree_masks=[tree])

@@ -366,6 +366,8 @@ static inline float dot_d(const float* a, const float* b, int64_t D) {
     return t;
 }
 
+#define ATT_ROWS 16  // query rows per task (they share one pass over the keys)
+
 // exp of x <= 0 (a score minus its row's max), 8 lanes, Cephes' expf polynomial (about 1 ulp);
 // below -87.3 (and -inf, a masked key) exactly 0. Every key goes through this one function, so a
 // key's weight never depends on where it falls in a vector.
@@ -388,23 +390,66 @@ static inline __m256 exp_nonpos(__m256 x) {
     return _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
 }
 
+// out rows a, b (64 wide) = sum_j p[j] * v_j in key order, then * inv; a key whose weight is 0 is
+// skipped for that row (its value is never read for it). Per element: fmaf(p, v, o) in key order,
+// the same as the one-row loop computes.
+static void weighted_sum_2x64(const float* pa, const float* pb, int64_t L, const float* vb, int64_t KVH,
+                              const float* inv, float* out) {
+    for (int half = 0; half < 2; half++) {
+        __m256 oa[4], ob[4];
+        for (int t = 0; t < 4; t++) oa[t] = ob[t] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < L; j++) {
+            const float a = pa[j], b = pb[j];
+            if (a == 0.f && b == 0.f) continue;
+            const float* vj = vb + j * KVH * 64 + 32 * half;
+            __m256 v[4];
+            for (int t = 0; t < 4; t++) v[t] = _mm256_loadu_ps(vj + 8 * t);
+            if (a != 0.f) {
+                const __m256 av = _mm256_set1_ps(a);
+                for (int t = 0; t < 4; t++) oa[t] = _mm256_fmadd_ps(av, v[t], oa[t]);
+            }
+            if (b != 0.f) {
+                const __m256 bv = _mm256_set1_ps(b);
+                for (int t = 0; t < 4; t++) ob[t] = _mm256_fmadd_ps(bv, v[t], ob[t]);
+            }
+        }
+        const __m256 ia = _mm256_set1_ps(inv[0]), ib = _mm256_set1_ps(inv[1]);
+        for (int t = 0; t < 4; t++) {
+            _mm256_storeu_ps(out + 32 * half + 8 * t, _mm256_mul_ps(oa[t], ia));
+            _mm256_storeu_ps(out + 64 + 32 * half + 8 * t, _mm256_mul_ps(ob[t], ib));
+        }
+    }
+}
+
 // Rows r0 .. r0+nr-1 of one (sequence, KV head): they share its keys and values. Scores come 8 keys
 // at a time from the keys transposed (KT [D, L8], packed by the caller): each score is a sum over d
 // in order 0..D-1 in one vector lane, the same computation for every row and key whichever rows or
 // keys share the vector. S: scratch [nr, L8] (L8 = L rounded up to 8).
-static void attn_rows(const float* q, int64_t r0, int64_t nr, const float* KT, const float* vb, const float* mask,
-                      int64_t Q, int64_t L, int64_t KVH, int64_t D, float scale, float* S, float* out) {
+// NI rows' scores for keys j .. j+7: sum over d in order, one lane per key
+template <int NI>
+static inline void scores8(const float* q, int64_t D, const float* KT, int64_t L8, int64_t j, __m256* acc) {
+    for (int i = 0; i < NI; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m256 kd = _mm256_loadu_ps(KT + d * L8 + j);
+        for (int i = 0; i < NI; i++) acc[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i * D + d), kd, acc[i]);
+    }
+}
+
+static void score_rows(const float* q, int64_t r0, int64_t nr, const float* KT, const float* mask, int64_t Q,
+                       int64_t L, int64_t D, float scale, float* S) {
     const int64_t L8 = (L + 7) / 8 * 8;
     const __m256 ninf = _mm256_set1_ps(-INFINITY), sc8 = _mm256_set1_ps(scale);
     float mtmp[8];
+    __m256 acc[4];
     for (int64_t i0 = 0; i0 < nr; i0 += 4) {
         const int64_t ni = nr - i0 < 4 ? nr - i0 : 4;
+        const float* qi = q + (r0 + i0) * D;
         for (int64_t j = 0; j < L8; j += 8) {
-            __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-            for (int64_t d = 0; d < D; d++) {
-                const __m256 kd = _mm256_loadu_ps(KT + d * L8 + j);
-                for (int64_t i = 0; i < ni; i++)
-                    acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(q[(r0 + i0 + i) * D + d]), kd, acc[i]);
+            switch (ni) {
+                case 4: scores8<4>(qi, D, KT, L8, j, acc); break;
+                case 3: scores8<3>(qi, D, KT, L8, j, acc); break;
+                case 2: scores8<2>(qi, D, KT, L8, j, acc); break;
+                default: scores8<1>(qi, D, KT, L8, j, acc);
             }
             for (int64_t i = 0; i < ni; i++) {
                 const float* mrow = mask + ((r0 + i0 + i) % Q) * L;
@@ -421,6 +466,17 @@ static void attn_rows(const float* q, int64_t r0, int64_t nr, const float* KT, c
             }
         }
     }
+}
+
+// Rows r0 .. r0+nr-1 of one (sequence, KV head): they share its keys and values. Scores come 8 keys
+// at a time from the keys transposed (KT [D, L8], packed by the caller): each score is a sum over d
+// in order 0..D-1 in one vector lane, the same computation for every row and key whichever rows or
+// keys share the vector. S: scratch [nr, L8] (L8 = L rounded up to 8).
+static void attn_rows(const float* q, int64_t r0, int64_t nr, const float* KT, const float* vb, const float* mask,
+                      int64_t Q, int64_t L, int64_t KVH, int64_t D, float scale, float* S, float* out) {
+    const int64_t L8 = (L + 7) / 8 * 8;
+    score_rows(q, r0, nr, KT, mask, Q, L, D, scale, S);
+    float inv[ATT_ROWS];
     for (int64_t i = 0; i < nr; i++) {
         float* si = S + i * L8;
         float mx = -INFINITY;
@@ -430,36 +486,58 @@ static void attn_rows(const float* q, int64_t r0, int64_t nr, const float* KT, c
             _mm256_storeu_ps(si + j, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(si + j), m8)));
         float l = 0.f;
         for (int64_t j = 0; j < L; j++) l += si[j];
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        inv[i] = l > 0.f ? 1.f / l : 0.f;
+    }
+    int64_t i = 0;
+    if (D == 64)  // the common head size: two rows at a time, half a row in registers each
+        for (; i + 2 <= nr; i += 2) weighted_sum_2x64(S + i * L8, S + (i + 1) * L8, L, vb, KVH, inv + i, out + (r0 + i) * D);
+    for (; i < nr; i++) {
+        const float* si = S + i * L8;
         float* o = out + (r0 + i) * D;
-        if (D == 64) {  // the common head size: the output row stays in 8 registers
-            __m256 ov[8];
-            for (int t = 0; t < 8; t++) ov[t] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < L; j++) {
-                const float p = si[j];
-                if (p == 0.f) continue;  // masked or negligible: never read its value (padding may hold anything)
-                const float* vj = vb + j * KVH * D;
-                const __m256 pv = _mm256_set1_ps(p);
-                for (int t = 0; t < 8; t++) ov[t] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj + 8 * t), ov[t]);
-            }
-            const __m256 iv = _mm256_set1_ps(inv);
-            for (int t = 0; t < 8; t++) _mm256_storeu_ps(o + 8 * t, _mm256_mul_ps(ov[t], iv));
-            continue;
-        }
         for (int64_t d = 0; d < D; d++) o[d] = 0.f;
         for (int64_t j = 0; j < L; j++) {
             const float p = si[j];
-            if (p == 0.f) continue;
+            if (p == 0.f) continue;  // masked or negligible: never read its value (padding may hold anything)
             const float* vj = vb + j * KVH * D;
             for (int64_t d = 0; d < D; d++) o[d] = fmaf(p, vj[d], o[d]);
         }
-        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv[i];
     }
 }
 
-// keys of one (sequence, KV head) transposed: KT [D, L8], zero past L
+static inline void transpose8(__m256 r[8]) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+// keys of one (sequence, KV head) transposed: KT [D, L8], zero past L (a copy: exact)
 static void pack_kt(const float* kb, int64_t L, int64_t KVH, int64_t D, float* KT) {
     const int64_t L8 = (L + 7) / 8 * 8;
+    if (D % 8 == 0) {
+        for (int64_t j = 0; j < L8; j += 8)
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 r[8];
+                for (int t = 0; t < 8; t++)
+                    r[t] = j + t < L ? _mm256_loadu_ps(kb + (j + t) * KVH * D + d) : _mm256_setzero_ps();
+                transpose8(r);
+                for (int t = 0; t < 8; t++) _mm256_storeu_ps(KT + (d + t) * L8 + j, r[t]);
+            }
+        return;
+    }
     for (int64_t d = 0; d < D; d++)
         for (int64_t j = L; j < L8; j++) KT[d * L8 + j] = 0.f;
     for (int64_t j = 0; j < L; j++) {
@@ -467,8 +545,6 @@ static void pack_kt(const float* kb, int64_t L, int64_t KVH, int64_t D, float* K
         for (int64_t d = 0; d < D; d++) KT[d * L8 + j] = kj[d];
     }
 }
-
-#define ATT_ROWS 16  // query rows per task (they share one pass over the keys)
 
 extern "C" {
 // y = x @ W^T (+ add[M,N]) (+ bias[N]); add/bias may be NULL; add may alias y.
