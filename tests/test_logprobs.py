@@ -174,3 +174,32 @@ def test_bad_logprobs_are_400_naming_the_field(server, path, change, param):
     body.update({"input": "x"} if path == "/v1/responses" else {})
     st, got, _ = post(server, path, body)
     assert st == 400 and got["error"]["param"] == param, got
+
+
+def test_websocket_deltas_carry_logprobs_by_token_id(server, engine):
+    """specd's own protocol: ``logprobs: N`` in ``generate``; each delta carries, per token id,
+    ``[logprob, [[id, logprob], ...]]``, equal to the engine's own; bad values are refused."""
+    from conftest import ws_collect
+    from websockets.sync.client import connect
+
+    from specd.serving.request_build import build_request
+
+    msgs = [{"role": "user", "content": "Once upon a time"}]
+    b = build_request(engine.tokenizer, messages=msgs, max_tokens=12, temperature=0.0, logprobs=3)
+    ref = engine.generate([b.prompt_ids], b.params, b.spec)[0]
+    with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+        req = {"type": "generate", "id": "lp", "messages": msgs, "max_tokens": 12, "temperature": 0, "logprobs": 3}
+        ws.send(orjson.dumps(req).decode())
+        deltas, done = ws_collect(ws, "lp")
+        assert done["type"] == "done"
+        got = [e for d in deltas for e in d["logprobs"]]
+        assert all(len(d["logprobs"]) == len(d["token_ids"]) for d in deltas)
+        assert [t for d in deltas for t in d["token_ids"]] == ref.output_ids
+        assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in ref.logprobs], abs=1e-5)
+        assert [[t for t, _ in alts] for _, alts in got] == [[t for t, _ in alts] for _, alts in ref.logprobs]
+        ws.send(orjson.dumps({**req, "id": "bad", "logprobs": 21}).decode())
+        err = orjson.loads(ws.recv(timeout=30))
+        assert err["type"] == "error" and err["id"] == "bad" and "logprobs" in err["message"]
+        ws.send(orjson.dumps({**req, "id": "none", "logprobs": None}).decode())
+        deltas, _ = ws_collect(ws, "none")
+        assert all("logprobs" not in d for d in deltas)
