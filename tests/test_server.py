@@ -578,6 +578,10 @@ def test_drain_readyz_503_and_shutting_down(make_server, engine):
             time.sleep(0.01)
         st, body, _ = http_get(s, "/readyz")
         assert (st, body) == (503, b"draining\n")
+        for path in ("/ws", "/v1/responses"):  # new websockets are refused: a balancer retries elsewhere
+            with pytest.raises(InvalidStatus) as ei:
+                connect(url(s, path)).close()
+            assert ei.value.response.status_code == 503 and ei.value.response.headers["Retry-After"] == "1"
         send(ws, type="generate", id="late", prompt=PROMPTS[0], max_tokens=2)
         got_err = done = None
         while done is None:
