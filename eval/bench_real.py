@@ -20,7 +20,8 @@ the target's chat template, or ``--raw``; the same ``--threads`` for all):
   ``llama_cpp`` is not importable or the target is not a GGUF file
 
 Batch 1 runs every system; batch B > 1 (``--batch 1,4``) runs the systems with a batched generate
-(specd, ``hf:generate``) on groups of B prompts of one category; the others are n/a there. Per batch
+(specd, ``hf:generate``, ``llamacpp:plain`` with parallel sequences) on groups of B prompts of one category;
+the others are n/a there. Per batch
 size one run, systems rotated from group to group (``peers.time_rotated``). Reported per system and
 Spec-Bench category: tokens/s (output tokens / wall time, prefill included), speedup over specd:off
 on the same prompts, mean accepted length (tokens per target forward; pooled) and greedy agreement
@@ -216,6 +217,9 @@ def build_systems(names: list, ctx) -> tuple:
 
 
 def batched(s) -> bool:
+    """Systems with a batched generate: specd, transformers plain, llama.cpp plain (parallel sequences)."""
+    if isinstance(s, P.LlamaCpp):
+        return s.draft is None
     return isinstance(s, P.Specd) or (isinstance(s, P.HF) and not s.speculative)
 
 
