@@ -173,9 +173,18 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, backend=None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: torch.Tensor,
+        meta: AttentionMetadata,
+        backend=None,
+        capture: dict | None = None,
     ) -> torch.Tensor:
         """Lean functional forward over the same weights as the modules (fewer dispatched ops).
+
+        ``capture`` (feature heads): a dict whose keys are layer indices; each gets the hidden state
+        entering that layer (the residual stream, Hugging Face's ``hidden_states[i]``) [T, d].
 
         On a small model every dispatched op costs more than its arithmetic, so the fp32 path
         counts ops: RMSNorm is x * rsqrt(addmm(eps, x*x, 1/d)) (* w, or w folded into the next
@@ -200,6 +209,8 @@ class LlamaModel(nn.Module):
         scale = D**-0.5
         if folded:
             for i, (w_ext_t, b_ext, w_o_t, w_gu_t, w_down_t) in enumerate(layers):
+                if capture is not None and i in capture:
+                    capture[i] = x
                 h = x * torch.addmm(eps_col, x * x, mean_col).rsqrt_()
                 qkv = torch.mm(h, w_ext_t) if b_ext is None else torch.addmm(b_ext, h, w_ext_t)
                 qk = torch.addcmul(qkv[:, :nqk].view(T, H + KVH, D) * cos, qkv[:, nqkv:].view(T, H + KVH, D), sin)
@@ -219,6 +230,8 @@ class LlamaModel(nn.Module):
             return _rms(x, w, eps)
 
         for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
+            if capture is not None and i in capture:
+                capture[i] = x
             qkv = linear(norm(x, w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
             qk = qkv[:, :nqk].reshape(T, H + KVH, D)
             qk = torch.addcmul(qk * cos, qk @ rot, sin)  # RoPE on q and k heads at once
