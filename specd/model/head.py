@@ -111,7 +111,8 @@ class EagleHead(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_table is not None, "attach() the head to its target first"
-        return embedding(ids, self.embed_table).to(self.fc.weight.dtype)
+        e = embedding(ids.reshape(-1), self.embed_table)  # [n, d] (a quantized table wants flat ids)
+        return e.reshape(*ids.shape, -1).to(self.fc.weight.dtype)
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features [.., 3 d_target] -> the head's hidden input [.., d]."""
@@ -148,8 +149,8 @@ class EagleHead(nn.Module):
         positions 0..T-1), ``toks`` [B, T + steps - 1] (``toks[:, p]`` = the token at p + 1).
         Step j's row p sits at position p + j, takes token p + 1 + j and step j-1's output hidden
         state of row p (step 0: the fused features), and attends to step-0 rows 0..p and to its own
-        rows of steps 1..j (exactly what a depth-(j+1) tree node sees when drafting). Returns the
-        draft-vocabulary logits [B, T, N] of every step (step j predicts the token at p + 2 + j)."""
+        rows of steps 1..j (exactly what a depth-(j+1) tree node sees when drafting). Returns every
+        step's output hidden states [B, T, d] (step j predicts the token at p + 2 + j: ``logits``)."""
         c = self.cfg
         B, T = feats.shape[:2]
         rep = c.num_heads // c.num_kv_heads
@@ -162,9 +163,9 @@ class EagleHead(nn.Module):
             cos, sin = self.rotary.cos[pos].unsqueeze(1), self.rotary.sin[pos].unsqueeze(1)  # [T, 1, D]
             q, k, v = self._qkv(self.embed(toks[:, j : j + T]), x, cos.to(x.dtype), sin.to(x.dtype))
             q = q.transpose(1, 2) * c.head_dim**-0.5  # [B, H, T, D]
-            k = k.repeat_interleave(rep, dim=2).transpose(1, 2)
-            v = v.repeat_interleave(rep, dim=2).transpose(1, 2)
-            keys.append((k, v))
+            keys.append(
+                (k.repeat_interleave(rep, dim=2).transpose(1, 2), v.repeat_interleave(rep, dim=2).transpose(1, 2))
+            )
             s0 = (q @ keys[0][0].transpose(-1, -2)).masked_fill(~causal, float("-inf"))  # [B, H, T, T]
             diag = [(q * ki).sum(-1, keepdim=True) for ki, _ in keys[1:]]  # [B, H, T, 1] each
             p = torch.softmax(torch.cat([s0, *diag], dim=-1).float(), dim=-1).to(q.dtype)
@@ -172,13 +173,17 @@ class EagleHead(nn.Module):
             for i, (_, vi) in enumerate(keys[1:]):
                 o = o + p[..., T + i : T + i + 1] * vi
             x = self._finish_layer(x, o.transpose(1, 2).reshape(B, T, -1))
-            outs.append(F.linear(_rms(x, self.norm.weight, c.rms_norm_eps), self._dense_rows()))
+            outs.append(x)
         return outs
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Output hidden states [.., d] -> draft-vocabulary logits [.., N] (differentiable)."""
+        return F.linear(_rms(x, self.norm.weight, self.cfg.rms_norm_eps), self._dense_rows())
 
     def _dense_rows(self) -> torch.Tensor:
         rows = self.head_rows
         assert rows is not None
-        return rows if isinstance(rows, torch.Tensor) else rows.dequantize()
+        return rows if isinstance(rows, torch.Tensor) else rows.dequantize().to(self.fc.weight.dtype)
 
 
 # files -------------------------------------------------------------------------------------------
