@@ -139,7 +139,7 @@ def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | No
         draft_cache = KVCache(dc.num_layers, dc.num_kv_heads, dc.head_dim, n, bs, ddt, device)
     prefix_cache = PrefixCache(cache.pool, bs)
     # (a head's rows depend on the token after their block: never shared through a prefix cache)
-    draft_prefix_cache = PrefixCache(draft_cache.pool, bs) if draft is not None else None
+    draft_prefix_cache = PrefixCache(draft_cache.pool, bs) if draft_cache is not None and draft is not None else None
     on = cfg.scheduler.enable_prefix_cache
     ledger = KVLedger(
         cache, draft_cache, prefix_cache if on else None, draft_prefix_cache if on else None, backend=backend

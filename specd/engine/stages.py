@@ -127,9 +127,9 @@ def target_pass(
     masks = b.masks if any(x is not None for x in b.masks) else None
     meta = build_metadata(b.qlens, b.ctxs, b.tables, b.slots, block_size, dev, tree_masks=masks)
     ids, pos = torch.tensor(b.ids, device=dev), torch.tensor(b.pos, device=dev)
-    caps = dict.fromkeys(capture) if capture else None
+    caps: dict | None = dict.fromkeys(capture) if capture else None
     hidden = model(ids, pos, kv, meta, backend) if caps is None else model(ids, pos, kv, meta, backend, capture=caps)
-    if caps is not None:
+    if caps is not None and capture is not None:
         feats = torch.cat([caps[i] for i in capture], dim=-1)  # [tokens, F]
         for w, n in zip(b.work, b.qlens):
             w.feats = feats[w.tok0 : w.tok0 + n]
