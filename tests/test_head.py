@@ -271,3 +271,19 @@ def test_builtin_head_greedy_equals_plain():
     plain = [s.output_ids for s in eng.generate(prompts, params, SpecParams("off"))]
     assert [s.output_ids for s in eng.generate(prompts, params, SpecParams("head"))] == plain
     assert eng.stats.by_proposer["head"][2] > 0
+
+
+def test_generate_spec_head_and_per_request_mode(shared_pair, head_dir, capsys):
+    from specd.cli import main
+    from specd.serving.request_build import speculation_params
+
+    assert speculation_params({"mode": "head"}) == SpecParams("head")
+    base = ["generate", "--target", str(TARGET), "--device", "cpu", "--dtype", "float32", "--raw", "--json"]
+    base += ["--prompt", "Once upon a time", "--max-tokens", "24", "--ignore-eos"]
+    assert main([*base, "--head", str(head_dir), "--spec", "head"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*base, "--spec", "off"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["token_ids"] == plain["token_ids"] and out["stats"]["by_proposer"]["head"]["accepted_tokens"] > 0
+    assert main([*base, "--spec", "head"]) != 0  # no head loaded: a one-line error, not a silent plain run
+    assert "--spec head needs --head" in capsys.readouterr().err
