@@ -81,21 +81,22 @@ def build(a) -> dict:
 
 
 def _one(eng, ids: list, mode: str, params) -> tuple:
-    """(sequence, seconds, draft CPU s, forward CPU s) of one greedy generation."""
+    """(sequence, seconds, draft CPU s, forward CPU s, step CPU s) of one greedy generation."""
     from specd.engine.sequence import SpecParams
 
-    d0, f0 = eng.timings.cpu["draft"], eng.timings.cpu["forward"]
+    c = eng.timings.cpu
+    d0, f0, s0 = c["draft"], c["forward"], c["step"]
     t0 = time.perf_counter()
     s = eng.generate([ids], params, SpecParams(mode))[0]
-    return s, time.perf_counter() - t0, eng.timings.cpu["draft"] - d0, eng.timings.cpu["forward"] - f0
+    return s, time.perf_counter() - t0, c["draft"] - d0, c["forward"] - f0, c["step"] - s0
 
 
 def run(engines: dict, by: dict, methods: list, max_tokens: int) -> dict:
-    """{category: {method: [tokens, s, steps, accepted, draft s, forward s]}}"""
+    """{category: {method: [tokens, s, steps, accepted, draft CPU s, forward CPU s, step CPU s]}}"""
     from specd.engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    res: dict = collections.defaultdict(lambda: {m: [0, 0.0, 0, 0, 0.0, 0.0] for m in methods})
+    res: dict = collections.defaultdict(lambda: {m: [0, 0.0, 0, 0, 0.0, 0.0, 0.0] for m in methods})
     tok = engines["head"].tokenizer
     for cat, qs in by.items():
         for q in qs:
@@ -106,9 +107,9 @@ def run(engines: dict, by: dict, methods: list, max_tokens: int) -> dict:
             ref = None
             for m in methods:
                 which, mode = METHODS[m]
-                s, sec, dr, fw = _one(engines[which], ids, mode, params)
+                s, sec, dr, fw, st = _one(engines[which], ids, mode, params)
                 row = res[cat][m]
-                for k, v in enumerate((s.num_output, sec, s.stats.steps, s.stats.accepted_tokens, dr, fw)):
+                for k, v in enumerate((s.num_output, sec, s.stats.steps, s.stats.accepted_tokens, dr, fw, st)):
                     row[k] += v
                 ref = s.output_ids if ref is None else ref
                 assert s.output_ids == ref, f"{m} differs from {methods[0]} on a {cat} prompt"
@@ -117,18 +118,22 @@ def run(engines: dict, by: dict, methods: list, max_tokens: int) -> dict:
 
 
 def table(res: dict, methods: list) -> list:
-    lines = ["| category | " + " | ".join(f"{m} tok/s / speedup / accepted length" for m in methods) + " |"]
+    """Per category and method: tokens per second (wall), tokens per CPU-second of the engine
+    thread (immune to waiting for a shared machine's cores), the speedup by the latter, and the
+    mean accepted length (tokens per target forward, the bonus token included)."""
+    head = "tok/s wall / tok per CPU-s / speedup (CPU) / accepted length"
+    lines = ["| category | " + " | ".join(f"{m}: {head}" for m in methods) + " |"]
     lines.append("|---|" + "---|" * len(methods))
-    tot = {m: [0, 0.0, 0, 0, 0.0, 0.0] for m in methods}
+    tot = {m: [0, 0.0, 0, 0, 0.0, 0.0, 0.0] for m in methods}
     for cat, d in list(res.items()) + [("overall", tot)]:
         if cat != "overall":
             for m in methods:
                 tot[m] = [x + y for x, y in zip(tot[m], d[m])]
-        base = d[methods[0]][0] / d[methods[0]][1]
+        base = d[methods[0]][0] / d[methods[0]][6]
         cells = []
         for m in methods:
-            n, sec, steps, acc = d[m][:4]
-            cells.append(f"{n / sec:.1f} / {n / sec / base:.2f}x / {1 + acc / max(1, steps):.2f}")
+            n, sec, steps, acc, cpu = d[m][0], d[m][1], d[m][2], d[m][3], d[m][6]
+            cells.append(f"{n / sec:.1f} / {n / cpu:.1f} / {n / cpu / base:.2f}x / {1 + acc / max(1, steps):.2f}")
         lines.append(f"| {cat} | " + " | ".join(cells) + " |")
     lines += ["", "| method | steps | draft CPU ms/step | target forward CPU ms/step |", "|---|---|---|---|"]
     for m in methods:

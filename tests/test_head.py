@@ -287,3 +287,15 @@ def test_generate_spec_head_and_per_request_mode(shared_pair, head_dir, capsys):
     assert out["token_ids"] == plain["token_ids"] and out["stats"]["by_proposer"]["head"]["accepted_tokens"] > 0
     assert main([*base, "--spec", "head"]) != 0  # no head loaded: a one-line error, not a silent plain run
     assert "--spec head needs --head" in capsys.readouterr().err
+
+
+def test_captured_features_are_the_hidden_states_entering_the_layers(shared_pair, hf_target):
+    """The features are Hugging Face's ``hidden_states[i]`` (EAGLE-3's convention), not layer outputs."""
+    target, _ = shared_pair
+    toks = target.tokenizer("Once upon a time, there was a little dog")["input_ids"]
+    layers = (1, 2, 4)
+    ours = _features(target, toks, layers)
+    with torch.no_grad():
+        hs = hf_target(torch.tensor([toks]), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[i][0] for i in layers], dim=-1)
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
