@@ -79,7 +79,11 @@ def _generate_setup(a) -> tuple:
     except (LoadError, ValueError) as e:
         raise _CliError(str(e)) from None
     if a.spec in ("chain", "tree") and eng.drafter is None:
-        raise _CliError("--spec chain|tree needs --draft DIR (or --spec ngram: prompt lookup, no draft model)")
+        raise _CliError(
+            "--spec chain|tree needs --draft DIR or --head DIR (or --spec ngram: prompt lookup, no draft model)"
+        )
+    if a.spec == "head" and not eng.policy.has_head:
+        raise _CliError("--spec head needs --head DIR (a feature head for the target)")
     return eng, params
 
 
@@ -171,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--spec", default="tree", choices=["off", "chain", "tree", "ngram", "auto"])
+    g.add_argument("--spec", default="tree", choices=["off", "chain", "tree", "head", "ngram", "auto"])
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
 
     s = sub.add_parser("serve", help="serve websocket + HTTP (+ gRPC)")

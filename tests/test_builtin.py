@@ -116,6 +116,11 @@ def test_cli_without_target_uses_the_builtin_model(monkeypatch):
     a = build_parser().parse_args(["generate", "--prompt", "hi"])
     fill_default_models(a)
     assert a.target == str(builtin.builtin_gguf())
+    # the built-in feature head when there is one, else the built-in draft
+    assert a.head == (str(builtin.HEAD_DIR) if builtin.head_path() else None)
+    assert a.draft == (str(builtin.DRAFT_DIR) if builtin.draft_path() and not builtin.head_path() else None)
+    a = build_parser().parse_args(["generate", "--prompt", "hi", "--head", "none"])
+    fill_default_models(a)
     assert a.draft == (str(builtin.DRAFT_DIR) if builtin.draft_path() else None)
 
 

@@ -23,6 +23,7 @@ from specd.model.loader import LoadedModel, LoadError, load_model
 from specd.model.quant import set_act_int8
 from specd.model.tp_shard import check_shardable
 from specd.speculation.drafter import Drafter
+from specd.speculation.head import HeadDrafter
 from specd.speculation.ngram import NgramConfig, NgramProposer
 from specd.speculation.policy import SpecPolicy
 from specd.speculation.suffix import SuffixStore
@@ -56,7 +57,7 @@ def load_models(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedMode
     ``dtype auto`` on a CPU weighs the widths a step will have. ``quantization`` applies to each
     (``auto``: a GGUF file keeps its blocks, a folder stays unquantized)."""
     if target is None:
-        width = 1 + (max(cfg.spec.tree_budget, cfg.spec.num_draft_tokens) if cfg.draft else 0)
+        width = 1 + (max(cfg.spec.tree_budget, cfg.spec.num_draft_tokens) if cfg.draft or cfg.head else 0)
         # tensor parallelism splits unquantized weights: ``auto`` then loads a GGUF file dequantized
         quant = "none" if cfg.tensor_parallel_size > 1 and cfg.quantization == "auto" else cfg.quantization
         target = load_model(cfg.target, cfg.device, cfg.dtype, widths=(1, max(width, 8)), quantization=quant)
@@ -107,7 +108,7 @@ def max_model_len(target: LoadedModel, draft: LoadedModel | None) -> int:
     return n
 
 
-def cache_blocks(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int) -> int:
+def cache_blocks(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int, head=None) -> int:
     """KV blocks per cache: the configured number, else enough for every sequence at full length
     (plus tree room) within the memory budget (both caches together)."""
     if cfg.cache.num_blocks is not None:
@@ -115,9 +116,9 @@ def cache_blocks(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | No
     bs = cfg.cache.block_size
     tc = target.config
     per = KVCache.bytes_per_block(tc.num_layers, tc.num_kv_heads, tc.head_dim, bs, target.dtype)
-    if draft is not None:
-        dc = draft.config
-        per += KVCache.bytes_per_block(dc.num_layers, dc.num_kv_heads, dc.head_dim, bs, draft.dtype)
+    if draft is not None or head is not None:
+        dc = draft.config if draft is not None else head.cfg
+        per += KVCache.bytes_per_block(dc.num_layers, dc.num_kv_heads, dc.head_dim, bs, target.dtype)
     want = cfg.scheduler.max_num_seqs * (-(-(max_len + TREE_ROOM) // bs)) + 8
     budget = cfg.cache.memory_bytes
     if budget is None:
@@ -129,12 +130,29 @@ def cache_blocks(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | No
     return max(16, min(want, budget // per))
 
 
+def load_head_for(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | None):
+    """The feature head named by ``cfg.head`` (None without one), bound to ``target``."""
+    if cfg.head and cfg.tensor_parallel_size > 1:
+        raise LoadError(
+            "a feature head reads the target's hidden states, which tensor-parallel ranks do not gather "
+            "yet: use --draft or --spec-mode ngram with --tensor-parallel-size"
+        )
+    if not cfg.head:
+        return None
+    if draft is not None:
+        raise LoadError("a draft model and a feature head were both given: one model proposer at a time")
+    from specd.model.head_files import load_head
+
+    return load_head(cfg.head, target)
+
+
 def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | None, clock) -> EngineParts:
     target, draft = load_models(cfg, target, draft)
+    head = load_head_for(cfg, target, draft)
     device = target.device
     max_len = max_model_len(target, draft)
     backend = get_backend(cfg.attention_backend, device)
-    n = cache_blocks(cfg, target, draft, max_len)
+    n = cache_blocks(cfg, target, draft, max_len, head)
     bs = cfg.cache.block_size
     tc = target.config
     tp = None
@@ -143,22 +161,28 @@ def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | No
     kv_heads = tp.kv_heads if tp is not None else tc.num_kv_heads
     cache = KVCache(tc.num_layers, kv_heads, tc.head_dim, n, bs, target.dtype, device)
     draft_cache = None
-    if draft is not None:
-        dc = draft.config
-        draft_cache = KVCache(dc.num_layers, dc.num_kv_heads, dc.head_dim, n, bs, draft.dtype, device)
+    if draft is not None or head is not None:
+        dc = draft.config if draft is not None else head.cfg
+        ddt = draft.dtype if draft is not None else target.dtype
+        draft_cache = KVCache(dc.num_layers, dc.num_kv_heads, dc.head_dim, n, bs, ddt, device)
     prefix_cache = PrefixCache(cache.pool, bs)
-    draft_prefix_cache = PrefixCache(draft_cache.pool, bs) if draft_cache is not None else None
+    # (a head's rows depend on the token after their block: never shared through a prefix cache)
+    draft_prefix_cache = PrefixCache(draft_cache.pool, bs) if draft_cache is not None and draft is not None else None
     on = cfg.scheduler.enable_prefix_cache
     ledger = KVLedger(
         cache, draft_cache, prefix_cache if on else None, draft_prefix_cache if on else None, backend=tp or backend
     )
-    policy = SpecPolicy(cfg.spec, has_draft=draft is not None)
+    policy = SpecPolicy(cfg.spec, has_draft=draft is not None or head is not None, has_head=head is not None)
     scheduler = Scheduler(cfg.scheduler, policy, ledger, clock=clock)
     policy_clock = time.thread_time if device.type == "cpu" else time.perf_counter
     drafter = None
     if draft is not None:
         assert draft_cache is not None
         drafter = Drafter(draft.model, draft_cache, cfg.spec, device, draft.config.vocab_size, backend, ledger)
+    elif head is not None:
+        assert draft_cache is not None
+        drafter = HeadDrafter(head, draft_cache, cfg.spec, device, tc.vocab_size, backend, ledger)
+    if drafter is not None:
         drafter.clock = policy_clock
     ngram_cfg = NgramConfig(max_tokens=cfg.spec.ngram_tokens, branches=cfg.spec.ngram_branches)
     ngram = NgramProposer(ngram_cfg, SuffixStore() if cfg.spec.suffix_store else None)

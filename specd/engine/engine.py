@@ -32,7 +32,7 @@ from specd.engine.requests import RequestError, normalize_params, validate_reque
 from specd.engine.sampling import SamplingParams, make_generator
 from specd.engine.scheduler import SchedulerOutput
 from specd.engine.sequence import Sequence, SpecParams, SpecStats, Status
-from specd.engine.stages import TargetPass, WorkItem, target_pass, verify
+from specd.engine.stages import TargetPass, WorkItem, kept_hidden, target_pass, verify
 from specd.engine.timings import StageTimings
 from specd.model.loader import LoadedModel
 from specd.speculation.policy import MODEL_MODES
@@ -65,6 +65,7 @@ class Engine:
         self.ledger, self.policy, self.scheduler, self.drafter = p.ledger, p.policy, p.scheduler, p.drafter
         self.ngram = p.ngram
         self.tp = p.tp  # the target's tensor-parallel ranks, or None
+        self.capture = getattr(p.drafter, "capture", None)  # a feature head's target layers
         self._policy_clock = p.policy_clock
         self.eos_ids = set(p.target.config.eos_token_ids)
         self.vocab_size = p.target.config.vocab_size
@@ -208,7 +209,9 @@ class Engine:
         timing["t1"] = self._policy_clock()
         mark = self.timings.add("draft", mark)
         self._enter("forward", seqs)
-        tp = target_pass(scheduled, proposals, self.target.model, self.cache.kv, self.cache.block_size, self.backend)
+        tp = target_pass(
+            scheduled, proposals, self.target.model, self.cache.kv, self.cache.block_size, self.backend, self.capture
+        )
         mark = self.timings.add("forward", mark)
         self._enter("verify", seqs)
         results = verify(tp)
@@ -315,11 +318,12 @@ class Engine:
         are touched, so a failure leaves those as if the step never ran."""
         seq = w.sc.seq
         self._enter("commit", [seq])
+        hidden = kept_hidden(w, res) if self.capture and self.policy.mode_of(seq) in MODEL_MODES else None
         if res is None:  # prefill chunk only
-            self.ledger.advance(seq, w.sc.num_tokens)
+            self.ledger.advance(seq, w.sc.num_tokens, hidden)
             return None
         accepted = len(res.accepted)
-        self.ledger.accept(seq, accepted)
+        self.ledger.accept(seq, accepted, hidden)
         if seq.first_token_time is None:
             seq.first_token_time = now
         self._enter("emit", [seq])

@@ -2,7 +2,9 @@
 
 A sequence's KV state is its block tables in the target and draft caches (``seq.blocks``,
 ``seq.draft_blocks``), how many committed tokens each cache holds (``seq.num_computed``,
-``seq.draft_computed``) and its prefix-cache cursors (``seq.pc_state``, ``seq.pc_draft_state``).
+``seq.draft_computed``), its prefix-cache cursors (``seq.pc_state``, ``seq.pc_draft_state``) and,
+with a feature head, the target features of its committed tokens the head has not consumed yet
+(``seq.hidden`` from position ``seq.hidden_start``: kept, rolled back and freed with the KV).
 Only this module changes them (tests/test_layout.py checks it): the scheduler reserves and frees
 through it, the drafter advances the draft side through it, and after verification the engine calls
 ``accept(seq, n)``, the one rollback of rejected tokens.
@@ -102,10 +104,30 @@ class KVLedger:
     def holds_blocks(seq: Sequence) -> bool:
         return seq.blocks is not None and bool(seq.blocks.blocks)
 
-    def advance(self, seq: Sequence, num_tokens: int) -> None:
-        """A prefill chunk of ``num_tokens`` committed tokens was computed."""
+    def advance(self, seq: Sequence, num_tokens: int, hidden: torch.Tensor | None = None) -> None:
+        """A prefill chunk of ``num_tokens`` committed tokens was computed (``hidden``: their
+        target features [num_tokens, F], kept for a feature head)."""
+        start = seq.num_computed
         seq.num_computed += num_tokens
+        self._keep_hidden(seq, start, hidden)
         self.register(seq)
+
+    @staticmethod
+    def _keep_hidden(seq: Sequence, start: int, rows: torch.Tensor | None) -> None:
+        """Append the features of positions [start, start + len(rows)) and drop those the head has
+        consumed (below ``seq.draft_computed``). A gap (positions the target never computed for
+        this request, e.g. a prefix-cache hit) starts the kept rows afresh."""
+        if rows is None:
+            return
+        h = seq.hidden
+        if h is None or seq.hidden_start + h.shape[0] != start:
+            h, seq.hidden_start = rows, start
+        else:
+            h = torch.cat([h, rows])
+        drop = min(seq.draft_computed - seq.hidden_start, h.shape[0])
+        if drop > 0:
+            h, seq.hidden_start = h[drop:], seq.hidden_start + drop
+        seq.hidden = h
 
     def compact(self, accepted: list) -> None:
         """Move the KV of accepted tree nodes to consecutive positions after their root, in one
@@ -122,13 +144,17 @@ class KVLedger:
             dev = self.cache.kv.device
             self.backend.copy_slots(self.cache.kv, torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
 
-    def accept(self, seq: Sequence, num_accepted: int) -> None:
+    def accept(self, seq: Sequence, num_accepted: int, hidden: torch.Tensor | None = None) -> None:
         """The one rollback: keep the root and ``num_accepted`` draft tokens in the target cache
         (``compact`` first), release the rest of the tree's reservation; the draft cache keeps only
-        what it computed for committed tokens. Call before the step's tokens join ``seq.tokens``."""
+        what it computed for committed tokens; ``hidden`` (feature head): the target features of
+        the step's committed rows and accepted path only (``stages.kept_hidden``). Call before the
+        step's tokens join ``seq.tokens``."""
         keep = len(seq.tokens) + num_accepted
         assert seq.blocks is not None
+        start = seq.num_computed
         seq.num_computed = keep
+        self._keep_hidden(seq, start, hidden)
         seq.blocks.truncate(keep)
         if seq.draft_blocks is not None:
             seq.draft_blocks.truncate(seq.draft_computed)
@@ -170,6 +196,7 @@ class KVLedger:
                 blocks.free()
         seq.num_computed = 0
         seq.draft_computed = 0
+        seq.hidden, seq.hidden_start = None, 0
         seq.pc_state = [0, 0]
         seq.pc_draft_state = [0, 0]
 
@@ -208,6 +235,8 @@ class KVLedger:
         request's generator rewinds, so a retried step draws exactly what the failed one drew."""
         del seq.tokens[cp.num_tokens :]
         seq.num_computed = cp.num_computed
+        if seq.hidden is not None:  # features are kept by position: drop those the step added
+            seq.hidden = seq.hidden[: max(cp.num_computed - seq.hidden_start, 0)]
         seq.draft_computed = cp.draft_computed
         if seq.blocks is not None:
             seq.blocks.truncate(cp.capacity)

@@ -20,15 +20,16 @@ class Status(enum.Enum):
 
 
 PRIORITIES = {"interactive": 0, "batch": 1}
-# per request: auto = the server's default; chain / tree = the draft model; ngram = prompt lookup
-SPEC_MODES = ("auto", "off", "chain", "tree", "ngram")
+# per request: auto = the server's default; chain / tree = the draft model (or the feature head);
+# head = a tree drafted by the feature head; ngram = prompt lookup
+SPEC_MODES = ("auto", "off", "chain", "tree", "head", "ngram")
 
 
 @dataclass(frozen=True)
 class SpecParams:
     """Per-request speculation: ``auto`` lets the scheduler decide; ``max_draft_tokens`` caps the tree."""
 
-    mode: str = "auto"  # auto | off | chain | tree | ngram
+    mode: str = "auto"  # auto | off | chain | tree | head | ngram
     max_draft_tokens: int | None = None
 
     def __post_init__(self):
@@ -144,7 +145,11 @@ class Sequence:
         self.arrival = time.monotonic() if arrival is None else arrival
         self.status = Status.WAITING
         self.num_computed = 0  # target: committed tokens whose KV is cached
-        self.draft_computed = 0  # draft: same, in the draft cache
+        self.draft_computed = 0  # draft: same, in the draft cache (feature head: its rows, one behind)
+        # feature head: the target's features of committed positions [hidden_start, num_computed)
+        # not yet consumed by the head [n, F] (the ledger keeps and rolls them back)
+        self.hidden: torch.Tensor | None = None
+        self.hidden_start = 0
         self.blocks: SeqBlocks | None = None
         self.draft_blocks: SeqBlocks | None = None
         self.generator: torch.Generator | None = None

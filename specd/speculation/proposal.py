@@ -21,7 +21,9 @@ class Proposal:
     tree: DraftTree
     draft_probs: torch.Tensor | None
     depth: int
-    proposer: str = "draft"  # draft (the draft model) | ngram (prompt lookup) | suffix (earlier requests)
+    proposer: str = (
+        "draft"  # draft (the draft model) | head (feature head) | ngram (prompt lookup) | suffix (earlier requests)
+    )
 
     @property
     def deterministic(self) -> bool:

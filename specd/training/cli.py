@@ -1,6 +1,7 @@
 """``specd distill``: its flags (:func:`add_distill_args`) and entry point (:func:`run_distill`):
-the full-vocabulary recipe (``specd.training.distill``), or with ``--draft-vocab N`` the
-reduced-vocabulary one (``specd.training.distill_reduced``). Nothing heavy is imported until a run
+the full-vocabulary recipe (``specd.training.distill``), with ``--draft-vocab N`` the
+reduced-vocabulary one (``specd.training.distill_reduced``), or with ``--kind head`` an EAGLE-style
+feature head (``specd.training.head``). Nothing heavy is imported until a run
 starts."""
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ __all__ = ["add_distill_args", "run_distill", "main"]
 
 def add_distill_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``specd distill`` arguments to a (sub)parser."""
+    p.add_argument(
+        "--kind",
+        default="draft",
+        choices=["draft", "head"],
+        help="draft: a small draft model; head: an EAGLE-style feature head (specd.training.head; uses the "
+        "reply flags below, --draft-vocab defaults to 8192)",
+    )
     p.add_argument("--target", required=True, help="target checkpoint folder or .gguf (Llama/Qwen2/Mistral)")
     p.add_argument("--out", required=True, help="output folder for the draft checkpoint")
     p.add_argument("--corpus", default=None, help=".txt or .jsonl training text; default: text sampled from the target")
@@ -53,7 +61,11 @@ def add_distill_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     r.add_argument("--self-prompts", type=int, default=64, help="questions the target writes itself")
     r.add_argument("--max-new-tokens", type=int, default=160)
     r.add_argument("--data-out", default=None, help="also write the generated replies here (JSON)")
-    r.add_argument("--data-in", default=None, help="train on replies an earlier run wrote (--data-out)")
+    r.add_argument(
+        "--data-in", default=None, help="train on replies earlier runs wrote (--data-out; comma-separated files)"
+    )
+    r.add_argument("--ttt-steps", type=int, default=3, help="--kind head: training-time-test unroll steps")
+    r.add_argument("--features", default=None, help="--kind head: cache the target's features in this file")
     return p
 
 
@@ -63,6 +75,10 @@ def run_distill(args: argparse.Namespace) -> int:
 
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
+    if getattr(args, "kind", "draft") == "head":
+        from specd.training.head import run as run_head
+
+        return run_head(args)
     if getattr(args, "draft_vocab", 0):
         from specd.training.distill_reduced import run
 

@@ -1,0 +1,163 @@
+"""The feature head on the built-in model: plain vs the head (chain and tree) vs the built-in draft
+model (chain and tree) per Spec-Bench category, greedy, one process (the target loaded once, two
+engines), methods interleaved per prompt, outputs checked identical to plain. Also where a step's
+time goes for each method: drafting vs the target's verification forward (the engine's stage
+timings, thread CPU seconds).
+
+    OMP_NUM_THREADS=2 python -m eval.bench_head --per-category 2 --max-tokens 128 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+from eval import harness as H
+
+CATEGORIES = "summarization,rag,qa,math_reasoning,translation,writing"
+# method -> (engine, speculation mode)
+METHODS = {
+    "plain": ("head", "off"),
+    "head-chain": ("head", "chain"),
+    "head-tree": ("head", "head"),
+    "draft-chain": ("draft", "chain"),
+    "draft-tree": ("draft", "tree"),
+}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--per-category", type=int, default=2)
+    ap.add_argument("--categories", default=CATEGORIES)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--head", default=None, help="head folder (default: the built-in head)")
+    ap.add_argument("--chain", type=int, default=4, help="chain length")
+    ap.add_argument("--tree-budget", type=int, default=16)
+    ap.add_argument("--tree-topk", type=int, default=4)
+    ap.add_argument("--tree-depth", type=int, default=6)
+    return ap.parse_args(argv)
+
+
+def questions(cats: list, per: int) -> dict:
+    by: dict = collections.defaultdict(list)
+    for line in (H.ROOT.parent / "shared/data/spec_bench/question.jsonl").open():
+        r = json.loads(line)
+        if r["category"] in cats and len(by[r["category"]]) < per:
+            by[r["category"]].append(r["turns"][0])
+    return by
+
+
+def build(a) -> dict:
+    """{"head": engine with the head, "draft": engine with the draft}, sharing one loaded target."""
+    from specd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+    from specd.engine.engine import Engine
+    from specd.model import builtin
+
+    spec = SpecConfig(
+        adaptive=False,
+        num_draft_tokens=a.chain,
+        tree_budget=a.tree_budget,
+        tree_topk=a.tree_topk,
+        tree_depth=a.tree_depth,
+        suffix_store=False,
+    )
+    common = dict(
+        target=str(builtin.builtin_gguf()),
+        dtype=a.dtype,
+        cache=CacheConfig(num_blocks=1024),
+        spec=spec,
+        scheduler=SchedulerConfig(enable_prefix_cache=False),
+    )
+    head = a.head or builtin.head_path()
+    eh = Engine(EngineConfig(head=str(head), **common))  # type: ignore[arg-type]
+    draft = builtin.draft_path()
+    ed = Engine(EngineConfig(draft=str(draft), **common), target=eh.target)  # type: ignore[arg-type]
+    return {"head": eh, "draft": ed}
+
+
+def _one(eng, ids: list, mode: str, params) -> tuple:
+    """(sequence, seconds, draft CPU s, forward CPU s, step CPU s) of one greedy generation."""
+    from specd.engine.sequence import SpecParams
+
+    c = eng.timings.cpu
+    d0, f0, s0 = c["draft"], c["forward"], c["step"]
+    t0 = time.perf_counter()
+    s = eng.generate([ids], params, SpecParams(mode))[0]
+    return s, time.perf_counter() - t0, c["draft"] - d0, c["forward"] - f0, c["step"] - s0
+
+
+def run(engines: dict, by: dict, methods: list, max_tokens: int) -> dict:
+    """{category: {method: [tokens, s, steps, accepted, draft CPU s, forward CPU s, step CPU s]}}"""
+    from specd.engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    res: dict = collections.defaultdict(lambda: {m: [0, 0.0, 0, 0, 0.0, 0.0, 0.0] for m in methods})
+    tok = engines["head"].tokenizer
+    for cat, qs in by.items():
+        for q in qs:
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)[-1800:]
+            ref = None
+            for m in methods:
+                which, mode = METHODS[m]
+                s, sec, dr, fw, st = _one(engines[which], ids, mode, params)
+                row = res[cat][m]
+                for k, v in enumerate((s.num_output, sec, s.stats.steps, s.stats.accepted_tokens, dr, fw, st)):
+                    row[k] += v
+                ref = s.output_ids if ref is None else ref
+                assert s.output_ids == ref, f"{m} differs from {methods[0]} on a {cat} prompt"
+            H.log(f"{cat}: {len(ref or [])} tokens, every method identical")
+    return res
+
+
+def table(res: dict, methods: list) -> list:
+    """Per category and method: tokens per second (wall), tokens per CPU-second of the engine
+    thread (immune to waiting for a shared machine's cores), the speedup by the latter, and the
+    mean accepted length (tokens per target forward, the bonus token included)."""
+    head = "tok/s wall / tok per CPU-s / speedup (CPU) / accepted length"
+    lines = ["| category | " + " | ".join(f"{m}: {head}" for m in methods) + " |"]
+    lines.append("|---|" + "---|" * len(methods))
+    tot = {m: [0, 0.0, 0, 0, 0.0, 0.0, 0.0] for m in methods}
+    for cat, d in list(res.items()) + [("overall", tot)]:
+        if cat != "overall":
+            for m in methods:
+                tot[m] = [x + y for x, y in zip(tot[m], d[m])]
+        base = d[methods[0]][0] / d[methods[0]][6]
+        cells = []
+        for m in methods:
+            n, sec, steps, acc, cpu = d[m][0], d[m][1], d[m][2], d[m][3], d[m][6]
+            cells.append(f"{n / sec:.1f} / {n / cpu:.1f} / {n / cpu / base:.2f}x / {1 + acc / max(1, steps):.2f}")
+        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    lines += ["", "| method | steps | draft CPU ms/step | target forward CPU ms/step |", "|---|---|---|---|"]
+    for m in methods:
+        steps = max(1, tot[m][2])
+        lines.append(f"| {m} | {tot[m][2]} | {1e3 * tot[m][4] / steps:.1f} | {1e3 * tot[m][5] / steps:.1f} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    H.set_threads(a.threads)
+    methods = a.methods.split(",")
+    from specd.engine.warmup import warm_up
+
+    engines = build(a)
+    for e in engines.values():
+        warm_up(e)
+    res = run(engines, questions(a.categories.split(","), a.per_category), methods, a.max_tokens)
+    meta = H.run_meta("bench_head", argv)
+    print(f"`{meta['command']}`; {meta['date']}; commit {meta['git_commit']}; CPU {meta['cpu']}; "
+          f"{a.threads} thread(s); dtype {engines['head'].target.dtype}; {json.dumps(meta['versions'])}\n")  # fmt: skip
+    print("\n".join(table(res, methods)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
