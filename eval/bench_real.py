@@ -20,7 +20,8 @@ the target's chat template, or ``--raw``; the same ``--threads`` for all):
   ``llama_cpp`` is not importable or the target is not a GGUF file
 
 Batch 1 runs every system; batch B > 1 (``--batch 1,4``) runs the systems with a batched generate
-(specd, ``hf:generate``) on groups of B prompts of one category; the others are n/a there. Per batch
+(specd, ``hf:generate``, ``llamacpp:plain`` with parallel sequences) on groups of B prompts of one category;
+the others are n/a there. Per batch
 size one run, systems rotated from group to group (``peers.time_rotated``). Reported per system and
 Spec-Bench category: tokens/s (output tokens / wall time, prefill included), speedup over specd:off
 on the same prompts, mean accepted length (tokens per target forward; pooled) and greedy agreement
@@ -100,7 +101,7 @@ def load_pair(a, quantization: str = "none"):
     for what, path in (("target", a.target), ("draft", a.draft)):
         if not Path(path).exists():
             raise SystemExit(f"bench_real: the {what} {path} does not exist (make: BENCH_DRAFT=DIR for another draft)")
-    target = load_model(a.target, "cpu", a.dtype, progress=False, quantization=quantization)
+    target = C.load_variant(a.target, quantization, "cpu", a.dtype, progress=False)
     dtype = str(target.dtype).removeprefix("torch.")  # the draft computes in the target's dtype
     draft = load_model(a.draft, "cpu", dtype, progress=False, target=target)
     hf_draft_ok = draft_spec(checkpoint_folder(a.draft)) is None
@@ -216,6 +217,9 @@ def build_systems(names: list, ctx) -> tuple:
 
 
 def batched(s) -> bool:
+    """Systems with a batched generate: specd, transformers plain, llama.cpp plain (parallel sequences)."""
+    if isinstance(s, P.LlamaCpp):
+        return s.draft is None
     return isinstance(s, P.Specd) or (isinstance(s, P.HF) and not s.speculative)
 
 

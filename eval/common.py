@@ -143,6 +143,21 @@ def _zip_longest(lists: list) -> list:
     return [[lst[i] for lst in lists if i < len(lst)] for i in range(max((len(x) for x in lists), default=0))]
 
 
+def load_variant(path, quantization: str, *args, **kw):
+    """``load_model`` for a benchmark's weight variant: ``Q`` (``--quantization Q``) or ``Q+a8``
+    (the same weights with the CPU kernel's int8 activations, ``--act-quant int8``)."""
+    from specd.model.loader import load_model
+    from specd.model.quant import set_act_int8
+
+    q, _, act = quantization.partition("+")
+    if act not in ("", "a8"):
+        raise SystemExit(f"unknown weight variant {quantization!r}: Q or Q+a8")
+    lm = load_model(path, *args, quantization=q, **kw)
+    if act == "a8" and set_act_int8(lm.model, True) == 0:
+        raise SystemExit(f"{quantization}: int8 activations need quantized weights")
+    return lm
+
+
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 

@@ -151,6 +151,7 @@ class LlamaCpp:
         from llama_cpp import Llama
 
         self.name, self.max_tokens, self.eos = name, max_tokens, set(eos)
+        self.threads, self.n_ctx, self._batched = threads, n_ctx, None
         self.draft = counting_pld(pld) if pld else None
         # logits_all with a draft model: llama-cpp-python 0.3.x sizes its logits buffer from the
         # argument, not from the draft model (which turns it on), and overflows past n_batch tokens
@@ -179,6 +180,68 @@ class LlamaCpp:
         if self.draft is not None:  # one target forward for the prompt, then one after each draft call
             self.stats = Accepted(len(out) / (1 + self.draft.calls - calls0))
         return out
+
+    def batch(self, ids_list):
+        """Several prompts decoded together (plain decoding only: ``LlamaCppBatch``)."""
+        if self.draft is not None:
+            raise ValueError("llama.cpp's prompt lookup runs one sequence at a time")
+        if getattr(self, "_batched", None) is None or self._batched.max_seqs < len(ids_list):
+            self._batched = LlamaCppBatch(self, self.threads, self.n_ctx, max(4, len(ids_list)))
+        return self._batched.generate(ids_list, self.max_tokens, self.eos)
+
+
+class LlamaCppBatch:
+    """Greedy decoding of several prompts at once in one llama.cpp context (``n_seq_max`` = the
+    batch, one sequence id per prompt, one ``llama_decode`` per step for every unfinished prompt),
+    what llama.cpp's server does with parallel slots; through llama-cpp-python's low-level API on the
+    model ``llm`` (a ``LlamaCpp``) already loaded."""
+
+    def __init__(self, llm, threads: int, n_ctx: int, max_seqs: int):
+        import llama_cpp as L
+
+        self.L, self.model, self.max_seqs = L, llm.llm.model, max_seqs
+        cp = L.llama_context_default_params()
+        cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx * max_seqs, n_ctx, n_ctx
+        cp.n_seq_max, cp.n_threads, cp.n_threads_batch = max_seqs, threads, threads
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp: could not create a batched context")
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.batch = L.llama_batch_init(n_ctx, 0, max_seqs)
+
+    def _decode(self, items: list) -> list:
+        """``items``: (seq id, position, token, wants logits); returns the argmax of each that wants them."""
+        import numpy as np
+
+        b = self.batch
+        b.n_tokens = len(items)
+        for k, (sid, pos, tok, want) in enumerate(items):
+            b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = tok, pos, 1, want
+            b.seq_id[k][0] = sid
+        if self.L.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        out = []
+        for k, (_, _, _, want) in enumerate(items):
+            if want:
+                row = np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, k), shape=(self.n_vocab,))
+                out.append(int(row.argmax()))
+        return out
+
+    def generate(self, ids_list: list, max_tokens: int, eos: set) -> list:
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+        nxt = []
+        for sid, ids in enumerate(ids_list):  # prefill one prompt per decode call (as the server's slots do)
+            nxt += self._decode([(sid, p, t, p == len(ids) - 1) for p, t in enumerate(ids)])
+        outs = [[t] for t in nxt]
+        pos = [len(ids) for ids in ids_list]
+        live = [k for k in range(len(ids_list)) if not (nxt[k] in eos or max_tokens <= 1)]
+        while live:
+            toks = self._decode([(k, pos[k], outs[k][-1], True) for k in live])
+            for k, t in zip(live, toks):
+                outs[k].append(t)
+                pos[k] += 1
+            live = [k for k in live if outs[k][-1] not in eos and len(outs[k]) < max_tokens]
+        return outs
 
 
 def counting_pld(k: int):

@@ -1,7 +1,7 @@
 """What a weight format costs in quality (issue 19): perplexity of one model per ``--quantization`` on
 held-out text, relative to the unquantized weights.
 
-    python eval/quant_quality.py --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python -m eval.quant_quality --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --quantization none,int8,int4,gguf --tokens 4096 --threads 2
 
 Texts: the tail of ``../shared/data/tinyshakespeare/input.txt`` and the answers of the last GSM8K
@@ -19,9 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common as C  # noqa: E402
+from eval import common as C
+from eval import harness as H
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -41,14 +40,13 @@ def texts(tokens_chars: int) -> dict:
 
 
 def run(a) -> dict:
-    from specd.model.loader import load_model
     from specd.model.perplexity import perplexity
 
     out: dict = {}
     data = None
     for q in [x.strip() for x in a.quantization.split(",") if x.strip()]:
         t0 = time.perf_counter()
-        lm = load_model(a.target, "cpu", "float32", quantization=q, progress=False)
+        lm = C.load_variant(a.target, q, "cpu", "float32", progress=False)
         if data is None:
             data = {k: lm.tokenizer(v)["input_ids"][: a.tokens] for k, v in texts(a.tokens * 6).items()}
         out[q] = {k: round(perplexity(lm, ids, a.window), 4) for k, ids in data.items()}
@@ -77,8 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="write report.json and summary.md here")
     a = ap.parse_args(argv)
-    C.set_threads(a.threads)
-    C.quiet_transformers()
+    H.set_threads(a.threads)
+    H.quiet_transformers()
     rep = run(a)
     md = render(rep, "none")
     print(md)

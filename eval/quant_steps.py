@@ -2,7 +2,7 @@
 target alone for each ``DTYPE:QUANT`` variant, and the cost of a forward of W rows (a verification
 of W - 1 draft tokens) relative to one row, which is what the adaptive speculation policy weighs.
 
-    python eval/quant_steps.py --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python -m eval.quant_steps --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --variants float32:none,bfloat16:none,float32:int8,float32:int4,float32:gguf --threads 2
 """
 
@@ -12,11 +12,9 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common as C  # noqa: E402
+from eval import common as C
+from eval import harness as H
 
 PROMPTS = ["The capital of France is a city that", "Write a short poem about the sea.", "What is 17 times 23?"]
 
@@ -51,16 +49,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--widths", default="1,5,17")
     a = ap.parse_args(argv)
-    C.set_threads(a.threads)
-    C.quiet_transformers()
+    H.set_threads(a.threads)
+    H.quiet_transformers()
     from specd.engine.sampling import SamplingParams
-    from specd.model.loader import load_model
 
     engines, models = {}, {}
     for v in a.variants.split(","):
         dtype, q = v.split(":")
-        models[v] = load_model(a.target, "cpu", dtype, progress=False, quantization=q)
-        engines[v] = C.make_engine(C.Mode.parse("off"), models[v], None, "cpu", prefix_cache=False)
+        models[v] = C.load_variant(a.target, q, "cpu", dtype, progress=False)
+        engines[v] = H.make_engine(C.Mode.parse("off"), models[v], None, "cpu", prefix_cache=False)
     tok = next(iter(models.values())).tokenizer
     ids = [tok(p)["input_ids"] for p in PROMPTS]
     p = SamplingParams(temperature=0.0, max_tokens=a.tokens, ignore_eos=True)

@@ -98,7 +98,7 @@ def kv_blocks_used(ws_url: str, api_key):
             text = r.read().decode()
     except (OSError, urllib.error.HTTPError):
         return None
-    got = dict(re.findall(r'^specd_kv_blocks_used\{cache="(\w+)"\}\s+(\S+)$', text, re.M))
+    got = dict(re.findall(r'^specd_kv_blocks_used\{[^}]*cache="(\w+)"[^}]*\}\s+(\S+)$', text, re.M))
     if not got:
         return None
     return int(float(got.get("target", 0))), int(float(got.get("draft", 0)))

@@ -180,11 +180,17 @@ class EngineConfig:
     head: str | None = None  # an EAGLE-style feature head folder (specd.model.head_files); excludes draft
     device: str = "auto"
     dtype: str = "auto"
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | cpu | torch | triton
     # weights: auto | none | int8 | int4 | gguf (specd.model.quant_load); the engine passes it to
     # load_model for the target and the draft (each resolves it for its own checkpoint)
     quantization: str = "auto"
+    # CPU kernel activations for quantized weights: none (fp32, equal to the dequantized matmul) |
+    # int8 (per row in blocks of 32, integer products: faster, row-independent; specd.model.qgemm.cpp)
+    act_quant: str = "none"
     threads: int | None = None  # CPU math threads, applied by the launchers (specd.model.cpu.set_threads)
+    # the target split over this many ranks (specd.engine.tensor_parallel); threads then count per rank
+    tensor_parallel_size: int = 1
+    tensor_parallel_lm_head: str = "split"  # split (by vocabulary, gathered once) | rank0 (whole head on rank 0)
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -196,5 +202,17 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "int8", "int4", "gguf"):
             raise ValueError(f"quantization must be auto|none|int8|int4|gguf, got {self.quantization!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention backend must be auto|torch|triton, got {self.attention_backend!r}")
+        if self.act_quant not in ("none", "int8"):
+            raise ValueError(f"act_quant must be none|int8, got {self.act_quant!r}")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError(f"attention backend must be auto|cpu|torch|triton, got {self.attention_backend!r}")
+        if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be an integer in 1..64, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_lm_head not in ("split", "rank0"):
+            raise ValueError(f"tensor_parallel_lm_head must be split|rank0, got {self.tensor_parallel_lm_head!r}")
+        if self.tensor_parallel_size > 1 and self.quantization in ("int8", "int4", "gguf"):
+            raise ValueError(
+                f"--quantization {self.quantization} cannot be combined with --tensor-parallel-size "
+                f"{self.tensor_parallel_size}: quantized blocks are not split across ranks yet "
+                "(use --quantization none)"
+            )

@@ -82,14 +82,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="CPU threads for the engine's math (0 = every usable CPU; default: $OMP_NUM_THREADS if "
         "set, else every usable CPU)",
     )
-    p.add_argument(
-        "--quantization",
-        default="auto",
-        help="weights: auto (a .gguf file keeps its Q8_0/Q4_0/Q4_1 blocks, other quantized types "
-        "become the nearest of int8/int4; a folder stays unquantized) | none | int8 (per channel) | "
-        "int4 (groups of 32) | gguf (the file's own blocks, nothing else); target and draft alike",
-    )
-    p.add_argument("--attention-backend", default="auto", help="auto | torch | triton")
+    add_compute_args(p)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per cache (default: from memory)")
     p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache budget in GiB (both caches)")
@@ -105,6 +98,38 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="batch-priority requests per step while interactive work runs (0 = no cap)",
     )
     p.add_argument("--no-prefix-cache", action="store_true")
+
+
+def add_compute_args(p: argparse.ArgumentParser) -> None:
+    """How the engine computes: weight format, activations, attention backend, tensor parallelism."""
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        help="weights: auto (a .gguf file keeps its Q8_0/Q4_0/Q4_1 blocks, other quantized types "
+        "become the nearest of int8/int4; a folder stays unquantized) | none | int8 (per channel) | "
+        "int4 (groups of 32) | gguf (the file's own blocks, nothing else); target and draft alike",
+    )
+    p.add_argument(
+        "--act-quant",
+        default="none",
+        choices=("none", "int8"),
+        help="CPU: activations of quantized layers as int8 (per row, blocks of 32) multiplied in "
+        "integers: faster, a row's result independent of the batch (speculation stays lossless), "
+        "not equal to the fp32-activation output (none)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="auto (triton on CUDA, cpu on a CPU where specd's kernel builds, else torch) | cpu | torch | triton",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the target's heads, MLP and KV cache over N ranks (processes started by the engine; gloo "
+        "on a CPU, NCCL on CUDA); unquantized weights only (quantization auto loads them so); --threads "
+        "then counts per rank (default: the usable CPUs / N)",
+    )
 
 
 def add_serve_args(s: argparse.ArgumentParser) -> None:
@@ -148,6 +173,12 @@ def add_serve_args(s: argparse.ArgumentParser) -> None:
         default=60.0,
         help="exit non-zero (for systemd to restart) after the engine has been unhealthy this long; 0 = never exit",
     )
+    s.add_argument(
+        "--replica",
+        default=None,
+        help="this daemon's name in a fleet: the replica label on every /metrics sample "
+        "(SPECD_REPLICA; default <hostname>:<port>)",
+    )
     s.add_argument("--log-level", default="info")
 
 
@@ -170,7 +201,9 @@ def engine_config(a):
         dtype=a.dtype,
         attention_backend=a.attention_backend,
         quantization=getattr(a, "quantization", "auto"),
+        act_quant=getattr(a, "act_quant", "none"),
         threads=getattr(a, "threads", None),
+        tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
         cache=CacheConfig(
             block_size=a.block_size,
             num_blocks=a.num_blocks,

@@ -119,6 +119,21 @@ def http_get(port: int, path: str) -> tuple:
         return e.code, e.read()
 
 
+def metrics_text(port: int) -> str:
+    """GET /metrics with every sample's ``replica`` label checked (it is this daemon's default,
+    ``<hostname>:<port>``) and removed, so tests can match the other labels exactly."""
+    import re
+    import socket
+
+    status, body = http_get(port, "/metrics")
+    assert status == 200, body
+    text = body.decode()
+    samples = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    want = f'{{replica="{socket.gethostname()}:{port}"'
+    assert samples and all(ln.split(" ")[0].count(want) == 1 for ln in samples), samples[:3]
+    return re.sub(r'\{replica="[^"]*"([,}])', lambda m: "{" if m.group(1) == "," else "", text)
+
+
 def ws_collect(ws, rid, timeout=60.0):
     """All websocket frames for request ``rid`` up to its done/error (others are skipped):
     (deltas, final frame). ``ws``: a websockets sync client connection."""

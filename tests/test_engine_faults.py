@@ -26,7 +26,7 @@ from specd.engine.engine import FAIL_ALL_AFTER, RequestError
 from specd.engine.health import RateLimitedLog, backoff_s, unhealthy_reason
 from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
-from tests.conftest import http_get, http_status, serve_args, serve_engine, ws_collect
+from tests.conftest import http_status, metrics_text, serve_args, serve_engine, ws_collect
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -285,7 +285,7 @@ def test_health_endpoints_and_metrics_follow_failures(engine, prompts):
                 assert done["type"] == "done" and done["finish_reason"] == "error"
                 assert done["error"]["code"] == "internal" and "verify failed" in done["error"]["message"]
         assert http_status(srv.port, "/readyz") == 503 and http_status(srv.port, "/healthz") == 503
-        metrics = http_get(srv.port, "/metrics")[1].decode()
+        metrics = metrics_text(srv.port)
         assert 'specd_engine_failed_requests_total{stage="verify"}' in metrics and "specd_engine_healthy 0" in metrics
         assert 'specd_requests_total{finish_reason="error"} 3' in metrics
         engine.fault_hook = None

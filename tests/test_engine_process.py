@@ -10,7 +10,7 @@ import time
 
 import orjson
 import pytest
-from conftest import http_get, serve_args, ws_collect
+from conftest import http_get, metrics_text, serve_args, ws_collect
 from websockets.sync.client import connect
 
 pytestmark = pytest.mark.timeout(180)
@@ -97,12 +97,40 @@ def test_streams_equal_the_in_process_engine(server, reference):
                     assert done["spec"]["draft_tokens"] > 0
     assert _idle_kv(server)
     # the child's state reaches /metrics
-    status, body = http_get(server.port, "/metrics")
-    text = body.decode()
-    assert status == 200 and 'specd_kv_blocks_total{cache="target"} 256' in text
+    text = metrics_text(server.port)
+    assert 'specd_kv_blocks_total{cache="target"} 256' in text
     assert 'specd_kv_blocks_used{cache="target"} 0' in text
     accepted = [ln for ln in text.splitlines() if ln.startswith("specd_spec_decode_num_draft_tokens_total")]
     assert accepted and float(accepted[0].split()[-1]) > 0
+
+
+def test_logprobs_cross_from_the_engine_process(server, shared_pair):
+    """Log-probabilities travel back from the child with their tokens, equal to the in-process
+    engine's (tree speculation, so rows come from verification-tree paths)."""
+    import urllib.request
+
+    from specd.cli import engine_config
+    from specd.engine.engine import Engine
+    from specd.engine.sampling import SamplingParams
+    from specd.engine.sequence import SpecParams
+
+    t, d = shared_pair
+    eng = Engine(engine_config(serve_args(num_blocks=256)), target=t, draft=d)
+    ids = eng.tokenizer(PROMPTS[2])["input_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
+    ref = eng.generate([ids], params, SpecParams(mode="tree"))[0]
+    body = {"model": "stories260K", "prompt": PROMPTS[2], "max_tokens": 16, "temperature": 0, "logprobs": 2}
+    body["speculation"] = {"mode": "tree"}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{server.port}/v1/completions", data=orjson.dumps(body), method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        got = orjson.loads(r.read())["choices"][0]["logprobs"]
+    assert ref.logprobs is not None and got["token_logprobs"] == pytest.approx([lp for lp, _ in ref.logprobs], abs=1e-5)
+    assert [list(top.values()) for top in got["top_logprobs"]] == [
+        pytest.approx([v for _, v in alts], abs=1e-5) for _, alts in ref.logprobs
+    ]
+    assert _idle_kv(server)
 
 
 def test_too_long_is_refused_by_the_server_process(server):
@@ -325,11 +353,11 @@ def test_stream_interval_holds_short_steps_but_never_first_or_last_tokens(shared
             if any(
                 st is not None and "first_token_time" in st and not fin
                 for step, _ in m[1]
-                for (_, _, _, fin, _, st) in step
+                for (_, _, _, fin, _, st, _) in step
             )
         ]
-        lasts = [m for m in msgs if any(fin for step, _ in m[1] for (_, _, _, fin, _, _) in step)]
+        lasts = [m for m in msgs if any(fin for step, _ in m[1] for (_, _, _, fin, _, _, _) in step)]
         assert firsts and lasts
         for m in firsts + lasts:  # urgent outputs end their message: nothing after them was held back
             last_step = m[1][-1][0]
-            assert any(st is not None for (*_, st) in last_step)
+            assert any(st is not None for (*_, st, _) in last_step)

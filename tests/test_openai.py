@@ -310,7 +310,7 @@ def test_errors_have_openai_shape_and_status(server, client):
         ({**chat, "temperature": -1}, 400, "invalid_value"),
         ({**chat, "max_tokens": 0}, 400, "invalid_value"),
         ({**chat, "n": 2}, 400, "unsupported_parameter"),
-        ({**chat, "logprobs": True}, 400, "unsupported_parameter"),
+        ({**chat, "logprobs": True, "top_logprobs": 99}, 400, "invalid_value"),
         ({**chat, "stream_options": {"include_usage": True}}, 400, "invalid_value"),
         ({**chat, "messages": [{"role": "user", "content": "x" * 9000}]}, 413, "request_too_large"),
     ]

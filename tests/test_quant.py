@@ -113,3 +113,54 @@ def test_repacked_gguf_blocks_equal_gguf_dequantization(qtype):
     assert op.nbytes() < w.nbytes / 3  # the codes stay 8 / 4 bits (plus fp32 scales)
     x = torch.randn(3, 320)
     _check(op(x), x, op, torch.float32)
+
+
+# int8 activations (--act-quant int8) ------------------------------------------------------------------
+def _q8_reference(x: torch.Tensor, k_pad: int) -> torch.Tensor:
+    """x quantized as the kernel does (per row, blocks of 32: d = max|x| / 127, round half to even),
+    dequantized again: fp64 [M, k_pad]."""
+    xp = torch.nn.functional.pad(x.double(), (0, k_pad - x.shape[1])).view(x.shape[0], -1, 32)
+    d = (xp.abs().amax(-1, keepdim=True).float() / 127.0).double()  # (the kernel divides in fp32)
+    inv = torch.where(d > 0, 1.0 / d.float(), torch.zeros_like(d.float())).double()
+    q = torch.round((xp.float() * inv.float()).double()).clamp(-127, 127)
+    return (q * d).view(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("fmt,shape", CASES, ids=[f"{f}-{n}x{k}" for f, (n, k) in CASES])
+def test_int8_activations_equal_their_exact_reference(fmt, shape):
+    """``act_int8``: the result is the fp32 product of the int8-quantized activations with the
+    weights' codes times scales, plus (int4) each group's min times the exact activation sum (fp64
+    reference, fp32 accumulation tolerance), and within 2% of the fp32-activation result."""
+    N, K = shape
+    g = torch.Generator().manual_seed(N + K)
+    op = FORMATS[fmt](torch.randn(N, K, generator=g) * 0.05, torch.randn(N, generator=g))
+    w = torch.nn.functional.pad(op.dequantize().double(), (0, op.k_pad - K))
+    mins = torch.zeros_like(w)
+    if op.minv is not None:
+        mins = op.minv.double().repeat_interleave(op.group, dim=1)
+    for M in (1, 2, 5, 7, 13):
+        x = torch.randn(M, K, generator=g)
+        res = torch.randn(M, N, generator=g)
+        op.act_int8 = True
+        y = addmm(res, x, op).double()
+        op.act_int8 = False
+        xq = _q8_reference(x, op.k_pad)
+        xp = torch.nn.functional.pad(x.double(), (0, op.k_pad - K))
+        ref = xq @ (w - mins).t() + xp @ mins.t() + op.bias.double() + res.double()
+        bound = xq.abs() @ w.abs().t() + op.bias.double().abs() + res.double().abs()
+        assert ((y - ref).abs() <= 4e-6 * bound).all(), float(((y - ref).abs() / bound).max())
+        exact = x.double() @ op.dequantize().double().t() + op.bias.double() + res.double()
+        assert ((y - exact).abs() <= 0.02 * (x.double().abs() @ w[:, :K].abs().t()) + 1e-6).all()
+
+
+@pytest.mark.parametrize("fmt", ["int8/channel", "int8/g32", "int4/g32", "int4/g64"])
+def test_int8_activations_keep_a_row_independent_of_the_others(fmt):
+    g = torch.Generator().manual_seed(11)
+    op = FORMATS[fmt](torch.randn(67, 576, generator=g) * 0.05)
+    op.act_int8 = True
+    x = torch.randn(13, 576, generator=g)
+    alone = torch.cat([op(x[i : i + 1]) for i in range(13)])
+    for M in range(1, 14):
+        assert torch.equal(op(x[:M]), alone[:M]), M
+    op.act_int8 = False
+    assert not torch.equal(op(x), alone)  # (and it is a different computation from fp32 activations)

@@ -208,3 +208,42 @@ def test_builtin_gguf_quantized_with_its_reduced_vocabulary_draft(builtin_q4, dq
     assert "Paris" in tok.decode(plain[1])
     for mode in ("chain", "tree"):
         assert [s.output_ids for s in eng.generate(prompts, params, SpecParams(mode))] == plain, mode
+
+
+def test_builtin_with_int8_activations_speculates_losslessly_and_still_answers(builtin_q4):
+    """``--act-quant int8`` on the real model: speculative == plain (chain and tree, a batch of two),
+    the factual answer survives, and the output is its own (it differs from fp32 activations
+    somewhere in these prompts, else the switch did nothing)."""
+    from specd.model.quant import set_act_int8
+
+    t = builtin_q4
+    d = load_model(ROOT / "models" / "smollm2-draft", "cpu", "float32", target=t)
+    tok = t.tokenizer
+    msgs = ["What is 12 + 30?", "Name the capital of France.", "Write one sentence about the sea."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True) for m in msgs]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+    def engine(act):
+        cfg = EngineConfig(target=str(t.path), draft="smollm2-draft", dtype="float32", act_quant=act,
+                           cache=CacheConfig(num_blocks=128), spec=SpecConfig(adaptive=False))  # fmt: skip
+        return Engine(cfg, target=t, draft=d)
+
+    fp32 = [s.output_ids for s in engine("none").generate(prompts, params, SpecParams("off"))]
+    try:
+        eng = engine("int8")
+        assert t.model.layers[0].mlp.down.act_int8 and t.model.lm_head.act_int8
+        plain = [s.output_ids for s in eng.generate(prompts, params, SpecParams("off"))]
+        assert "Paris" in tok.decode(plain[1]) and plain != fp32
+        for mode in ("chain", "tree"):
+            assert [s.output_ids for s in eng.generate(prompts, params, SpecParams(mode))] == plain, mode
+    finally:
+        set_act_int8(t.model, False)
+
+
+def test_int8_activations_need_quantized_weights():
+    t = load_model(TARGET, "cpu", "float32")
+    with pytest.raises(LoadError, match="act-quant int8 needs quantized weights"):
+        Engine(EngineConfig(target=str(TARGET), dtype="float32", act_quant="int8"), target=t)
+    with pytest.raises(ValueError, match="act_quant"):
+        EngineConfig(target=str(TARGET), act_quant="int4")

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 import orjson
 import pytest
-from conftest import DRAFT, ROOT, TARGET, http_get, http_status, ws_collect
+from conftest import DRAFT, ROOT, TARGET, http_status, metrics_text, ws_collect
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -181,10 +181,9 @@ def fleet(nginx_exe, tmp_path_factory):
 
 # metrics --------------------------------------------------------------------------------------------
 def scrape(port: int) -> dict:
-    status, body = http_get(port, "/metrics")
-    assert status == 200, body
+    """One replica's samples (its own ``replica`` label checked and removed: see metrics_text)."""
     out = {}
-    for line in body.decode().splitlines():
+    for line in metrics_text(port).splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name] = float(value)

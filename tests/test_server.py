@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -393,7 +394,13 @@ def test_metrics_parse(server):
         "specd_engine_healthy",
     ):
         assert name in fams, name
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in fams.values() for s in f.samples}
+    replica = f"{socket.gethostname()}:{server.port}"
+    assert all(s.labels.get("replica") == replica for f in fams.values() for s in f.samples)
+    samples = {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "replica"))): s.value
+        for f in fams.values()
+        for s in f.samples
+    }
     assert samples[("specd_kv_blocks_total", (("cache", "target"),))] == 512
     assert samples[("specd_kv_blocks_total", (("cache", "draft"),))] == 512
     assert samples[("specd_time_to_first_token_seconds_count", ())] >= 1
@@ -403,6 +410,11 @@ def test_metrics_parse(server):
     assert ("specd_spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),)) in samples
     assert ("specd_requests_waiting", (("priority", "batch"),)) in samples  # queue length per class
     assert 0.0 <= samples[("specd_prefix_cache_hit_rate", ())] <= 1.0
+    queries, hits = samples[("specd_prefix_cache_queries_total", ())], samples[("specd_prefix_cache_hits_total", ())]
+    assert queries > 0 and 0 <= hits <= queries
+    assert samples[("specd_prefix_cache_hit_rate", ())] == pytest.approx(hits / queries)
+    by = {k[1][0][1]: v for k, v in samples.items() if k[0] == "specd_spec_decode_proposer_draft_tokens_total"}
+    assert by and sum(by.values()) == samples[("specd_spec_decode_num_draft_tokens_total", ())]
     assert fams["specd_time_to_first_token_seconds"].type == "histogram"
     for s in fams["specd_inter_token_latency_seconds"].samples:
         assert not math.isnan(s.value)
@@ -566,6 +578,10 @@ def test_drain_readyz_503_and_shutting_down(make_server, engine):
             time.sleep(0.01)
         st, body, _ = http_get(s, "/readyz")
         assert (st, body) == (503, b"draining\n")
+        for path in ("/ws", "/v1/responses"):  # new websockets are refused: a balancer retries elsewhere
+            with pytest.raises(InvalidStatus) as ei:
+                connect(url(s, path)).close()
+            assert ei.value.response.status_code == 503 and ei.value.response.headers["Retry-After"] == "1"
         send(ws, type="generate", id="late", prompt=PROMPTS[0], max_tokens=2)
         got_err = done = None
         while done is None:

@@ -36,6 +36,7 @@ def test_parse_generate_defaults_and_fields():
             "stop": "\n",
             "stop_token_ids": [2],
             "ignore_eos": True,
+            "logprobs": 2,
             "priority": "batch",
             "speculation": {"mode": "chain", "max_draft_tokens": 4},
             "future_field": 1,
@@ -43,11 +44,11 @@ def test_parse_generate_defaults_and_fields():
     )
     assert r.messages == [{"role": "user", "content": "a"}] and r.max_tokens == 5
     assert r.sampling == dict(
-        temperature=0.0, top_p=0.5, top_k=3, seed=9, stop=("\n",), stop_token_ids=(2,), ignore_eos=True
+        temperature=0.0, top_p=0.5, top_k=3, seed=9, stop=("\n",), stop_token_ids=(2,), ignore_eos=True, logprobs=2
     )
     assert (r.spec.mode, r.spec.max_draft_tokens, r.priority) == ("chain", 4, "batch")
     p = RB.sampling_params(r.max_tokens, **r.sampling)
-    assert p.max_tokens == 5 and p.stop == ("\n",)
+    assert p.max_tokens == 5 and p.stop == ("\n",) and p.logprobs == 2
 
 
 @pytest.mark.parametrize(
@@ -153,6 +154,7 @@ class FakeOut:
 
         self.request_id, self.token_ids, self.text = rid, toks, "x" * len(toks)
         self.finished, self.finish_reason, self.error = finished, reason, error
+        self.logprobs = None
         self.seq = SimpleNamespace(num_output=num_output)
 
 
@@ -579,3 +581,20 @@ def test_pipe_frames_survive_partial_reads_and_close_is_idempotent():
     with pytest.raises(OSError):
         writer.send(("late",))
     reader.close()
+
+
+def test_done_frame_names_each_proposer_when_several():
+    """``done.spec.by_proposer`` on the websocket, as ``usage.speculation.by_proposer`` over HTTP."""
+    import orjson
+
+    from specd.engine.sampling import SamplingParams
+    from specd.engine.sequence import Sequence, SpecParams
+    from specd.serving import protocol as P
+
+    seq = Sequence("r", [1, 2, 3], SamplingParams(), SpecParams())
+    seq.stats.record(4, 2, 1, "ngram")
+    one = orjson.loads(P.done("r", seq, "stop"))
+    assert "by_proposer" not in one["spec"] and one["spec"]["accepted_tokens"] == 1
+    seq.stats.record(3, 3, 3, "suffix")
+    two = orjson.loads(P.done("r", seq, "stop"))["spec"]["by_proposer"]
+    assert set(two) == {"ngram", "suffix"} and two["suffix"]["accepted_tokens"] == 3

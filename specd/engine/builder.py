@@ -4,6 +4,7 @@ drafter. ``Engine.__init__`` only takes the result."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,8 +16,12 @@ from specd.config import EngineConfig
 from specd.engine.kv_cache import KVCache, PrefixCache
 from specd.engine.ledger import KVLedger
 from specd.engine.scheduler import Scheduler
+from specd.engine.tensor_parallel import ShardedTarget, per_rank_threads
 from specd.model.attention import get_backend
+from specd.model.cpu import usable_cpus
 from specd.model.loader import LoadedModel, LoadError, load_model
+from specd.model.quant import set_act_int8
+from specd.model.tp_shard import check_shardable
 from specd.speculation.drafter import Drafter
 from specd.speculation.head import HeadDrafter
 from specd.speculation.ngram import NgramConfig, NgramProposer
@@ -44,6 +49,7 @@ class EngineParts:
     drafter: Drafter | None
     ngram: NgramProposer
     policy_clock: Callable[[], float]  # seconds: the engine thread's CPU time on a CPU, wall time on a GPU
+    tp: ShardedTarget | None = None  # the target's ranks (--tensor-parallel-size > 1); target.model is it
 
 
 def load_models(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | None) -> tuple:
@@ -52,7 +58,9 @@ def load_models(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedMode
     (``auto``: a GGUF file keeps its blocks, a folder stays unquantized)."""
     if target is None:
         width = 1 + (max(cfg.spec.tree_budget, cfg.spec.num_draft_tokens) if cfg.draft or cfg.head else 0)
-        target = load_model(cfg.target, cfg.device, cfg.dtype, widths=(1, max(width, 8)), quantization=cfg.quantization)
+        # tensor parallelism splits unquantized weights: ``auto`` then loads a GGUF file dequantized
+        quant = "none" if cfg.tensor_parallel_size > 1 and cfg.quantization == "auto" else cfg.quantization
+        target = load_model(cfg.target, cfg.device, cfg.dtype, widths=(1, max(width, 8)), quantization=quant)
     if draft is None and cfg.draft:
         dtype = str(target.dtype).removeprefix("torch.")
         draft = load_model(
@@ -60,7 +68,18 @@ def load_models(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedMode
         )
     if draft is not None:
         check_draft(target, draft)
+    _act_quant(cfg.act_quant, target, draft)
     return target, draft
+
+
+def _act_quant(mode: str, target: LoadedModel, draft: LoadedModel | None) -> None:
+    """``int8``: the CPU kernel's int8 activations for both models (models passed in included);
+    ``none`` leaves them as loaded (fp32 activations, unless a caller set them)."""
+    if mode != "int8":
+        return
+    n = sum(set_act_int8(m.model, True) for m in (target, draft) if m is not None)
+    if n == 0 or target.device.type != "cpu":
+        raise LoadError("--act-quant int8 needs quantized weights (--quantization) on a CPU device")
 
 
 def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
@@ -117,6 +136,10 @@ def load_head_for(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | N
         return None
     if draft is not None:
         raise LoadError("a draft model and a feature head were both given: one model proposer at a time")
+    if cfg.tensor_parallel_size > 1:
+        raise LoadError(
+            "feature heads do not support tensor parallelism yet (the sharded forward hands back no features)"
+        )
     from specd.model.head_files import load_head
 
     return load_head(cfg.head, target)
@@ -131,7 +154,11 @@ def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | No
     n = cache_blocks(cfg, target, draft, max_len, head)
     bs = cfg.cache.block_size
     tc = target.config
-    cache = KVCache(tc.num_layers, tc.num_kv_heads, tc.head_dim, n, bs, target.dtype, device)
+    tp = None
+    if cfg.tensor_parallel_size > 1:
+        target, tp = start_tensor_parallel(cfg, target, n, backend)
+    kv_heads = tp.kv_heads if tp is not None else tc.num_kv_heads
+    cache = KVCache(tc.num_layers, kv_heads, tc.head_dim, n, bs, target.dtype, device)
     draft_cache = None
     if draft is not None or head is not None:
         dc = draft.config if draft is not None else head.cfg
@@ -142,7 +169,7 @@ def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | No
     draft_prefix_cache = PrefixCache(draft_cache.pool, bs) if draft_cache is not None and draft is not None else None
     on = cfg.scheduler.enable_prefix_cache
     ledger = KVLedger(
-        cache, draft_cache, prefix_cache if on else None, draft_prefix_cache if on else None, backend=backend
+        cache, draft_cache, prefix_cache if on else None, draft_prefix_cache if on else None, backend=tp or backend
     )
     policy = SpecPolicy(cfg.spec, has_draft=draft is not None or head is not None, has_head=head is not None)
     scheduler = Scheduler(cfg.scheduler, policy, ledger, clock=clock)
@@ -160,5 +187,27 @@ def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | No
     ngram = NgramProposer(ngram_cfg, SuffixStore() if cfg.spec.suffix_store else None)
     return EngineParts(
         target, draft, max_len, backend, cache, draft_cache, prefix_cache, draft_prefix_cache, ledger, policy,
-        scheduler, drafter, ngram, policy_clock,
+        scheduler, drafter, ngram, policy_clock, tp,
     )  # fmt: skip
+
+
+def start_tensor_parallel(cfg: EngineConfig, target: LoadedModel, num_blocks: int, backend) -> tuple:
+    """Start the target's ranks: ``(target with its model replaced by the ShardedTarget, it)``.
+    Rank 0 (this process) computes with ``per_rank_threads`` threads, as each worker does.
+    One-line ``LoadError`` when the target cannot be split (quantized weights, too few KV heads)."""
+    world = cfg.tensor_parallel_size
+    if target.model.quantized():
+        raise LoadError(
+            "tensor parallelism needs unquantized target weights (--quantization none): quantized "
+            "blocks are not split across ranks yet"
+        )
+    try:
+        check_shardable(target.config, world)
+    except ValueError as e:
+        raise LoadError(str(e)) from None
+    threads = per_rank_threads(cfg.threads, world, usable_cpus())
+    torch.set_num_threads(threads)
+    tp = ShardedTarget(
+        target.model, world, num_blocks, cfg.cache.block_size, backend, threads, lm_head=cfg.tensor_parallel_lm_head
+    )
+    return dataclasses.replace(target, model=cast(Any, tp)), tp

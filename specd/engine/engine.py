@@ -27,7 +27,7 @@ from specd.engine.builder import build
 from specd.engine.detokenizer import IncrementalDetokenizer
 from specd.engine.health import EngineHealth, RateLimitedLog
 from specd.engine.ledger import Checkpoint
-from specd.engine.output import RequestOutput, emit
+from specd.engine.output import RequestOutput, emit, token_logprobs
 from specd.engine.requests import RequestError, normalize_params, validate_request
 from specd.engine.sampling import SamplingParams, make_generator
 from specd.engine.scheduler import SchedulerOutput
@@ -64,6 +64,7 @@ class Engine:
         self.prefix_cache, self.draft_prefix_cache = p.prefix_cache, p.draft_prefix_cache
         self.ledger, self.policy, self.scheduler, self.drafter = p.ledger, p.policy, p.scheduler, p.drafter
         self.ngram = p.ngram
+        self.tp = p.tp  # the target's tensor-parallel ranks, or None
         self.capture = getattr(p.drafter, "capture", None)  # a feature head's target layers
         self._policy_clock = p.policy_clock
         self.eos_ids = set(p.target.config.eos_token_ids)
@@ -118,6 +119,9 @@ class Engine:
             self._inbox.append(("abort", request_id))
 
     def has_work(self) -> bool:
+        """Requests to run, or a dead tensor-parallel rank (the next ``step`` raises ``RankFailure``)."""
+        if self.tp is not None and self.tp.failed:
+            return True
         with self._lock:
             return bool(self._inbox) or self.scheduler.has_work()
 
@@ -154,6 +158,8 @@ class Engine:
         ``_run_isolating`` (a failed request ends alone with ``finish_reason: "error"``)."""
         if self.step_hook is not None:
             self.step_hook(self)
+        if self.tp is not None:
+            self.tp.check()  # a dead rank ends the engine (RankFailure escapes every step isolation)
         outputs = self._drain_inbox()
         start = self.timings.now()
         try:
@@ -297,7 +303,7 @@ class Engine:
         now = self.clock()
         for w, res in zip(tp.work, results):
             try:
-                out = self._commit_one(w, res, now)
+                out = self._commit_one(w, res, now, tp.logits)
             except Exception as e:  # noqa: BLE001 - this request's own data: it fails alone
                 self.health.stage_failed(self._stage)
                 outs.append(self._fail_request(w.sc.seq, self._stage, e, cps[id(w.sc.seq)]))
@@ -306,7 +312,7 @@ class Engine:
                 outs.append(out)
         return outs
 
-    def _commit_one(self, w: WorkItem, res, now: float) -> RequestOutput | None:
+    def _commit_one(self, w: WorkItem, res, now: float, logits) -> RequestOutput | None:
         """One request's bookkeeping after verification. What can fail (emit: stop conditions,
         detokenization) runs before the counters, the policy's acceptance and the prefix cache
         are touched, so a failure leaves those as if the step never ran."""
@@ -322,13 +328,19 @@ class Engine:
             seq.first_token_time = now
         self._enter("emit", [seq])
         new, reason, text = emit(seq, res.tokens, self.eos_ids, self.max_model_len)
+        lps = None
+        if seq.params.logprobs is not None:  # token i comes from the row of path node i (root first)
+            rows = [w.row0 + node for node in [0, *res.accepted][: len(new)]]
+            lps = token_logprobs(logits, rows, new, seq.params.logprobs)
+            if seq.logprobs is not None:
+                seq.logprobs.extend(lps)
         self._record(seq, w, accepted, len(new))
         if reason is not None:
             self._finish(seq, reason)
             self.ngram.finished(seq)
         else:
             self.ledger.register(seq)
-        return RequestOutput(seq.request_id, new, text, reason is not None, reason, seq)
+        return RequestOutput(seq.request_id, new, text, reason is not None, reason, seq, logprobs=lps)
 
     def _record(self, seq: Sequence, w: WorkItem, accepted: int, emitted: int) -> None:
         """Speculation statistics (request and engine, by proposer) and the acceptance the policy
@@ -430,6 +442,11 @@ class Engine:
         self.scheduler.finish(seq)
         with self._lock:
             self.seqs.pop(seq.request_id, None)
+
+    def close(self) -> None:
+        """Release what outlives the object: the tensor-parallel worker processes (idempotent)."""
+        if self.tp is not None:
+            self.tp.close()
 
     # convenience ---------------------------------------------------------------------------------
     def output_text(self, seq: Sequence) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from specd.engine.sequence import Sequence
 
 
@@ -17,6 +19,23 @@ class RequestOutput:
     finish_reason: str | None
     seq: Sequence
     error: str | None = None  # finish_reason "error": what failed (stage and exception)
+    logprobs: list | None = None  # with params.logprobs: per token of token_ids, see token_logprobs
+
+
+def token_logprobs(logits: torch.Tensor, rows: list, tokens: list, top: int) -> list:
+    """Per emitted token ``tokens[i]`` (predicted by logits row ``rows[i]``): ``(logprob, [(id,
+    logprob), ...])``, its log-probability under the target's raw distribution (log-softmax of the
+    logits: before temperature, top-k and top-p, as vLLM's default) and the ``top`` likeliest
+    tokens with theirs, likeliest first."""
+    if not tokens:
+        return []
+    dev = logits.device
+    lp = torch.log_softmax(logits[torch.tensor(rows, device=dev)].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=dev)[:, None]).squeeze(1).tolist()
+    if top == 0:
+        return [(c, []) for c in chosen]
+    vals, ids = lp.topk(top, dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), vals.tolist())]
 
 
 def emit(seq: Sequence, tokens: list, eos_ids: set, max_model_len: int) -> tuple[list, str | None, str]:

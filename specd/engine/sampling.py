@@ -39,6 +39,7 @@ MIN_TOP_P = 1e-6  # top_p below this keeps the top token alone, exactly like 1e-
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20  # alternatives per token with ``logprobs`` (OpenAI's top_logprobs bound)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ class SamplingParams:
     stop_token_ids  at most 256 token ids (0 .. 2**63-1; the engine checks them against its
                     vocabulary) that end generation (besides EOS unless ignore_eos)
     ignore_eos      keep generating after EOS
+    logprobs        None = off; 0..20 = return each emitted token's log-probability under the target
+                    (log-softmax of its logits, before temperature / top-k / top-p) and that many of
+                    the likeliest tokens with theirs
     Every refusal is a ValueError naming the field.
     """
 
@@ -68,6 +72,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         t = _real("temperature", self.temperature)
@@ -83,6 +88,8 @@ class SamplingParams:
         _int("max_tokens", self.max_tokens, 1, INT64_MAX)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, "None = off")
         object.__setattr__(self, "temperature", t if t >= MIN_TEMPERATURE else 0.0)
         object.__setattr__(self, "top_p", max(p, MIN_TOP_P))
         object.__setattr__(self, "seed", seed)

@@ -159,6 +159,7 @@ class Sequence:
         self.detok: IncrementalDetokenizer | None = None
         self.sent_chars = 0  # characters of the output text already streamed (stop-string hold-back)
         self.stop_text: str | None = None  # final text when a stop string ended the request (the stop string cut off)
+        self.logprobs: list | None = [] if params.logprobs is not None else None  # per output token
         self.first_token_time: float | None = None
         self.scheduled_time: float | None = None
         self.finish_time: float | None = None

@@ -230,6 +230,49 @@ class TorchAttention:
         return o if flat_pos is None else o[flat_pos]
 
 
+class CpuAttention(TorchAttention):
+    """The torch backend's gather plans and masks, with the attention itself in specd's CPU kernel
+    (``specd.model.qkernel.attention_rows``): each query row is computed alone, so a row's output
+    does not depend on the batch (how many sequences, queries or padded keys share the step), which
+    keeps a quantized model's speculative output bitwise equal to its plain output. (torch's SDPA
+    blocks query rows through GEMMs whose kernels change with the row count.) fp32 KV on a CPU;
+    anything else goes to the torch path."""
+
+    name = "cpu"
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float):
+        if kv_layer.dtype != torch.float32 or q.device.type != "cpu":
+            return TorchAttention.attention(q, kv_layer, meta, scale)
+        from specd.model.qkernel import attention_rows
+
+        T, H, D = q.shape
+        KVH = kv_layer.shape[-2]
+        G = H // KVH
+        plan = self._plan(meta, q.device)
+        if plan[0] == "decode":
+            _, blocks, bias = plan
+            B, Lp = bias.shape[0], bias.shape[-1]
+            qg = q.float().reshape(B, KVH, G, D).contiguous()
+            o = attention_rows(self.lib, qg, self._kv(kv_layer, blocks, B, Lp), bias.view(B, 1, Lp), 1, scale)
+            return o.reshape(B, H, D).to(q.dtype)
+        _, blocks, q_index, flat_pos, bias, _ = plan
+        B, Q, Lp = bias.shape
+        qp = q if q_index is None else q[q_index.view(-1)]
+        qg = qp.float().view(B, Q, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * Q, D).contiguous()
+        o = attention_rows(self.lib, qg, self._kv(kv_layer, blocks, B, Lp), bias, Q, scale)
+        o = o.view(B, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B * Q, H, D).to(q.dtype)
+        return o if flat_pos is None else o[flat_pos]
+
+    @staticmethod
+    def _kv(kv_layer: torch.Tensor, blocks: torch.Tensor, B: int, Lp: int) -> torch.Tensor:
+        """Each sequence's whole blocks, keys and values: one contiguous [2, B, Lp, KVH, D]."""
+        KVH, D = kv_layer.shape[-2], kv_layer.shape[-1]
+        return kv_layer.index_select(1, blocks).view(2, B, Lp, KVH, D)
+
+
 class TritonAttention:
     """Triton tree attention over the paged cache (``specd_kernels``)."""
 
@@ -264,11 +307,21 @@ class TritonAttention:
 
 
 def get_backend(name: str, device: torch.device):
-    """``auto``: triton on CUDA, torch reference elsewhere. ``triton`` on CPU needs TRITON_INTERPRET=1."""
+    """``auto``: triton on CUDA; on a CPU specd's kernel where it is built (``cpu``), else the torch
+    reference. ``triton`` on CPU needs TRITON_INTERPRET=1."""
+    if name in ("auto", "cpu") and device.type == "cpu":
+        from specd.model.qkernel import kernel
+
+        lib = kernel()
+        if lib is not None:
+            return CpuAttention(lib)
+        if name == "cpu":
+            raise ValueError("the cpu attention backend needs specd's CPU kernel (x86-64 AVX2 + FMA and g++)")
+        name = "torch"
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         return TorchAttention()
     if name == "triton":
         return TritonAttention()
-    raise ValueError(f"unknown attention backend {name!r} (auto|torch|triton)")
+    raise ValueError(f"unknown attention backend {name!r} (auto|cpu|torch|triton)")

@@ -217,8 +217,9 @@ class LlamaModel(nn.Module):
         fp32 = dt == torch.float32
 
         def norm(x, w):
-            if fp32:
-                return x * torch.addmm(eps_col, x * x, mean_col).rsqrt_() * w
+            if fp32:  # a row-wise mean, not a GEMV: BLAS picks its kernel (and sum order) by batch shape,
+                # and a quantized model's rows are otherwise computed independently of each other
+                return x * (x * x).mean(-1, keepdim=True).add_(eps).rsqrt_() * w
             return _rms(x, w, eps)
 
         for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):

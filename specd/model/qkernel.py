@@ -73,6 +73,12 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_qgemm_i8.restype = None
     lib.specd_qgemm_i4.argtypes = [p, i, i, p, p, p, i, i, p, p, p, p]
     lib.specd_qgemm_i4.restype = None
+    lib.specd_qgemm_i8_q8.argtypes = [p, i, i, p, p, i, i, p, p, p, p, p]
+    lib.specd_qgemm_i8_q8.restype = None
+    lib.specd_qgemm_i4_q8.argtypes = [p, i, i, p, p, p, i, i, p, p, p, p, p, p]
+    lib.specd_qgemm_i4_q8.restype = None
+    lib.specd_attention.argtypes = [p, p, p, i, i, i, i, i, i, ctypes.c_float, p]
+    lib.specd_attention.restype = None
     return lib
 
 
@@ -90,14 +96,19 @@ def qgemm(
     int4: bool,
     add: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    act_int8: bool = False,
 ) -> torch.Tensor:
     """``add + x @ W^T + bias`` for x fp32 [M, K] (contiguous), q the packed weight ([N, K] int8 or
-    [N, K/2] uint8), scale / minv fp32 [N, K/group], add fp32 [M, N] or None; returns fp32 [M, N]."""
+    [N, K/2] uint8), scale / minv fp32 [N, K/group], add fp32 [M, N] or None; returns fp32 [M, N].
+    ``act_int8``: x is quantized per row to int8 in blocks of 32 and multiplied in integers (faster;
+    a row's result still depends on that row alone, see qgemm.cpp)."""
     M, K = x.shape
     N = q.shape[0]
     y = torch.empty((M, N), dtype=torch.float32)
     if add is not None:
         add = add.contiguous()
+    if act_int8:
+        return _qgemm_q8(lib, x, q, scale, minv, group, int4, add, bias, y)
     if int4:
         xsum = torch.empty((M, K // group), dtype=torch.float32) if minv is not None else y
         lib.specd_qgemm_i4(
@@ -109,3 +120,35 @@ def qgemm(
             x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), N, group, _ptr(add), _ptr(bias), y.data_ptr()
         )
     return y
+
+
+def _qgemm_q8(lib, x, q, scale, minv, group: int, int4: bool, add, bias, y) -> torch.Tensor:
+    M, K = x.shape
+    N = q.shape[0]
+    qx = torch.empty((M, K), dtype=torch.int8)
+    dx = torch.empty((M, K // 32), dtype=torch.float32)
+    if int4:
+        xsum = torch.empty((M, K // group), dtype=torch.float32) if minv is not None else y
+        lib.specd_qgemm_i4_q8(
+            x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), _ptr(minv), N, group, _ptr(add), _ptr(bias),
+            y.data_ptr(), xsum.data_ptr(), qx.data_ptr(), dx.data_ptr(),
+        )  # fmt: skip
+    else:
+        lib.specd_qgemm_i8_q8(
+            x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), N, group, _ptr(add), _ptr(bias), y.data_ptr(),
+            qx.data_ptr(), dx.data_ptr(),
+        )  # fmt: skip
+    return y
+
+
+def attention_rows(
+    lib: ctypes.CDLL, qg: torch.Tensor, kvg: torch.Tensor, mask: torch.Tensor, q_rows: int, scale: float
+) -> torch.Tensor:
+    """Attention of query rows ``qg`` fp32 [B, KVH, R, D] (row r takes mask row r % q_rows) over
+    gathered keys and values ``kvg`` fp32 [2, B, L, KVH, D] with the additive ``mask`` fp32
+    [B, q_rows, L]: each row computed on its own (batch-invariant; see qgemm.cpp). -> [B, KVH, R, D]"""
+    B, KVH, R, D = qg.shape
+    L = kvg.shape[2]
+    out = torch.empty_like(qg)
+    lib.specd_attention(qg.data_ptr(), kvg.data_ptr(), mask.data_ptr(), B, KVH, R, q_rows, L, D, scale, out.data_ptr())
+    return out

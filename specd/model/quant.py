@@ -41,6 +41,9 @@ class QuantLinear(nn.Module):
     # Measured on SmolLM2-135M's shapes (AVX2, 1-2 threads, docs/benchmarks.md): the kernel wins at
     # every width up to 256 rows (a --prefill-chunk), the dequantization alone costing more than it.
     KERNEL_MAX_ROWS = 1024
+    # int8 activations in the CPU kernel (``LlamaModel.set_act_int8``): faster, row-independent, not
+    # equal to the fp32-activation result (see qgemm.cpp). A class default, set per layer.
+    act_int8 = False
 
     def __init__(self, fmt: str, qweight, scale, minv, group: int, in_features: int, bias=None):
         super().__init__()
@@ -129,7 +132,18 @@ class QuantLinear(nn.Module):
             xf = F.pad(xf, (0, self.k_pad - self.in_features))
         a = None if add is None else add.float()
         return qgemm(lib, xf.contiguous(), self.qweight, self.scale, self.minv, self.group, self.fmt == "int4", a,
-                     self.bias)  # fmt: skip
+                     self.bias, self.act_int8)  # fmt: skip
+
+
+def set_act_int8(model: nn.Module, on: bool) -> int:
+    """Turn the CPU kernel's int8 activations on or off for every ``QuantLinear`` of ``model``;
+    returns how many there are."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.act_int8 = on
+            n += 1
+    return n
 
 
 # the one forward's dispatch ------------------------------------------------------------------------

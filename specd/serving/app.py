@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,7 @@ class App:
             ready_getter=lambda: self.front.ready,
             connections_getter=lambda: self.front.open_websockets,
             log_request=log_request,
+            replica_getter=self._replica,
         )
         self.front = _frontend(args, self.metrics)
         self.ws = WSServer(self.front)
@@ -115,6 +117,13 @@ class App:
         self._shut_down = False
         self.stopped_while_loading = False
         self._link = None  # the ProcessLink being loaded, until an AsyncEngine owns it
+
+    def _replica(self) -> str | None:
+        """This daemon's ``replica`` label: ``--replica``, else ``<hostname>:<port>`` once listening."""
+        name = getattr(self.args, "replica", None)
+        if name:
+            return name
+        return f"{socket.gethostname()}:{self.port}" if self.port else None
 
     # start ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -247,6 +256,12 @@ class App:
             elif sick is None and since is not None:
                 log.warning("engine healthy again after %.1f s", now - since)
                 since = None
+            if sick is not None and exit_after_s > 0 and not self.ae.link.alive:
+                # the engine process / thread is gone (e.g. a tensor-parallel rank died): it will not recover
+                log.critical("engine stopped (%s): exiting for the service manager to restart", sick)
+                self.exit_code = 1
+                self.request_stop(force=True)
+                return
             if since is not None and exit_after_s > 0 and now - since >= exit_after_s:
                 log.critical(
                     "engine unhealthy for %.0f s (%s): exiting for the service manager to restart", now - since, sick

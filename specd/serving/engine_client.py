@@ -63,7 +63,9 @@ class _Sink:
 
 def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one (tokens and text concatenated)."""
-    return RequestOutput(a.request_id, a.token_ids + b.token_ids, a.text + b.text, b.finished, b.finish_reason, b.seq)
+    lps = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    toks, text = a.token_ids + b.token_ids, a.text + b.text
+    return RequestOutput(a.request_id, toks, text, b.finished, b.finish_reason, b.seq, b.error, lps)
 
 
 def _admitted(e: RequestError) -> RequestError:

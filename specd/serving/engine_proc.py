@@ -159,7 +159,7 @@ def pack_outputs(outs: list) -> list:
         seq = o.seq
         first = bool(o.token_ids) and seq.num_output == len(o.token_ids)
         state = _seq_state(seq) if o.finished or first else None
-        packed.append((o.request_id, o.token_ids, o.text, o.finished, o.finish_reason, state))
+        packed.append((o.request_id, o.token_ids, o.text, o.finished, o.finish_reason, state, o.logprobs))
     return packed
 
 
@@ -402,7 +402,7 @@ class ProcessLink:
 
     def _outputs(self, packed: list) -> list:
         outs = []
-        for rid, toks, text, finished, reason, state in packed:
+        for rid, toks, text, finished, reason, state, lps in packed:
             seq = self._seqs.get(rid)
             if seq is None:
                 continue
@@ -411,7 +411,8 @@ class ProcessLink:
                 seq.__dict__.update(state)  # the child's figures (num_output included) win
             if finished:
                 del self._seqs[rid]
-            outs.append(RequestOutput(rid, toks, text, finished, reason, seq, seq.error if reason == "error" else None))
+            err = seq.error if reason == "error" else None
+            outs.append(RequestOutput(rid, toks, text, finished, reason, seq, err, lps))
         return outs
 
     def _on_readable(self) -> None:

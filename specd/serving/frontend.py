@@ -43,8 +43,9 @@ class Frontend:
 
     def upgrade_refusal(self, headers, key_required: bool) -> tuple | None:
         """(status, body, headers) refusing a websocket upgrade, or None; counts the refusal. Both
-        websocket endpoints check the origin and the connection limit; a wrong key is always
-        refused, a missing one only where ``key_required`` (our protocol may authenticate in-band)."""
+        websocket endpoints check the origin, the connection limit and draining (503: a load balancer
+        moves the conversation to another replica at once); a wrong key is always refused, a missing
+        one only where ``key_required`` (our protocol may authenticate in-band)."""
         auth, m = self.auth, self.metrics
         if not auth.origin_ok(headers):
             m.count_error("forbidden_origin")
@@ -57,6 +58,9 @@ class Frontend:
         if self.open_websockets >= self.max_connections:
             m.count_error("too_many_connections")
             return 503, "too many connections\n", {"Retry-After": "1"}
+        if self.draining or (self.ae is not None and self.ae.draining):  # a balancer retries elsewhere at once
+            m.count_error("shutting_down")
+            return 503, "shutting down\n", {"Retry-After": "1"}
         return None
 
     def admission(self) -> RequestError | None:

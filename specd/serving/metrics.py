@@ -5,6 +5,9 @@ listener, and request refusals by the servers (``count_error``), all on the even
 thread, no locks. Gauges and the engine's counters (queues, KV blocks, speculation totals, failed
 steps) come from the client's latest ``EngineSnapshot`` when ``/metrics`` is scraped.
 
+Every sample carries ``replica`` (``--replica``, default ``<hostname>:<port>``) so that a fleet's
+series stay apart whatever the scraper adds (docs/operations.md, "Reading the fleet's metrics").
+
 Inter-token latency is per output token: a step that emits n tokens for a request, t seconds after its
 previous emission, records n observations of t / n (speculation makes several tokens share one step).
 """
@@ -110,8 +113,10 @@ class Metrics:
         ready_getter: Callable[[], bool] = lambda: True,
         connections_getter: Callable[[], int] = lambda: 0,
         log_request: Callable | None = None,
+        replica_getter: Callable[[], str | None] = lambda: None,
     ):
         self.client_getter = client_getter
+        self.replica_getter = replica_getter
         self.ready_getter = ready_getter
         self.connections_getter = connections_getter
         self.log_request = log_request  # f(RequestOutput) for finished requests (event loop)
@@ -162,7 +167,8 @@ class Metrics:
 
     def render(self) -> bytes:
         """The Prometheus text (format 0.0.4) of every metric."""
-        out = _Text()
+        replica = self.replica_getter()
+        out = _Text({"replica": replica} if replica else {})
         client = self.client_getter()
         ready = [({}, int(self.ready_getter()))]
         out.metric("specd_ready", "gauge", "1 when serving (models loaded, not draining)", ready)
@@ -201,8 +207,9 @@ class Metrics:
 class _Text:
     """Exposition-format lines being built."""
 
-    def __init__(self):
+    def __init__(self, base: dict):
         self.lines: list = []
+        self.base = base  # labels of every sample (the replica)
 
     def metric(self, name: str, kind: str, help_: str, samples) -> None:
         if kind == "counter":  # text format 0.0.4: the family is named with the _total suffix
@@ -210,12 +217,12 @@ class _Text:
         self.lines.append(f"# HELP {name} {help_}")
         self.lines.append(f"# TYPE {name} {kind}")
         for labels, v in samples:
-            self.lines.append(f"{name}{_labels(labels)} {_fmt(v)}")
+            self.lines.append(f"{name}{_labels({**self.base, **labels})} {_fmt(v)}")
 
     def hist(self, name: str, help_: str, h: Histogram) -> None:
         self.lines.append(f"# HELP {name} {help_}")
         self.lines.append(f"# TYPE {name} histogram")
-        self.lines.extend(h.lines(name, {}))
+        self.lines.extend(h.lines(name, self.base))
 
 
 def _engine_metrics(out: _Text, snap, limits) -> None:
@@ -237,7 +244,20 @@ def _engine_metrics(out: _Text, snap, limits) -> None:
     out.metric(
         "specd_spec_depth", "gauge", "draft depth the adaptive policy chose for the last step", [({}, snap.depth)]
     )
-    rate = _prefix_hit_rate(snap.prefix)
+    _prefix_metrics(out, snap.prefix)
+
+
+def _prefix_metrics(out: _Text, prefix: dict) -> None:
+    """The prefix cache: looked-up and served prompt tokens (counters: a fleet's hit rate is the ratio
+    of their sums) and this replica's hit rate since it started."""
+    for key, name, what in (
+        ("query_tokens", "specd_prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
+        ("hit_tokens", "specd_prefix_cache_hits", "prompt tokens served from the prefix cache"),
+    ):
+        v = prefix.get(key) if isinstance(prefix, dict) else None
+        if isinstance(v, (int, float)):
+            out.metric(name, "counter", what, [({}, v)])
+    rate = _prefix_hit_rate(prefix)
     if rate is not None:
         out.metric(
             "specd_prefix_cache_hit_rate",
@@ -267,6 +287,15 @@ def _spec_metrics(out: _Text, snap) -> None:
     out.metric(
         "specd_spec_decode_verify_steps", "counter", "target verification steps (all requests)", [({}, st.steps)]
     )
+    by = sorted(st.by_proposer.items())
+    for i, (name, what) in enumerate(
+        (
+            ("specd_spec_decode_proposer_steps", "verification steps with drafts from each proposer"),
+            ("specd_spec_decode_proposer_draft_tokens", "draft tokens proposed, by proposer"),
+            ("specd_spec_decode_proposer_accepted_tokens", "draft tokens accepted, by proposer"),
+        )
+    ):
+        out.metric(name, "counter", what, [({"proposer": k}, row[i]) for k, row in by])
 
 
 def _health_metrics(out: _Text, client) -> None:

@@ -66,26 +66,30 @@ def model_object(name: str, created: int, max_model_len: int | None = None) -> d
     return m
 
 
-def chat_completion(rid: str, created: int, model: str, text: str, finish: str, use: dict) -> dict:
+def chat_completion(
+    rid: str, created: int, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None
+) -> dict:
     message = {"role": "assistant", "content": text, "refusal": None}
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
         "usage": use,
         "system_fingerprint": None,
     }
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None, with_usage: bool) -> dict:
+def chat_chunk(
+    rid: str, created: int, model: str, delta: dict, finish: str | None, with_usage: bool, logprobs: dict | None = None
+) -> dict:
     c = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         "system_fingerprint": None,
     }
     if with_usage:
@@ -93,20 +97,24 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | No
     return c
 
 
-def completion(rid: str, created: int, model: str, text: str, finish: str, use: dict) -> dict:
+def completion(
+    rid: str, created: int, model: str, text: str, finish: str | None, use: dict | None, logprobs: dict | None = None
+) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         "usage": use,
         "system_fingerprint": None,
     }
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None, with_usage: bool) -> dict:
-    c = completion(rid, created, model, text, finish, None)
+def completion_chunk(
+    rid: str, created: int, model: str, text: str, finish: str | None, with_usage: bool, logprobs: dict | None = None
+) -> dict:
+    c = completion(rid, created, model, text, finish, None, logprobs)
     if not with_usage:
         del c["usage"]
     return c

@@ -6,10 +6,12 @@ Supported: chat (``messages``), completions (``prompt``: a string, a list of one
 responses (``input``: a string or message items, ``instructions``, ``previous_response_id``). Sampling:
 ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``, ``temperature``, ``top_p``,
 ``seed``, ``stop``, ``n`` = 1, plus the extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``,
-``priority`` and ``speculation`` ({mode: auto|off|chain|tree, max_draft_tokens}). Fields that would
-change the output in ways the engine cannot honour (``logprobs``, penalties, ``logit_bias``, tools,
-JSON response formats, ``n`` > 1, ``echo``, ``best_of``, ``suffix``) are refused with 400
-``unsupported_parameter`` rather than silently ignored; unknown fields are ignored.
+``priority`` and ``speculation`` ({mode: auto|off|chain|tree, max_draft_tokens}). Log-probabilities:
+chat ``logprobs: true`` with ``top_logprobs`` 0..20, completions ``logprobs`` 0..20 (the engine's
+``SamplingParams.logprobs``). Fields that would change the output in ways the engine cannot honour
+(penalties, ``logit_bias``, tools, JSON response formats, ``n`` > 1, ``echo``, ``best_of``,
+``suffix``; log-probabilities on ``/v1/responses``) are refused with 400 ``unsupported_parameter``
+rather than silently ignored; unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from specd.engine.sampling import MAX_LOGPROBS
 from specd.serving.openai_errors import APIError
 
 __all__ = ["ParsedRequest", "check_model", "parse_chat", "parse_completion", "parse_response"]
@@ -125,15 +128,37 @@ def _refuse_unsupported(b: dict) -> None:
     for key in ("logit_bias", "tools", "functions"):
         if b.get(key):
             raise _unsupported(key, f"'{key}' is not supported")
-    if b.get("logprobs") not in (None, False, 0):
-        raise _unsupported("logprobs", "'logprobs' is not supported yet (the engine does not return log-probabilities)")
-    if b.get("top_logprobs") not in (None, 0):
-        raise _unsupported("top_logprobs", "'top_logprobs' is not supported yet")
     if _int(b, "n") not in (None, 1):
         raise _unsupported("n", "only n=1 is supported")
     fmt = b.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise _unsupported("response_format", "only response_format {'type': 'text'} is supported")
+
+
+def _chat_logprobs(b: dict) -> int | None:
+    """Chat: ``logprobs`` (bool) and ``top_logprobs`` (0..20, only with ``logprobs: true``)."""
+    top = _int(b, "top_logprobs", 0)
+    if top is not None and top > MAX_LOGPROBS:
+        raise _bad("top_logprobs", f"'top_logprobs' must be <= {MAX_LOGPROBS}, got {top}")
+    if not _bool(b, "logprobs", False):
+        if top:
+            raise _bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
+        return None
+    return top or 0
+
+
+def _completion_logprobs(b: dict) -> int | None:
+    """Completions: ``logprobs`` = how many alternatives per token (0..20; null = off)."""
+    n = _int(b, "logprobs", 0)
+    if n is not None and n > MAX_LOGPROBS:
+        raise _bad("logprobs", f"'logprobs' must be <= {MAX_LOGPROBS}, got {n}")
+    return n
+
+
+def _no_logprobs(b: dict) -> None:
+    for key in ("logprobs", "top_logprobs"):
+        if b.get(key) not in (None, False, 0):
+            raise _unsupported(key, f"'{key}' is not supported on /v1/responses (use /v1/chat/completions)")
 
 
 def _sampling(b: dict, max_key: str, alt_max_key: str | None = None) -> dict:
@@ -211,6 +236,7 @@ def parse_chat(body: dict, served: str) -> ParsedRequest:
     _refuse_unsupported(body)
     stream = bool(_bool(body, "stream", False))
     engine = _sampling(body, "max_completion_tokens", "max_tokens")
+    engine["logprobs"] = _chat_logprobs(body)
     engine["messages"] = _messages(body.get("messages"), "messages")
     return ParsedRequest(engine, stream, _stream_options(body, stream))
 
@@ -239,6 +265,7 @@ def parse_completion(body: dict, served: str) -> ParsedRequest:
     engine = _sampling(body, "max_tokens")
     if engine["max_tokens"] is None:
         engine["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
+    engine["logprobs"] = _completion_logprobs(body)
     engine.update(_prompt(body.get("prompt")))
     return ParsedRequest(engine, stream, _stream_options(body, stream))
 
@@ -255,6 +282,7 @@ def parse_response(body: dict, served: str) -> ParsedRequest:
     """``POST /v1/responses`` (and a websocket ``response.create``: ``stream`` is then implied)."""
     check_model(body, served)
     _refuse_unsupported(body)
+    _no_logprobs(body)
     if body.get("background"):
         raise _unsupported("background", "'background' is not supported")
     fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None

@@ -24,6 +24,7 @@ from specd.engine.engine import RequestError
 from specd.serving import openai_format as F
 from specd.serving.engine_client import RequestStream
 from specd.serving.frontend import Frontend
+from specd.serving.logprobs import LogprobRenderer, TokenText
 from specd.serving.openai_errors import APIError, error_response, from_request_error
 from specd.serving.openai_params import ParsedRequest, parse_chat, parse_completion
 from specd.serving.request_build import build_request, build_request_async
@@ -50,15 +51,19 @@ def cut_short(reason: str | None) -> APIError | None:
 
 
 async def collect(stream: RequestStream) -> tuple:
-    """(text, last output) of a whole request; the stream is closed whatever happens."""
-    parts, last = [], None
+    """(text, last output, token ids, per-token logprobs or None) of a whole request; the stream is
+    closed whatever happens."""
+    parts, last, ids, lps = [], None, [], None
     try:
         async for out in stream:
             parts.append(out.text)
+            ids += out.token_ids
+            if out.logprobs is not None:
+                lps = (lps or []) + out.logprobs
             last = out
     finally:
         stream.close()
-    return "".join(parts), last
+    return "".join(parts), last, ids, lps
 
 
 class OpenAIFront:
@@ -67,6 +72,16 @@ class OpenAIFront:
 
     def __init__(self, front: Frontend):
         self.front = front
+        self._token_text: TokenText | None = None
+
+    def renderer(self, p: ParsedRequest, chat: bool) -> LogprobRenderer | None:
+        """The request's logprobs maker, None when it asked for none."""
+        if p.engine.get("logprobs") is None:
+            return None
+        tok = self.front.ae.tokenizer
+        if self._token_text is None or self._token_text.tok is not tok:
+            self._token_text = TokenText(tok)
+        return LogprobRenderer(self._token_text, chat)
 
     def authorize(self, headers) -> str | None:
         """The presented key (None without one); APIError 401 when the server's key is not it."""
@@ -168,10 +183,11 @@ class OpenAIFront:
         except ClientGone:
             return Response(status_code=499)
         model = self.front.model_name
+        render = self.renderer(p, whole is F.chat_completion)
         if p.stream:
-            return EventStream(events(stream, rid, created, model, p.include_usage))
+            return EventStream(events(stream, rid, created, model, p.include_usage, render))
         try:
-            text, last = await until_disconnect(request.receive, collect(stream))
+            text, last, ids, lps = await until_disconnect(request.receive, collect(stream))
         except ClientGone:
             return Response(status_code=499)  # (nobody reads it)
         except RequestError as e:  # the engine failed the request
@@ -179,16 +195,27 @@ class OpenAIFront:
         err = cut_short(last.finish_reason)
         if err is not None:
             return self.fail(err)
-        return JSONResponse(whole(rid, created, model, text, F.FINISH[last.finish_reason], F.usage(last.seq)))
+        lp = render(ids, lps) if render is not None else None
+        return JSONResponse(whole(rid, created, model, text, F.FINISH[last.finish_reason], F.usage(last.seq), lp))
 
 
-async def _chat_events(stream: RequestStream, rid: str, created: int, model: str, with_usage: bool) -> AsyncIterator:
-    chunk = lambda delta, finish=None: F.sse(F.chat_chunk(rid, created, model, delta, finish, with_usage))  # noqa: E731
+def _step_logprobs(render: LogprobRenderer | None, out) -> dict | None:
+    """A step's logprobs (None when not asked for, or when the step emitted no token)."""
+    return render(out.token_ids, out.logprobs) if render is not None and out.token_ids else None
+
+
+async def _chat_events(
+    stream: RequestStream, rid: str, created: int, model: str, with_usage: bool, render: LogprobRenderer | None
+) -> AsyncIterator:
+    def chunk(delta, finish=None, lp=None):
+        return F.sse(F.chat_chunk(rid, created, model, delta, finish, with_usage, lp))
+
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for out in stream:
-            if out.text:
-                yield chunk({"content": out.text})
+            lp = _step_logprobs(render, out)
+            if out.text or lp is not None:  # (a held-back stop-string prefix still has its logprobs)
+                yield chunk({"content": out.text}, lp=lp)
             if out.finished:
                 err = cut_short(out.finish_reason)
                 if err is not None:
@@ -204,12 +231,17 @@ async def _chat_events(stream: RequestStream, rid: str, created: int, model: str
     yield F.DONE
 
 
-async def _completion_events(stream: RequestStream, rid: str, created: int, model: str, with_usage: bool):
-    chunk = lambda text, finish=None: F.sse(F.completion_chunk(rid, created, model, text, finish, with_usage))  # noqa: E731
+async def _completion_events(
+    stream: RequestStream, rid: str, created: int, model: str, with_usage: bool, render: LogprobRenderer | None
+):
+    def chunk(text, finish=None, lp=None):
+        return F.sse(F.completion_chunk(rid, created, model, text, finish, with_usage, lp))
+
     try:
         async for out in stream:
-            if out.text:
-                yield chunk(out.text)
+            lp = _step_logprobs(render, out)
+            if out.text or lp is not None:
+                yield chunk(out.text, lp=lp)
             if out.finished:
                 err = cut_short(out.finish_reason)
                 if err is not None:

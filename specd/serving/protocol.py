@@ -154,6 +154,7 @@ def parse_generate(msg: dict) -> GenerateRequest:
     if not isinstance(ignore_eos, bool):
         raise _bad("ignore_eos must be a boolean")
     seed = _integer(msg, "seed", None)
+    logprobs = _integer(msg, "logprobs", None)
     sampling = dict(
         temperature=_number(msg, "temperature", 1.0),
         top_p=_number(msg, "top_p", 1.0),
@@ -162,6 +163,7 @@ def parse_generate(msg: dict) -> GenerateRequest:
         stop=stop,
         stop_token_ids=stop_ids,
         ignore_eos=ignore_eos,
+        logprobs=logprobs,
     )
     with _refused():
         priority = RB.check_priority(msg.get("priority", "interactive"))
@@ -178,8 +180,13 @@ def prompt_chars(req: GenerateRequest) -> int:
 
 
 # server frames ---------------------------------------------------------------------------------
-def delta(rid: str, seq: int, text: str, token_ids: list) -> bytes:
-    return orjson.dumps({"type": "delta", "id": rid, "seq": seq, "text": text, "token_ids": token_ids})
+def delta(rid: str, seq: int, text: str, token_ids: list, logprobs: list | None = None) -> bytes:
+    """``logprobs`` (requests that asked for them): per token of ``token_ids``, ``[logprob, [[id,
+    logprob], ...]]`` (the likeliest first)."""
+    m = {"type": "delta", "id": rid, "seq": seq, "text": text, "token_ids": token_ids}
+    if logprobs is not None:
+        m["logprobs"] = logprobs
+    return orjson.dumps(m)
 
 
 def error(rid: str | None, code: str, message: str) -> bytes:
@@ -197,8 +204,13 @@ def _done(rid: str, finish_reason: str, summary: dict, err: tuple | None) -> byt
 
 
 def done(rid: str, seq_obj, finish_reason: str, err: tuple | None = None) -> bytes:
-    """The final frame of a request from its engine Sequence (stats and timestamps)."""
-    return _done(rid, finish_reason, RB.summarize(seq_obj), err)
+    """The final frame of a request from its engine Sequence (stats and timestamps; ``spec.by_proposer``
+    when more than one proposer drafted for it)."""
+    summary = RB.summarize(seq_obj)
+    by = seq_obj.stats.as_dict()["by_proposer"]
+    if len(by) > 1:
+        summary["spec"]["by_proposer"] = by
+    return _done(rid, finish_reason, summary, err)
 
 
 def done_empty(rid: str, finish_reason: str, prompt_tokens: int = 0, err: tuple | None = None) -> bytes:

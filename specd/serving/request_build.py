@@ -160,6 +160,7 @@ def sampling_params(
     stop=None,
     stop_token_ids=None,
     ignore_eos=None,
+    logprobs=None,
 ) -> SamplingParams:
     """``SamplingParams`` from optional fields (None = the default); ValueError -> invalid_request."""
     kw = {
@@ -171,6 +172,7 @@ def sampling_params(
             ("top_k", top_k),
             ("seed", seed),
             ("ignore_eos", ignore_eos),
+            ("logprobs", logprobs),
         )
         if v is not None
     }
@@ -236,6 +238,7 @@ def build_request(
     stop=None,
     stop_token_ids=None,
     ignore_eos=None,
+    logprobs=None,
     priority=None,
     speculation: Mapping[str, Any] | None = None,
     max_model_len: int | None = None,
@@ -246,9 +249,8 @@ def build_request(
 
     ``max_tokens`` None: ``default_max_tokens(prompt tokens, max_model_len)``.
     """
-    params = sampling_params(
-        max_tokens if max_tokens is not None else 1, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos
-    )
+    first = max_tokens if max_tokens is not None else 1
+    params = sampling_params(first, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
     if isinstance(speculation, Mapping):
         unknown = set(speculation) - set(SPECULATION_FIELDS)
         if unknown:

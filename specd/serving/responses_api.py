@@ -210,7 +210,7 @@ class ResponsesAPI:
         if p.stream:
             return EventStream(_as_sse(self.events(turn, stream)))
         try:
-            text, last = await until_disconnect(request.receive, collect(stream))
+            text, last, _, _ = await until_disconnect(request.receive, collect(stream))
         except ClientGone:
             return Response(status_code=499)
         except RequestError as e:

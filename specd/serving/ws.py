@@ -173,7 +173,7 @@ class Conn:
             if out is not None:
                 r.last = out
                 if out.token_ids or out.text:
-                    frames.append(P.delta(r.id, r.n, out.text, out.token_ids))
+                    frames.append(P.delta(r.id, r.n, out.text, out.token_ids, out.logprobs))
                     r.n += 1
                 if out.finished:
                     frames.append(P.done(r.id, out.seq, out.finish_reason))
