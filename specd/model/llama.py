@@ -223,8 +223,7 @@ class LlamaModel(nn.Module):
             return _rms(x, w, eps)
 
         for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
-            _capture(capture, i, x)
-            qkv = linear(norm(x, w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
+            qkv = linear(norm(_capture(capture, i, x), w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
             qk = qkv[:, :nqk].reshape(T, H + KVH, D)
             qk = torch.addcmul(qk * cos, qk @ rot, sin)  # RoPE on q and k heads at once
             v = qkv[:, nqk:].view(T, KVH, D)
@@ -263,10 +262,11 @@ class LlamaModel(nn.Module):
         return out
 
 
-def _capture(capture: dict | None, i: int, x: torch.Tensor) -> None:
-    """Feature heads: ``capture`` (layer index -> None) gets the hidden state entering layer i."""
+def _capture(capture: dict | None, i: int, x: torch.Tensor) -> torch.Tensor:
+    """Feature heads: ``capture`` (layer index -> None) gets the hidden state entering layer i; x."""
     if capture is not None and i in capture:
         capture[i] = x
+    return x
 
 
 def _op(mod, t: bool = False):
