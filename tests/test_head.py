@@ -299,3 +299,24 @@ def test_captured_features_are_the_hidden_states_entering_the_layers(shared_pair
         hs = hf_target(torch.tensor([toks]), output_hidden_states=True).hidden_states
     want = torch.cat([hs[i][0] for i in layers], dim=-1)
     torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_head_with_tensor_parallelism_is_refused_and_the_builtin_model_keeps_its_draft(tmp_path, monkeypatch):
+    """Tensor-parallel ranks hand back no features: ``--head`` with TP > 1 is one clear LoadError, and
+    the built-in model under TP falls back to its draft instead of picking the head it cannot run."""
+    from argparse import Namespace
+
+    from specd.engine.builder import load_head_for
+    from specd.model.errors import LoadError
+    from specd.options import fill_default_models
+
+    with pytest.raises(LoadError, match="tensor-parallel"):
+        cfg = EngineConfig(target=str(tmp_path), head=str(tmp_path), tensor_parallel_size=2)
+        load_head_for(cfg, target=None, draft=None)
+    monkeypatch.setattr(builtin, "ensure", lambda download: tmp_path)
+    monkeypatch.setattr(builtin, "head_path", lambda: tmp_path / "head")
+    monkeypatch.setattr(builtin, "draft_path", lambda: tmp_path / "draft")
+    for tp, head, draft in ((1, "head", None), (2, None, "draft")):
+        a = Namespace(target=None, draft=None, head=None, tensor_parallel_size=tp)
+        fill_default_models(a)
+        assert (a.head, a.draft) == (head and str(tmp_path / head), draft and str(tmp_path / draft))

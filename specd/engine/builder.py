@@ -141,10 +141,6 @@ def load_head_for(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | N
         return None
     if draft is not None:
         raise LoadError("a draft model and a feature head were both given: one model proposer at a time")
-    if cfg.tensor_parallel_size > 1:
-        raise LoadError(
-            "feature heads do not support tensor parallelism yet (the sharded forward hands back no features)"
-        )
     from specd.model.head_files import load_head
 
     return load_head(cfg.head, target)
