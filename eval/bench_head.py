@@ -1,8 +1,8 @@
 """The feature head on the built-in model: plain vs the head (chain and tree) vs the built-in draft
-model (chain and tree) per Spec-Bench category, greedy, one process (the target loaded once, two
-engines), methods interleaved per prompt, outputs checked identical to plain. Also where a step's
-time goes for each method: drafting vs the target's verification forward (the engine's stage
-timings, thread CPU seconds).
+model (chain and tree) vs prompt lookup vs hybrid trees (the head's tree + lookup) per Spec-Bench
+category, greedy, one process (the target loaded once, two engines), methods interleaved per
+prompt, outputs checked identical to plain. Also where a step's time goes for each method: drafting
+vs the target's verification forward (the engine's stage timings, thread CPU seconds).
 
     OMP_NUM_THREADS=2 python -m eval.bench_head --per-category 2 --max-tokens 128 --threads 2
 """
@@ -24,6 +24,8 @@ METHODS = {
     "head-tree": ("head", "head"),
     "draft-chain": ("draft", "chain"),
     "draft-tree": ("draft", "tree"),
+    "ngram": ("head", "ngram"),  # prompt lookup alone (no suffix store: every method sees the same history)
+    "head-hybrid": ("head", "hybrid"),  # the head's tree and prompt lookup's branch in one verification
 }
 
 

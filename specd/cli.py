@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--spec", default="tree", choices=["off", "chain", "tree", "head", "ngram", "auto"])
+    g.add_argument("--spec", default="tree", choices=["off", "chain", "tree", "head", "ngram", "hybrid", "auto"])
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
 
     s = sub.add_parser("serve", help="serve websocket + HTTP (+ gRPC)")

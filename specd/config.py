@@ -127,7 +127,7 @@ class CacheConfig:
 class SpecConfig:
     """Default speculation settings (requests may narrow them)."""
 
-    mode: str = "tree"  # off | chain | tree (dynamic) | static (the draft model) | head | ngram (prompt lookup)
+    mode: str = "tree"  # off | chain | tree | static (the draft model) | head | ngram (prompt lookup) | hybrid
     num_draft_tokens: int = 4  # chain length k
     tree_budget: int = 16  # dynamic tree: nodes kept (excluding the root)
     tree_topk: int = 4  # dynamic tree: children per expanded node and nodes expanded per level
@@ -139,8 +139,8 @@ class SpecConfig:
     suffix_store: bool = True  # ngram mode: also draft from the same tenant's earlier requests
 
     def __post_init__(self):
-        if self.mode not in ("off", "chain", "tree", "static", "head", "ngram"):
-            raise ValueError(f"speculation mode must be off|chain|tree|static|head|ngram, got {self.mode!r}")
+        if self.mode not in ("off", "chain", "tree", "static", "head", "ngram", "hybrid"):
+            raise ValueError(f"speculation mode must be off|chain|tree|static|head|ngram|hybrid, got {self.mode!r}")
         if not isinstance(self.ngram_branches, int) or not 1 <= self.ngram_branches <= 8:
             raise ValueError(f"ngram_branches must be an integer in 1..8, got {self.ngram_branches!r}")
         for name in ("num_draft_tokens", "tree_budget", "tree_topk", "tree_depth", "ngram_tokens"):

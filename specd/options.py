@@ -32,7 +32,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
         "--spec-mode",
         default="tree",
         help="default speculation: off | chain | tree | static (the draft model or feature head) | head (a tree "
-        "from the feature head) | ngram (prompt lookup, no draft model needed)",
+        "from the feature head) | ngram (prompt lookup, no draft model needed) | hybrid (the model's tree and "
+        "prompt lookup's branch verified as one tree)",
     )
     p.add_argument("--ngram-tokens", type=int, default=8, help="prompt lookup: draft tokens per continuation")
     p.add_argument(

@@ -4,10 +4,7 @@ following the target's distribution with a point-mass proposer, and per-proposer
 
 import random
 
-import numpy as np
 import pytest
-import torch
-from scipy.stats import chisquare
 
 from specd.config import EngineConfig, SchedulerConfig, SpecConfig
 from specd.engine.engine import Engine
@@ -16,7 +13,7 @@ from specd.engine.sequence import SpecParams
 from specd.speculation.ngram import NgramConfig, NgramIndex, trie
 from specd.speculation.suffix import SuffixConfig, SuffixStore
 from tests.conftest import DRAFT, TARGET
-from tests.test_spec_sampling import TEMP, TOPK, _target_probs
+from tests.test_spec_sampling import TEMP, TOPK, assert_follows, two_token_joint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 REPETITIVE = [
@@ -123,28 +120,13 @@ def test_sampled_prompt_lookup_follows_the_targets_distribution(shared_pair):
         target=t,
     )
     prompt = eng.tokenizer("Once upon a time, there was a girl. Once upon a time, there was a")["input_ids"]
-    p1 = _target_probs(t, prompt)
-    joint = {}
-    for x1 in torch.nonzero(p1).flatten().tolist():
-        p2 = _target_probs(t, prompt + [x1])
-        for x2 in torch.nonzero(p2).flatten().tolist():
-            joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    joint = two_token_joint(t, prompt)
     n = 2000
     # max_tokens 3: the first step may draft two tokens; the tiny model copies rarely (~5% accepted)
     params = [SamplingParams(temperature=TEMP, top_k=TOPK, seed=i, max_tokens=3, ignore_eos=True) for i in range(n)]
     seqs = eng.generate([prompt] * n, params, SpecParams(mode="ngram"))
     assert eng.stats.by_proposer["ngram"][2] > 0.03 * n  # drafts were really accepted
-    keys = sorted(joint)
-    counts = dict.fromkeys(keys, 0)
-    for s in seqs:
-        counts[tuple(s.output_ids[:2])] += 1  # a pair outside the target's support raises KeyError
-    obs = np.array([counts[k] for k in keys], dtype=float)
-    exp = np.array([joint[k] for k in keys]) * n
-    big = exp >= 5
-    obs_m, exp_m = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
-    exp_m *= obs_m.sum() / exp_m.sum()
-    assert chisquare(obs_m, exp_m).pvalue > 1e-3
-    assert 0.5 * np.abs(obs / n - exp / n).sum() < 0.07
+    assert_follows(joint, [s.output_ids for s in seqs], tv_bound=0.07)
     assert eng.kv_blocks_used() == (0, 0)
 
 

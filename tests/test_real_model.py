@@ -90,7 +90,7 @@ def check(engine, hf, texts: list, max_tokens: int) -> None:
         if ref != out[: len(ref)]:
             gap = _tie_gap(hf, ids, ref, out)
             assert gap < NEAR_TIE, f"specd and transformers differ where the target's top-2 gap is {gap}"
-    for mode in ("chain", "tree", "ngram"):
+    for mode in ("chain", "tree", "ngram", "hybrid"):
         for batch in (1, 4):
             got = []
             for i in range(0, len(prompts), batch):

@@ -26,6 +26,33 @@ def _target_probs(lm, tokens):
     return logits_to_probs(logits, torch.tensor([TEMP]), torch.tensor([TOPK]), torch.tensor([1.0]))[0].double()
 
 
+def two_token_joint(lm, prompt: list) -> dict:
+    """(x1, x2) -> the target's probability of sampling x1 then x2 after ``prompt`` (TEMP, TOPK)."""
+    p1, joint = _target_probs(lm, prompt), {}
+    for x1 in torch.nonzero(p1).flatten().tolist():
+        p2 = _target_probs(lm, prompt + [x1])
+        for x2 in torch.nonzero(p2).flatten().tolist():
+            joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    return joint
+
+
+def assert_follows(joint: dict, outputs: list, tv_bound: float) -> None:
+    """The outputs' first tokens against ``joint`` (token tuple -> probability under the target):
+    chi-square with cells under 5 expected pooled (p > 1e-3) and total variation below ``tv_bound``.
+    A prefix outside the target's support raises KeyError."""
+    n, keys = len(outputs), sorted(joint)
+    counts = dict.fromkeys(keys, 0)
+    for out in outputs:
+        counts[tuple(out[: len(keys[0])])] += 1
+    obs = np.array([counts[k] for k in keys], dtype=float)
+    exp = np.array([joint[k] for k in keys]) * n
+    big = exp >= 5
+    obs_m, exp_m = np.append(obs[big], obs[~big].sum()), np.append(exp[big], exp[~big].sum())
+    exp_m *= obs_m.sum() / exp_m.sum()
+    assert chisquare(obs_m, exp_m).pvalue > 1e-3
+    assert 0.5 * np.abs(obs / n - exp / n).sum() < tv_bound
+
+
 def test_sampled_tree_speculation_matches_target_joint_distribution(shared_pair):
     t, d = shared_pair
     eng = Engine(

@@ -35,6 +35,7 @@ from specd.engine.sequence import Sequence, SpecParams, SpecStats, Status
 from specd.engine.stages import TargetPass, WorkItem, kept_hidden, target_pass, verify
 from specd.engine.timings import StageTimings
 from specd.model.loader import LoadedModel
+from specd.speculation.hybrid import credit, merge
 from specd.speculation.policy import MODEL_MODES
 
 __all__ = ["Engine", "RequestError", "RequestOutput", "validate_request"]
@@ -248,12 +249,13 @@ class Engine:
 
     def _draft(self, scheduled: list) -> dict:
         """Proposals (request id -> Proposal) for the requests granted draft tokens: prompt lookup
-        for ``ngram`` requests, the draft model for the others. The draft cache of requests still in
-        prefill catches up (skipped for adaptive requests while speculation is off: they catch up in
-        one draft forward when they next draft)."""
+        for ``ngram`` requests, the model proposer for the others, and for ``hybrid`` ones (and
+        ``auto`` ones when the policy expects it to pay) both in one tree. The draft cache of
+        requests still in prefill catches up (skipped for adaptive requests while speculation is
+        off: they catch up in one draft forward when they next draft)."""
         pol = self.policy
         lazy_auto = pol.spec.adaptive and pol.last_depth == 0
-        catch, spec, out = [], [], {}
+        catch, spec, out, lookups = [], [], {}, {}
         for sc in scheduled:
             seq = sc.seq
             mode = pol.mode_of(seq)
@@ -264,35 +266,46 @@ class Engine:
             b = self._spec_budget(seq, sc.spec_budget) if sc.spec_budget > 0 else 0
             if b <= 0:
                 continue
-            if mode == "ngram":
-                prop = self.ngram.propose(seq, b)
-                if prop is not None:
-                    out[seq.request_id] = prop
-            elif self.drafter is not None:
-                shape = self.drafter.shape_for(mode, b, sc.spec_depth)
-                if shape is None:
-                    continue
-                prop = self._hybrid_choice(sc, b, shape.depth, len(scheduled))
-                if prop is not None:
-                    out[seq.request_id] = prop
-                else:
-                    spec.append((seq, shape))
+            shape, lookup = self._proposers(sc, mode, b, len(scheduled))
+            if shape is not None:
+                spec.append((seq, shape))
+                if lookup is not None:
+                    lookups[seq.request_id] = (lookup, b)
+            elif lookup is not None:
+                out[seq.request_id] = lookup
         if catch and self.drafter is not None:
             self.drafter.catch_up(catch)
         if spec and self.drafter is not None:
             out.update(self.drafter.propose(spec))
+        for rid, (lookup, b) in lookups.items():  # hybrid: the lookup's branches over the model's tree
+            out[rid] = merge(out[rid], lookup, b) if rid in out else lookup
         return out
 
-    def _hybrid_choice(self, sc, budget: int, depth: int, batch: int):
-        """An adaptive request that would draft with the model this step: its prompt-lookup
-        proposal instead when there is a match and the policy expects it to pay more; else None."""
+    def _proposers(self, sc, mode: str, budget: int, batch: int) -> tuple:
+        """(model draft Shape or None, lookup Proposal or None) for one request this step; both for
+        a hybrid tree, the lookup taking up to ``SpecConfig.ngram_tokens`` of the budget."""
         seq = sc.seq
-        if seq.spec.mode != "auto" or not self.policy.spec.adaptive:
-            return None
-        prop = self.ngram.propose(seq, budget)
-        if prop is None or not self.policy.prefer_ngram(seq, prop.tree.num_nodes - 1, depth, batch):
-            return None
-        return prop
+        if mode == "ngram" or self.drafter is None:
+            return None, self.ngram.propose(seq, budget) if mode == "ngram" else None
+        auto = seq.spec.mode == "auto" and self.policy.spec.adaptive
+        if mode != "hybrid" and not auto:
+            return self.drafter.shape_for(mode, budget, sc.spec_depth), None
+        shape = self.drafter.shape_for(mode, budget, sc.spec_depth)
+        if shape is None:
+            return None, None
+        if mode != "hybrid":  # an adaptive request: the model, prompt lookup, or both
+            alone = self.ngram.propose(seq, budget)
+            if alone is None:
+                return shape, None
+            if self.policy.prefer_ngram(seq, alone.tree.num_nodes - 1, shape.depth, batch):
+                return None, alone
+        lookup = self.ngram.propose(seq, min(self.policy.spec.ngram_tokens, budget // 2))
+        if lookup is None:
+            return shape, None
+        n = lookup.tree.num_nodes - 1
+        if mode != "hybrid" and not self.policy.hybrid_pays(seq, n, shape.depth, batch):
+            return shape, None
+        return self.drafter.shape_for(mode, budget - n, sc.spec_depth), lookup
 
     # accept, commit, emit ------------------------------------------------------------------------
     def _commit(self, tp: TargetPass, results: list, cps: dict) -> list:
@@ -334,7 +347,7 @@ class Engine:
             lps = token_logprobs(logits, rows, new, seq.params.logprobs)
             if seq.logprobs is not None:
                 seq.logprobs.extend(lps)
-        self._record(seq, w, accepted, len(new))
+        self._record(seq, w, res.accepted, len(new))
         if reason is not None:
             self._finish(seq, reason)
             self.ngram.finished(seq)
@@ -342,24 +355,26 @@ class Engine:
             self.ledger.register(seq)
         return RequestOutput(seq.request_id, new, text, reason is not None, reason, seq, logprobs=lps)
 
-    def _record(self, seq: Sequence, w: WorkItem, accepted: int, emitted: int) -> None:
-        """Speculation statistics (request and engine, by proposer) and the acceptance the policy
-        learns from (per proposer: the draft model's feeds the adaptive depth, prompt lookup's its
-        draft length)."""
+    def _record(self, seq: Sequence, w: WorkItem, accepted_nodes: list, emitted: int) -> None:
+        """Speculation statistics (request and engine, by proposer: a hybrid tree's accepted nodes
+        are credited to whoever proposed each) and the acceptance the policy learns from, per
+        proposer: the model's feeds the adaptive depth, prompt lookup's its draft length."""
         prop = w.proposal
         depth = prop.depth if prop is not None else 0
         drafted = w.tree.num_nodes - 1 if w.tree is not None else 0
-        name = prop.proposer if prop is not None else None
+        accepted = len(accepted_nodes)
+        parts = credit(prop, accepted_nodes) if prop is not None else None
         for st in (seq.stats, self.stats):
-            st.record(drafted, depth, accepted, name)
+            st.record(drafted, depth, accepted, parts)
             st.emitted_tokens += emitted
-        if not depth or prop is None:
+        if not depth or not parts:
             return
-        if prop.deterministic:  # prompt lookup or earlier requests
-            seq.ngram_accept = 0.7 * seq.ngram_accept + 0.3 * (accepted / depth)
-            return
-        seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (accepted / depth)
-        self.policy.note_accept(accepted / depth)
+        for name, (_, acc, deepest) in parts.items():
+            if name in ("ngram", "suffix"):  # prompt lookup or earlier requests
+                seq.ngram_accept = 0.7 * seq.ngram_accept + 0.3 * (acc / deepest)
+            else:
+                seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (acc / deepest)
+                self.policy.note_accept(acc / deepest)
 
     def _observe(self, sched: SchedulerOutput, timing: dict, t0: float, t2: float) -> None:
         """Feed the adaptive policy the costs of a clean pure-decode step (prefill would skew the fit)."""

@@ -22,7 +22,7 @@ class Status(enum.Enum):
 PRIORITIES = {"interactive": 0, "batch": 1}
 # per request: auto = the server's default; chain / tree = the draft model (or the feature head);
 # head = a tree drafted by the feature head; ngram = prompt lookup
-SPEC_MODES = ("auto", "off", "chain", "tree", "head", "ngram")
+SPEC_MODES = ("auto", "off", "chain", "tree", "head", "ngram", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -51,13 +51,16 @@ class SpecStats:
     accept_len_hist: list = field(default_factory=list)  # [a] steps that accepted exactly a drafts
     by_proposer: dict = field(default_factory=dict)  # proposer -> [steps, draft tokens, accepted tokens]
 
-    def record(self, num_drafted: int, depth: int, accepted: int, proposer: str | None = None) -> None:
+    def record(self, num_drafted: int, depth: int, accepted: int, proposer: str | dict | None = None) -> None:
+        """One verification step. ``proposer``: who drafted its tree, or for a hybrid tree a dict
+        (proposer -> [draft nodes, accepted tokens, ...]) splitting the step between them."""
         self.steps += 1
-        if proposer is not None:
-            row = self.by_proposer.setdefault(proposer, [0, 0, 0])
+        parts = {proposer: [num_drafted, accepted]} if isinstance(proposer, str) else proposer or {}
+        for name, (nodes, acc, *_) in parts.items():
+            row = self.by_proposer.setdefault(name, [0, 0, 0])
             row[0] += 1
-            row[1] += num_drafted
-            row[2] += accepted
+            row[1] += nodes
+            row[2] += acc
         if not depth and not accepted and self.accept_len_hist:  # a plain decode step (the common case)
             self.draft_tokens += num_drafted
             self.accept_len_hist[0] += 1

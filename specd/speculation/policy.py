@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from specd.config import SpecConfig
 from specd.engine.sequence import Sequence
 
-MODEL_MODES = ("chain", "tree", "static", "head")  # modes that draft with the draft model or feature head
+MODEL_MODES = ("chain", "tree", "static", "head", "hybrid")  # modes that draft with the draft model or feature head
 DECISION_REUSE_STEPS = 8  # a decision is reused while the batch's estimates are unchanged
 HOPELESS_REUSE_STEPS = 64  # "drafting cannot pay at this batch size" is trusted this long
 FIT_WINDOW = 64  # speculative steps in the least-squares cost fit
@@ -90,6 +90,12 @@ class CostFit:
         return max(sy / n - b * sx / n, 1e-6), b
 
 
+def _expected(a: float, d: int) -> float:
+    """Expected tokens of a step drafting a chain of ``d`` at per-token acceptance ``a``."""
+    a = min(max(a, 0.0), 0.999)
+    return (1 - a ** (d + 1)) / (1 - a)
+
+
 def expected_tokens(groups: collections.Counter, batch: int, dmax: int) -> list[float]:
     """``tot[d] = sum_i E(a_i, d)`` for d in 0..dmax, over acceptance ``groups`` (rounded estimate ->
     count), so the cost is O(distinct * dmax), not O(batch * dmax)."""
@@ -134,6 +140,8 @@ class SpecPolicy:
         m = seq.spec.mode
         if m == "auto":
             m = self.spec.mode
+        if m == "hybrid" and not self.has_draft:
+            return "ngram"  # no model proposer: prompt lookup alone
         if m in MODEL_MODES and not self.has_draft or m == "head" and not self.has_head:
             return "off"
         return m
@@ -147,6 +155,7 @@ class SpecPolicy:
             base = self.spec.ngram_tokens * self.spec.ngram_branches
         else:
             base = self.spec.num_draft_tokens if mode == "chain" else self.spec.tree_budget
+            base += self.spec.ngram_tokens if mode == "hybrid" else 0  # room for the lookup's branch
         if seq.spec.max_draft_tokens is not None:
             base = min(base, seq.spec.max_draft_tokens)
         return max(base, 0)
@@ -224,7 +233,9 @@ class SpecPolicy:
         if plan.depth is None or not auto or want <= 0:
             return want, 0
         depth = plan.depth
-        want = depth if self.mode_of(seq) == "chain" else min(self.spec.tree_budget, depth * self.spec.tree_topk)
+        mode = self.mode_of(seq)
+        want = depth if mode == "chain" else min(self.spec.tree_budget, depth * self.spec.tree_topk)
+        want += self.spec.ngram_tokens if mode == "hybrid" else 0
         if self.probing:
             want = 1 if seq is plan.probe else 0  # a probe drafts a single token for one request
         if seq.spec.max_draft_tokens is not None:
@@ -266,14 +277,28 @@ class SpecPolicy:
         def verify_cost(nodes: int) -> float:
             return max(t0 + tpt * batch * (1 + nodes), t_plain + tpt * batch * nodes)
 
-        def expected(a: float, d: int) -> float:
-            a = min(max(a, 0.0), 0.999)
-            return (1 - a ** (d + 1)) / (1 - a)
-
-        ngram_rate = expected(seq.ngram_accept, ngram_tokens) / verify_cost(ngram_tokens)
+        ngram_rate = _expected(seq.ngram_accept, ngram_tokens) / verify_cost(ngram_tokens)
         nodes = self.nodes_for_depth(model_depth)
-        model_rate = expected(seq.recent_accept, model_depth) / (verify_cost(nodes) + model_depth * self.t_draft)
+        model_rate = _expected(seq.recent_accept, model_depth) / (verify_cost(nodes) + model_depth * self.t_draft)
         return ngram_rate >= model_rate
+
+    def hybrid_pays(self, seq: Sequence, lookup_tokens: int, model_depth: int, batch: int) -> bool:
+        """For an adaptive request drafting with the model this step: is laying a prompt-lookup
+        branch (``lookup_tokens`` long) over the model's tree worth its verification? Expected
+        extra tokens assume the two are independent: the lookup branch adds what it would accept
+        alone whenever the model's first token is rejected."""
+        if self.t_target is None or self.t_draft is None or model_depth <= 0:
+            return False
+        t0, tpt, nodes = self.t_target, self.t_per_token, self.nodes_for_depth(model_depth)
+        t_plain, t_levels = self.t_plain.get(batch, t0), model_depth * self.t_draft
+
+        def cost(n: int) -> float:
+            return max(t0 + tpt * batch * (1 + n), t_plain + tpt * batch * n) + t_levels
+
+        a_m = min(max(seq.recent_accept, 0.0), 0.999)
+        e_model = _expected(a_m, model_depth)
+        e_hybrid = e_model + (_expected(seq.ngram_accept, lookup_tokens) - 1) * (1 - a_m)
+        return e_hybrid / cost(nodes + lookup_tokens) > e_model / cost(nodes)
 
     def choose_depth(self, alphas: list) -> int:
         """Draft depth maximising expected tokens/s of the step (0 = no speculation). While the

@@ -21,10 +21,12 @@ class Proposal:
     tree: DraftTree
     draft_probs: torch.Tensor | None
     depth: int
-    proposer: str = (
-        "draft"  # draft (the draft model) | head (feature head) | ngram (prompt lookup) | suffix (earlier requests)
-    )
+    # draft (the draft model) | head (feature head) | ngram (prompt lookup) | suffix (earlier requests)
+    # | hybrid (several of them in one tree: ``node_proposers`` says who proposed each node)
+    proposer: str = "draft"
+    node_proposers: list | None = None
 
     @property
     def deterministic(self) -> bool:
-        return self.proposer in ("ngram", "suffix")
+        """Verified as a chosen tree: model-free proposals, and hybrid trees (specd.speculation.hybrid)."""
+        return self.proposer in ("ngram", "suffix", "hybrid")
