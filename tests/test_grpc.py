@@ -133,8 +133,8 @@ def rpc_error(fn) -> grpc.RpcError:
 
 @pytest.mark.parametrize(
     "mode",
-    [pb.SPECULATION_MODE_UNSPECIFIED, pb.SPECULATION_MODE_CHAIN, pb.SPECULATION_MODE_OFF],
-    ids=["auto", "chain", "off"],
+    [pb.SPECULATION_MODE_UNSPECIFIED, pb.SPECULATION_MODE_CHAIN, pb.SPECULATION_MODE_OFF, pb.SPECULATION_MODE_HYBRID],
+    ids=["auto", "chain", "off", "hybrid"],
 )
 def test_greedy_stream_matches_engine_generate(ref_engine, daemon, stub, mode):
     ids = ref_engine.tokenizer(PROMPT)["input_ids"]
@@ -142,6 +142,7 @@ def test_greedy_stream_matches_engine_generate(ref_engine, daemon, stub, mode):
         pb.SPECULATION_MODE_UNSPECIFIED: "auto",
         pb.SPECULATION_MODE_CHAIN: "chain",
         pb.SPECULATION_MODE_OFF: "off",
+        pb.SPECULATION_MODE_HYBRID: "hybrid",
     }[mode]
     ref = off_main_thread(
         ref_engine.generate,

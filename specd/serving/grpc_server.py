@@ -62,6 +62,9 @@ _MODE = {
     pb.SPECULATION_MODE_OFF: "off",
     pb.SPECULATION_MODE_CHAIN: "chain",
     pb.SPECULATION_MODE_TREE: "tree",
+    pb.SPECULATION_MODE_HEAD: "head",
+    pb.SPECULATION_MODE_NGRAM: "ngram",
+    pb.SPECULATION_MODE_HYBRID: "hybrid",
 }
 _ids = itertools.count()
 _INSTANCE = uuid.uuid4().hex[:6]

@@ -20,6 +20,9 @@ class SpeculationMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_MODE_OFF: _ClassVar[SpeculationMode]
     SPECULATION_MODE_CHAIN: _ClassVar[SpeculationMode]
     SPECULATION_MODE_TREE: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_HEAD: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_NGRAM: _ClassVar[SpeculationMode]
+    SPECULATION_MODE_HYBRID: _ClassVar[SpeculationMode]
 PRIORITY_UNSPECIFIED: Priority
 PRIORITY_INTERACTIVE: Priority
 PRIORITY_BATCH: Priority
@@ -28,6 +31,9 @@ SPECULATION_MODE_AUTO: SpeculationMode
 SPECULATION_MODE_OFF: SpeculationMode
 SPECULATION_MODE_CHAIN: SpeculationMode
 SPECULATION_MODE_TREE: SpeculationMode
+SPECULATION_MODE_HEAD: SpeculationMode
+SPECULATION_MODE_NGRAM: SpeculationMode
+SPECULATION_MODE_HYBRID: SpeculationMode
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
