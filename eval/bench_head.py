@@ -13,6 +13,7 @@ import argparse
 import collections
 import json
 import time
+from pathlib import Path
 
 from eval import harness as H
 
@@ -26,6 +27,7 @@ METHODS = {
     "draft-tree": ("draft", "tree"),
     "ngram": ("head", "ngram"),  # prompt lookup alone (no suffix store: every method sees the same history)
     "head-hybrid": ("head", "hybrid"),  # the head's tree and prompt lookup's branch in one verification
+    "auto": ("auto", "auto"),  # the adaptive policy (head, lookup, both or nothing, sized per step)
 }
 
 
@@ -42,6 +44,7 @@ def parse_args(argv=None):
     ap.add_argument("--tree-budget", type=int, default=16)
     ap.add_argument("--tree-topk", type=int, default=4)
     ap.add_argument("--tree-depth", type=int, default=6)
+    ap.add_argument("--out", default=None, help="folder for results.json and speedup.png")
     return ap.parse_args(argv)
 
 
@@ -55,31 +58,37 @@ def questions(cats: list, per: int) -> dict:
 
 
 def build(a) -> dict:
-    """{"head": engine with the head, "draft": engine with the draft}, sharing one loaded target."""
+    """{"head": fixed shapes with the head, "draft": with the draft model, "auto": the head with the
+    adaptive policy}, sharing one loaded target."""
     from specd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
     from specd.engine.engine import Engine
     from specd.model import builtin
 
-    spec = SpecConfig(
-        adaptive=False,
-        num_draft_tokens=a.chain,
-        tree_budget=a.tree_budget,
-        tree_topk=a.tree_topk,
-        tree_depth=a.tree_depth,
-        suffix_store=False,
-    )
-    common = dict(
-        target=str(builtin.builtin_gguf()),
-        dtype=a.dtype,
-        cache=CacheConfig(num_blocks=1024),
-        spec=spec,
-        scheduler=SchedulerConfig(enable_prefix_cache=False),
-    )
-    head = a.head or builtin.head_path()
-    eh = Engine(EngineConfig(head=str(head), **common))  # type: ignore[arg-type]
-    draft = builtin.draft_path()
-    ed = Engine(EngineConfig(draft=str(draft), **common), target=eh.target)  # type: ignore[arg-type]
-    return {"head": eh, "draft": ed}
+    shapes = dict(num_draft_tokens=a.chain, tree_budget=a.tree_budget, tree_topk=a.tree_topk, tree_depth=a.tree_depth)
+    target = None
+
+    def engine(adaptive: bool, **model) -> Engine:
+        nonlocal target
+        cfg = EngineConfig(
+            target=str(builtin.builtin_gguf()),
+            dtype=a.dtype,
+            cache=CacheConfig(num_blocks=1024),
+            spec=SpecConfig(adaptive=adaptive, suffix_store=False, **shapes),  # type: ignore[arg-type]
+            scheduler=SchedulerConfig(enable_prefix_cache=False),
+            **model,
+        )
+        e = Engine(cfg, target=target)
+        target = e.target
+        return e
+
+    head = str(a.head or builtin.head_path())
+    make = {
+        "head": lambda: engine(False, head=head),
+        "draft": lambda: engine(False, draft=str(builtin.draft_path())),
+        "auto": lambda: engine(True, head=head),
+    }
+    wanted = {"head"} | {METHODS[m][0] for m in a.methods.split(",")}
+    return {name: make[name]() for name in make if name in wanted}
 
 
 def _one(eng, ids: list, mode: str, params) -> tuple:
@@ -158,7 +167,35 @@ def main(argv=None) -> int:
     print(f"`{meta['command']}`; {meta['date']}; commit {meta['git_commit']}; CPU {meta['cpu']}; "
           f"{a.threads} thread(s); dtype {engines['head'].target.dtype}; {json.dumps(meta['versions'])}\n")  # fmt: skip
     print("\n".join(table(res, methods)))
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.json").write_text(json.dumps({"meta": meta, "methods": methods, "results": res}, indent=1))
+        print(f"wrote {plot(res, methods, out / 'speedup.png', meta)}")
     return 0
+
+
+def plot(res: dict, methods: list, path, meta: dict):
+    """Per category: speedup over plain by CPU time (left) and mean accepted length (right), per method."""
+    from eval import common as C
+
+    plt = C._plt()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    cats = list(res)
+    w = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        xs = [x + i * w for x in range(len(cats))]
+        base = [res[c][methods[0]][0] / res[c][methods[0]][6] for c in cats]
+        axes[0].bar(xs, [res[c][m][0] / res[c][m][6] / b for c, b in zip(cats, base)], w, label=m)
+        axes[1].bar(xs, [1 + res[c][m][3] / max(1, res[c][m][2]) for c in cats], w, label=m)
+    for ax, label in zip(axes, (f"speedup over {methods[0]} (tokens per CPU-second)", "mean accepted length")):
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xticks([x + 0.4 - w / 2 for x in range(len(cats))])
+        ax.set_xticklabels(cats, fontsize=8)
+        ax.set_ylabel(label)
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(f"built-in model, {meta['cpu']}, {meta['date']}", fontsize=9)
+    return C._save(fig, path)
 
 
 if __name__ == "__main__":

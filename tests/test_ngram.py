@@ -146,6 +146,22 @@ def test_adaptive_requests_choose_a_proposer_per_step_and_stay_lossless(shared_p
     assert eng.kv_blocks_used() == (0, 0)
 
 
+def test_adaptive_requests_keep_prompt_lookup_while_the_model_does_not_pay(shared_pair, monkeypatch):
+    """When the policy turns model drafting off (depth 0), ``auto`` requests still draft with prompt
+    lookup, which costs nothing to propose (``LOOKUP_ONLY``); output stays identical to plain."""
+    t, d = shared_pair
+    spec = SpecConfig(mode="tree", adaptive=True, suffix_store=False)
+    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=spec), t, d)
+    monkeypatch.setattr(eng.policy, "choose_depth", lambda alphas: 0)  # the model never pays here
+    prompts = _ids(eng, REPETITIVE)
+    plain = [s.output_ids for s in eng.generate(prompts, GREEDY, SpecParams(mode="off"))]
+    eng.stats.by_proposer.clear()
+    for p, want in zip(prompts, plain):
+        assert eng.generate([p], GREEDY, SpecParams(mode="auto"))[0].output_ids == want
+    assert set(eng.stats.by_proposer) == {"ngram"} and eng.stats.by_proposer["ngram"][2] > 0
+    assert eng.kv_blocks_used() == (0, 0)
+
+
 def test_the_policy_prefers_the_proposal_with_more_tokens_per_second(shared_pair):
     t, d = shared_pair
     eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)

@@ -36,7 +36,7 @@ from specd.engine.stages import TargetPass, WorkItem, kept_hidden, target_pass, 
 from specd.engine.timings import StageTimings
 from specd.model.loader import LoadedModel
 from specd.speculation.hybrid import credit, merge
-from specd.speculation.policy import MODEL_MODES
+from specd.speculation.policy import LOOKUP_ONLY, MODEL_MODES
 
 __all__ = ["Engine", "RequestError", "RequestOutput", "validate_request"]
 
@@ -285,6 +285,8 @@ class Engine:
         """(model draft Shape or None, lookup Proposal or None) for one request this step; both for
         a hybrid tree, the lookup taking up to ``SpecConfig.ngram_tokens`` of the budget."""
         seq = sc.seq
+        if sc.spec_depth == LOOKUP_ONLY:  # an adaptive request while the model does not pay
+            return None, self.ngram.propose(seq, budget)
         if mode == "ngram" or self.drafter is None:
             return None, self.ngram.propose(seq, budget) if mode == "ngram" else None
         auto = seq.spec.mode == "auto" and self.policy.spec.adaptive

@@ -37,7 +37,7 @@ class Scheduled:
     num_tokens: int  # committed tokens processed this step (prefill chunk; 1 = the pending token)
     final: bool  # the chunk reaches the pending token: logits are computed and tokens emitted
     spec_budget: int  # draft tokens allowed (0 = no speculation this step)
-    spec_depth: int = 0  # tree depth allowed (0 = the configured depth)
+    spec_depth: int = 0  # tree depth allowed (0 = the configured depth; LOOKUP_ONLY: prompt lookup only)
 
 
 @dataclass

@@ -38,6 +38,7 @@ from specd.config import SpecConfig
 from specd.engine.sequence import Sequence
 
 MODEL_MODES = ("chain", "tree", "static", "head", "hybrid")  # modes that draft with the draft model or feature head
+LOOKUP_ONLY = -1  # a budget's depth: this step, prompt lookup only (the model proposer does not pay now)
 DECISION_REUSE_STEPS = 8  # a decision is reused while the batch's estimates are unchanged
 HOPELESS_REUSE_STEPS = 64  # "drafting cannot pay at this batch size" is trusted this long
 FIT_WINDOW = 64  # speculative steps in the least-squares cost fit
@@ -227,8 +228,9 @@ class SpecPolicy:
         if self.mode_of(seq) == "ngram":
             return self.ngram_budget(seq, plan.batch), 0
         auto = seq.spec.mode == "auto"
-        if plan.depth == 0 and not self.probing and auto:
-            return 0, 0  # speculation off for adaptive requests this step (the common case at load)
+        if plan.depth == 0 and not self.probing and auto:  # the model does not pay this step: free lookup only
+            n = self.ngram_budget(seq, plan.batch, self.spec.ngram_tokens * self.spec.ngram_branches)
+            return (n, LOOKUP_ONLY) if n > 0 else (0, 0)
         want = self.desired_budget(seq)
         if plan.depth is None or not auto or want <= 0:
             return want, 0
@@ -242,13 +244,16 @@ class SpecPolicy:
             want = min(want, seq.spec.max_draft_tokens)
         return want, depth
 
-    def ngram_budget(self, seq: Sequence, batch: int) -> int:
+    def ngram_budget(self, seq: Sequence, batch: int, want: int | None = None) -> int:
         """Prompt-lookup draft tokens for ``seq``: the length that maximises expected tokens per
         second at its acceptance (drafting itself costs nothing; verifying each token does), capped
-        by its mode's budget. A step with no n-gram match drafts nothing, whatever is reserved.
-        While nothing pays (or with adaptive speculation off: always) the full budget is kept on
-        every ``probe_every``-th step so the estimate stays current."""
-        want = self.desired_budget(seq)
+        by ``want`` (default: its mode's budget). A step with no n-gram match drafts nothing,
+        whatever is reserved. While nothing pays (or with adaptive speculation off: always) the
+        full budget is kept on every ``probe_every``-th step so the estimate stays current."""
+        if want is None:
+            want = self.desired_budget(seq)
+        elif seq.spec.max_draft_tokens is not None:
+            want = min(want, seq.spec.max_draft_tokens)
         t_plain = self.t_plain.get(batch)
         if not self.spec.adaptive or want <= 0 or self.t_target is None or t_plain is None:
             return want
