@@ -37,6 +37,7 @@ from specd.engine.timings import StageTimings
 from specd.model.loader import LoadedModel
 from specd.speculation.hybrid import credit, merge
 from specd.speculation.policy import LOOKUP_ONLY, MODEL_MODES
+from specd.speculation.proposal import CHOSEN
 
 __all__ = ["Engine", "RequestError", "RequestOutput", "validate_request"]
 
@@ -290,11 +291,9 @@ class Engine:
         if mode == "ngram" or self.drafter is None:
             return None, self.ngram.propose(seq, budget) if mode == "ngram" else None
         auto = seq.spec.mode == "auto" and self.policy.spec.adaptive
-        if mode != "hybrid" and not auto:
-            return self.drafter.shape_for(mode, budget, sc.spec_depth), None
         shape = self.drafter.shape_for(mode, budget, sc.spec_depth)
-        if shape is None:
-            return None, None
+        if shape is None or mode != "hybrid" and not auto:
+            return shape, None
         if mode != "hybrid":  # an adaptive request: the model, prompt lookup, or both
             alone = self.ngram.propose(seq, budget)
             if alone is None:
@@ -372,7 +371,7 @@ class Engine:
         if not depth or not parts:
             return
         for name, (_, acc, deepest) in parts.items():
-            if name in ("ngram", "suffix"):  # prompt lookup or earlier requests
+            if name in CHOSEN:  # prompt lookup or earlier requests
                 seq.ngram_accept = 0.7 * seq.ngram_accept + 0.3 * (acc / deepest)
             else:
                 seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (acc / deepest)

@@ -45,18 +45,8 @@ def merge(first: Proposal, second: Proposal, budget: int) -> Proposal:
             children.append({})
             children[up][tok] = node
         where.append(node)
-    tree, owners = _breadth_first(tokens, parents, owners)
-    return Proposal(tree, None, tree.max_depth, proposer="hybrid", node_proposers=owners)
-
-
-def _breadth_first(tokens: list, parents: list, owners: list) -> tuple[DraftTree, list]:
-    depth = [0] * len(tokens)
-    for i in range(1, len(tokens)):
-        depth[i] = depth[parents[i]] + 1
-    order = sorted(range(len(tokens)), key=lambda i: (depth[i], i))
-    new = {old: k for k, old in enumerate(order)}
-    tree = DraftTree([tokens[i] for i in order], [-1] + [new[parents[i]] for i in order[1:]], validate=False)
-    return tree, [owners[i] for i in order]
+    tree, order = DraftTree.breadth_first(tokens, parents)
+    return Proposal(tree, None, tree.max_depth, proposer="hybrid", node_proposers=[owners[i] for i in order])
 
 
 def credit(prop: Proposal, accepted_nodes: list) -> dict:

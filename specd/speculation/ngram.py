@@ -106,12 +106,7 @@ def trie(root: int, continuations: list, budget: int) -> DraftTree:
                 tokens.append(t)
                 parents.append(node)
             node = nxt
-    depth = [0] * len(tokens)
-    for i in range(1, len(tokens)):
-        depth[i] = depth[parents[i]] + 1
-    order = sorted(range(len(tokens)), key=lambda i: (depth[i], i))
-    new = {old: k for k, old in enumerate(order)}
-    return DraftTree([tokens[i] for i in order], [-1] + [new[parents[i]] for i in order[1:]], validate=False)
+    return DraftTree.breadth_first(tokens, parents)[0]
 
 
 class NgramProposer:

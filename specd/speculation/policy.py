@@ -258,16 +258,22 @@ class SpecPolicy:
         if not self.spec.adaptive or want <= 0 or self.t_target is None or t_plain is None:
             return want
         a = min(max(seq.ngram_accept, 0.0), 0.999)
-        t0, tpt = self.t_target, self.t_per_token
         best, best_d, e = 1.0 / t_plain, 0, 1.0
         for d in range(1, want + 1):
             e += a**d
-            rate = e / max(t0 + tpt * batch * (1 + d), t_plain + tpt * batch * d)
+            rate = e / self._verify_cost(d, batch, t_plain)
             if rate > best * 1.02:
                 best, best_d = rate, d
         if best_d == 0 and self.step % self.probe_min == 0:
             return want
         return best_d
+
+    def _verify_cost(self, nodes: int, batch: int, t_plain: float) -> float:
+        """Seconds of a target step verifying ``nodes`` draft tokens per request at ``batch``: the
+        cost fit, never below the measured plain step plus the extra tokens."""
+        assert self.t_target is not None
+        tpt = self.t_per_token
+        return max(self.t_target + tpt * batch * (1 + nodes), t_plain + tpt * batch * nodes)
 
     def prefer_ngram(self, seq: Sequence, ngram_tokens: int, model_depth: int, batch: int) -> bool:
         """For an adaptive request that could draft with either proposer this step: is the prompt
@@ -276,16 +282,11 @@ class SpecPolicy:
         verification of the proposal's tokens (measured), plus the draft levels for the model."""
         if self.t_target is None or self.t_draft is None or model_depth <= 0:
             return True  # nothing measured yet (or the model would not draft): the free proposal
-        t0, tpt = self.t_target, self.t_per_token
-        t_plain = self.t_plain.get(batch, t0)
-
-        def verify_cost(nodes: int) -> float:
-            return max(t0 + tpt * batch * (1 + nodes), t_plain + tpt * batch * nodes)
-
-        ngram_rate = _expected(seq.ngram_accept, ngram_tokens) / verify_cost(ngram_tokens)
+        t_plain = self.t_plain.get(batch, self.t_target)
+        ngram_rate = _expected(seq.ngram_accept, ngram_tokens) / self._verify_cost(ngram_tokens, batch, t_plain)
         nodes = self.nodes_for_depth(model_depth)
-        model_rate = _expected(seq.recent_accept, model_depth) / (verify_cost(nodes) + model_depth * self.t_draft)
-        return ngram_rate >= model_rate
+        model_cost = self._verify_cost(nodes, batch, t_plain) + model_depth * self.t_draft
+        return ngram_rate >= _expected(seq.recent_accept, model_depth) / model_cost
 
     def hybrid_pays(self, seq: Sequence, lookup_tokens: int, model_depth: int, batch: int) -> bool:
         """For an adaptive request drafting with the model this step: is laying a prompt-lookup
@@ -294,11 +295,11 @@ class SpecPolicy:
         alone whenever the model's first token is rejected."""
         if self.t_target is None or self.t_draft is None or model_depth <= 0:
             return False
-        t0, tpt, nodes = self.t_target, self.t_per_token, self.nodes_for_depth(model_depth)
-        t_plain, t_levels = self.t_plain.get(batch, t0), model_depth * self.t_draft
+        nodes, t_plain = self.nodes_for_depth(model_depth), self.t_plain.get(batch, self.t_target)
+        t_levels = model_depth * self.t_draft
 
         def cost(n: int) -> float:
-            return max(t0 + tpt * batch * (1 + n), t_plain + tpt * batch * n) + t_levels
+            return self._verify_cost(n, batch, t_plain) + t_levels
 
         a_m = min(max(seq.recent_accept, 0.0), 0.999)
         e_model = _expected(a_m, model_depth)

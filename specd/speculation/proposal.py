@@ -8,6 +8,8 @@ import torch
 
 from specd.speculation.tree import DraftTree
 
+CHOSEN = ("ngram", "suffix")  # model-free proposers: their children are chosen (a point mass), not drawn
+
 
 @dataclass
 class Proposal:
@@ -29,4 +31,4 @@ class Proposal:
     @property
     def deterministic(self) -> bool:
         """Verified as a chosen tree: model-free proposals, and hybrid trees (specd.speculation.hybrid)."""
-        return self.proposer in ("ngram", "suffix", "hybrid")
+        return self.proposer in CHOSEN or self.proposer == "hybrid"

@@ -125,6 +125,18 @@ class DraftTree:
         ``0 <= parents[i] < i`` (parents precede children)."""
         return cls(tokens, parents, validate=True)
 
+    @classmethod
+    def breadth_first(cls, tokens: list, parents: list) -> tuple[DraftTree, list[int]]:
+        """A tree from nodes numbered in any parents-first order, renumbered breadth-first (by depth,
+        then by the given order), and ``order``: the given index of each new node."""
+        depth = [0] * len(tokens)
+        for i in range(1, len(tokens)):
+            depth[i] = depth[parents[i]] + 1
+        order = sorted(range(len(tokens)), key=lambda i: (depth[i], i))
+        new = {old: k for k, old in enumerate(order)}
+        tree = cls([tokens[i] for i in order], [-1] + [new[parents[i]] for i in order[1:]], validate=False)
+        return tree, order
+
     # ------------------------------------------------------------------ python views
     @property
     def num_nodes(self) -> int:
