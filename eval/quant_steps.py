@@ -20,11 +20,12 @@ PROMPTS = ["The capital of France is a city that", "Write a short poem about the
 
 
 def forward_ms(lm, rows: int, reps: int = 15) -> float:
-    """Median ms of one target forward of ``rows`` new tokens after a 32-token context."""
+    """Median ms of one target forward of ``rows`` new tokens after a 32-token context, with the
+    attention backend the engine picks here (on a CPU with the kernel: the fused layers)."""
     import torch
 
     from specd.engine.kv_cache import KVCache
-    from specd.model.attention import build_metadata
+    from specd.model.attention import build_metadata, get_backend
 
     c, m = lm.config, lm.model
     cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 8, 16, lm.dtype, torch.device("cpu"))
@@ -32,10 +33,11 @@ def forward_ms(lm, rows: int, reps: int = 15) -> float:
     seq.reserve(32 + rows)
     meta = build_metadata([rows], [32], [seq.blocks], seq.slots(32, 32 + rows), 16, torch.device("cpu"))
     ids, pos = torch.randint(0, c.vocab_size, (rows,)), torch.arange(32, 32 + rows)
+    backend = get_backend("auto", torch.device("cpu"))
     times = []
     for _ in range(reps + 2):
         t0 = time.perf_counter()
-        m.compute_logits(m(ids, pos, cache.kv, meta))
+        m.compute_logits(m(ids, pos, cache.kv, meta, backend))
         times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times[2:])
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from specd.config import ModelConfig
 from specd.model.attention import AttentionMetadata, TorchAttention
+from specd.model.fused import fused_layers
 from specd.model.quant import QuantLinear, addmm, embedding, linear
 
 
@@ -222,6 +223,10 @@ class LlamaModel(nn.Module):
                 return x * (x * x).mean(-1, keepdim=True).add_(eps).rsqrt_() * w
             return _rms(x, w, eps)
 
+        fused = fused_layers(self, backend, kv, x)
+        if fused is not None:  # a quantized model on a CPU: one C call per layer (specd.model.fused)
+            fused.run(x, positions, kv, meta, backend, capture)
+            return norm(x, norm_w)
         for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
             qkv = linear(norm(_capture(capture, i, x), w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
             qk = qkv[:, :nqk].reshape(T, H + KVH, D)

@@ -24,6 +24,8 @@
 #include <string.h>
 #include <math.h>
 
+#include <vector>
+
 #define PF_ROWS 8  // software prefetch distance in weight rows
 
 static inline float hsum8(__m256 v) {
@@ -337,6 +339,105 @@ static void gemm_q8(const int8_t* qx, const float* dx, int64_t M, int64_t K, con
     }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// The interleaved ("x8") layout for int8 activations: output rows in tiles of 8 (zero rows pad the
+// last tile), and within a tile, per 32-block of k, 8 steps of 4 consecutive k for the 8 rows, so one
+// 32-byte vector holds 4 weights for each of 8 output rows and a broadcast of 4 activation bytes
+// multiplies all 8 rows at once (maddubs): the 8 outputs stay in the 8 lanes of one accumulator (no
+// horizontal sums), and an int4 block's 8 steps sum in int16 before one widening (|sum| <= 8 * 2 *
+// 15 * 127 < 2^15). A tile's weights are read once per call and kept in L1 for the next rows.
+//   int4: per (tile, block) 128 bytes, vector v (0..3) byte 4c + i: low nibble code[8t + c][32b + 4v + i],
+//         high nibble code[8t + c][32b + 16 + 4v + i]
+//   int8: per (tile, block) 256 bytes, vector s (0..7) byte 4c + i: q[8t + c][32b + 4s + i]
+//   scale, min: fp32 [tiles, K/32, 8] (a group of G > 32 repeated per block)
+// A row's outputs: per block in order, acc = fma(float(isum), dw * dx, acc) then (int4 with mins)
+// acc = fma(min, xsum_block, acc), xsum_block the fp32 sum of the row's 32 activations: the same ops
+// for every row whatever M is, so a row's result depends on that row alone.
+static inline __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+template <bool INT4, int R>
+static inline void x8_tile(const int8_t* qx, const float* dx, const float* xs, int64_t K, const uint8_t* w,
+                           const float* sc, const float* mn, __m256* acc) {
+    const int64_t nbk = K / 32;
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nbk; b++) {
+        __m256i is[R];
+        for (int r = 0; r < R; r++) is[r] = _mm256_setzero_si256();
+        const int8_t* xb = qx + 32 * b;
+        if (INT4) {
+            const uint8_t* wb = w + 128 * b;
+            for (int v = 0; v < 4; v++) {
+                const __m256i W = _mm256_loadu_si256((const __m256i*)(wb + 32 * v));
+                const __m256i lo = _mm256_and_si256(W, mask), hi = _mm256_and_si256(_mm256_srli_epi16(W, 4), mask);
+                for (int r = 0; r < R; r++) {
+                    is[r] = _mm256_add_epi16(is[r], _mm256_maddubs_epi16(lo, bcast4(xb + r * K + 4 * v)));
+                    is[r] = _mm256_add_epi16(is[r], _mm256_maddubs_epi16(hi, bcast4(xb + r * K + 16 + 4 * v)));
+                }
+            }
+            for (int r = 0; r < R; r++) is[r] = _mm256_madd_epi16(is[r], ones);
+        } else {
+            const uint8_t* wb = w + 256 * b;
+            for (int s = 0; s < 8; s++) {
+                const __m256i W = _mm256_loadu_si256((const __m256i*)(wb + 32 * s));
+                const __m256i aw = _mm256_sign_epi8(W, W);
+                for (int r = 0; r < R; r++) {
+                    const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(xb + r * K + 4 * s), W));
+                    is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+        const __m256 dw = _mm256_loadu_ps(sc + 8 * b);
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dw, _mm256_broadcast_ss(dx + r * nbk + b)),
+                                     acc[r]);
+        if (INT4 && mn) {
+            const __m256 mv = _mm256_loadu_ps(mn + 8 * b);
+            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xs + r * nbk + b), acc[r]);
+        }
+    }
+}
+
+#define X8_RB 4  // rows of x per pass over a tile (4 int accumulators + 4 fp32 accumulators + weights)
+
+template <bool INT4>
+static void gemm_x8(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K, const uint8_t* w,
+                    const float* scale, const float* mins, int64_t N, const float* add, const float* bias, float* y) {
+    const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < NT; t++) {
+        const uint8_t* wt = w + t * tile_bytes;
+        const float* st = scale + t * nbk * 8;
+        const float* mt = mins ? mins + t * nbk * 8 : nullptr;
+        const int64_t n0 = 8 * t, nc = N - n0 < 8 ? N - n0 : 8;
+        __m256 acc[X8_RB];
+        alignas(32) float out[8];
+        for (int64_t m0 = 0; m0 < M; m0 += X8_RB) {
+            const int64_t r = M - m0 < X8_RB ? M - m0 : X8_RB;
+            const int8_t* xm = qx + m0 * K;
+            const float *dm = dx + m0 * nbk, *sm = xs + m0 * nbk;
+            if (r == 4) x8_tile<INT4, 4>(xm, dm, sm, K, wt, st, mt, acc);
+            else if (r == 3) x8_tile<INT4, 3>(xm, dm, sm, K, wt, st, mt, acc);
+            else if (r == 2) x8_tile<INT4, 2>(xm, dm, sm, K, wt, st, mt, acc);
+            else x8_tile<INT4, 1>(xm, dm, sm, K, wt, st, mt, acc);
+            for (int64_t i = 0; i < r; i++) {
+                const int64_t m = m0 + i;
+                _mm256_store_ps(out, acc[i]);
+                for (int64_t j = 0; j < nc; j++) {
+                    float v = out[j];
+                    if (bias) v += bias[n0 + j];
+                    if (add) v += add[m * N + n0 + j];
+                    y[m * N + n0 + j] = v;
+                }
+            }
+        }
+    }
+}
+
 static void group_sums(const float* x, int64_t M, int64_t K, int64_t G, float* xsum) {
     const int64_t ng = K / G;
     for (int64_t m = 0; m < M; m++)
@@ -546,6 +647,164 @@ static void pack_kt(const float* kb, int64_t L, int64_t KVH, int64_t D, float* K
     }
 }
 
+// ---------------------------------------------------------------------------------------------------
+// One decoder layer of a quantized Llama-family model in one call (``specd.model.fused``): the ~60
+// small torch ops of a layer cost more than its matmuls at decode widths. Every step is row-wise
+// (RMSNorm, RoPE, SiLU), row-independent (the quantized matmuls above) or the row-at-a-time
+// attention above, so a row's result depends on that row alone, as on the op-by-op path.
+struct Lin {  // one projection: kind 0 int8 / 1 int4 (fp32 activations), 2 int8 / 3 int4 (x8 layout, int8 act.)
+    int64_t kind, N, K, G, Kin;  // K: the padded row length (a multiple of 32), Kin <= K: x's row length
+    const void* w;
+    const float* scale;
+    const float* mins;
+    const float* bias;
+};
+
+// y = x @ W^T (+ bias) (+ add); add may alias y
+static void lin(const Lin& L, const float* x, int64_t M, const float* add, float* y, std::vector<float>& fs,
+                std::vector<int8_t>& qs, std::vector<float>& xp) {
+    const int64_t K = L.K, nbk = K / 32;
+    if (L.Kin != K) {  // zero-pad the rows to K
+        xp.assign(M * K, 0.f);
+        for (int64_t m = 0; m < M; m++) memcpy(xp.data() + m * K, x + m * L.Kin, L.Kin * sizeof(float));
+        x = xp.data();
+    }
+    if (L.kind >= 2) {
+        fs.resize(2 * M * nbk);
+        qs.resize(M * K);
+        float *xs = fs.data(), *dx = xs + M * nbk;
+        if (L.kind == 3 && L.mins) group_sums(x, M, K, 32, xs);
+        quantize_q8(x, M, K, qs.data(), dx);
+        if (L.kind == 3)
+            gemm_x8<true>(qs.data(), dx, xs, M, K, (const uint8_t*)L.w, L.scale, L.mins, L.N, add, L.bias, y);
+        else
+            gemm_x8<false>(qs.data(), dx, xs, M, K, (const uint8_t*)L.w, L.scale, nullptr, L.N, add, L.bias, y);
+    } else if (L.kind == 1) {
+        fs.resize(M * (K / L.G));
+        if (L.mins) group_sums(x, M, K, L.G, fs.data());
+        gemm<true>(x, M, K, L.w, L.scale, L.mins, L.N, L.G, add, L.bias, y, fs.data());
+    } else {
+        gemm<false>(x, M, K, L.w, L.scale, nullptr, L.N, L.G, add, L.bias, y, nullptr);
+    }
+}
+
+// h = x * rsqrt(mean(x^2) + eps) * w, row by row (the sum of squares per 8 lanes, then the lanes)
+static void rms_rows(const float* x, int64_t T, int64_t d, const float* w, float eps, float* h) {
+    for (int64_t t = 0; t < T; t++) {
+        const float* xr = x + t * d;
+        __m256 s = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= d; k += 8) {
+            const __m256 v = _mm256_loadu_ps(xr + k);
+            s = _mm256_fmadd_ps(v, v, s);
+        }
+        float ss = hsum8(s);
+        for (; k < d; k++) ss += xr[k] * xr[k];
+        const float r = 1.0f / sqrtf(ss / (float)d + eps);
+        for (k = 0; k < d; k++) h[t * d + k] = (xr[k] * r) * w[k];
+    }
+}
+
+// RoPE (rotate_half convention) on the first nh heads of each row of qkv [T, stride]
+static void rope_rows(float* qkv, int64_t T, int64_t stride, int64_t nh, int64_t D, const float* cos,
+                      const float* sin, const int64_t* pos) {
+    const int64_t h2 = D / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + pos[t] * D, *s = sin + pos[t] * D;
+        for (int64_t hh = 0; hh < nh; hh++) {
+            float* v = qkv + t * stride + hh * D;
+            for (int64_t i = 0; i < h2; i++) {
+                const float a = v[i], b = v[i + h2];
+                v[i] = a * c[i] - b * s[i];
+                v[i + h2] = b * c[i + h2] + a * s[i + h2];
+            }
+        }
+    }
+}
+
+// a[t, j] = silu(gu[t, j]) * gu[t, inter + j]; silu(x) = x * (x >= 0 ? 1 : e) / (1 + e), e = exp(-|x|)
+static void silu_mul_rows(const float* gu, int64_t T, int64_t inter, float* a) {
+    const __m256 one = _mm256_set1_ps(1.0f), signbit = _mm256_set1_ps(-0.0f);
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * inter, *u = g + inter;
+        float* o = a + t * inter;
+        int64_t j = 0;
+        for (; j + 8 <= inter; j += 8) {
+            const __m256 x = _mm256_loadu_ps(g + j);
+            const __m256 e = exp_nonpos(_mm256_or_ps(x, signbit));  // exp(-|x|)
+            const __m256 num = _mm256_blendv_ps(e, one, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+            const __m256 sv = _mm256_div_ps(_mm256_mul_ps(x, num), _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(sv, _mm256_loadu_ps(u + j)));
+        }
+        for (; j < inter; j++) {
+            const float x = g[j], e = expf(-fabsf(x));
+            o[j] = x * (x >= 0.f ? 1.f : e) / (1.f + e) * u[j];
+        }
+    }
+}
+
+// keys of (sequence b, KV head h) transposed into KT [D, L8] (zero past Lp) and its values into VB
+// [Lp, D], read through the block table (copies: exact)
+static void pack_paged(const float* kbase, const float* vbase, int64_t b, int64_t h, int64_t KVH, int64_t D,
+                       const int32_t* bt, int64_t maxb, int64_t BS, int64_t Lp, float* KT, float* VB) {
+    const int64_t L8 = (Lp + 7) / 8 * 8;
+    const float* kr[8];
+    for (int64_t j0 = 0; j0 < L8; j0 += 8) {
+        for (int t = 0; t < 8; t++) {
+            const int64_t j = j0 + t;
+            if (j >= Lp) {
+                kr[t] = nullptr;
+                continue;
+            }
+            const int64_t slot = (int64_t)bt[b * maxb + j / BS] * BS + j % BS;
+            kr[t] = kbase + (slot * KVH + h) * D;
+            memcpy(VB + j * D, vbase + (slot * KVH + h) * D, D * sizeof(float));
+        }
+        if (D % 8 == 0) {
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 r[8];
+                for (int t = 0; t < 8; t++) r[t] = kr[t] ? _mm256_loadu_ps(kr[t] + d) : _mm256_setzero_ps();
+                transpose8(r);
+                for (int t = 0; t < 8; t++) _mm256_storeu_ps(KT + (d + t) * L8 + j0, r[t]);
+            }
+        } else {
+            for (int64_t d = 0; d < D; d++)
+                for (int t = 0; t < 8; t++) KT[d * L8 + j0 + t] = kr[t] ? kr[t][d] : 0.f;
+        }
+    }
+}
+
+// Attention of every query of every sequence over the paged cache (keys and values read through the
+// block table), each (sequence, KV head) by attn_rows exactly as specd_attention computes it.
+//   qkv [T, stride] (q heads first), kv [2, nslots, KVH, D], bias [B, Qm, Lp] additive, o [T, H * D]
+static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t KVH, int64_t D, const float* kv,
+                            int64_t nslots, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
+                            int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, float* o) {
+    const int64_t G = H / KVH, L8 = (Lp + 7) / 8 * 8;
+    const float* vbase = kv + nslots * KVH * D;
+#pragma omp parallel
+    {
+        std::vector<float> KT(D * L8), VB(Lp * D + 8), S(ATT_ROWS * L8), QG(G * Qm * D), OUT(G * Qm * D);
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < KVH; h++) {
+                const int64_t t0 = qsl[b], q = qsl[b + 1] - qsl[b], R = G * q;
+                pack_paged(kv, vbase, b, h, KVH, D, bt, maxb, BS, Lp, KT.data(), VB.data());
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t i = 0; i < q; i++)
+                        memcpy(QG.data() + (g * q + i) * D, qkv + (t0 + i) * stride + (h * G + g) * D, D * sizeof(float));
+                for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {
+                    const int64_t nr = R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS;
+                    attn_rows(QG.data(), r0, nr, KT.data(), VB.data(), bias + b * Qm * Lp, q, Lp, 1, D, scale,
+                              S.data(), OUT.data());
+                }
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t i = 0; i < q; i++)
+                        memcpy(o + (t0 + i) * H * D + (h * G + g) * D, OUT.data() + (g * q + i) * D, D * sizeof(float));
+            }
+    }
+}
+
 extern "C" {
 // y = x @ W^T (+ add[M,N]) (+ bias[N]); add/bias may be NULL; add may alias y.
 void specd_qgemm_i8(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
@@ -574,6 +833,44 @@ void specd_qgemm_i4_q8(const float* x, int64_t M, int64_t K, const uint8_t* q, c
     if (mins) group_sums(x, M, K, G, xsum);
     quantize_q8(x, M, K, qx, dx);
     gemm_q8<true>(qx, dx, M, K, q, scale, mins, N, G, add, bias, y, xsum);
+}
+
+// The interleaved layout (see gemm_x8): w, scale [, mins] packed by the caller; xs fp32 [M, K/32]
+// (the per-block activation sums, int4 with mins), qx, dx as above: the caller's scratch.
+void specd_qgemm_x8(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* scale, const float* mins,
+                    int64_t N, int int4, const float* add, const float* bias, float* y, float* xs, int8_t* qx,
+                    float* dx) {
+    if (int4 && mins) group_sums(x, M, K, 32, xs);
+    quantize_q8(x, M, K, qx, dx);
+    if (int4) gemm_x8<true>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
+    else gemm_x8<false>(qx, dx, xs, M, K, w, scale, nullptr, N, add, bias, y);
+}
+
+// One decoder layer (see Lin above), x [T, d] updated in place: x += o(attn(rope(qkv(norm(x)))));
+// x += down(silu(gate) * up(norm(x))). lins: qkv, o, gate_up, down. The new K, V go to slot_mapping.
+void specd_layer(float* x, int64_t T, int64_t d, const float* w_in, const float* w_post, float eps, const Lin* lins,
+                 int64_t H, int64_t KVH, int64_t D, int64_t inter, const float* cos, const float* sin,
+                 const int64_t* pos, float* kv, int64_t nslots, const int64_t* slot_mapping, const int32_t* qsl,
+                 int64_t B, const int32_t* bt, int64_t maxb, int64_t BS, const float* bias, int64_t Qm, int64_t Lp,
+                 float scale) {
+    std::vector<float> fs, h(T * d), qkv(T * (H + 2 * KVH) * D), o(T * H * D), gu(T * 2 * inter), a(T * inter);
+    std::vector<float> xp;
+    std::vector<int8_t> qs;
+    const int64_t nq = H * D, nkv = KVH * D, stride = nq + 2 * nkv;
+    rms_rows(x, T, d, w_in, eps, h.data());
+    lin(lins[0], h.data(), T, nullptr, qkv.data(), fs, qs, xp);
+    rope_rows(qkv.data(), T, stride, H + KVH, D, cos, sin, pos);
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t s = slot_mapping[t];
+        memcpy(kv + s * nkv, qkv.data() + t * stride + nq, nkv * sizeof(float));
+        memcpy(kv + (nslots + s) * nkv, qkv.data() + t * stride + nq + nkv, nkv * sizeof(float));
+    }
+    paged_attention(qkv.data(), stride, H, KVH, D, kv, nslots, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale, o.data());
+    lin(lins[1], o.data(), T, x, x, fs, qs, xp);
+    rms_rows(x, T, d, w_post, eps, h.data());
+    lin(lins[2], h.data(), T, nullptr, gu.data(), fs, qs, xp);
+    silu_mul_rows(gu.data(), T, inter, a.data());
+    lin(lins[3], a.data(), T, x, x, fs, qs, xp);
 }
 
 void specd_attention(const float* q, const float* kv, const float* mask, int64_t B, int64_t KVH, int64_t R,

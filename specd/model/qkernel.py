@@ -77,6 +77,11 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_qgemm_i8_q8.restype = None
     lib.specd_qgemm_i4_q8.argtypes = [p, i, i, p, p, p, i, i, p, p, p, p, p, p]
     lib.specd_qgemm_i4_q8.restype = None
+    lib.specd_qgemm_x8.argtypes = [p, i, i, p, p, p, i, ctypes.c_int, p, p, p, p, p, p]
+    lib.specd_qgemm_x8.restype = None
+    f = ctypes.c_float
+    lib.specd_layer.argtypes = [p, i, i, p, p, f, p, i, i, i, i, p, p, p, p, i, p, p, i, p, i, i, p, i, i, f]
+    lib.specd_layer.restype = None
     lib.specd_attention.argtypes = [p, p, p, i, i, i, i, i, i, ctypes.c_float, p]
     lib.specd_attention.restype = None
     return lib
@@ -138,6 +143,23 @@ def _qgemm_q8(lib, x, q, scale, minv, group: int, int4: bool, add, bias, y) -> t
             x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), N, group, _ptr(add), _ptr(bias), y.data_ptr(),
             qx.data_ptr(), dx.data_ptr(),
         )  # fmt: skip
+    return y
+
+
+def qgemm_x8(lib: ctypes.CDLL, x: torch.Tensor, packed: tuple, N: int, int4: bool, add=None, bias=None):
+    """``add + x @ W^T + bias`` with int8 activations for x fp32 [M, K] (contiguous) and W in the
+    interleaved layout ``packed`` (``quant.pack_x8``); returns fp32 [M, N]."""
+    w, scale, mins = packed
+    M, K = x.shape
+    add = None if add is None else add.contiguous()
+    y = torch.empty((M, N), dtype=torch.float32)
+    xs = torch.empty((M, K // 32), dtype=torch.float32)
+    qx = torch.empty((M, K), dtype=torch.int8)
+    dx = torch.empty((M, K // 32), dtype=torch.float32)
+    lib.specd_qgemm_x8(
+        x.data_ptr(), M, K, w.data_ptr(), scale.data_ptr(), _ptr(mins), N, int(int4), _ptr(add), _ptr(bias),
+        y.data_ptr(), xs.data_ptr(), qx.data_ptr(), dx.data_ptr(),
+    )  # fmt: skip
     return y
 
 

@@ -104,6 +104,14 @@ class QuantLinear(nn.Module):
         return QuantLinear(self.fmt, pick(self.qweight), pick(self.scale), pick(self.minv), self.group,
                            self.in_features, pick(self.bias))  # fmt: skip
 
+    def x8_pack(self) -> tuple:
+        """The weight in the CPU kernel's interleaved layout for int8 activations (``gemm_x8`` in
+        qgemm.cpp): ``(w uint8, scale fp32 [tiles, K_pad/32, 8], min or None)``, built on first use
+        and kept (a second copy of the codes: same size as ``qweight``)."""
+        if getattr(self, "_x8", None) is None:
+            self._x8 = pack_x8(self)
+        return self._x8
+
     # compute --------------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """``add + x @ W^T + bias`` for x [..., K] (add [..., N] or None); the result in x's dtype."""
@@ -121,7 +129,7 @@ class QuantLinear(nn.Module):
             from specd.model.quant_gpu import woq_matmul
 
             return woq_matmul(self, x, add)
-        from specd.model.qkernel import kernel, qgemm
+        from specd.model.qkernel import kernel, qgemm, qgemm_x8
 
         lib = kernel() if M <= self.KERNEL_MAX_ROWS else None
         if lib is None:
@@ -131,6 +139,8 @@ class QuantLinear(nn.Module):
         if self.k_pad != self.in_features:
             xf = F.pad(xf, (0, self.k_pad - self.in_features))
         a = None if add is None else add.float()
+        if self.act_int8:
+            return qgemm_x8(lib, xf.contiguous(), self.x8_pack(), self.out_features, self.fmt == "int4", a, self.bias)
         return qgemm(lib, xf.contiguous(), self.qweight, self.scale, self.minv, self.group, self.fmt == "int4", a,
                      self.bias, self.act_int8)  # fmt: skip
 
@@ -181,6 +191,22 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
     N = p.shape[0]
     b = p.view(N, -1, 16)
     return torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(N, -1)
+
+
+def pack_x8(op: QuantLinear) -> tuple:
+    """``op``'s codes, scales and mins in the interleaved layout of qgemm.cpp's ``gemm_x8``: output
+    rows in tiles of 8 (zero rows pad the last), per 32-block of k 8 steps of 4 k for the 8 rows."""
+    N, T, nbk = op.out_features, (op.out_features + 7) // 8, op.k_pad // BLOCK
+    pad_n = lambda t: F.pad(t, (0, 0, 0, 8 * T - N))  # noqa: E731
+    per_block = lambda t: pad_n(t.repeat_interleave(op.group // BLOCK, dim=1))  # noqa: E731
+    tiles = lambda t: t.view(T, 8, nbk).permute(0, 2, 1).contiguous()  # noqa: E731
+    if op.fmt == "int4":
+        c = pad_n(unpack_int4(op.qweight)).view(T, 8, nbk, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+        w = (c[..., 0] | (c[..., 1] << 4)).contiguous().view(-1)
+    else:
+        w = pad_n(op.qweight).view(T, 8, nbk, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).view(-1)
+    mins = None if op.minv is None else tiles(per_block(op.minv))
+    return w, tiles(per_block(op.scale)), mins
 
 
 def _pad_cols(w: torch.Tensor) -> torch.Tensor:

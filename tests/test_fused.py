@@ -1,0 +1,115 @@
+"""The fused CPU layer (``specd.model.fused``: one C call per decoder layer of a quantized model):
+equal to the op-by-op forward on prefill, decode, draft trees and mixed batches (logits, the new
+K/V written to the cache, and the features a feature head captures), taken whenever it applies,
+and batch-invariant like the op-by-op path (a row's bits do not depend on the other rows)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specd.engine.kv_cache import KVCache
+from specd.model.attention import build_metadata, get_backend
+from specd.model.fused import fused_layers
+from specd.model.loader import load_model
+from specd.model.quant import set_act_int8
+from tests.conftest import TARGET
+from tests.test_cpu_attention import _tree_mask
+
+CPU = torch.device("cpu")
+PROMPTS = [[1, 403, 407, 261, 378, 365, 167], [1, 282, 395], [1, 263, 320, 326, 403, 407, 261, 378, 365, 167, 282]]
+
+
+@pytest.fixture(scope="module", params=["int4", "int8"])
+def lm(request):
+    return load_model(TARGET, "cpu", "float32", quantization=request.param)
+
+
+def _step(lm, fused: bool, monkeypatch, capture=None):
+    """Prefill three prompts, then one mixed step (a decode row, a causal chunk of 3, a 6-node tree):
+    (logits of the step, the cache, the captured features)."""
+    monkeypatch.setenv("SPECD_FUSED", "1" if fused else "0")
+    c, m, be = lm.config, lm.model, get_backend("auto", CPU)
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 32, 4, torch.float32, CPU)
+    seqs = [cache.new_seq() for _ in PROMPTS]
+    for s, p in zip(seqs, PROMPTS):
+        s.reserve(len(p) + 8)
+    meta = build_metadata([len(p) for p in PROMPTS], [0, 0, 0], [s.blocks for s in seqs],
+                          sum((s.slots(0, len(p)) for s, p in zip(seqs, PROMPTS)), []), 4, CPU)  # fmt: skip
+    ids = torch.tensor(sum(PROMPTS, []))
+    pos = torch.cat([torch.arange(len(p)) for p in PROMPTS])
+    m(ids, pos, cache.kv, meta, be)
+    qlens, masks = [1, 3, 6], [None, None, _tree_mask(6, random.Random(2))]
+    ctx = [len(p) for p in PROMPTS]
+    slots = sum((s.slots(n, n + q) for s, n, q in zip(seqs, ctx, qlens)), [])
+    meta = build_metadata(qlens, ctx, [s.blocks for s in seqs], slots, 4, CPU, tree_masks=masks)
+    ids = torch.tensor([5, 17, 99, 254, 7, 8, 9, 10, 11, 12])
+    pos = torch.tensor([7, 3, 4, 5, 11, 12, 12, 13, 13, 14])
+    caps = None if capture is None else dict.fromkeys(capture)
+    h = m(ids, pos, cache.kv, meta, be) if caps is None else m(ids, pos, cache.kv, meta, be, capture=caps)
+    return m.compute_logits(h), cache.kv.clone(), caps
+
+
+def test_the_fused_layers_equal_the_op_by_op_forward(lm, monkeypatch):
+    """fp32 activations: equal within 1e-4 (only the sum orders of RMSNorm and SiLU differ)."""
+    layers = (0, lm.config.num_layers // 2, lm.config.num_layers - 1)
+    ref, ref_kv, ref_caps = _step(lm, False, monkeypatch, layers)
+    out, kv, caps = _step(lm, True, monkeypatch, layers)
+    assert fused_layers(lm.model, get_backend("auto", CPU), kv, torch.zeros(1, 8)) is not None  # (it was taken)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv, ref_kv, rtol=1e-4, atol=1e-4)
+    for i in layers:
+        torch.testing.assert_close(caps[i], ref_caps[i], rtol=1e-4, atol=1e-4)
+    assert not torch.equal(caps[layers[0]], caps[layers[-1]])  # each layer's own input, not the last x
+
+
+def test_with_int8_activations_the_fused_layers_stay_within_the_activation_noise(lm, monkeypatch):
+    """int8 activations: a last-bit difference before a quantization moves a code, so the two paths
+    differ by int8 activations' own noise, not more: the fused output is no further from the
+    op-by-op one than int8 activations are from fp32 ones (mean |difference| of the logits)."""
+    fp32, _, _ = _step(lm, False, monkeypatch)
+    set_act_int8(lm.model, True)
+    try:
+        ref, _, _ = _step(lm, False, monkeypatch)
+        out, _, _ = _step(lm, True, monkeypatch)
+    finally:
+        set_act_int8(lm.model, False)
+    noise = (ref - fp32).abs().mean()
+    assert 0 < (out - ref).abs().mean() <= 1.5 * noise
+    assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("act", [False, True], ids=["fp32-act", "int8-act"])
+def test_a_fused_row_does_not_depend_on_the_batch(lm, act, monkeypatch):
+    """The decode row of the mixed step equals the same decode row stepped alone, bit for bit."""
+    set_act_int8(lm.model, act)
+    try:
+        mixed, _, _ = _step(lm, True, monkeypatch)
+        monkeypatch.setenv("SPECD_FUSED", "1")
+        c, m, be = lm.config, lm.model, get_backend("auto", CPU)
+        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 32, 4, torch.float32, CPU)
+        s = cache.new_seq()
+        s.reserve(8)
+        p = PROMPTS[0]
+        m(
+            torch.tensor(p),
+            torch.arange(len(p)),
+            cache.kv,
+            build_metadata([7], [0], [s.blocks], s.slots(0, 7), 4, CPU),
+            be,
+        )
+        meta = build_metadata([1], [7], [s.blocks], s.slots(7, 8), 4, CPU)
+        alone = m.compute_logits(m(torch.tensor([5]), torch.tensor([7]), cache.kv, meta, be))
+        assert torch.equal(alone[0], mixed[0])
+    finally:
+        set_act_int8(lm.model, False)
+
+
+def test_the_fused_path_steps_aside_where_it_does_not_apply(lm):
+    x, kv = torch.zeros(1, lm.config.hidden_size), torch.zeros(2, 2, 4, 4, 2, 8)
+    assert fused_layers(lm.model, get_backend("torch", CPU), kv, x) is None  # not the CPU kernel's attention
+    assert fused_layers(lm.model, get_backend("auto", CPU), kv, x.bfloat16()) is None
+    plain = load_model(TARGET, "cpu", "float32")
+    assert fused_layers(plain.model, get_backend("auto", CPU), kv, x) is None  # not quantized
