@@ -39,6 +39,7 @@ def parse_args(argv=None):
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--act-quant", default="none", choices=("none", "int8"), help="the target's activations")
     ap.add_argument("--head", default=None, help="head folder (default: the built-in head)")
     ap.add_argument("--chain", type=int, default=4, help="chain length")
     ap.add_argument("--tree-budget", type=int, default=16)
@@ -72,6 +73,7 @@ def build(a) -> dict:
         cfg = EngineConfig(
             target=str(builtin.builtin_gguf()),
             dtype=a.dtype,
+            act_quant=a.act_quant,
             cache=CacheConfig(num_blocks=1024),
             spec=SpecConfig(adaptive=adaptive, suffix_store=False, **shapes),  # type: ignore[arg-type]
             scheduler=SchedulerConfig(enable_prefix_cache=False),

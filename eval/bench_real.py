@@ -366,6 +366,12 @@ def step_weight_bytes(target) -> int:
     return wb
 
 
+def _weights_label(target, q: str) -> str:
+    w, _, act = q.partition("+")
+    a = "int8" if act == "a8" else str(target.dtype).removeprefix("torch.")
+    return f"{a} activations, {w} weights"
+
+
 def bandwidth_floor(pairs: dict, target_path, profile: dict) -> dict:
     """The memory-bandwidth floor of one target step per weight format: weight bytes read / measured
     read GB/s, for specd's weights (``pairs``: quantization -> (target, draft)) and, for llama.cpp,
@@ -376,7 +382,7 @@ def bandwidth_floor(pairs: dict, target_path, profile: dict) -> dict:
         wb = step_weight_bytes(target)
         floor_ms = 1e3 * wb / (bw["read_GBps"] * 1e9)
         f = {
-            "weights": f"{str(target.dtype).removeprefix('torch.')} activations, {q} weights",
+            "weights": _weights_label(target, q),
             "weight_bytes_read": wb,
             "floor_ms_per_step": round(floor_ms, 3),
             "max_plain_tokens_per_s": round(1e3 / floor_ms, 1),

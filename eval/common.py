@@ -229,10 +229,11 @@ def static_choices(n: int, rank_probs=DEFAULT_RANK_PROBS, max_depth: int = 12) -
 
 @dataclass(frozen=True)
 class Mode:
-    """One speculation setting under test, e.g. ``off``, ``chain:4``, ``tree:16``, ``tree:32:4:8``, ``static:16``."""
+    """One speculation setting under test, e.g. ``off``, ``chain:4``, ``tree:16``, ``tree:32:4:8``, ``static:16``,
+    ``ngram:8`` (prompt lookup, K tokens, no draft model used), ``auto`` (the adaptive policy)."""
 
     name: str
-    kind: str  # off | chain | tree | static
+    kind: str  # off | chain | tree | static | ngram | auto
     size: int = 0  # chain: k; tree/static: node budget (draft tokens, excluding the root)
     topk: int = 4
     depth: int = 6
@@ -244,8 +245,10 @@ class Mode:
         parts = s.split(":")
         kind = parts[0]
         try:
-            if kind == "off":
-                return cls("off", "off")
+            if kind in ("off", "auto"):
+                return cls(kind, kind)
+            if kind == "ngram":
+                return cls(s, "ngram", int(parts[1]) if len(parts) > 1 else 8)
             if kind == "chain":
                 return cls(s, "chain", int(parts[1]) if len(parts) > 1 else 4)
             if kind == "tree":
@@ -259,13 +262,17 @@ class Mode:
                 return cls(s, "static", n, depth=max(len(c) for c in ch), choices=ch)
         except (ValueError, IndexError):
             pass
-        raise ValueError(f"bad mode {s!r}: use off | chain:K | tree:N[:TOPK[:DEPTH]] | static:N")
+        raise ValueError(f"bad mode {s!r}: use off | chain:K | tree:N[:TOPK[:DEPTH]] | static:N | ngram:K | auto")
 
     def spec_config(self):
         from specd.config import SpecConfig
 
         if self.kind == "off":
             return SpecConfig(mode="off", adaptive=False)
+        if self.kind == "auto":
+            return SpecConfig(adaptive=True, suffix_store=False)
+        if self.kind == "ngram":
+            return SpecConfig(mode="ngram", ngram_tokens=self.size, adaptive=False, suffix_store=False)
         if self.kind == "chain":
             return SpecConfig(mode="chain", num_draft_tokens=self.size, adaptive=False)
         if self.kind == "tree":
@@ -281,7 +288,7 @@ class Mode:
 
     def describe(self) -> dict:
         d = {"name": self.name, "kind": self.kind}
-        if self.kind == "chain":
+        if self.kind in ("chain", "ngram"):
             d["k"] = self.size
         elif self.kind == "tree":
             d.update(budget=self.size, topk=self.topk, depth=self.depth)

@@ -117,7 +117,7 @@ def make_engine(
     from specd.config import CacheConfig, EngineConfig, SchedulerConfig
     from specd.engine.engine import Engine
 
-    use_draft = draft if mode.kind != "off" else None
+    use_draft = draft if mode.kind not in ("off", "ngram") else None
     cfg = EngineConfig(
         target=str(target.path),
         draft=str(draft.path) if use_draft is not None else None,

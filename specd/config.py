@@ -185,7 +185,9 @@ class EngineConfig:
     # load_model for the target and the draft (each resolves it for its own checkpoint)
     quantization: str = "auto"
     # CPU kernel activations for quantized weights: none (fp32, equal to the dequantized matmul) |
-    # int8 (per row in blocks of 32, integer products: faster, row-independent; specd.model.qgemm.cpp)
+    # int8 (per row in blocks of 32, integer products: faster, row-independent; specd.model.qgemm.cpp) |
+    # auto (int8 where the target's weights are quantized and the CPU kernel runs, else none; the
+    # command line's default)
     act_quant: str = "none"
     threads: int | None = None  # CPU math threads, applied by the launchers (specd.model.cpu.set_threads)
     # the target split over this many ranks (specd.engine.tensor_parallel); threads then count per rank
@@ -202,8 +204,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.quantization not in ("auto", "none", "int8", "int4", "gguf"):
             raise ValueError(f"quantization must be auto|none|int8|int4|gguf, got {self.quantization!r}")
-        if self.act_quant not in ("none", "int8"):
-            raise ValueError(f"act_quant must be none|int8, got {self.act_quant!r}")
+        if self.act_quant not in ("auto", "none", "int8"):
+            raise ValueError(f"act_quant must be auto|none|int8, got {self.act_quant!r}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"attention backend must be auto|cpu|torch|triton, got {self.attention_backend!r}")
         if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= 64:

@@ -112,11 +112,12 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--act-quant",
-        default="none",
-        choices=("none", "int8"),
+        default="auto",
+        choices=("auto", "none", "int8"),
         help="CPU: activations of quantized layers as int8 (per row, blocks of 32) multiplied in "
         "integers: faster, a row's result independent of the batch (speculation stays lossless), "
-        "not equal to the fp32-activation output (none)",
+        "not equal to the fp32-activation output (none); auto: int8 where the weights are quantized "
+        "and specd's CPU kernel runs (as llama.cpp does), else none",
     )
     p.add_argument(
         "--attention-backend",
@@ -202,7 +203,7 @@ def engine_config(a):
         dtype=a.dtype,
         attention_backend=a.attention_backend,
         quantization=getattr(a, "quantization", "auto"),
-        act_quant=getattr(a, "act_quant", "none"),
+        act_quant=getattr(a, "act_quant", "auto"),
         threads=getattr(a, "threads", None),
         tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
         cache=CacheConfig(

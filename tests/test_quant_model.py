@@ -247,3 +247,18 @@ def test_int8_activations_need_quantized_weights():
         Engine(EngineConfig(target=str(TARGET), dtype="float32", act_quant="int8"), target=t)
     with pytest.raises(ValueError, match="act_quant"):
         EngineConfig(target=str(TARGET), act_quant="int4")
+
+
+def test_act_quant_auto_is_the_command_lines_default_and_picks_int8_for_quantized_weights():
+    """``auto`` (the flag's default): int8 activations on a quantized target (draft included), fp32
+    on an unquantized one; the Python API's default stays ``none``."""
+    from specd.options import engine_config, serve_parser
+
+    assert engine_config(serve_parser().parse_args(["--target", str(TARGET)])).act_quant == "auto"
+    assert EngineConfig(target=str(TARGET)).act_quant == "none"
+    q = load_model(TARGET, "cpu", "float32", quantization="int4")
+    d = load_model(DRAFT, "cpu", "float32", quantization="int8")
+    Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), dtype="float32", act_quant="auto"), target=q, draft=d)
+    assert q.model.layers[0].mlp.down.act_int8 and d.model.layers[0].mlp.down.act_int8
+    plain = load_model(TARGET, "cpu", "float32")
+    Engine(EngineConfig(target=str(TARGET), dtype="float32", act_quant="auto"), target=plain)  # no error, fp32

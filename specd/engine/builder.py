@@ -5,6 +5,7 @@ drafter. ``Engine.__init__`` only takes the result."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from specd.engine.tensor_parallel import ShardedTarget, per_rank_threads
 from specd.model.attention import get_backend
 from specd.model.cpu import usable_cpus
 from specd.model.loader import LoadedModel, LoadError, load_model
+from specd.model.qkernel import kernel
 from specd.model.quant import set_act_int8
 from specd.model.tp_shard import check_shardable
 from specd.speculation.drafter import Drafter
@@ -27,6 +29,8 @@ from specd.speculation.head import HeadDrafter
 from specd.speculation.ngram import NgramConfig, NgramProposer
 from specd.speculation.policy import SpecPolicy
 from specd.speculation.suffix import SuffixStore
+
+log = logging.getLogger("specd.engine")
 
 CPU_KV_BUDGET = 2 << 30  # bytes of KV cache on a CPU when no budget is given
 GPU_KV_SHARE = 0.85  # share of free device memory for the KV caches on a GPU
@@ -74,7 +78,15 @@ def load_models(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedMode
 
 def _act_quant(mode: str, target: LoadedModel, draft: LoadedModel | None) -> None:
     """``int8``: the CPU kernel's int8 activations for both models (models passed in included);
-    ``none`` leaves them as loaded (fp32 activations, unless a caller set them)."""
+    ``auto``: the same where the target's weights are quantized and the CPU kernel runs (the fastest
+    choice there, as llama.cpp's), else nothing; ``none`` leaves them as loaded (fp32 activations,
+    unless a caller set them)."""
+    if mode == "auto":
+        if target.device.type != "cpu" or kernel() is None or not target.model.quantized():
+            return
+        n = sum(set_act_int8(m.model, True) for m in (target, draft) if m is not None)
+        log.info("activations: int8 in %d quantized layers (--act-quant auto; none for fp32)", n)
+        return
     if mode != "int8":
         return
     n = sum(set_act_int8(m.model, True) for m in (target, draft) if m is not None)
