@@ -140,7 +140,7 @@ def test_builtin_model_answers_a_factual_question_over_the_websocket():
                         "id": "q",
                         "max_tokens": 24,
                         "temperature": 0,
-                        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                        "messages": [{"role": "user", "content": "Name the capital of France."}],
                     }
                 ).decode()
             )

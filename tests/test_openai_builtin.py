@@ -18,7 +18,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager:DeprecationWarning"),
 ]
 
-QUESTION = "What is the capital of France?"
+QUESTION = "Name the capital of France."
 N = 24
 
 

@@ -187,7 +187,7 @@ class LlamaModel(nn.Module):
         """
         backend = backend if backend is not None else self.backend
         cfg = self.cfg
-        H, KVH, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inter = cfg.intermediate_size
         emb, folded, layers, norm_w, rot, mean_col, eps_col = self._flat_weights()
         x = embedding(input_ids, emb).to(norm_w.dtype)  # [T, d] (a quantized table gives fp32)
@@ -215,7 +215,17 @@ class LlamaModel(nn.Module):
                 gu = torch.mm(h, w_gu_t)
                 x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
             return x * torch.addmm(eps_col, x * x, mean_col).rsqrt_() * norm_w
-        fp32 = dt == torch.float32
+        return self._unfolded(x, positions, kv, meta, backend, capture, cos, sin)
+
+    def _unfolded(self, x, positions, kv, meta, backend, capture, cos, sin) -> torch.Tensor:
+        """The layers op by op (bf16 / fp16, bigger models, quantized projections), or for a quantized
+        model on a CPU one C call per layer (``specd.model.fused``)."""
+        cfg = self.cfg
+        H, KVH, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        _, _, layers, norm_w, rot, _, _ = self._flat_weights()
+        T, inter = x.shape[0], cfg.intermediate_size
+        nq, nqk = H * D, (H + KVH) * D
+        fp32 = x.dtype == torch.float32
 
         def norm(x, w):
             if fp32:  # a row-wise mean, not a GEMV: BLAS picks its kernel (and sum order) by batch shape,
@@ -234,7 +244,7 @@ class LlamaModel(nn.Module):
             v = qkv[:, nqk:].view(T, KVH, D)
             kvl = kv[i]
             backend.write_kv(kvl, qk[:, H:], v, meta.slot_mapping)
-            o = backend.attention(qk[:, :H], kvl, meta, scale)  # [T, H, D]
+            o = backend.attention(qk[:, :H], kvl, meta, D**-0.5)  # [T, H, D]
             x = addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
             gu = linear(norm(x, w_post), w_gu)
             x = addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
