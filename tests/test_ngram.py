@@ -2,6 +2,7 @@
 to plain decoding (with and without a draft model, mixed with draft-model requests), sampled output
 following the target's distribution with a point-mass proposer, and per-proposer statistics."""
 
+import collections
 import random
 
 import pytest
@@ -214,3 +215,46 @@ def test_a_long_request_is_stored_by_its_last_tokens_only():
     store.add("k", list(range(100)))
     assert store.stats()["tokens"] == 8
     assert store.continuation("k", [93, 94], 2) == [95, 96] and store.continuation("k", [3, 4], 2) == []
+
+
+def test_lookup_probes_are_short_and_staggered_while_lookup_does_not_pay(shared_pair):
+    """At an acceptance where no lookup length pays, each request still probes (so a change is
+    noticed), but with ``LOOKUP_PROBE`` tokens once every ``probe_min`` of its steps, and a batch's
+    requests probe in different steps (all at once made one wide verification every 16 steps)."""
+    from specd.speculation.policy import LOOKUP_PROBE
+
+    t, d = shared_pair
+    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
+    pol = eng.policy
+    pol.t_target, pol.t_per_token, pol.t_plain = 0.010, 0.0002, {16: 0.010}
+    seqs = [eng.add_request([5, 6, 7, i], GREEDY, SpecParams(mode="ngram")) for i in range(16)]
+    for s in seqs:
+        s.ngram_accept = 0.02
+    probes = collections.defaultdict(list)  # step -> budgets of the requests that probed
+    for step in range(pol.probe_min):
+        pol.step = step
+        for s in seqs:
+            n = pol.ngram_budget(s, 16)
+            assert n in (0, LOOKUP_PROBE)
+            if n:
+                probes[step].append(s.request_id)
+    assert sorted(r for ids in probes.values() for r in ids) == sorted(s.request_id for s in seqs)  # once each
+    assert len(probes) > 1  # not all in one step
+    for s in seqs:
+        s.ngram_accept = 0.95  # lookup pays again: the full length, every step
+        assert pol.ngram_budget(s, 16) > LOOKUP_PROBE
+
+
+def test_new_requests_start_from_the_engines_lookup_acceptance(shared_pair):
+    """A request's prompt-lookup acceptance starts from the engine-wide estimate (as the model's
+    does), not from a fixed 0.5: where lookups keep failing, new requests do not pay to relearn it."""
+    t, d = shared_pair
+    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
+    first = eng.add_request([5, 6, 7], GREEDY)
+    assert first.ngram_accept == 0.5
+    for _ in range(30):
+        eng.policy.note_accept(0.1, lookup=True)
+    assert eng.policy.accept_ema is None  # (the model's estimate is its own)
+    second = eng.add_request([5, 6, 8], GREEDY)
+    eng.step()  # (the scheduler takes the request in)
+    assert abs(second.ngram_accept - 0.1) < 1e-6

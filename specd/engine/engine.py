@@ -373,6 +373,7 @@ class Engine:
         for name, (_, acc, deepest) in parts.items():
             if name in CHOSEN:  # prompt lookup or earlier requests
                 seq.ngram_accept = 0.7 * seq.ngram_accept + 0.3 * (acc / deepest)
+                self.policy.note_accept(acc / deepest, lookup=True)
             else:
                 seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (acc / deepest)
                 self.policy.note_accept(acc / deepest)

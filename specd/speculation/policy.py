@@ -32,6 +32,7 @@ D = 4 gives E = (1 - 0.8^5) / 0.2 = 3.36 tokens per 14 ms = 240 tokens/s against
 from __future__ import annotations
 
 import collections
+import zlib
 from dataclasses import dataclass
 
 from specd.config import SpecConfig
@@ -41,6 +42,7 @@ MODEL_MODES = ("chain", "tree", "static", "head", "hybrid")  # modes that draft 
 LOOKUP_ONLY = -1  # a budget's depth: this step, prompt lookup only (the model proposer does not pay now)
 DECISION_REUSE_STEPS = 8  # a decision is reused while the batch's estimates are unchanged
 HOPELESS_REUSE_STEPS = 64  # "drafting cannot pay at this batch size" is trusted this long
+LOOKUP_PROBE = 2  # draft tokens of a prompt-lookup probe while lookup does not pay for a request
 FIT_WINDOW = 64  # speculative steps in the least-squares cost fit
 
 
@@ -125,6 +127,7 @@ class SpecPolicy:
         self.t_draft: float | None = None  # EMA seconds of one draft forward (one tree level)
         self.t_plain: dict = {}  # batch size -> EMA seconds of a decode step without drafts
         self.accept_ema: float | None = None  # engine-wide per-position acceptance (prior for new requests)
+        self.ngram_ema: float | None = None  # the same for prompt lookup's drafts
         self.probe_every = 16  # current probe interval (steps) while speculation is off
         self.probe_min, self.probe_max = 16, 256
         self.probe_hopeless = 4096  # probe interval while even perfect acceptance would not pay
@@ -162,9 +165,13 @@ class SpecPolicy:
         return max(base, 0)
 
     def start(self, seq: Sequence) -> None:
-        """A new request starts from the engine-wide acceptance estimate."""
-        if self.accept_ema is not None and seq.stats.steps == 0:
+        """A new request starts from the engine-wide acceptance estimates (model and prompt lookup)."""
+        if seq.stats.steps != 0:
+            return
+        if self.accept_ema is not None:
             seq.recent_accept = self.accept_ema
+        if self.ngram_ema is not None:
+            seq.ngram_accept = self.ngram_ema
 
     def nodes_for_depth(self, d: int) -> int:
         return d if self.spec.mode == "chain" else min(self.spec.tree_budget, d * self.spec.tree_topk)
@@ -195,8 +202,12 @@ class SpecPolicy:
         old = self.t_plain.get(batch)
         self.t_plain[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
-    def note_accept(self, rate: float) -> None:
-        """Per-position acceptance of a speculating step; new requests start from its EMA."""
+    def note_accept(self, rate: float, lookup: bool = False) -> None:
+        """Per-position acceptance of a speculating step (``lookup``: of prompt lookup's draft); new
+        requests start from its EMA."""
+        if lookup:
+            self.ngram_ema = rate if self.ngram_ema is None else 0.9 * self.ngram_ema + 0.1 * rate
+            return
         self.accept_ema = rate if self.accept_ema is None else 0.9 * self.accept_ema + 0.1 * rate
 
     def forget(self) -> None:
@@ -248,8 +259,9 @@ class SpecPolicy:
         """Prompt-lookup draft tokens for ``seq``: the length that maximises expected tokens per
         second at its acceptance (drafting itself costs nothing; verifying each token does), capped
         by ``want`` (default: its mode's budget). A step with no n-gram match drafts nothing,
-        whatever is reserved. While nothing pays (or with adaptive speculation off: always) the
-        full budget is kept on every ``probe_every``-th step so the estimate stays current."""
+        whatever is reserved. With adaptive speculation off the full budget is always kept; while
+        nothing pays, every ``probe_min``-th step of the request (staggered by request, so a batch
+        never probes all at once) keeps ``LOOKUP_PROBE`` tokens so the estimate stays current."""
         if want is None:
             want = self.desired_budget(seq)
         elif seq.spec.max_draft_tokens is not None:
@@ -264,8 +276,8 @@ class SpecPolicy:
             rate = e / self._verify_cost(d, batch, t_plain)
             if rate > best * 1.02:
                 best, best_d = rate, d
-        if best_d == 0 and self.step % self.probe_min == 0:
-            return want
+        if best_d == 0 and (self.step + _offset(seq)) % self.probe_min == 0:
+            return min(want, LOOKUP_PROBE)
         return best_d
 
     def _verify_cost(self, nodes: int, batch: int, t_plain: float) -> float:
@@ -376,3 +388,8 @@ class SpecPolicy:
             if rate > best * 1.02:  # a clear win only
                 best, best_d = rate, d
         return best_d
+
+
+def _offset(seq: Sequence) -> int:
+    """A request's fixed probe phase (the same for every run of the same request id)."""
+    return zlib.crc32(seq.request_id.encode())
