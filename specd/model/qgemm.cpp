@@ -361,9 +361,10 @@ static inline __m256i bcast4(const int8_t* p) {
 
 template <bool INT4, int R>
 static inline void x8_tile(const int8_t* qx, const float* dx, const float* xs, int64_t K, const uint8_t* w,
-                           const float* sc, const float* mn, __m256* acc) {
+                           const float* sc, const float* mn, float* out /* [R, 8] */) {
     const int64_t nbk = K / 32;
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nbk; b++) {
         __m256i is[R];
@@ -392,43 +393,54 @@ static inline void x8_tile(const int8_t* qx, const float* dx, const float* xs, i
             }
         }
         const __m256 dw = _mm256_loadu_ps(sc + 8 * b);
-        for (int r = 0; r < R; r++)
+        const __m256 mv = INT4 && mn ? _mm256_loadu_ps(mn + 8 * b) : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) {
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dw, _mm256_broadcast_ss(dx + r * nbk + b)),
                                      acc[r]);
-        if (INT4 && mn) {
-            const __m256 mv = _mm256_loadu_ps(mn + 8 * b);
-            for (int r = 0; r < R; r++) acc[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xs + r * nbk + b), acc[r]);
+            if (INT4 && mn) acc[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xs + r * nbk + b), acc[r]);
         }
     }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
-#define X8_RB 4  // rows of x per pass over a tile (4 int accumulators + 4 fp32 accumulators + weights)
+// Up to X8_RB rows of x per pass over a tile; M rows split into equal passes (9 = 5 + 4, not 8 + 1:
+// a one-row pass costs nearly what a full one does).
+#define X8_RB 8
+
+template <bool INT4>
+static inline void x8_pass(int64_t r, const int8_t* xm, const float* dm, const float* sm, int64_t K,
+                           const uint8_t* wt, const float* st, const float* mt, float* acc) {
+    switch (r) {
+        case 8: x8_tile<INT4, 8>(xm, dm, sm, K, wt, st, mt, acc); break;
+        case 7: x8_tile<INT4, 7>(xm, dm, sm, K, wt, st, mt, acc); break;
+        case 6: x8_tile<INT4, 6>(xm, dm, sm, K, wt, st, mt, acc); break;
+        case 5: x8_tile<INT4, 5>(xm, dm, sm, K, wt, st, mt, acc); break;
+        case 4: x8_tile<INT4, 4>(xm, dm, sm, K, wt, st, mt, acc); break;
+        case 3: x8_tile<INT4, 3>(xm, dm, sm, K, wt, st, mt, acc); break;
+        case 2: x8_tile<INT4, 2>(xm, dm, sm, K, wt, st, mt, acc); break;
+        default: x8_tile<INT4, 1>(xm, dm, sm, K, wt, st, mt, acc);
+    }
+}
 
 template <bool INT4>
 static void gemm_x8(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K, const uint8_t* w,
                     const float* scale, const float* mins, int64_t N, const float* add, const float* bias, float* y) {
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
+    const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < NT; t++) {
         const uint8_t* wt = w + t * tile_bytes;
         const float* st = scale + t * nbk * 8;
         const float* mt = mins ? mins + t * nbk * 8 : nullptr;
         const int64_t n0 = 8 * t, nc = N - n0 < 8 ? N - n0 : 8;
-        __m256 acc[X8_RB];
-        alignas(32) float out[8];
-        for (int64_t m0 = 0; m0 < M; m0 += X8_RB) {
-            const int64_t r = M - m0 < X8_RB ? M - m0 : X8_RB;
-            const int8_t* xm = qx + m0 * K;
-            const float *dm = dx + m0 * nbk, *sm = xs + m0 * nbk;
-            if (r == 4) x8_tile<INT4, 4>(xm, dm, sm, K, wt, st, mt, acc);
-            else if (r == 3) x8_tile<INT4, 3>(xm, dm, sm, K, wt, st, mt, acc);
-            else if (r == 2) x8_tile<INT4, 2>(xm, dm, sm, K, wt, st, mt, acc);
-            else x8_tile<INT4, 1>(xm, dm, sm, K, wt, st, mt, acc);
+        alignas(32) float acc[X8_RB * 8];
+        for (int64_t m0 = 0; m0 < M; m0 += rp) {
+            const int64_t r = M - m0 < rp ? M - m0 : rp;
+            x8_pass<INT4>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wt, st, mt, acc);
             for (int64_t i = 0; i < r; i++) {
                 const int64_t m = m0 + i;
-                _mm256_store_ps(out, acc[i]);
                 for (int64_t j = 0; j < nc; j++) {
-                    float v = out[j];
+                    float v = acc[8 * i + j];
                     if (bias) v += bias[n0 + j];
                     if (add) v += add[m * N + n0 + j];
                     y[m * N + n0 + j] = v;
