@@ -14,9 +14,10 @@
 //         (GGUF Q4_0 / Q4_1 block order), scale and min fp32 [N, K/G]
 // Threads: OpenMP over output rows, linked against the OpenMP runtime torch already loaded.
 //
-// The *_q8 entry points quantize each row of x to int8 first (blocks of 32: d = max|x| / 127,
-// q = round(x / d), GGUF Q8_0 / llama.cpp's activation format) and multiply codes by codes in
-// integers (maddubs: 32 products per instruction), each 32-block's integer sum then scaled in fp32.
+// specd_qgemm_x8 (int8 activations) quantizes each row of x to int8 first (blocks of 32: d = max|x| /
+// 127, q = round(x / d), GGUF Q8_0 / llama.cpp's activation format) and multiplies codes by codes in
+// integers (maddubs: 32 products per instruction) from the interleaved weight layout of gemm_x8, each
+// 32-block's integer sum then scaled in fp32.
 // A row's result still depends on that row alone (its own blocks and scales), so speculation stays
 // lossless; it is no longer equal to the fp32-activation result (a relative error ~1e-3 per output).
 #include <immintrin.h>
@@ -202,140 +203,6 @@ static void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* qx, float*
         __m256i c = _mm256_packs_epi16(a, b);
         c = _mm256_permutevar8x32_epi32(c, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i*)(qx + i * 32), c);
-    }
-}
-
-// 8 int32 lanes of sum(u[i] * s[i]) over 32 bytes: u unsigned (<= 128), s signed (|s| <= 127)
-static inline __m256 dot32(__m256i u, __m256i s) {
-    const __m256i p16 = _mm256_maddubs_epi16(u, s);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
-}
-
-template <int R, int NB>
-static inline void tile_i8_q8(const int8_t* qx, const float* dx, int64_t K, int64_t G, const int8_t* q, const float* sc,
-                              int64_t ng, float* out) {
-    const int64_t nbk = K / 32;
-    __m256 acc[R][NB];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += G) {
-        __m256 ga[R][NB];
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < NB; j++) ga[r][j] = _mm256_setzero_ps();
-        for (int64_t k = g0; k < g0 + G; k += 32) {
-            if ((k & 63) == 0)
-                for (int j = 0; j < NB; j++) _mm_prefetch((const char*)(q + (j + PF_ROWS) * K + k), _MM_HINT_T0);
-            __m256i w[NB], aw[NB];
-            for (int j = 0; j < NB; j++) {
-                w[j] = _mm256_loadu_si256((const __m256i*)(q + j * K + k));
-                aw[j] = _mm256_sign_epi8(w[j], w[j]);  // |w|
-            }
-            for (int r = 0; r < R; r++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i*)(qx + r * K + k));
-                const __m256 d = _mm256_broadcast_ss(dx + r * nbk + k / 32);
-                for (int j = 0; j < NB; j++)
-                    ga[r][j] = _mm256_fmadd_ps(d, dot32(aw[j], _mm256_sign_epi8(xv, w[j])), ga[r][j]);
-            }
-        }
-        for (int j = 0; j < NB; j++) {
-            __m256 s = _mm256_set1_ps(sc[j * ng + g0 / G]);
-            for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(s, ga[r][j], acc[r][j]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < NB; j++) out[r * NB + j] = hsum8(acc[r][j]);
-}
-
-template <int R, int NB>
-static inline void tile_i4_q8(const int8_t* qx, const float* dx, int64_t K, int64_t G, const uint8_t* q,
-                              const float* sc, int64_t ng, float* out) {
-    const int64_t nbk = K / 32;
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    __m256 acc[R][NB];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < NB; j++) acc[r][j] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += G) {
-        __m256 ga[R][NB];
-        for (int r = 0; r < R; r++)
-            for (int j = 0; j < NB; j++) ga[r][j] = _mm256_setzero_ps();
-        for (int64_t b = g0; b < g0 + G; b += 32) {
-            if ((b & 127) == 0)
-                for (int j = 0; j < NB; j++)
-                    _mm_prefetch((const char*)(q + (j + PF_ROWS) * (K / 2) + b / 2), _MM_HINT_T0);
-            __m256i w[NB];
-            for (int j = 0; j < NB; j++) {
-                const __m128i v = _mm_loadu_si128((const __m128i*)(q + j * (K / 2) + b / 2));
-                w[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
-            }
-            for (int r = 0; r < R; r++) {
-                const __m256i xv = _mm256_loadu_si256((const __m256i*)(qx + r * K + b));
-                const __m256 d = _mm256_broadcast_ss(dx + r * nbk + b / 32);
-                for (int j = 0; j < NB; j++) ga[r][j] = _mm256_fmadd_ps(d, dot32(w[j], xv), ga[r][j]);
-            }
-        }
-        for (int j = 0; j < NB; j++) {
-            __m256 s = _mm256_set1_ps(sc[j * ng + g0 / G]);
-            for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(s, ga[r][j], acc[r][j]);
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < NB; j++) out[r * NB + j] = hsum8(acc[r][j]);
-}
-
-template <bool INT4, int R, int NB>
-static inline void tile_q8(const int8_t* qx, const float* dx, int64_t K, int64_t G, const void* qv, int64_t n,
-                           const float* scale, int64_t ng, float* out) {
-    if (INT4)
-        tile_i4_q8<R, NB>(qx, dx, K, G, (const uint8_t*)qv + n * (K / 2), scale + n * ng, ng, out);
-    else
-        tile_i8_q8<R, NB>(qx, dx, K, G, (const int8_t*)qv + n * K, scale + n * ng, ng, out);
-}
-
-template <bool INT4>
-static inline void block_q8(const int8_t* qx, const float* dx, int64_t r, int64_t K, int64_t G, const void* q,
-                            int64_t n, int64_t nb, const float* scale, int64_t ng, float* out) {
-    if (nb == 4) tile_q8<INT4, 1, 4>(qx, dx, K, G, q, n, scale, ng, out);
-    else if (nb == 2) tile_q8<INT4, 2, 2>(qx, dx, K, G, q, n, scale, ng, out);
-    else if (r == 6) tile_q8<INT4, 6, 1>(qx, dx, K, G, q, n, scale, ng, out);
-    else if (r == 5) tile_q8<INT4, 5, 1>(qx, dx, K, G, q, n, scale, ng, out);
-    else if (r == 4) tile_q8<INT4, 4, 1>(qx, dx, K, G, q, n, scale, ng, out);
-    else if (r == 3) tile_q8<INT4, 3, 1>(qx, dx, K, G, q, n, scale, ng, out);
-    else if (r == 2) tile_q8<INT4, 2, 1>(qx, dx, K, G, q, n, scale, ng, out);
-    else tile_q8<INT4, 1, 1>(qx, dx, K, G, q, n, scale, ng, out);
-}
-
-template <bool INT4>
-static void gemm_q8(const int8_t* qx, const float* dx, int64_t M, int64_t K, const void* qv, const float* scale,
-                    const float* mins, int64_t N, int64_t G, const float* add, const float* bias, float* y,
-                    const float* xsum) {
-    const int64_t ng = K / G, nbk = K / 32;
-    const int64_t NT = (N + 3) / 4;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < NT; t++) {
-        const int64_t n0 = t * 4, n1 = n0 + 4 < N ? n0 + 4 : N;
-        float out[RB * 4];
-        for (int64_t m0 = 0; m0 < M; m0 += RB) {
-            const int64_t r = M - m0 < RB ? M - m0 : RB;
-            const int64_t nb = (r == 1 && n1 - n0 == 4) ? 4 : (r == 2 && n1 - n0 == 4) ? 2 : 1;
-            for (int64_t n = n0; n < n1; n += nb) {
-                block_q8<INT4>(qx + m0 * K, dx + m0 * nbk, r, K, G, qv, n, nb, scale, ng, out);
-                for (int64_t i = 0; i < r; i++)
-                    for (int64_t j = 0; j < nb; j++) {
-                        const int64_t m = m0 + i, nn = n + j;
-                        float v = out[i * nb + j];
-                        if (INT4 && mins) {
-                            const float* mn = mins + nn * ng;
-                            const float* xs = xsum + m * ng;
-                            float s = 0.f;
-                            for (int64_t g = 0; g < ng; g++) s += mn[g] * xs[g];
-                            v += s;
-                        }
-                        if (bias) v += bias[nn];
-                        if (add) v += add[m * N + nn];
-                        y[m * N + nn] = v;
-                    }
-            }
-        }
     }
 }
 
@@ -829,22 +696,6 @@ void specd_qgemm_i4(const float* x, int64_t M, int64_t K, const uint8_t* q, cons
                     int64_t N, int64_t G, const float* add, const float* bias, float* y, float* xsum) {
     if (mins) group_sums(x, M, K, G, xsum);
     gemm<true>(x, M, K, q, scale, mins, N, G, add, bias, y, xsum);
-}
-
-// The same with int8 activations: qx int8 [M, K] and dx fp32 [M, K/32] are the caller's scratch,
-// filled here from x (see the top).
-void specd_qgemm_i8_q8(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
-                       int64_t G, const float* add, const float* bias, float* y, int8_t* qx, float* dx) {
-    quantize_q8(x, M, K, qx, dx);
-    gemm_q8<false>(qx, dx, M, K, q, scale, nullptr, N, G, add, bias, y, nullptr);
-}
-
-void specd_qgemm_i4_q8(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale,
-                       const float* mins, int64_t N, int64_t G, const float* add, const float* bias, float* y,
-                       float* xsum, int8_t* qx, float* dx) {
-    if (mins) group_sums(x, M, K, G, xsum);
-    quantize_q8(x, M, K, qx, dx);
-    gemm_q8<true>(qx, dx, M, K, q, scale, mins, N, G, add, bias, y, xsum);
 }
 
 // The interleaved layout (see gemm_x8): w, scale [, mins] packed by the caller; xs fp32 [M, K/32]

@@ -73,10 +73,6 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_qgemm_i8.restype = None
     lib.specd_qgemm_i4.argtypes = [p, i, i, p, p, p, i, i, p, p, p, p]
     lib.specd_qgemm_i4.restype = None
-    lib.specd_qgemm_i8_q8.argtypes = [p, i, i, p, p, i, i, p, p, p, p, p]
-    lib.specd_qgemm_i8_q8.restype = None
-    lib.specd_qgemm_i4_q8.argtypes = [p, i, i, p, p, p, i, i, p, p, p, p, p, p]
-    lib.specd_qgemm_i4_q8.restype = None
     lib.specd_qgemm_x8.argtypes = [p, i, i, p, p, p, i, ctypes.c_int, p, p, p, p, p, p]
     lib.specd_qgemm_x8.restype = None
     f = ctypes.c_float
@@ -101,19 +97,15 @@ def qgemm(
     int4: bool,
     add: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
-    act_int8: bool = False,
 ) -> torch.Tensor:
-    """``add + x @ W^T + bias`` for x fp32 [M, K] (contiguous), q the packed weight ([N, K] int8 or
-    [N, K/2] uint8), scale / minv fp32 [N, K/group], add fp32 [M, N] or None; returns fp32 [M, N].
-    ``act_int8``: x is quantized per row to int8 in blocks of 32 and multiplied in integers (faster;
-    a row's result still depends on that row alone, see qgemm.cpp)."""
+    """``add + x @ W^T + bias`` with fp32 activations for x fp32 [M, K] (contiguous), q the packed
+    weight ([N, K] int8 or [N, K/2] uint8), scale / minv fp32 [N, K/group], add fp32 [M, N] or None;
+    returns fp32 [M, N]. (int8 activations: ``qgemm_x8``.)"""
     M, K = x.shape
     N = q.shape[0]
     y = torch.empty((M, N), dtype=torch.float32)
     if add is not None:
         add = add.contiguous()
-    if act_int8:
-        return _qgemm_q8(lib, x, q, scale, minv, group, int4, add, bias, y)
     if int4:
         xsum = torch.empty((M, K // group), dtype=torch.float32) if minv is not None else y
         lib.specd_qgemm_i4(
@@ -124,25 +116,6 @@ def qgemm(
         lib.specd_qgemm_i8(
             x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), N, group, _ptr(add), _ptr(bias), y.data_ptr()
         )
-    return y
-
-
-def _qgemm_q8(lib, x, q, scale, minv, group: int, int4: bool, add, bias, y) -> torch.Tensor:
-    M, K = x.shape
-    N = q.shape[0]
-    qx = torch.empty((M, K), dtype=torch.int8)
-    dx = torch.empty((M, K // 32), dtype=torch.float32)
-    if int4:
-        xsum = torch.empty((M, K // group), dtype=torch.float32) if minv is not None else y
-        lib.specd_qgemm_i4_q8(
-            x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), _ptr(minv), N, group, _ptr(add), _ptr(bias),
-            y.data_ptr(), xsum.data_ptr(), qx.data_ptr(), dx.data_ptr(),
-        )  # fmt: skip
-    else:
-        lib.specd_qgemm_i8_q8(
-            x.data_ptr(), M, K, q.data_ptr(), scale.data_ptr(), N, group, _ptr(add), _ptr(bias), y.data_ptr(),
-            qx.data_ptr(), dx.data_ptr(),
-        )  # fmt: skip
     return y
 
 

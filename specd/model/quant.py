@@ -142,7 +142,7 @@ class QuantLinear(nn.Module):
         if self.act_int8:
             return qgemm_x8(lib, xf.contiguous(), self.x8_pack(), self.out_features, self.fmt == "int4", a, self.bias)
         return qgemm(lib, xf.contiguous(), self.qweight, self.scale, self.minv, self.group, self.fmt == "int4", a,
-                     self.bias, self.act_int8)  # fmt: skip
+                     self.bias)  # fmt: skip
 
 
 def set_act_int8(model: nn.Module, on: bool) -> int:
