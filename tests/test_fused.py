@@ -113,3 +113,22 @@ def test_the_fused_path_steps_aside_where_it_does_not_apply(lm):
     assert fused_layers(lm.model, get_backend("auto", CPU), kv, x.bfloat16()) is None
     plain = load_model(TARGET, "cpu", "float32")
     assert fused_layers(plain.model, get_backend("auto", CPU), kv, x) is None  # not quantized
+
+
+def test_out_of_range_positions_or_slots_are_refused_not_written(lm, monkeypatch):
+    """The C layer does no bounds checks: a position past the RoPE table or a slot past the cache is
+    refused before it runs (the op-by-op path's indexing raises the same), the cache untouched."""
+    monkeypatch.setenv("SPECD_FUSED", "1")
+    c, m, be = lm.config, lm.model, get_backend("auto", CPU)
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 4, 4, torch.float32, CPU)
+    s = cache.new_seq()
+    s.reserve(2)
+    meta = build_metadata([2], [0], [s.blocks], s.slots(0, 2), 4, CPU)
+    before = cache.kv.clone()
+    far = m.rotary.cos.shape[0]
+    with pytest.raises(IndexError, match="out of"):
+        m(torch.tensor([5, 6]), torch.tensor([0, far]), cache.kv, meta, be)
+    bad = build_metadata([2], [0], [s.blocks], [0, 4 * 4], 4, CPU)
+    with pytest.raises(IndexError, match="slot out of range"):
+        m(torch.tensor([5, 6]), torch.tensor([0, 1]), cache.kv, bad, be)
+    assert torch.equal(cache.kv, before)

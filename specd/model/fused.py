@@ -96,6 +96,11 @@ class FusedLayers:
         bt, qsl, slots = meta.block_tables.contiguous(), meta.query_start_loc.contiguous(), meta.slot_mapping
         nslots = kv.shape[2] * kv.shape[3]
         T, d = x.shape
+        # the C code does no bounds checks: refuse what the op-by-op path's indexing would refuse
+        if int(pos.max()) >= self.cos.shape[0] or int(pos.min()) < 0:
+            raise IndexError(f"position out of range of the RoPE table ({self.cos.shape[0]} positions)")
+        if int(slots.max()) >= nslots or int(slots.min()) < 0:
+            raise IndexError(f"KV slot out of range of the cache ({nslots} slots)")
         scale = cfg.head_dim**-0.5
         for i, (arr, w_in, w_post) in enumerate(self.layers):
             if capture is not None and i in capture:
