@@ -81,16 +81,16 @@ def _act_quant(mode: str, target: LoadedModel, draft: LoadedModel | None) -> Non
     ``auto``: the same where the target's weights are quantized and the CPU kernel runs (the fastest
     choice there, as llama.cpp's), else nothing; ``none`` leaves them as loaded (fp32 activations,
     unless a caller set them)."""
-    if mode == "auto":
-        if target.device.type != "cpu" or kernel() is None or not target.model.quantized():
-            return
-        n = sum(set_act_int8(m.model, True) for m in (target, draft) if m is not None)
-        log.info("activations: int8 in %d quantized layers (--act-quant auto; none for fp32)", n)
-        return
-    if mode != "int8":
+    if (
+        mode == "none"
+        or mode == "auto"
+        and (target.device.type != "cpu" or kernel() is None or not target.model.quantized())
+    ):
         return
     n = sum(set_act_int8(m.model, True) for m in (target, draft) if m is not None)
-    if n == 0 or target.device.type != "cpu":
+    if mode == "auto":
+        log.info("activations: int8 in %d quantized layers (--act-quant auto; none for fp32)", n)
+    elif n == 0 or target.device.type != "cpu":
         raise LoadError("--act-quant int8 needs quantized weights (--quantization) on a CPU device")
 
 

@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from specd.model.qkernel import _ptr
 from specd.model.quant import QuantLinear
 
 
@@ -38,10 +39,6 @@ class Lin(ctypes.Structure):
         ("mins", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
     ]
-
-
-def _ptr(t: torch.Tensor | None):
-    return None if t is None else t.data_ptr()
 
 
 def _lin(op: QuantLinear) -> tuple[Lin, tuple]:
@@ -96,9 +93,8 @@ class FusedLayers:
         bt, qsl, slots = meta.block_tables.contiguous(), meta.query_start_loc.contiguous(), meta.slot_mapping
         nslots = kv.shape[2] * kv.shape[3]
         T, d = x.shape
-        # the C code does no bounds checks: refuse what the op-by-op path's indexing would refuse
-        if int(pos.max()) >= self.cos.shape[0] or int(pos.min()) < 0:
-            raise IndexError(f"position out of range of the RoPE table ({self.cos.shape[0]} positions)")
+        # the C code does no bounds checks: refuse what the op-by-op path's index_copy_ would refuse
+        # (positions: LlamaModel.forward's RoPE-table lookup already did)
         if int(slots.max()) >= nslots or int(slots.min()) < 0:
             raise IndexError(f"KV slot out of range of the cache ({nslots} slots)")
         scale = cfg.head_dim**-0.5
@@ -121,13 +117,8 @@ def fused_layers(model, backend, kv: torch.Tensor, x: torch.Tensor) -> FusedLaye
         return None
     if x.shape[0] > QuantLinear.KERNEL_MAX_ROWS or not x.is_contiguous() or not kv.is_contiguous():
         return None
-    ops = [op for blk in model.layers for op in _projections(blk)]
-    if not all(_usable(op) for op in ops):
-        return None
-    key = tuple(op.act_int8 for op in ops)
-    cached = getattr(model, "_fused", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    fused = FusedLayers(backend.lib, model)
-    model._fused = (key, fused)
-    return fused
+    fused = getattr(model, "_fused", None)  # built once (``quant.set_act_int8`` drops it); False: not usable
+    if fused is None:
+        usable = all(_usable(op) for blk in model.layers for op in _projections(blk))
+        fused = model._fused = FusedLayers(backend.lib, model) if usable else False
+    return fused or None

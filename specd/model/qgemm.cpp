@@ -698,15 +698,13 @@ void specd_qgemm_i4(const float* x, int64_t M, int64_t K, const uint8_t* q, cons
     gemm<true>(x, M, K, q, scale, mins, N, G, add, bias, y, xsum);
 }
 
-// The interleaved layout (see gemm_x8): w, scale [, mins] packed by the caller; xs fp32 [M, K/32]
-// (the per-block activation sums, int4 with mins), qx, dx as above: the caller's scratch.
+// The interleaved layout (see gemm_x8): w, scale [, mins] packed by the caller (quant.pack_x8).
 void specd_qgemm_x8(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* scale, const float* mins,
-                    int64_t N, int int4, const float* add, const float* bias, float* y, float* xs, int8_t* qx,
-                    float* dx) {
-    if (int4 && mins) group_sums(x, M, K, 32, xs);
-    quantize_q8(x, M, K, qx, dx);
-    if (int4) gemm_x8<true>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
-    else gemm_x8<false>(qx, dx, xs, M, K, w, scale, nullptr, N, add, bias, y);
+                    int64_t N, int int4, const float* add, const float* bias, float* y) {
+    const Lin L{int4 ? 3 : 2, N, K, 32, K, w, scale, mins, bias};
+    std::vector<float> fs, xp;
+    std::vector<int8_t> qs;
+    lin(L, x, M, add, y, fs, qs, xp);
 }
 
 // One decoder layer (see Lin above), x [T, d] updated in place: x += o(attn(rope(qkv(norm(x)))));

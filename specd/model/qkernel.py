@@ -73,7 +73,7 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_qgemm_i8.restype = None
     lib.specd_qgemm_i4.argtypes = [p, i, i, p, p, p, i, i, p, p, p, p]
     lib.specd_qgemm_i4.restype = None
-    lib.specd_qgemm_x8.argtypes = [p, i, i, p, p, p, i, ctypes.c_int, p, p, p, p, p, p]
+    lib.specd_qgemm_x8.argtypes = [p, i, i, p, p, p, i, ctypes.c_int, p, p, p]
     lib.specd_qgemm_x8.restype = None
     f = ctypes.c_float
     lib.specd_layer.argtypes = [p, i, i, p, p, f, p, i, i, i, i, p, p, p, p, i, p, p, i, p, i, i, p, i, i, f]
@@ -126,12 +126,9 @@ def qgemm_x8(lib: ctypes.CDLL, x: torch.Tensor, packed: tuple, N: int, int4: boo
     M, K = x.shape
     add = None if add is None else add.contiguous()
     y = torch.empty((M, N), dtype=torch.float32)
-    xs = torch.empty((M, K // 32), dtype=torch.float32)
-    qx = torch.empty((M, K), dtype=torch.int8)
-    dx = torch.empty((M, K // 32), dtype=torch.float32)
     lib.specd_qgemm_x8(
         x.data_ptr(), M, K, w.data_ptr(), scale.data_ptr(), _ptr(mins), N, int(int4), _ptr(add), _ptr(bias),
-        y.data_ptr(), xs.data_ptr(), qx.data_ptr(), dx.data_ptr(),
+        y.data_ptr(),
     )  # fmt: skip
     return y
 

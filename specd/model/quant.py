@@ -147,12 +147,14 @@ class QuantLinear(nn.Module):
 
 def set_act_int8(model: nn.Module, on: bool) -> int:
     """Turn the CPU kernel's int8 activations on or off for every ``QuantLinear`` of ``model``;
-    returns how many there are."""
+    returns how many there are. (Drops the fused layers' arguments built for the old setting.)"""
     n = 0
     for m in model.modules():
         if isinstance(m, QuantLinear):
             m.act_int8 = on
             n += 1
+        if hasattr(m, "_fused"):
+            del m._fused
     return n
 
 
