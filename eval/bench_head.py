@@ -42,6 +42,7 @@ def parse_args(argv=None):
     ap.add_argument("--act-quant", default="none", choices=("none", "int8"), help="the target's activations")
     ap.add_argument("--head", default=None, help="head folder (default: the built-in head)")
     ap.add_argument("--chain", type=int, default=4, help="chain length")
+    ap.add_argument("--auto-mode", default="tree", help="auto engine: --spec-mode (tree, chain)")
     ap.add_argument("--tree-budget", type=int, default=16)
     ap.add_argument("--tree-topk", type=int, default=4)
     ap.add_argument("--tree-depth", type=int, default=6)
@@ -70,12 +71,13 @@ def build(a) -> dict:
 
     def engine(adaptive: bool, **model) -> Engine:
         nonlocal target
+        mode = {"mode": a.auto_mode} if adaptive else {}
         cfg = EngineConfig(
             target=str(builtin.builtin_gguf()),
             dtype=a.dtype,
             act_quant=a.act_quant,
             cache=CacheConfig(num_blocks=1024),
-            spec=SpecConfig(adaptive=adaptive, suffix_store=False, **shapes),  # type: ignore[arg-type]
+            spec=SpecConfig(adaptive=adaptive, suffix_store=False, **shapes, **mode),  # type: ignore[arg-type]
             scheduler=SchedulerConfig(enable_prefix_cache=False),
             **model,
         )

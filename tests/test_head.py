@@ -24,6 +24,8 @@ from specd.model import builtin
 from specd.model.attention import TorchAttention, build_metadata
 from specd.model.eagle3 import save_eagle3
 from specd.model.head_files import load_head, save_head
+from specd.model.qkernel import kernel
+from specd.model.quant import QuantLinear
 from specd.training.data import pick_vocab
 from specd.training.head import head_agreement, new_head, target_features, train_head
 from tests.conftest import TARGET
@@ -237,19 +239,54 @@ def test_an_eagle3_checkpoint_loads_as_the_same_head(tmp_path, shared_pair, head
     assert outs[0] == outs[1]  # the same drafts, accepted alike
 
 
+@pytest.mark.skipif(kernel() is None, reason="specd's CPU kernel is not built here")
+@pytest.mark.parametrize("act_int8", [False, True])
+def test_a_head_drafting_through_the_cpu_kernel_computes_the_float_heads_rows(shared_pair, head_dir, act_int8):
+    """``use_kernel``: int8 projections give the float head's rows to int8 precision and (nearly
+    always) its top draft token; training's float weights are untouched."""
+    target, _ = shared_pair
+    ref, head = load_head(head_dir, target), load_head(head_dir, target)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    head.use_kernel(act_int8)
+    assert set(head.ops) == {"fc", "qkv", "o", "gate_up", "down"}
+    assert all(isinstance(op, QuantLinear) and op.act_int8 == act_int8 for op in head.ops.values())
+    toks = target.tokenizer("Once upon a time, there was a little dog who liked to run in the park")["input_ids"]
+    n = len(toks) - 1
+    feats = _features(target, toks, head.layers)[:n]
+    outs = []
+    for h in (ref, head):
+        c = h.cfg
+        cache = KVCache(1, c.num_kv_heads, c.head_dim, 8, 16, torch.float32, target.device)
+        s = cache.new_seq()
+        s.reserve(n)
+        meta = build_metadata([n], [0], [s.blocks], s.slots(0, n), 16, target.device)
+        ids, pos = torch.tensor(toks[1 : n + 1]), torch.arange(n)
+        outs.append(h(ids, pos, h.fuse(feats), cache.kv, meta, TorchAttention()))
+    err = (outs[1] - outs[0]).norm() / outs[0].norm()
+    assert 0 < err < 0.05, err  # quantized (not the float path), and close to it
+    top = [h.compute_logits(o).argmax(-1) for h, o in zip((ref, head), outs)]
+    assert (top[0] == top[1]).float().mean() >= 0.8
+    assert all(torch.equal(v, head.state_dict()[k]) for k, v in before.items())
+
+
 @pytest.mark.skipif(
     not builtin.builtin_gguf().exists() or builtin.head_path() is None, reason="built-in model or head missing"
 )
-def test_builtin_head_greedy_equals_plain():
+@pytest.mark.parametrize("act_quant", ["none", "int8"])
+def test_builtin_head_greedy_equals_plain(act_quant):
     eng = Engine(
         EngineConfig(
             target=str(builtin.builtin_gguf()),
             head=str(builtin.head_path()),
             dtype="float32",
+            act_quant=act_quant,
             cache=CacheConfig(num_blocks=256),
             spec=SpecConfig(mode="head", adaptive=False),
         )
     )
+    if kernel() is not None:  # the quantized target's head drafts through the same kernel
+        ops = eng.drafter.model.ops
+        assert ops and all(op.act_int8 == (act_quant == "int8") for op in ops.values())
     tok = eng.tokenizer
     prompts = [
         tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)

@@ -344,6 +344,25 @@ def test_verification_never_priced_below_a_plain_step():
     assert s.policy.choose_depth([0.9]) > 0
 
 
+def test_a_measured_narrow_verification_beats_the_linear_fit():
+    """On a CPU one extra row rides on the weights one row already reads (2 rows ~1.14x one row),
+    which a line fitted over wider steps cannot see: once steps of exactly that width are measured,
+    the policy prices them as measured, and a short chain that pays is taken."""
+    s, _ = _sched(spec=SpecConfig(mode="chain", num_draft_tokens=4, adaptive=True))
+    s.policy.t_target, s.policy.t_per_token, s.policy.t_draft = 0.002, 0.0025, 0.0005  # fitted over wide steps
+    s.policy.t_plain = {1: 0.010}
+    s.policy.step = 1
+    assert s.policy.choose_depth([0.3]) == 0  # by the fit: 1.3 tokens per >= 13 ms
+    for _ in range(2):
+        s.policy.t_width.setdefault(2, [0.0114, 0])[1] += 1  # two steps of 2 tokens measured 11.4 ms
+    s.policy.forget()
+    s.policy.step = 2
+    assert s.policy.choose_depth([0.3]) == 1  # 1.3 tokens per 11.9 ms beats 1 per 10 ms
+    assert s.policy.choose_depth([0.05]) == 0  # ... at this acceptance, not at a poor one
+    s.policy.observe(0.011, 0.0005, tokens=3)
+    assert s.policy.t_width[3] == [0.011, 1]  # observe() records each width's step cost
+
+
 def test_a_hopeless_decision_is_reused_briefly_then_revisited():
     """Loaded steady state: once drafting is found hopeless at a batch size, steps skip the
     acceptance bookkeeping (no drafting at all); when the costs change (a cheaper draft), the

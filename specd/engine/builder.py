@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -155,7 +156,13 @@ def load_head_for(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | N
         raise LoadError("a draft model and a feature head were both given: one model proposer at a time")
     from specd.model.head_files import load_head
 
-    return load_head(cfg.head, target)
+    head = load_head(cfg.head, target)
+    tm = target.model
+    # a quantized target on a CPU: the head drafts through the same kernel (SPECD_HEAD_KERNEL=0: fp32)
+    on_kernel = target.device.type == "cpu" and tm.quantized() and kernel() is not None
+    if on_kernel and os.environ.get("SPECD_HEAD_KERNEL", "1") != "0":
+        head.use_kernel(any(getattr(m, "act_int8", False) for m in tm.modules()))
+    return head
 
 
 def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | None, clock) -> EngineParts:

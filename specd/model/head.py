@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from specd.config import ModelConfig
 from specd.model.attention import AttentionMetadata
 from specd.model.llama import RMSNorm, Rotary
-from specd.model.quant import QuantLinear, embedding, linear
+from specd.model.quant import QuantLinear, embedding, linear, quantize_int8
 
 
 def default_layers(num_layers: int) -> tuple:
@@ -73,6 +73,7 @@ class EagleHead(nn.Module):
         self.embed_table: torch.Tensor | QuantLinear | None = None  # the target's (attach)
         self.d2t: torch.Tensor | None = None  # [N] target ids of the head rows
         self.head_rows: torch.Tensor | QuantLinear | None = None  # [N, d]
+        self.ops: dict = {}  # drafting through the CPU kernel: int8 projections (use_kernel)
 
     @property
     def draft_vocab_size(self) -> int:
@@ -90,13 +91,34 @@ class EagleHead(nn.Module):
             rows = head.select(self.d2t) if isinstance(head, QuantLinear) else head.weight.detach()[self.d2t]
         object.__setattr__(self, "head_rows", rows)
 
+    def use_kernel(self, act_int8: bool) -> None:
+        """Draft through the CPU kernel, as a quantized target runs: int8 copies (per output channel)
+        of the layer's projections and, with ``act_int8``, int8 activations in them and in the head
+        rows (an int8 head layer costs a quarter of the fp32 one's weight bytes; a head level is a
+        draft step, so this decides whether a short head chain pays). Only drafting uses them:
+        training (``unroll``) and the saved files keep the float weights, and verification by the
+        target keeps the output lossless whatever the head computes."""
+        ops = {}
+        for name in ("fc", "qkv", "o", "gate_up", "down"):
+            op = quantize_int8(getattr(self, name).weight.detach().float())
+            op.act_int8 = act_int8
+            ops[name] = op
+        self.ops = ops
+        if isinstance(self.head_rows, QuantLinear):  # (the head's own copy of the target's rows)
+            self.head_rows.act_int8 = act_int8
+
+    def _w(self, name: str):
+        """A projection for ``linear``: its int8 drafting copy (``use_kernel``) or its float weight."""
+        op = self.ops.get(name)
+        return op if op is not None else getattr(self, name).weight
+
     # the layer, shared by both forwards -----------------------------------------------------------
     def _qkv(self, e: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """(q [.., H, D], k [.., KVH, D], v [.., KVH, D]) of rows with embeddings ``e`` and hidden ``x``."""
         c = self.cfg
         H, KVH, D, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         h = torch.cat([_rms(e, self.input_norm.weight, eps), _rms(x, self.hidden_norm.weight, eps)], dim=-1)
-        qkv = F.linear(h, self.qkv.weight)  # [.., (H + 2 KVH) D]
+        qkv = linear(h, self._w("qkv"))  # [.., (H + 2 KVH) D]
         qk = qkv[..., : (H + KVH) * D].unflatten(-1, (H + KVH, D))
         qk = qk * cos + _rotate_half(qk) * sin
         v = qkv[..., (H + KVH) * D :].unflatten(-1, (KVH, D))
@@ -104,10 +126,10 @@ class EagleHead(nn.Module):
 
     def _finish_layer(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Residual + attention output ``o`` [.., H D], then the MLP: the rows' output hidden state."""
-        x = x + F.linear(o, self.o.weight)
-        gu = F.linear(_rms(x, self.post_norm.weight, self.cfg.rms_norm_eps), self.gate_up.weight)
+        x = x + linear(o, self._w("o"))
+        gu = linear(_rms(x, self.post_norm.weight, self.cfg.rms_norm_eps), self._w("gate_up"))
         inter = self.cfg.intermediate_size
-        return x + F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], self.down.weight)
+        return x + linear(F.silu(gu[..., :inter]) * gu[..., inter:], self._w("down"))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         assert self.embed_table is not None, "attach() the head to its target first"
@@ -116,7 +138,7 @@ class EagleHead(nn.Module):
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features [.., 3 d_target] -> the head's hidden input [.., d]."""
-        return F.linear(feats.to(self.fc.weight.dtype), self.fc.weight)
+        return linear(feats.to(self.fc.weight.dtype), self._w("fc"))
 
     # drafting -------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -10,10 +10,15 @@ not distort them; wall time on a GPU):
 
 - T(0) = the measured cost of a draft-free decode step at this batch size (a batch size not yet
   seen gets one plain step first);
-- T(D>0) = ``max(t_fixed + t_per_token * B * (1 + nodes(D)), T(0) + t_per_token * B * nodes(D))
-  + D * t_draft``: t_fixed and t_per_token fitted (least squares over the last 64 speculative decode
-  steps; a verification never costs less than a plain step plus its extra tokens), t_draft = one
-  draft level after the first (which also catches the draft cache up).
+- T(D>0) = V(B * (1 + nodes(D))) + D * t_draft, t_draft = one draft level after the first (which
+  also catches the draft cache up), V(n) = the target part of a speculative step of n tokens: the
+  measured EMA at exactly n tokens once seen twice (the cost of a forward is not linear in its rows
+  on a CPU: one row reads the weights, memory-bound; a few more ride on the same reads, then each
+  costs compute: SmolLM2 on AVX2 with int8 activations, 2 rows 1.14x one row, 3 rows 1.35x, 5 rows
+  1.95x), else ``max(t_fixed + t_per_token * n, T(0) + t_per_token * (n - B))`` with t_fixed and
+  t_per_token fitted (least squares over the last 64 speculative decode steps; the floor: a fit
+  from far wider steps must not make a narrow verification look cheaper than a plain step plus its
+  extra tokens).
 
 D = 0 turns speculation off: at high batch the target step grows and D shrinks; when the batch
 drains it grows back. While D = 0, a probe step drafts one token for ONE request (the least
@@ -134,6 +139,7 @@ class SpecPolicy:
         self.probing = False
         self.last_depth = 0
         self._fit = CostFit()
+        self.t_width: dict = {}  # target tokens of a speculative step -> [EMA seconds, observations]
         self._decision: tuple | None = None  # (alphas, step, config, depth, hopeless) of the last decision
         self.hopeless_batch: tuple | None = None  # (batch, step, mode) of the last "drafting cannot pay"
 
@@ -189,6 +195,13 @@ class SpecPolicy:
         a = 0.2
         if t_draft_level is not None:
             self.t_draft = t_draft_level if self.t_draft is None else (1 - a) * self.t_draft + a * t_draft_level
+        if tokens > 0:
+            w = self.t_width.get(tokens)
+            if w is None:
+                self.t_width[tokens] = [t_target, 1]
+            else:
+                w[0] = (1 - a) * w[0] + a * t_target
+                w[1] += 1
         fit = self._fit.add(tokens, t_target)
         if fit is not None:
             self.t_target, self.t_per_token = fit
@@ -281,9 +294,13 @@ class SpecPolicy:
         return best_d
 
     def _verify_cost(self, nodes: int, batch: int, t_plain: float) -> float:
-        """Seconds of a target step verifying ``nodes`` draft tokens per request at ``batch``: the
-        cost fit, never below the measured plain step plus the extra tokens."""
+        """Seconds of a target step verifying ``nodes`` draft tokens per request at ``batch``: what
+        steps of exactly that many tokens measured (seen at least twice; never below a plain step),
+        else the cost fit, never below the measured plain step plus the extra tokens."""
         assert self.t_target is not None
+        w = self.t_width.get(batch * (1 + nodes))
+        if w is not None and w[1] >= 2:
+            return max(w[0], t_plain)
         tpt = self.t_per_token
         return max(self.t_target + tpt * batch * (1 + nodes), t_plain + tpt * batch * nodes)
 
@@ -376,15 +393,11 @@ class SpecPolicy:
             return 0  # first time at this batch size: one plain step measures the cost of depth 0
         groups = collections.Counter(round(min(max(a, 0.0), 0.999), 2) for a in alphas)
         tot = expected_tokens(groups, B, dmax)
-        t0, tpt, td = self.t_target, self.t_per_token, self.t_draft
-        assert t0 is not None and td is not None
+        td = self.t_draft
+        assert self.t_target is not None and td is not None
         best, best_d = B / t_plain, 0
         for d in range(1, dmax + 1):
-            nodes = self.nodes_for_depth(d)
-            # a verification step costs at least a plain step plus its extra tokens: the fit alone
-            # can underestimate it (a fixed part fitted near 0 from a few probe steps)
-            t_verify = max(t0 + tpt * B * (1 + nodes), t_plain + tpt * B * nodes)
-            rate = tot[d] / (t_verify + d * td)
+            rate = tot[d] / (self._verify_cost(self.nodes_for_depth(d), B, t_plain) + d * td)
             if rate > best * 1.02:  # a clear win only
                 best, best_d = rate, d
         return best_d

@@ -59,6 +59,20 @@ def add_distill_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     r.add_argument("--prompts", default=None, help="JSONL with a 'question' field (e.g. GSM8K train)")
     r.add_argument("--prompt-count", type=int, default=256)
     r.add_argument("--self-prompts", type=int, default=64, help="questions the target writes itself")
+    r.add_argument(
+        "--tasks",
+        default=None,
+        help="more kinds of requests, KIND=N,...: write (a story, email, tips, ... about a subject), code, translate "
+        "(a --prompts question), summarize / passage_qa (a --passages passage), rewrite (explain a --prompts "
+        "worked answer)",
+    )
+    r.add_argument("--passages", default=None, help="plain text the summarize / passage_qa requests quote")
+    r.add_argument(
+        "--served",
+        action="store_true",
+        help="replies (and a head's features) from the target as `specd serve` runs it (a GGUF file's blocks, "
+        "int8 activations on a CPU) instead of fp32 floats",
+    )
     r.add_argument("--max-new-tokens", type=int, default=160)
     r.add_argument("--data-out", default=None, help="also write the generated replies here (JSON)")
     r.add_argument(
@@ -66,6 +80,9 @@ def add_distill_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     r.add_argument("--ttt-steps", type=int, default=3, help="--kind head: training-time-test unroll steps")
     r.add_argument("--features", default=None, help="--kind head: cache the target's features in this file")
+    r.add_argument(
+        "--init-from", default=None, help="--kind head: start from an earlier head's weights (same target and layers)"
+    )
     return p
 
 

@@ -28,6 +28,8 @@ __all__ = [
     "self_generate",
     "self_prompts",
     "generate_replies",
+    "task_prompts",
+    "parse_counts",
     "pick_vocab",
     "reply_batches",
 ]
@@ -254,6 +256,57 @@ def chat_ids(tok, text: str) -> list:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+LANGUAGES = ("French", "German", "Spanish", "Italian", "Portuguese")
+SUBJECTS = TOPICS + (
+    "space exploration",
+    "the ocean",
+    "coffee",
+    "job interviews",
+    "social media",
+    "electric cars",
+    "the Roman empire",
+    "photography",
+    "video games",
+    "friendship",
+    "sleep",
+    "public speaking",
+    "healthy eating",
+    "a city you like",
+    "learning to code",
+    "a rainy day",
+)
+WRITING = (
+    "Write a short story about {}.",
+    "Write an email to a friend about {}.",
+    "Write a short poem about {}.",
+    "Give me five tips about {}.",
+    "Write a short blog post about {}.",
+    "Explain the basics of {} to a beginner.",
+    "What are the pros and cons of {}?",
+    "Describe {} in a few paragraphs.",
+)
+
+CODE = (
+    "Write a Python function that {}.",
+    "Write a JavaScript function that {}.",
+    "Explain how to write a program that {}.",
+)
+CODE_TASKS = (
+    "reverses a string",
+    "checks whether a number is prime",
+    "counts the words in a text",
+    "finds the largest number in a list",
+    "sorts a list of names",
+    "computes the factorial of a number",
+    "removes duplicates from a list",
+    "converts Celsius to Fahrenheit",
+    "reads a file and prints its lines",
+    "checks whether a word is a palindrome",
+    "sums the even numbers in a list",
+    "merges two sorted lists",
+)
+
+
 def self_prompts(engine, n: int, seed: int) -> list:
     """Questions the target writes itself, one per sampled reply (first line, stripped)."""
     from specd.engine.sampling import SamplingParams
@@ -274,26 +327,99 @@ def self_prompts(engine, n: int, seed: int) -> list:
     return [q for q in out if len(q) > 8]
 
 
-def generate_replies(target: str, prompts_file: str, n_prompts: int, n_self: int, max_new: int, seed: int) -> tuple:
+def _passages(path: str | None, n: int, rng: random.Random, lines: int = 16) -> list:
+    """``n`` passages of ``lines`` consecutive non-empty lines from a plain-text file."""
+    if not path or n <= 0:
+        return []
+    text = [ln for ln in Path(path).read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    starts = [rng.randrange(max(1, len(text) - lines)) for _ in range(n)]
+    return ["\n".join(text[s : s + lines]) for s in starts]
+
+
+def task_prompts(questions: list, passages_file: str | None, counts: dict, seed: int) -> list:
+    """Chat requests of several kinds built from public, non-evaluation text, so a draft trained on
+    the replies sees more than one domain: ``counts`` maps ``translate`` (a GSM8K question to
+    translate), ``summarize`` and ``passage_qa`` (a passage of ``passages_file`` to summarize, or
+    to answer a question about from the passage) and ``rewrite`` (a GSM8K worked answer to
+    explain), ``write`` (a writing request: a story, an email, tips, ... about a subject) and
+    ``code`` (a small programming task) to how many of each. ``questions``: GSM8K records
+    (``question`` / ``answer``)."""
+    rng = random.Random(seed)
+    out = [rng.choice(WRITING).format(rng.choice(SUBJECTS)) for _ in range(counts.get("write", 0))]
+    out += [rng.choice(CODE).format(rng.choice(CODE_TASKS)) for _ in range(counts.get("code", 0))]
+    for _ in range(counts.get("translate", 0)):
+        q = rng.choice(questions)["question"]
+        out.append(f"Translate the following text into {rng.choice(LANGUAGES)}:\n\n{q}")
+    summ = _passages(passages_file, counts.get("summarize", 0), rng)
+    out += [f"Summarize the following passage in a few sentences.\n\n{p}" for p in summ]
+    asks = (
+        "Who is speaking in this passage, and what do they want?",
+        "What is the main point of this passage?",
+        "List the people named in this passage and what each says.",
+        "Explain this passage in modern English.",
+    )
+    for p in _passages(passages_file, counts.get("passage_qa", 0), rng):
+        out.append(f"Read the passage and answer the question.\n\nPassage:\n{p}\n\nQuestion: {rng.choice(asks)}")
+    for _ in range(counts.get("rewrite", 0)):
+        r = rng.choice(questions)
+        ans = r["answer"].split("####")[0].strip()
+        out.append(f"Here is a problem and a worked solution.\n\nProblem: {r['question']}\n\nSolution:\n{ans}\n\n"
+                   "Explain the solution step by step in plain words.")  # fmt: skip
+    rng.shuffle(out)
+    return out
+
+
+KIND_NAMES = ("write", "code", "translate", "summarize", "passage_qa", "rewrite")
+
+
+def parse_counts(spec: str | None) -> dict:
+    """``"translate=200,summarize=100"`` -> ``{"translate": 200, "summarize": 100}``."""
+    out = {}
+    for part in (spec or "").split(","):
+        if part.strip():
+            k, _, v = part.partition("=")
+            if k.strip() not in KIND_NAMES or not v.strip().isdigit():
+                raise ValueError(f"--tasks: expected KIND=N with KIND {'|'.join(KIND_NAMES)}, got {part!r}")
+            out[k.strip()] = int(v)
+    return out
+
+
+def generate_replies(
+    target: str,
+    prompts_file: str,
+    n_prompts: int,
+    n_self: int,
+    max_new: int,
+    seed: int,
+    tasks: dict | None = None,
+    passages: str | None = None,
+    served: bool = False,
+) -> tuple:
     """(tokenizer, [(token ids, prompt length)], the target ``LoadedModel``): the target's greedy
-    replies (fp32, specd engine) to the first ``n_prompts`` questions of ``prompts_file`` and to
-    ``n_self`` questions it writes itself."""
+    replies (specd engine) to the first ``n_prompts`` questions of ``prompts_file``, to ``n_self``
+    requests it writes itself and to the ``tasks`` built by :func:`task_prompts` (passages from
+    ``passages``). ``served``: the target as ``specd serve`` runs it (a GGUF file on its own blocks,
+    int8 activations on a CPU: the model a draft will actually serve with, and ~5x faster here);
+    otherwise fp32 floats."""
     from specd.config import CacheConfig, EngineConfig, SchedulerConfig
     from specd.engine.engine import Engine
     from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
 
+    how = {"act_quant": "auto"} if served else {"dtype": "float32", "quantization": "none"}
     eng = Engine(
         EngineConfig(
             target=target,
-            dtype="float32",
-            cache=CacheConfig(num_blocks=1024),
+            cache=CacheConfig(num_blocks=4096),
             scheduler=SchedulerConfig(max_num_seqs=32),
+            **how,  # type: ignore[arg-type]
         )
     )
-    questions = [json.loads(line)["question"] for line in Path(prompts_file).read_text().splitlines()[:n_prompts]]
+    records = [json.loads(line) for line in Path(prompts_file).read_text().splitlines()]
+    questions = [r["question"] for r in records[:n_prompts]]
     t0 = time.perf_counter()
     questions += self_prompts(eng, n_self, seed)
+    questions += task_prompts(records[n_prompts:] or records, passages, tasks or {}, seed)
     prompts = [chat_ids(eng.tokenizer, q) for q in questions]
     data = []
     for i in range(0, len(prompts), 32):  # in waves, with progress

@@ -73,9 +73,10 @@ def _init_from_target(head: EagleHead, tm) -> None:
 def target_features(target, data: list, layers: tuple) -> list:
     """The target's features of every position of every reply: ``[(tokens, prompt length, [n, F] fp16)]``."""
     from specd.engine.kv_cache import KVCache
-    from specd.model.attention import build_metadata
+    from specd.model.attention import build_metadata, get_backend
 
     c, dev = target.config, target.device
+    backend = get_backend("auto", dev)  # on a CPU the kernel's (a quantized target: the fused layers)
     longest = max(len(t) for t, _ in data)
     cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, longest // 16 + 2, 16, target.dtype, dev)
     out, t0 = [], time.perf_counter()
@@ -84,7 +85,7 @@ def target_features(target, data: list, layers: tuple) -> list:
         s.reserve(len(toks))
         meta = build_metadata([len(toks)], [0], [s.blocks], s.slots(0, len(toks)), 16, dev)
         caps = dict.fromkeys(layers)
-        target.model(torch.tensor(toks, device=dev), torch.arange(len(toks), device=dev), cache.kv, meta, None, caps)
+        target.model(torch.tensor(toks, device=dev), torch.arange(len(toks), device=dev), cache.kv, meta, backend, caps)
         out.append((toks, p, torch.cat([caps[i] for i in layers], dim=-1).half().cpu()))
         s.free()
         if (k + 1) % 64 == 0 or k + 1 == len(data):
@@ -172,18 +173,28 @@ def head_agreement(head: EagleHead, data: list, t2d: torch.Tensor, steps: int = 
 
 
 def _replies(args) -> tuple:
-    """(target LoadedModel, tokenizer, [(tokens, prompt length)]): generated, or read (--data-in)."""
-    from specd.training.data import generate_replies
+    """(target LoadedModel, tokenizer, [(tokens, prompt length)]): generated, or read (--data-in).
+    ``--served``: the target as ``specd serve`` runs it (its GGUF blocks, int8 activations on a
+    CPU), for the replies and the features both."""
+    from specd.training.data import generate_replies, parse_counts
 
+    served = bool(getattr(args, "served", False))
     if args.data_in:
         from specd.model.loader import load_model
 
-        target = load_model(args.target, "cpu", "float32")  # (dense: faster over whole replies on a CPU)
+        if served:
+            from specd.engine.builder import _act_quant
+
+            target = load_model(args.target, "cpu", "auto", quantization="auto")
+            _act_quant("auto", target, None)
+        else:  # dense: faster over whole replies on a CPU than fp32 activations on quantized weights
+            target = load_model(args.target, "cpu", "float32")
         data = [tuple(x) for f in args.data_in.split(",") for x in json.loads(Path(f).read_text())]
         return target, target.tokenizer, data
     tok, data, target = generate_replies(
-        args.target, args.prompts, args.prompt_count, args.self_prompts, args.max_new_tokens, args.seed
-    )
+        args.target, args.prompts, args.prompt_count, args.self_prompts, args.max_new_tokens, args.seed,
+        tasks=parse_counts(getattr(args, "tasks", None)), passages=getattr(args, "passages", None), served=served,
+    )  # fmt: skip
     return target, tok, data
 
 
@@ -221,6 +232,13 @@ def run(args) -> int:
     t2d = torch.full((V,), -100, dtype=torch.long)
     t2d[d2t] = torch.arange(d2t.numel())
     head = new_head(target, d2t, seed=args.seed)
+    if getattr(args, "init_from", None):  # an earlier head's layer (its vocabulary may differ: rows are the target's)
+        from specd.model.head_files import load_head
+
+        earlier = load_head(args.init_from, target)
+        if earlier.layers != head.layers:
+            raise SystemExit(f"specd distill: --init-from {args.init_from}: layers {earlier.layers}, not {head.layers}")
+        head.load_state_dict({k: v.float() for k, v in earlier.state_dict().items()})
     feats = _features(args, target, data, head.layers)
     held_f, train_f = feats[:n_held], feats[n_held:]
     before = head_agreement(head, held_f, t2d, args.ttt_steps)
