@@ -21,7 +21,7 @@ from specd.engine.kv_cache import KVCache
 from specd.engine.sampling import SamplingParams, logits_to_probs
 from specd.engine.sequence import SpecParams
 from specd.model import builtin
-from specd.model.attention import TorchAttention, build_metadata
+from specd.model.attention import CpuAttention, TorchAttention, build_metadata
 from specd.model.eagle3 import save_eagle3
 from specd.model.head_files import load_head, save_head
 from specd.model.qkernel import kernel
@@ -253,15 +253,31 @@ def test_a_head_drafting_through_the_cpu_kernel_computes_the_float_heads_rows(sh
     toks = target.tokenizer("Once upon a time, there was a little dog who liked to run in the park")["input_ids"]
     n = len(toks) - 1
     feats = _features(target, toks, head.layers)[:n]
-    outs = []
-    for h in (ref, head):
+    outs, children = [], []
+    cpu = CpuAttention(kernel())
+    assert head.fused is not None  # the layer as one C call with the kernel's attention backend
+    for h, backend in ((ref, TorchAttention()), (head, TorchAttention()), (head, cpu)):
         c = h.cfg
         cache = KVCache(1, c.num_kv_heads, c.head_dim, 8, 16, torch.float32, target.device)
         s = cache.new_seq()
-        s.reserve(n)
+        s.reserve(n + 1)
         meta = build_metadata([n], [0], [s.blocks], s.slots(0, n), 16, target.device)
         ids, pos = torch.tensor(toks[1 : n + 1]), torch.arange(n)
-        outs.append(h(ids, pos, h.fuse(feats), cache.kv, meta, TorchAttention()))
+        outs.append(h(ids, pos, h.fuse(feats), cache.kv, meta, backend))
+        # a depth-1 tree node below the last row: its parent's output, attending to the rows and itself
+        meta = build_metadata(
+            [1],
+            [n],
+            [s.blocks],
+            s.slots(n, n + 1),
+            16,
+            target.device,
+            tree_masks=[torch.ones((1, 1), dtype=torch.bool)],
+            seq_lens=[n + 1],
+        )
+        children.append(h(torch.tensor([5]), torch.tensor([n]), outs[-1][n - 1 : n], cache.kv, meta, backend))
+    torch.testing.assert_close(outs[2], outs[1], atol=2e-4, rtol=1e-4)  # C layer == the same ops in torch
+    torch.testing.assert_close(children[2], children[1], atol=2e-4, rtol=1e-4)
     err = (outs[1] - outs[0]).norm() / outs[0].norm()
     assert 0 < err < 0.05, err  # quantized (not the float path), and close to it
     top = [h.compute_logits(o).argmax(-1) for h, o in zip((ref, head), outs)]

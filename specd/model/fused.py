@@ -85,28 +85,76 @@ class FusedLayers:
     def run(self, x, positions, kv, meta, backend, capture: dict | None) -> None:
         """All layers on ``x`` [T, d] (fp32, contiguous; updated in place); K/V written to ``kv``."""
         cfg = self.cfg
-        plan = backend._plan(meta, x.device)
-        bias = plan[2] if plan[0] == "decode" else plan[4]
-        B, Lp = bias.shape[0], bias.shape[-1]
-        Qm = 1 if plan[0] == "decode" else bias.shape[1]
-        pos = positions.long().contiguous()
-        bt, qsl, slots = meta.block_tables.contiguous(), meta.query_start_loc.contiguous(), meta.slot_mapping
-        nslots = kv.shape[2] * kv.shape[3]
+        _keep, pos, *attn = _attention_args(positions, kv, meta, backend, cfg.head_dim**-0.5)
         T, d = x.shape
-        # the C code does no bounds checks: refuse what the op-by-op path's index_copy_ would refuse
-        # (positions: LlamaModel.forward's RoPE-table lookup already did)
-        if int(slots.max()) >= nslots or int(slots.min()) < 0:
-            raise IndexError(f"KV slot out of range of the cache ({nslots} slots)")
-        scale = cfg.head_dim**-0.5
         for i, (arr, w_in, w_post) in enumerate(self.layers):
             if capture is not None and i in capture:
                 capture[i] = x.clone()  # (x is updated in place below)
             self.lib.specd_layer(
                 x.data_ptr(), T, d, w_in, w_post, cfg.rms_norm_eps, arr, cfg.num_heads, cfg.num_kv_heads,
-                cfg.head_dim, cfg.intermediate_size, self.cos.data_ptr(), self.sin.data_ptr(), pos.data_ptr(),
-                kv[i].data_ptr(), nslots, slots.data_ptr(), qsl.data_ptr(), B, bt.data_ptr(), bt.shape[1],
-                meta.block_size, bias.data_ptr(), Qm, Lp, scale,
+                cfg.head_dim, cfg.intermediate_size, self.cos.data_ptr(), self.sin.data_ptr(), pos, kv[i].data_ptr(),
+                *attn,
             )  # fmt: skip
+
+
+def _attention_args(positions, kv, meta, backend, scale: float) -> tuple:
+    """(the tensors to keep alive during the call, the positions pointer, then ``specd_layer``'s
+    attention arguments after its KV pointer) for a forward over ``meta``. Refuses a KV slot
+    outside the cache: the C code does no bounds checks, and this is what the op-by-op path's
+    index_copy_ would refuse (positions were checked by the caller's RoPE-table lookup)."""
+    plan = backend._plan(meta, positions.device)
+    bias = plan[2] if plan[0] == "decode" else plan[4]
+    B, Lp = bias.shape[0], bias.shape[-1]
+    Qm = 1 if plan[0] == "decode" else bias.shape[1]
+    pos = positions.long().contiguous()
+    bt, qsl, slots = meta.block_tables.contiguous(), meta.query_start_loc.contiguous(), meta.slot_mapping
+    nslots = kv.shape[-4] * kv.shape[-3]
+    if int(slots.max()) >= nslots or int(slots.min()) < 0:
+        raise IndexError(f"KV slot out of range of the cache ({nslots} slots)")
+    keep = (pos, bt, qsl, slots, bias)
+    return (keep, pos.data_ptr(), nslots, slots.data_ptr(), qsl.data_ptr(), B, bt.data_ptr(), bt.shape[1],
+            meta.block_size, bias.data_ptr(), Qm, Lp, scale)  # fmt: skip
+
+
+class HeadLayer:
+    """A feature head's decoder layer (``specd.model.head.EagleHead``) as one ``specd_head_layer``
+    call, over its int8 drafting projections (``EagleHead.use_kernel``)."""
+
+    def __init__(self, lib, head):
+        self.lib, self.cfg = lib, head.cfg
+        self.arr = (Lin * 4)()
+        self.keep: list = []
+        for j, name in enumerate(("qkv", "o", "gate_up", "down")):
+            self.arr[j], tensors = _lin(head.ops[name])
+            self.keep.append(tensors)
+        f32 = lambda t: t.detach().float().contiguous()  # noqa: E731
+        self.w_e, self.w_h = f32(head.input_norm.weight), f32(head.hidden_norm.weight)
+        self.w_post = f32(head.post_norm.weight)
+        self.cos, self.sin = f32(head.rotary.cos), f32(head.rotary.sin)
+
+    def usable(self, x: torch.Tensor, kv: torch.Tensor, backend) -> bool:
+        return (
+            getattr(backend, "name", None) == "cpu"
+            and x.dtype == torch.float32
+            and kv.dtype == torch.float32
+            and x.device.type == "cpu"
+            and kv.is_contiguous()
+            and x.shape[0] <= QuantLinear.KERNEL_MAX_ROWS
+        )
+
+    def run(self, x: torch.Tensor, e: torch.Tensor, positions, kvl: torch.Tensor, meta, backend) -> torch.Tensor:
+        """The layer's output hidden states [T, d] for hidden inputs ``x`` and token embeddings ``e``."""
+        c = self.cfg
+        out = x.float().contiguous().clone()  # (updated in place by the call)
+        e = e.float().contiguous()
+        _keep, pos, *attn = _attention_args(positions, kvl, meta, backend, c.head_dim**-0.5)
+        T, d = out.shape
+        self.lib.specd_head_layer(
+            out.data_ptr(), e.data_ptr(), self.w_e.data_ptr(), T, d, self.w_h.data_ptr(), self.w_post.data_ptr(),
+            c.rms_norm_eps, self.arr, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+            self.cos.data_ptr(), self.sin.data_ptr(), pos, kvl.data_ptr(), *attn,
+        )  # fmt: skip
+        return out
 
 
 def fused_layers(model, backend, kv: torch.Tensor, x: torch.Tensor) -> FusedLayers | None:

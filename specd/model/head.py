@@ -24,6 +24,7 @@ test: the same layer unrolled over k steps on dense tensors, step j feeding step
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import torch.nn as nn
@@ -74,6 +75,7 @@ class EagleHead(nn.Module):
         self.d2t: torch.Tensor | None = None  # [N] target ids of the head rows
         self.head_rows: torch.Tensor | QuantLinear | None = None  # [N, d]
         self.ops: dict = {}  # drafting through the CPU kernel: int8 projections (use_kernel)
+        self.fused = None  # ... and the layer as one C call (specd.model.fused.HeadLayer)
 
     @property
     def draft_vocab_size(self) -> int:
@@ -106,6 +108,11 @@ class EagleHead(nn.Module):
         self.ops = ops
         if isinstance(self.head_rows, QuantLinear):  # (the head's own copy of the target's rows)
             self.head_rows.act_int8 = act_int8
+        from specd.model.fused import HeadLayer
+        from specd.model.qkernel import kernel
+
+        lib = kernel()  # the layer as one C call (norms, RoPE, KV write, attention, MLP), as the target's
+        self.fused = HeadLayer(lib, self) if lib is not None and os.environ.get("SPECD_FUSED", "1") != "0" else None
 
     def _w(self, name: str):
         """A projection for ``linear``: its int8 drafting copy (``use_kernel``) or its float weight."""
@@ -148,6 +155,11 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:  # fmt: skip
         """Head rows over the paged cache ``kv`` [1, 2, NB, BS, KVH, D]: tokens ``ids`` [T] (the
         token after each row's position), hidden inputs ``x`` [T, d] -> output hidden states [T, d]."""
+        fused = self.fused
+        if fused is not None and fused.usable(x, kv, backend):
+            if int(positions.max()) >= self.rotary.cos.shape[0] or int(positions.min()) < 0:
+                raise IndexError("head position outside its RoPE table")
+            return fused.run(x, self.embed(ids), positions, kv[0], meta, backend)
         cos = self.rotary.cos[positions].unsqueeze(1).to(x.dtype)  # [T, 1, D]
         sin = self.rotary.sin[positions].unsqueeze(1).to(x.dtype)
         q, k, v = self._qkv(self.embed(ids), x, cos, sin)

@@ -709,16 +709,41 @@ void specd_qgemm_x8(const float* x, int64_t M, int64_t K, const uint8_t* w, cons
 
 // One decoder layer (see Lin above), x [T, d] updated in place: x += o(attn(rope(qkv(norm(x)))));
 // x += down(silu(gate) * up(norm(x))). lins: qkv, o, gate_up, down. The new K, V go to slot_mapping.
+void specd_head_layer(float* x, const float* e, const float* w_e, int64_t T, int64_t d, const float* w_in,
+                      const float* w_post, float eps, const Lin* lins, int64_t H, int64_t KVH, int64_t D, int64_t inter,
+                      const float* cos, const float* sin, const int64_t* pos, float* kv, int64_t nslots,
+                      const int64_t* slot_mapping, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
+                      int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale);
+
 void specd_layer(float* x, int64_t T, int64_t d, const float* w_in, const float* w_post, float eps, const Lin* lins,
                  int64_t H, int64_t KVH, int64_t D, int64_t inter, const float* cos, const float* sin,
                  const int64_t* pos, float* kv, int64_t nslots, const int64_t* slot_mapping, const int32_t* qsl,
                  int64_t B, const int32_t* bt, int64_t maxb, int64_t BS, const float* bias, int64_t Qm, int64_t Lp,
                  float scale) {
-    std::vector<float> fs, h(T * d), qkv(T * (H + 2 * KVH) * D), o(T * H * D), gu(T * 2 * inter), a(T * inter);
+    specd_head_layer(x, nullptr, nullptr, T, d, w_in, w_post, eps, lins, H, KVH, D, inter, cos, sin, pos, kv, nslots,
+                     slot_mapping, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale);
+}
+
+// One decoder layer (specd_layer), or with e != nullptr a feature head's (specd/model/head.py): its
+// q/k/v projection reads [rms(e) * w_e, rms(x) * w_in] (2d wide per row) instead of rms(x) * w_in.
+void specd_head_layer(float* x, const float* e, const float* w_e, int64_t T, int64_t d, const float* w_in,
+                      const float* w_post, float eps, const Lin* lins, int64_t H, int64_t KVH, int64_t D, int64_t inter,
+                      const float* cos, const float* sin, const int64_t* pos, float* kv, int64_t nslots,
+                      const int64_t* slot_mapping, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
+                      int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale) {
+    const int64_t din = e ? 2 * d : d;
+    std::vector<float> fs, h(T * din), qkv(T * (H + 2 * KVH) * D), o(T * H * D), gu(T * 2 * inter), a(T * inter);
     std::vector<float> xp;
     std::vector<int8_t> qs;
     const int64_t nq = H * D, nkv = KVH * D, stride = nq + 2 * nkv;
-    rms_rows(x, T, d, w_in, eps, h.data());
+    if (e) {
+        for (int64_t t = 0; t < T; t++) {
+            rms_rows(e + t * d, 1, d, w_e, eps, h.data() + t * din);
+            rms_rows(x + t * d, 1, d, w_in, eps, h.data() + t * din + d);
+        }
+    } else {
+        rms_rows(x, T, d, w_in, eps, h.data());
+    }
     lin(lins[0], h.data(), T, nullptr, qkv.data(), fs, qs, xp);
     rope_rows(qkv.data(), T, stride, H + KVH, D, cos, sin, pos);
     for (int64_t t = 0; t < T; t++) {

@@ -78,6 +78,8 @@ def kernel() -> ctypes.CDLL | None:
     f = ctypes.c_float
     lib.specd_layer.argtypes = [p, i, i, p, p, f, p, i, i, i, i, p, p, p, p, i, p, p, i, p, i, i, p, i, i, f]
     lib.specd_layer.restype = None
+    lib.specd_head_layer.argtypes = [p, p, p, *lib.specd_layer.argtypes[1:]]
+    lib.specd_head_layer.restype = None
     lib.specd_attention.argtypes = [p, p, p, i, i, i, i, i, i, ctypes.c_float, p]
     lib.specd_attention.restype = None
     return lib
