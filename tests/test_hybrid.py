@@ -120,7 +120,7 @@ def test_adaptive_requests_can_verify_both_proposers_in_one_tree_and_stay_lossle
     plain = [s.output_ids for s in eng.generate(prompts, GREEDY, SpecParams(mode="off"))]
     monkeypatch.setattr(eng.policy, "prefer_ngram", lambda *a: False)
     monkeypatch.setattr(eng.policy, "hybrid_pays", lambda *a: True)
-    monkeypatch.setattr(eng.policy, "choose_depth", lambda alphas: 3)  # (the tiny pair's drafts never pay)
+    monkeypatch.setattr(eng.policy, "choose_depth", lambda alphas, narrow=None: 3)  # (the tiny pair's drafts never pay)
     eng.stats.by_proposer.clear()
     for p, want in zip(prompts, plain):
         assert eng.generate([p], GREEDY, SpecParams(mode="auto"))[0].output_ids == want

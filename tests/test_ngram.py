@@ -153,7 +153,7 @@ def test_adaptive_requests_keep_prompt_lookup_while_the_model_does_not_pay(share
     t, d = shared_pair
     spec = SpecConfig(mode="tree", adaptive=True, suffix_store=False)
     eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=spec), t, d)
-    monkeypatch.setattr(eng.policy, "choose_depth", lambda alphas: 0)  # the model never pays here
+    monkeypatch.setattr(eng.policy, "choose_depth", lambda alphas, narrow=None: 0)  # the model never pays here
     prompts = _ids(eng, REPETITIVE)
     plain = [s.output_ids for s in eng.generate(prompts, GREEDY, SpecParams(mode="off"))]
     eng.stats.by_proposer.clear()

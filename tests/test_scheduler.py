@@ -363,6 +363,31 @@ def test_a_measured_narrow_verification_beats_the_linear_fit():
     assert s.policy.t_width[3] == [0.011, 1]  # observe() records each width's step cost
 
 
+def test_the_narrow_shape_wins_where_verification_rows_cost_compute():
+    """A tree mode weighs a D-node draft (the top-1 chain, at the requests' chain acceptance)
+    against its D * topk-node tree (at their tree acceptance): costly rows pick the narrow one,
+    free rows the wide tree; the plan's budget follows the shape."""
+    s, clock = _sched(spec=SpecConfig(mode="tree", tree_topk=4, tree_budget=16, tree_depth=6, adaptive=True))
+    pol = s.policy
+    pol.t_target, pol.t_per_token, pol.t_draft = 0.008, 0.002, 0.0005  # CPU: each row 25% of a step
+    pol.t_plain = {1: 0.010}
+    pol.step = 1
+    d = pol.choose_depth([0.6], narrow=[0.45])
+    assert d >= 1 and pol.last_nodes == d  # the narrow draft
+    assert pol.choose_depth([0.6]) >= 0 and pol.last_nodes is None  # (without chain estimates: the mode's width)
+    pol.forget()
+    pol.t_target, pol.t_per_token = 0.010, 0.0  # GPU-like: rows nearly free
+    pol.t_plain = {1: 0.010}
+    d = pol.choose_depth([0.6], narrow=[0.45])
+    assert d >= 2 and pol.last_nodes is None  # the wide tree
+    seq = _seq(clock, "a", n=3, mode="auto")
+    seq.recent_accept, seq.chain_accept = 0.6, 0.45
+    pol.forget()
+    pol.t_target, pol.t_per_token = 0.008, 0.002
+    plan = pol.plan([seq], 1)
+    assert plan.depth and plan.nodes == plan.depth and pol.budget(seq, plan) == (plan.depth, plan.depth)
+
+
 def test_a_hopeless_decision_is_reused_briefly_then_revisited():
     """Loaded steady state: once drafting is found hopeless at a batch size, steps skip the
     acceptance bookkeeping (no drafting at all); when the costs change (a cheaper draft), the

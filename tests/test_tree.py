@@ -144,3 +144,17 @@ def test_random_trees_consistent(t, ctx):
         want = mask[t.parent_list[i]].clone()
         want[i] = True
         assert torch.equal(mask[i], want)
+
+
+def test_top1_run_counts_the_leading_first_children_of_an_accepted_path():
+    from specd.speculation.tree import top1_run
+
+    #        0
+    #      1   2        (1: the root's first child)
+    #     3 4   5       (3: 1's first child; 5: 2's first child)
+    #     6             (6: 3's first child)
+    tree = DraftTree([0, 10, 11, 12, 13, 14, 15], [-1, 0, 0, 1, 1, 2, 3])
+    assert top1_run(tree, [1, 3, 6]) == 3  # the top-1 chain itself
+    assert top1_run(tree, [1, 4]) == 1  # second choice at depth 2: a chain would have stopped there
+    assert top1_run(tree, [2, 5]) == 0  # second choice at depth 1
+    assert top1_run(tree, []) == 0

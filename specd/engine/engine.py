@@ -38,6 +38,7 @@ from specd.model.loader import LoadedModel
 from specd.speculation.hybrid import credit, merge
 from specd.speculation.policy import LOOKUP_ONLY, MODEL_MODES
 from specd.speculation.proposal import CHOSEN
+from specd.speculation.tree import top1_run
 
 __all__ = ["Engine", "RequestError", "RequestOutput", "validate_request"]
 
@@ -298,13 +299,13 @@ class Engine:
             alone = self.ngram.propose(seq, budget)
             if alone is None:
                 return shape, None
-            if self.policy.prefer_ngram(seq, alone.tree.num_nodes - 1, shape.depth, batch):
+            if self.policy.prefer_ngram(seq, alone.tree.num_nodes - 1, shape.depth, batch, shape.budget):
                 return None, alone
         lookup = self.ngram.propose(seq, min(self.policy.spec.ngram_tokens, budget // 2))
         if lookup is None:
             return shape, None
         n = lookup.tree.num_nodes - 1
-        if mode != "hybrid" and not self.policy.hybrid_pays(seq, n, shape.depth, batch):
+        if mode != "hybrid" and not self.policy.hybrid_pays(seq, n, shape.depth, batch, shape.budget):
             return shape, None
         return self.drafter.shape_for(mode, budget - n, sc.spec_depth), lookup
 
@@ -377,6 +378,10 @@ class Engine:
             else:
                 seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (acc / deepest)
                 self.policy.note_accept(acc / deepest)
+        if prop is not None and prop.proposer in ("draft", "head"):  # what its top-1 chain would have had accepted
+            rate = top1_run(prop.tree, accepted_nodes) / max(depth, 1)
+            seq.chain_accept = 0.7 * seq.chain_accept + 0.3 * rate
+            self.policy.note_accept(rate, chain=True)
 
     def _observe(self, sched: SchedulerOutput, timing: dict, t0: float, t2: float) -> None:
         """Feed the adaptive policy the costs of a clean pure-decode step (prefill would skew the fit)."""

@@ -170,6 +170,7 @@ class Sequence:
         self.wait_since = self.arrival  # when it last entered the waiting queue (starvation guard)
         self.last_step = -1  # scheduler step it last ran in (batch rotation)
         self.recent_accept: float = 0.6  # EMA of per-position acceptance (adaptive speculation prior)
+        self.chain_accept: float = 0.6  # the same for its model drafts' top-1 chains (specd.speculation.policy)
         self.last_probe = -1  # scheduler step of its last adaptive-speculation probe
         self.spec_budget: int = 0  # draft tokens granted this step
         self.cached_prefix_tokens = 0  # prompt tokens served from the prefix cache

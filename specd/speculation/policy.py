@@ -20,6 +20,15 @@ not distort them; wall time on a GPU):
   from far wider steps must not make a narrow verification look cheaper than a plain step plus its
   extra tokens).
 
+Shape: a tree-drafting mode (``tree``, ``head``, ``hybrid``) also weighs, per depth D, a *narrow*
+draft of D nodes (a dynamic tree whose budget equals its depth: in practice the draft's top-1
+chain) against the configured width ``min(tree_budget, D * tree_topk)``, each at its own
+acceptance: the wide tree at the request's tree acceptance, the narrow one at its *chain*
+acceptance (how many leading nodes of each verified path were their parent's first, i.e. top-1,
+child: what a chain of the same depth would have had accepted, measured from every model draft).
+Where each verification row costs compute (a CPU: 5 rows ~2x one row) the narrow draft wins; where
+rows are nearly free (a GPU) the wide tree does.
+
 D = 0 turns speculation off: at high batch the target step grows and D shrinks; when the batch
 drains it grows back. While D = 0, a probe step drafts one token for ONE request (the least
 recently probed) so acceptance estimates stay current; the probe interval doubles (16 -> 256
@@ -60,6 +69,7 @@ class StepPlan:
     probe: Sequence | None
     cap: int
     batch: int = 1  # requests expected in the step
+    nodes: int | None = None  # draft nodes per adaptive request at ``depth`` (None: the mode's width)
 
 
 class CostFit:
@@ -133,6 +143,8 @@ class SpecPolicy:
         self.t_plain: dict = {}  # batch size -> EMA seconds of a decode step without drafts
         self.accept_ema: float | None = None  # engine-wide per-position acceptance (prior for new requests)
         self.ngram_ema: float | None = None  # the same for prompt lookup's drafts
+        self.chain_ema: float | None = None  # the same for the model's top-1 chain (the narrow shape)
+        self.last_nodes: int | None = None  # draft nodes of the last adaptive decision (None: the mode's)
         self.probe_every = 16  # current probe interval (steps) while speculation is off
         self.probe_min, self.probe_max = 16, 256
         self.probe_hopeless = 4096  # probe interval while even perfect acceptance would not pay
@@ -178,6 +190,8 @@ class SpecPolicy:
             seq.recent_accept = self.accept_ema
         if self.ngram_ema is not None:
             seq.ngram_accept = self.ngram_ema
+        if self.chain_ema is not None:
+            seq.chain_accept = self.chain_ema
 
     def nodes_for_depth(self, d: int) -> int:
         return d if self.spec.mode == "chain" else min(self.spec.tree_budget, d * self.spec.tree_topk)
@@ -215,11 +229,14 @@ class SpecPolicy:
         old = self.t_plain.get(batch)
         self.t_plain[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
-    def note_accept(self, rate: float, lookup: bool = False) -> None:
-        """Per-position acceptance of a speculating step (``lookup``: of prompt lookup's draft); new
-        requests start from its EMA."""
+    def note_accept(self, rate: float, lookup: bool = False, chain: bool = False) -> None:
+        """Per-position acceptance of a speculating step (``lookup``: of prompt lookup's draft;
+        ``chain``: of the model draft's top-1 chain); new requests start from its EMA."""
         if lookup:
             self.ngram_ema = rate if self.ngram_ema is None else 0.9 * self.ngram_ema + 0.1 * rate
+            return
+        if chain:
+            self.chain_ema = rate if self.chain_ema is None else 0.9 * self.chain_ema + 0.1 * rate
             return
         self.accept_ema = rate if self.accept_ema is None else 0.9 * self.accept_ema + 0.1 * rate
 
@@ -236,16 +253,23 @@ class SpecPolicy:
         if not (self.spec.adaptive and self.has_draft) or self.spec.mode not in MODEL_MODES:
             return StepPlan(None, None, cap, batch)
         autos = [s for s in candidates if s.spec.mode == "auto"]
+        self.last_nodes = None
         if autos and self._hopeless_now(len(autos)):
             depth = 0
         else:
-            depth = self.choose_depth([s.recent_accept for s in autos])
+            narrow = [s.chain_accept for s in autos] if self._weighs_shapes() else None
+            depth = self.choose_depth([s.recent_accept for s in autos], narrow=narrow)
         self.last_depth = depth
         probe = None
         if self.probing and autos:
             probe = min(autos, key=lambda s: s.last_probe)
             probe.last_probe = self.step
-        return StepPlan(depth, probe, cap, batch)
+        return StepPlan(depth, probe, cap, batch, self.last_nodes if depth else None)
+
+    def _weighs_shapes(self) -> bool:
+        """Whether the configured mode drafts trees wider than their depth (then the narrow shape
+        is weighed too)."""
+        return self.spec.mode in ("tree", "head", "hybrid") and self.spec.tree_topk > 1
 
     def budget(self, seq: Sequence, plan: StepPlan) -> tuple[int, int]:
         """(draft tokens wanted, tree depth allowed; 0 = the configured depth) for ``seq`` this step."""
@@ -261,6 +285,8 @@ class SpecPolicy:
         depth = plan.depth
         mode = self.mode_of(seq)
         want = depth if mode == "chain" else min(self.spec.tree_budget, depth * self.spec.tree_topk)
+        if plan.nodes is not None and mode != "chain":
+            want = plan.nodes  # the narrow shape (a budget equal to the depth: the top-1 chain)
         want += self.spec.ngram_tokens if mode == "hybrid" else 0
         if self.probing:
             want = 1 if seq is plan.probe else 0  # a probe drafts a single token for one request
@@ -304,7 +330,14 @@ class SpecPolicy:
         tpt = self.t_per_token
         return max(self.t_target + tpt * batch * (1 + nodes), t_plain + tpt * batch * nodes)
 
-    def prefer_ngram(self, seq: Sequence, ngram_tokens: int, model_depth: int, batch: int) -> bool:
+    def _model_accept(self, seq: Sequence, nodes: int, depth: int) -> float:
+        """The request's acceptance for a model draft of ``nodes`` nodes up to ``depth``: its chain
+        acceptance for a narrow draft (nodes == depth), else its tree acceptance."""
+        return seq.chain_accept if nodes <= depth and self._weighs_shapes() else seq.recent_accept
+
+    def prefer_ngram(
+        self, seq: Sequence, ngram_tokens: int, model_depth: int, batch: int, nodes: int | None = None
+    ) -> bool:
         """For an adaptive request that could draft with either proposer this step: is the prompt
         lookup match (``ngram_tokens`` long) worth more tokens per second than the draft model at
         ``model_depth``? Expected tokens from each one's own acceptance of this request; costs:
@@ -313,38 +346,44 @@ class SpecPolicy:
             return True  # nothing measured yet (or the model would not draft): the free proposal
         t_plain = self.t_plain.get(batch, self.t_target)
         ngram_rate = _expected(seq.ngram_accept, ngram_tokens) / self._verify_cost(ngram_tokens, batch, t_plain)
-        nodes = self.nodes_for_depth(model_depth)
+        nodes = self.nodes_for_depth(model_depth) if nodes is None else nodes
         model_cost = self._verify_cost(nodes, batch, t_plain) + model_depth * self.t_draft
-        return ngram_rate >= _expected(seq.recent_accept, model_depth) / model_cost
+        return ngram_rate >= _expected(self._model_accept(seq, nodes, model_depth), model_depth) / model_cost
 
-    def hybrid_pays(self, seq: Sequence, lookup_tokens: int, model_depth: int, batch: int) -> bool:
+    def hybrid_pays(
+        self, seq: Sequence, lookup_tokens: int, model_depth: int, batch: int, nodes: int | None = None
+    ) -> bool:
         """For an adaptive request drafting with the model this step: is laying a prompt-lookup
         branch (``lookup_tokens`` long) over the model's tree worth its verification? Expected
         extra tokens assume the two are independent: the lookup branch adds what it would accept
         alone whenever the model's first token is rejected."""
         if self.t_target is None or self.t_draft is None or model_depth <= 0:
             return False
-        nodes, t_plain = self.nodes_for_depth(model_depth), self.t_plain.get(batch, self.t_target)
+        nodes = self.nodes_for_depth(model_depth) if nodes is None else nodes
+        t_plain = self.t_plain.get(batch, self.t_target)
         t_levels = model_depth * self.t_draft
 
         def cost(n: int) -> float:
             return self._verify_cost(n, batch, t_plain) + t_levels
 
-        a_m = min(max(seq.recent_accept, 0.0), 0.999)
+        a_m = min(max(self._model_accept(seq, nodes, model_depth), 0.0), 0.999)
         e_model = _expected(a_m, model_depth)
         e_hybrid = e_model + (_expected(seq.ngram_accept, lookup_tokens) - 1) * (1 - a_m)
         return e_hybrid / cost(nodes + lookup_tokens) > e_model / cost(nodes)
 
-    def choose_depth(self, alphas: list) -> int:
-        """Draft depth maximising expected tokens/s of the step (0 = no speculation). While the
-        answer is 0, every ``probe_every`` steps it returns 1 and sets ``probing``."""
+    def choose_depth(self, alphas: list, narrow: list | None = None) -> int:
+        """Draft depth maximising expected tokens/s of the step (0 = no speculation); ``narrow``:
+        the requests' chain acceptances, to weigh the narrow shape too (``last_nodes`` then says
+        which shape won: its node count, or None for the mode's width). While the answer is 0,
+        every ``probe_every`` steps it returns 1 and sets ``probing``."""
         dmax = max(self.spec.tree_depth, self.spec.num_draft_tokens)
         self.probing = False
+        self.last_nodes = None
         if not alphas:
             return 0
         if self.t_target is None or self.t_draft is None:
             return min(dmax, 4)  # no measurements yet: start speculating, measure
-        best_d, hopeless = self._decide(alphas, dmax)
+        best_d, hopeless = self._decide(alphas, dmax, narrow)
         if best_d == 0:
             every = self.probe_hopeless if hopeless else self.probe_every
             if self.step % every == 0:
@@ -356,17 +395,21 @@ class SpecPolicy:
         self.probe_every = self.probe_min
         return best_d
 
-    def _decide(self, alphas: list, dmax: int) -> tuple[int, bool]:
+    def _decide(self, alphas: list, dmax: int, narrow: list | None = None) -> tuple[int, bool]:
         """(best depth, hopeless), reusing a recent decision for the same estimates (costs drift
-        slowly). Hopeless: not even perfect acceptance would make drafting pay at this batch size."""
+        slowly); sets ``last_nodes``. Hopeless: not even perfect acceptance would make drafting pay
+        at this batch size."""
         c = self._decision
         key = (self.spec.mode, dmax)
-        if c is not None and c[0] == alphas and self.step - c[1] < DECISION_REUSE_STEPS and c[2] == key:
+        ests = (list(alphas), None if narrow is None else list(narrow))
+        if c is not None and c[0] == ests and self.step - c[1] < DECISION_REUSE_STEPS and c[2] == key:
+            self.last_nodes = c[5]
             return c[3], c[4]
-        best_d = self._best_depth(alphas, dmax)
-        hopeless = best_d == 0 and self._best_depth([0.999] * len(alphas), dmax) == 0
+        best_d, self.last_nodes = self._best_depth(alphas, dmax, narrow)
+        perfect = [0.999] * len(alphas)
+        hopeless = best_d == 0 and self._best_depth(perfect, dmax, None if narrow is None else perfect)[0] == 0
         if len(alphas) in self.t_plain:  # (an unmeasured batch size is re-asked next step)
-            self._decision = (list(alphas), self.step, key, best_d, hopeless)
+            self._decision = (ests, self.step, key, best_d, hopeless, self.last_nodes)
             self.hopeless_batch = (len(alphas), self.step, self.spec.mode) if hopeless else None
         return best_d, hopeless
 
@@ -386,21 +429,31 @@ class SpecPolicy:
         self.probing = False
         return True
 
-    def _best_depth(self, alphas: list, dmax: int) -> int:
+    def _best_depth(self, alphas: list, dmax: int, narrow: list | None = None) -> tuple[int, int | None]:
+        """(depth, nodes: the narrow shape's count, or None for the mode's width) of the best
+        expected tokens per second; the narrow shape is weighed when ``narrow`` acceptances are given."""
         B = len(alphas)
         t_plain = self.t_plain.get(B)
         if t_plain is None:
-            return 0  # first time at this batch size: one plain step measures the cost of depth 0
-        groups = collections.Counter(round(min(max(a, 0.0), 0.999), 2) for a in alphas)
-        tot = expected_tokens(groups, B, dmax)
+            return 0, None  # first time at this batch size: one plain step measures the cost of depth 0
         td = self.t_draft
         assert self.t_target is not None and td is not None
-        best, best_d = B / t_plain, 0
+        shapes = [(expected_tokens(_groups(alphas), B, dmax), self.nodes_for_depth, False)]
+        if narrow is not None:
+            shapes.append((expected_tokens(_groups(narrow), B, dmax), lambda d: d, True))
+        best, best_d, best_nodes = B / t_plain, 0, None
         for d in range(1, dmax + 1):
-            rate = tot[d] / (self._verify_cost(self.nodes_for_depth(d), B, t_plain) + d * td)
-            if rate > best * 1.02:  # a clear win only
-                best, best_d = rate, d
-        return best_d
+            for tot, nodes_of, is_narrow in shapes:
+                nodes = nodes_of(d)
+                rate = tot[d] / (self._verify_cost(nodes, B, t_plain) + d * td)
+                if rate > best * 1.02:  # a clear win only
+                    best, best_d, best_nodes = rate, d, nodes if is_narrow else None
+        return best_d, best_nodes
+
+
+def _groups(alphas: list) -> collections.Counter:
+    """Acceptance estimates rounded to 0.01 -> how many requests have each."""
+    return collections.Counter(round(min(max(a, 0.0), 0.999), 2) for a in alphas)
 
 
 def _offset(seq: Sequence) -> int:

@@ -334,3 +334,17 @@ def static_tree_choices(spec: Sequence[Sequence[int]]) -> TreeChoices:
     parents = [-1] + [index[p[:-1]] for p in paths[1:]]
     ranks = [-1] + [p[-1] for p in paths[1:]]
     return TreeChoices(parents, ranks, paths)
+
+
+def top1_run(tree: DraftTree, accepted: Sequence[int]) -> int:
+    """How many leading nodes of an accepted path (node indices, root excluded, in depth order)
+    are their parent's first child: in a draft tree whose children come in the draft's order
+    (top-1 first; ``Drafter``'s trees are sibling-prefix-closed), what a chain of the draft's
+    top-1 tokens would have had accepted."""
+    children = tree.children
+    n = 0
+    for node in accepted:
+        if children[tree.parent_list[node]][0] != node:
+            break
+        n += 1
+    return n
