@@ -168,11 +168,14 @@ class EagleHead(nn.Module):
         return self._finish_layer(x, o.reshape(x.shape[0], -1))
 
     @torch.inference_mode()
-    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, x: torch.Tensor, reduced: bool = False) -> torch.Tensor:
         """Output hidden states [T, d] -> logits over the whole vocabulary [T, V], -inf outside the
-        draft vocabulary (so a token outside it is never drafted)."""
+        draft vocabulary (so a token outside it is never drafted); ``reduced``: over the draft
+        vocabulary only [T, N] (column j is target token ``d2t[j]``)."""
         assert self.head_rows is not None and self.d2t is not None
         small = linear(_rms(x, self.norm.weight, self.cfg.rms_norm_eps), self.head_rows).float()  # [T, N]
+        if reduced:
+            return small
         out = torch.full((x.shape[0], self.cfg.vocab_size), float("-inf"), device=x.device)
         out.index_copy_(1, self.d2t, small)
         return out

@@ -111,6 +111,9 @@ class Drafter:
         self.cfg = spec_cfg
         self.device = device
         self.vocab = vocab_size
+        # the target ids of the proposer's logits columns (a feature head's reduced vocabulary: its
+        # levels skip the -inf columns of the rest); None: the columns are the whole vocabulary
+        self.d2t: torch.Tensor | None = None
         self.static = static_tree_choices(spec_cfg.static_tree) if spec_cfg.static_tree else None
         self.forwards = 0  # draft forwards so far, and their wall and CPU seconds (benchmarks read them)
         self.forward_wall = 0.0
@@ -282,7 +285,7 @@ class Drafter:
                     u = torch.rand(logq.shape[1], generator=b.seq.generator, device="cpu").to(logq.device)
                     keys[r] = keys[r] - torch.log(-torch.log(u.clamp_min(1e-20)))  # Gumbel-top-k
         top = torch.topk(keys, kmax, dim=-1)
-        cand = top.indices.tolist()
+        cand = (top.indices if self.d2t is None else self.d2t[top.indices]).tolist()
         logp = logq.gather(1, top.indices).tolist()
         fed_next = []
         new_by_build: dict[int, tuple] = {}
@@ -363,5 +366,8 @@ class Drafter:
             probs = torch.zeros((len(order), self.vocab), dtype=torch.float32, device=self.device)
             for old, q in b.q.items():
                 if old in new_index:
-                    probs[new_index[old]] = q
+                    if self.d2t is None:
+                        probs[new_index[old]] = q
+                    else:  # (zero outside the reduced vocabulary: those tokens are never drafted)
+                        probs[new_index[old], self.d2t] = q
         return Proposal(tree, probs, max(b.depths[i] for i in order))

@@ -42,6 +42,7 @@ class HeadDrafter(Drafter):
     def __init__(self, head, cache, spec_cfg, device: torch.device, vocab_size: int, backend, ledger):
         super().__init__(head, cache, spec_cfg, device, vocab_size, backend, ledger)
         self.capture = head.layers  # the target layers whose input hidden states are the features
+        self.d2t = head.d2t  # the head's logits cover its reduced vocabulary only
         self.feat_dim = len(head.layers) * head.target_hidden
 
     def shape_for(self, mode: str, budget: int, depth: int = 0):
@@ -49,7 +50,7 @@ class HeadDrafter(Drafter):
 
     def _run(self, rows: list, x: torch.Tensor, need: list) -> tuple:
         """Head rows (``Drafter._forward``'s row tuples) with hidden inputs ``x`` [T, d] ->
-        (output hidden states [T, d], logits [len(need), V])."""
+        (output hidden states [T, d], logits over the head's vocabulary [len(need), N]: ``d2t``)."""
         ids, pos, slots, qlens, ctxs, slens, masks, tables = [], [], [], [], [], [], [], []
         for seq, toks, p, s, ctx, slen, m in rows:
             ids += toks
@@ -67,7 +68,7 @@ class HeadDrafter(Drafter):
         out = self.model(
             torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), x, self.cache.kv, meta, self.backend
         )
-        logits = self.model.compute_logits(out[torch.tensor(need, device=dev)])
+        logits = self.model.compute_logits(out[torch.tensor(need, device=dev)], reduced=True)
         self.forwards += 1
         self.forward_wall += time.perf_counter() - t0
         self.forward_cpu += time.thread_time() - c0
