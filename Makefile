@@ -67,7 +67,8 @@ bench-deps:
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc)} \
 		$(BIN)/pip install --no-binary llama-cpp-python 'llama-cpp-python>=0.3'
 
-# acceptance and speedup per category on the built-in pair (Spec-Bench and MT-bench), with the theory check
+# acceptance and speedup per category on the built-in pair (Spec-Bench and MT-bench), with the theory check;
+# then the feature head, prompt lookup and `auto` per Spec-Bench category as served (int8 activations)
 EVAL_PER_CATEGORY ?= 2
 EVAL_TOKENS ?= 128
 BUILTIN = "$$($(BIN)/python -c 'from specd import builtin; print(builtin.builtin_gguf())')"
@@ -78,6 +79,8 @@ eval: install
 			--max-tokens $(EVAL_TOKENS) --modes off,chain:4,tree:16 --temperature 0 --threads $(THREADS) \
 			--out eval/out/$$set || exit 1; \
 	done
+	$(BIN)/python -m eval.bench_head --per-category $(EVAL_PER_CATEGORY) --max-tokens $(EVAL_TOKENS) --threads $(THREADS) \
+		--act-quant int8 --methods plain,head-chain,head-tree,ngram,auto --chain 2 --out eval/out/head
 
 SOAK_CLIENTS ?= 8
 SOAK_MINUTES ?= 3

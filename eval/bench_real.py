@@ -10,6 +10,8 @@ the target's chat template, or ``--raw``; the same ``--threads`` for all):
 
 - ``specd:MODE`` (``off``, ``chain:K``, ``tree:N``, see eval/README.md): the specd engine in process,
   prefix cache off (every engine prefills every prompt in full, like the peers)
+- ``specd+head:MODE``: the same with the feature head (``--head``, default the built-in one) as the
+  model proposer instead of the draft model (``specd+head:auto`` is what ``specd serve`` runs)
 - ``hf:generate``: transformers ``generate`` on the target
 - ``hf:pld[:K]``: transformers prompt-lookup decoding, ``generate(prompt_lookup_num_tokens=K)``
 - ``hf:assisted[:kK]``: transformers assisted generation with the draft; only where transformers can
@@ -70,6 +72,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     C.add_model_prompt_args(ap, max_tokens=256)
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS)
+    ap.add_argument("--head", default=None, help="feature head for specd+head systems (default: the built-in head)")
     ap.add_argument("--batch", default="1,4", help="batch sizes, one run each (comma list)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads alike")
     ap.add_argument("--dtype", default="float32", help="specd and transformers weights (auto: specd's choice)")
@@ -156,6 +159,13 @@ def make_system(name: str, ctx):
     kind, _, arg = name.partition(":")
     if kind == "specd":
         return _specd_systems(arg, ctx)
+    if kind == "specd+head":
+        from specd.model import builtin
+
+        head = a.head or builtin.head_path()
+        if head is None:
+            raise Skip("no feature head (--head DIR; the built-in one is missing): specd+head systems skipped")
+        return _specd_systems(arg, ctx, head=str(head))
     if kind == "hf":
         if ctx.hf is None:
             ctx.hf = _hf_model(ctx, a.target)
@@ -192,14 +202,17 @@ def make_system(name: str, ctx):
     raise ValueError(f"unknown system {name!r} (see --help)")
 
 
-def _specd_systems(arg: str, ctx) -> list:
-    """One specd system per quantization of ``ctx.pairs`` (named ``specd[Q]:MODE`` when several)."""
+def _specd_systems(arg: str, ctx, head: str | None = None) -> list:
+    """One specd system per quantization of ``ctx.pairs`` (named ``specd[Q]:MODE`` when several);
+    ``head``: the feature head as the model proposer (named ``specd+head...``)."""
     out = []
     for q, (target, draft) in ctx.pairs.items():
         s = P.Specd(C.Mode.parse(arg or "off"), target, draft, "cpu", ctx.a.max_tokens, prefix_cache=False,
-                    memory_bytes=ctx.memory, max_num_seqs=ctx.max_seqs)  # fmt: skip
+                    memory_bytes=ctx.memory, max_num_seqs=ctx.max_seqs, head=head)  # fmt: skip
+        if head is not None:
+            s.name = s.name.replace("specd:", "specd+head:", 1)
         if len(ctx.pairs) > 1:
-            s.name = s.name.replace("specd:", f"specd[{q}]:", 1)
+            s.name = s.name.replace(":", f"[{q}]:", 1)
         out.append(s)
     return out
 

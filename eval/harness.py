@@ -110,16 +110,18 @@ def make_engine(
     prefix_cache: bool = True,
     memory_bytes: int = 256 << 20,
     max_num_seqs: int = 4,
+    head: str | None = None,
 ):
     """One Engine per speculation mode (``common.Mode``), sharing the loaded models (``off`` gets no
     draft at all). ``prefix_cache=False``: every prompt is prefilled in full, like a peer engine
-    without one."""
+    without one. ``head``: a feature head folder as the model proposer instead of ``draft``."""
     from specd.config import CacheConfig, EngineConfig, SchedulerConfig
     from specd.engine.engine import Engine
 
-    use_draft = draft if mode.kind not in ("off", "ngram") else None
+    use_draft = draft if mode.kind not in ("off", "ngram") and head is None else None
     cfg = EngineConfig(
         target=str(target.path),
+        head=head if mode.kind not in ("off", "ngram") else None,
         draft=str(draft.path) if use_draft is not None else None,
         device=device,
         spec=mode.spec_config(),

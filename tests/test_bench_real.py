@@ -67,3 +67,26 @@ def test_bench_real_smoke(tmp_path, monkeypatch):
     assert all(f["floor_ms_per_step"] > 0 and f["specd_off_step_ms"] > 0 for f in floors.values())
     assert (out / "bench_real.png").stat().st_size > 0 and (out / "bench_floor.png").stat().st_size > 0
     assert "llama-cpp-python is not installed" in (out / "summary.md").read_text()
+
+
+def test_bench_real_runs_specd_with_a_feature_head(tmp_path, monkeypatch, shared_pair):
+    """``specd+head:MODE``: the feature head as the model proposer (an untrained head of the tiny
+    target: the system must run, draft with the head and stay lossless, whatever it accepts)."""
+    import torch
+
+    from specd.model.head_files import save_head
+    from specd.training.head import new_head
+
+    target, _ = shared_pair
+    save_head(new_head(target, torch.arange(64), init=False), tmp_path / "head", dtype=torch.float32)
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    out = tmp_path / "out"
+    args = ["--target", str(TARGET), "--draft", str(DRAFT), "--prompts", str(SHARED / "data/mt_bench/question.jsonl")]
+    args += ["--raw", "--limit", "2", "--max-tokens", "8", "--batch", "1", "--threads", "1", "--no-progress"]
+    args += ["--systems", "specd:off,specd+head:chain:2", "--head", str(tmp_path / "head"), "--out", str(out)]
+    assert bench_real.main([*args, "--profile-tokens", "8"]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["systems"] == ["specd:off", "specd+head:chain:2"]
+    res = rep["batches"]["1"]["systems"]["specd+head:chain:2"]
+    assert res["greedy_equal_to_ref"] == 2
+    assert rep["profile"]["specd+head:chain:2"]["draft_ms"] > 0  # it drafted (with the head)
