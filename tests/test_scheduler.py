@@ -354,13 +354,13 @@ def test_a_measured_narrow_verification_beats_the_linear_fit():
     s.policy.step = 1
     assert s.policy.choose_depth([0.3]) == 0  # by the fit: 1.3 tokens per >= 13 ms
     for _ in range(2):
-        s.policy.t_width.setdefault(2, [0.0114, 0])[1] += 1  # two steps of 2 tokens measured 11.4 ms
+        s.policy.t_width.setdefault((1, 2), [0.0114, 0])[1] += 1  # two steps of 2 tokens measured 11.4 ms
     s.policy.forget()
     s.policy.step = 2
     assert s.policy.choose_depth([0.3]) == 1  # 1.3 tokens per 11.9 ms beats 1 per 10 ms
     assert s.policy.choose_depth([0.05]) == 0  # ... at this acceptance, not at a poor one
-    s.policy.observe(0.011, 0.0005, tokens=3)
-    assert s.policy.t_width[3] == [0.011, 1]  # observe() records each width's step cost
+    s.policy.observe(0.011, 0.0005, tokens=3, batch=1)
+    assert s.policy.t_width[(1, 3)] == [0.011, 1]  # observe() records each width's step cost, per batch size
 
 
 def test_the_narrow_shape_wins_where_verification_rows_cost_compute():

@@ -396,7 +396,7 @@ class Engine:
                 if self.drafter is not None and any(not p.deterministic for p in proposals.values()):
                     levels = self.drafter.levels - 1
                     level = self.drafter.level_time / levels if levels > 0 else None
-                self.policy.observe(t2 - t1, level, sched.num_tokens)
+                self.policy.observe(t2 - t1, level, sched.num_tokens, len(sched.scheduled))
             else:
                 self.policy.observe_plain(len(sched.scheduled), t2 - t0)
         except Exception as e:  # noqa: BLE001 - the policy's inputs are the policy's problem

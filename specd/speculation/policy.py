@@ -12,7 +12,7 @@ not distort them; wall time on a GPU):
   seen gets one plain step first);
 - T(D>0) = V(B * (1 + nodes(D))) + D * t_draft, t_draft = one draft level after the first (which
   also catches the draft cache up), V(n) = the target part of a speculative step of n tokens: the
-  measured EMA at exactly n tokens once seen twice (the cost of a forward is not linear in its rows
+  measured EMA at exactly n tokens over B requests once seen twice (the cost of a forward is not linear in its rows
   on a CPU: one row reads the weights, memory-bound; a few more ride on the same reads, then each
   costs compute: SmolLM2 on AVX2 with int8 activations, 2 rows 1.14x one row, 3 rows 1.35x, 5 rows
   1.95x), else ``max(t_fixed + t_per_token * n, T(0) + t_per_token * (n - B))`` with t_fixed and
@@ -151,7 +151,9 @@ class SpecPolicy:
         self.probing = False
         self.last_depth = 0
         self._fit = CostFit()
-        self.t_width: dict = {}  # target tokens of a speculative step -> [EMA seconds, observations]
+        # (requests, target tokens) of a speculative step -> [EMA seconds, observations]: the same
+        # tokens cost more over more requests (attention contexts, per-request work)
+        self.t_width: dict = {}
         self._decision: tuple | None = None  # (alphas, step, config, depth, hopeless) of the last decision
         self.hopeless_batch: tuple | None = None  # (batch, step, mode) of the last "drafting cannot pay"
 
@@ -203,16 +205,17 @@ class SpecPolicy:
         return max(0, (self.max_verify_tokens - batch) // batch)
 
     # measurements -------------------------------------------------------------------------------
-    def observe(self, t_target: float, t_draft_level: float | None, tokens: int = 0) -> None:
+    def observe(self, t_target: float, t_draft_level: float | None, tokens: int = 0, batch: int = 0) -> None:
         """Measured costs of a speculative decode step: its target part (forward + verify + commit)
-        with ``tokens`` target tokens, and one draft level (None: not measured this step)."""
+        with ``tokens`` target tokens over ``batch`` requests, and one draft level (None: not
+        measured this step)."""
         a = 0.2
         if t_draft_level is not None:
             self.t_draft = t_draft_level if self.t_draft is None else (1 - a) * self.t_draft + a * t_draft_level
         if tokens > 0:
-            w = self.t_width.get(tokens)
+            w = self.t_width.get((batch, tokens))
             if w is None:
-                self.t_width[tokens] = [t_target, 1]
+                self.t_width[(batch, tokens)] = [t_target, 1]
             else:
                 w[0] = (1 - a) * w[0] + a * t_target
                 w[1] += 1
@@ -324,7 +327,7 @@ class SpecPolicy:
         steps of exactly that many tokens measured (seen at least twice; never below a plain step),
         else the cost fit, never below the measured plain step plus the extra tokens."""
         assert self.t_target is not None
-        w = self.t_width.get(batch * (1 + nodes))
+        w = self.t_width.get((batch, batch * (1 + nodes)))
         if w is not None and w[1] >= 2:
             return max(w[0], t_plain)
         tpt = self.t_per_token
