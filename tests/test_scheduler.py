@@ -415,3 +415,29 @@ def test_a_hopeless_decision_is_reused_briefly_then_revisited():
             break
         _run(s, out)
     assert drafted_at is not None and drafted_at <= 64
+
+
+def test_lookup_length_follows_the_outcomes_not_one_lucky_match():
+    """Prompt-lookup drafts are cut where the recent outcomes say they pay: 1 + mean(min(accepted,
+    d)) (a prefix is accepted or not), so after one full 8-token match among misses a request does
+    not jump to 8-token drafts that a wide batch pays for row by row."""
+    s, clock = _sched(spec=SpecConfig(mode="ngram", ngram_tokens=8, adaptive=True))
+    pol = s.policy
+    seq = _seq(clock, "a", n=3, mode="ngram")
+    for acc in (0, 1, 0, 8, 0, 1):  # bimodal: misses, a token, one full match
+        pol.note_lookup(seq, acc, 8)
+    assert pol.lookup_expected(seq, 1) == 1 + 3 / 6 and pol.lookup_expected(seq, 8) == 1 + 10 / 6
+    assert len(pol.lookup_outcomes) == 6 and list(seq.lookup_outcomes)[3] == (8, 8)
+    seq.ngram_accept = 0.7  # the per-position EMA right after the full match
+    pol.t_target, pol.t_per_token, pol.t_draft = 0.028, 0.0007, 0.0
+    pol.t_plain = {16: 0.039}  # 16 rows: each extra row ~0.7 ms, a plain token 2.4 ms
+    d = pol.ngram_budget(seq, 16)
+    assert d == 1  # the geometric E(0.7, d) of the EMA would take 2 (and 8 at 1 row per 0.2 ms)
+    fresh = _seq(clock, "b", n=3, mode="ngram")  # no outcomes of its own: the engine's
+    assert pol.lookup_expected(fresh, 1) == pol.lookup_expected(seq, 1)
+    empty, _ = _sched(spec=SpecConfig(mode="ngram", adaptive=True))
+    assert empty.policy.lookup_expected(fresh, 2) == 1 + fresh.ngram_accept + fresh.ngram_accept**2  # no history
+    seq.lookup_outcomes.clear()
+    for _ in range(6):
+        pol.note_lookup(seq, 2, 2)  # short drafts always fully accepted: longer ones are worth trying
+    assert pol.lookup_expected(seq, 4) > pol.lookup_expected(seq, 2) == 3.0

@@ -375,6 +375,7 @@ class Engine:
             if name in CHOSEN:  # prompt lookup or earlier requests
                 seq.ngram_accept = 0.7 * seq.ngram_accept + 0.3 * (acc / deepest)
                 self.policy.note_accept(acc / deepest, lookup=True)
+                self.policy.note_lookup(seq, acc, deepest)
             else:
                 seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (acc / deepest)
                 self.policy.note_accept(acc / deepest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 import time
 from dataclasses import dataclass, field
@@ -179,6 +180,8 @@ class Sequence:
         self.ngram_index = None  # prompt-lookup index (specd.speculation.ngram), built on first use
         self.tenant: str | None = None  # whose earlier requests it may draft from (the API key)
         self.ngram_accept: float = 0.5  # EMA of per-position acceptance of its prompt-lookup drafts
+        # its recent prompt-lookup outcomes (accepted, drafted) (SpecPolicy.lookup_expected)
+        self.lookup_outcomes: collections.deque = collections.deque(maxlen=16)
 
     @property
     def num_prompt(self) -> int:

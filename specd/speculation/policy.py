@@ -58,6 +58,8 @@ DECISION_REUSE_STEPS = 8  # a decision is reused while the batch's estimates are
 HOPELESS_REUSE_STEPS = 64  # "drafting cannot pay at this batch size" is trusted this long
 LOOKUP_PROBE = 2  # draft tokens of a prompt-lookup probe while lookup does not pay for a request
 FIT_WINDOW = 64  # speculative steps in the least-squares cost fit
+LOOKUP_WINDOW = 256  # prompt-lookup outcomes kept engine-wide (per request: Sequence.lookup_outcomes)
+LOOKUP_MIN_OWN = 4  # a request's own outcomes used once it has this many (else the engine's)
 
 
 @dataclass
@@ -144,6 +146,7 @@ class SpecPolicy:
         self.accept_ema: float | None = None  # engine-wide per-position acceptance (prior for new requests)
         self.ngram_ema: float | None = None  # the same for prompt lookup's drafts
         self.chain_ema: float | None = None  # the same for the model's top-1 chain (the narrow shape)
+        self.lookup_outcomes: collections.deque = collections.deque(maxlen=LOOKUP_WINDOW)  # (accepted, drafted)
         self.last_nodes: int | None = None  # draft nodes of the last adaptive decision (None: the mode's)
         self.probe_every = 16  # current probe interval (steps) while speculation is off
         self.probe_min, self.probe_max = 16, 256
@@ -243,6 +246,31 @@ class SpecPolicy:
             return
         self.accept_ema = rate if self.accept_ema is None else 0.9 * self.accept_ema + 0.1 * rate
 
+    def note_lookup(self, seq: Sequence, accepted: int, drafted: int) -> None:
+        """One prompt-lookup draft of ``drafted`` tokens had ``accepted`` of them accepted."""
+        seq.lookup_outcomes.append((accepted, drafted))
+        self.lookup_outcomes.append((accepted, drafted))
+
+    def lookup_expected(self, seq: Sequence, d: int) -> float:
+        """Expected tokens of a step whose prompt-lookup draft is cut to ``d`` tokens: 1 + the mean
+        over recent lookup outcomes (the request's own once it has a few, else the engine's) of what
+        the cut draft would have had accepted, ``min(accepted, d)`` (acceptance is a prefix), a
+        fully accepted shorter draft extended by the outcomes' per-token acceptance. Lookup hits
+        are bimodal (a copied span matches on, or the first token fails), so the geometric
+        ``E(a, d)`` of one acceptance rate overrates long drafts after a lucky match; with no
+        outcomes yet it is still used, at the request's ``ngram_accept``."""
+        own = seq.lookup_outcomes
+        obs = own if len(own) >= LOOKUP_MIN_OWN else self.lookup_outcomes
+        if not obs:
+            return _expected(seq.ngram_accept, d)
+        q = min(sum(a for a, _ in obs) / max(1, sum(n for _, n in obs)), 0.999)
+        tot = 0.0
+        for a, n in obs:
+            tot += min(a, d)
+            if a >= n and d > n:  # all of a shorter draft accepted: how far it might have gone on
+                tot += q * (1 - q ** (d - n)) / (1 - q)
+        return 1.0 + tot / len(obs)
+
     def forget(self) -> None:
         """Drop the cached decision: the next ``choose_depth`` recomputes from the current costs."""
         self._decision = None
@@ -311,11 +339,9 @@ class SpecPolicy:
         t_plain = self.t_plain.get(batch)
         if not self.spec.adaptive or want <= 0 or self.t_target is None or t_plain is None:
             return want
-        a = min(max(seq.ngram_accept, 0.0), 0.999)
-        best, best_d, e = 1.0 / t_plain, 0, 1.0
+        best, best_d = 1.0 / t_plain, 0
         for d in range(1, want + 1):
-            e += a**d
-            rate = e / self._verify_cost(d, batch, t_plain)
+            rate = self.lookup_expected(seq, d) / self._verify_cost(d, batch, t_plain)
             if rate > best * 1.02:
                 best, best_d = rate, d
         if best_d == 0 and (self.step + _offset(seq)) % self.probe_min == 0:
@@ -348,7 +374,7 @@ class SpecPolicy:
         if self.t_target is None or self.t_draft is None or model_depth <= 0:
             return True  # nothing measured yet (or the model would not draft): the free proposal
         t_plain = self.t_plain.get(batch, self.t_target)
-        ngram_rate = _expected(seq.ngram_accept, ngram_tokens) / self._verify_cost(ngram_tokens, batch, t_plain)
+        ngram_rate = self.lookup_expected(seq, ngram_tokens) / self._verify_cost(ngram_tokens, batch, t_plain)
         nodes = self.nodes_for_depth(model_depth) if nodes is None else nodes
         model_cost = self._verify_cost(nodes, batch, t_plain) + model_depth * self.t_draft
         return ngram_rate >= _expected(self._model_accept(seq, nodes, model_depth), model_depth) / model_cost
@@ -371,7 +397,7 @@ class SpecPolicy:
 
         a_m = min(max(self._model_accept(seq, nodes, model_depth), 0.0), 0.999)
         e_model = _expected(a_m, model_depth)
-        e_hybrid = e_model + (_expected(seq.ngram_accept, lookup_tokens) - 1) * (1 - a_m)
+        e_hybrid = e_model + (self.lookup_expected(seq, lookup_tokens) - 1) * (1 - a_m)
         return e_hybrid / cost(nodes + lookup_tokens) > e_model / cost(nodes)
 
     def choose_depth(self, alphas: list, narrow: list | None = None) -> int:

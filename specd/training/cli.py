@@ -48,6 +48,12 @@ def add_distill_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--save-dtype", default=None, choices=[None, "float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
+    _add_reply_args(p)
+    return p
+
+
+def _add_reply_args(p: argparse.ArgumentParser) -> None:
+    """The reply-data flags of the reduced-vocabulary draft and the feature head."""
     r = p.add_argument_group("reduced-vocabulary draft (specd.training.distill_reduced: a large-vocabulary target)")
     r.add_argument(
         "--draft-vocab",
@@ -83,7 +89,6 @@ def add_distill_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     r.add_argument(
         "--init-from", default=None, help="--kind head: start from an earlier head's weights (same target and layers)"
     )
-    return p
 
 
 def run_distill(args: argparse.Namespace) -> int:
