@@ -437,7 +437,9 @@ def test_lookup_length_follows_the_outcomes_not_one_lucky_match():
     assert pol.lookup_expected(fresh, 1) == pol.lookup_expected(seq, 1)
     empty, _ = _sched(spec=SpecConfig(mode="ngram", adaptive=True))
     assert empty.policy.lookup_expected(fresh, 2) == 1 + fresh.ngram_accept + fresh.ngram_accept**2  # no history
+    assert pol.lookup_expected(fresh, 2) == 1 + 4 / 6
     seq.lookup_outcomes.clear()
     for _ in range(6):
         pol.note_lookup(seq, 2, 2)  # short drafts always fully accepted: longer ones are worth trying
+    assert pol.lookup_expected(fresh, 2) == 1 + 16 / 12  # the engine's estimate follows new outcomes
     assert pol.lookup_expected(seq, 4) > pol.lookup_expected(seq, 2) == 3.0

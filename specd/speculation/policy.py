@@ -147,6 +147,7 @@ class SpecPolicy:
         self.ngram_ema: float | None = None  # the same for prompt lookup's drafts
         self.chain_ema: float | None = None  # the same for the model's top-1 chain (the narrow shape)
         self.lookup_outcomes: collections.deque = collections.deque(maxlen=LOOKUP_WINDOW)  # (accepted, drafted)
+        self._lookup_cache: dict = {}  # d -> lookup_expected from the engine's outcomes
         self.last_nodes: int | None = None  # draft nodes of the last adaptive decision (None: the mode's)
         self.probe_every = 16  # current probe interval (steps) while speculation is off
         self.probe_min, self.probe_max = 16, 256
@@ -250,6 +251,7 @@ class SpecPolicy:
         """One prompt-lookup draft of ``drafted`` tokens had ``accepted`` of them accepted."""
         seq.lookup_outcomes.append((accepted, drafted))
         self.lookup_outcomes.append((accepted, drafted))
+        self._lookup_cache.clear()
 
     def lookup_expected(self, seq: Sequence, d: int) -> float:
         """Expected tokens of a step whose prompt-lookup draft is cut to ``d`` tokens: 1 + the mean
@@ -260,16 +262,14 @@ class SpecPolicy:
         ``E(a, d)`` of one acceptance rate overrates long drafts after a lucky match; with no
         outcomes yet it is still used, at the request's ``ngram_accept``."""
         own = seq.lookup_outcomes
-        obs = own if len(own) >= LOOKUP_MIN_OWN else self.lookup_outcomes
-        if not obs:
+        if len(own) >= LOOKUP_MIN_OWN:
+            return _cut_expected(own, d)
+        if not self.lookup_outcomes:
             return _expected(seq.ngram_accept, d)
-        q = min(sum(a for a, _ in obs) / max(1, sum(n for _, n in obs)), 0.999)
-        tot = 0.0
-        for a, n in obs:
-            tot += min(a, d)
-            if a >= n and d > n:  # all of a shorter draft accepted: how far it might have gone on
-                tot += q * (1 - q ** (d - n)) / (1 - q)
-        return 1.0 + tot / len(obs)
+        e = self._lookup_cache.get(d)  # the engine's outcomes: once per d until the next outcome
+        if e is None:
+            e = self._lookup_cache[d] = _cut_expected(self.lookup_outcomes, d)
+        return e
 
     def forget(self) -> None:
         """Drop the cached decision: the next ``choose_depth`` recomputes from the current costs."""
@@ -478,6 +478,18 @@ class SpecPolicy:
                 if rate > best * 1.02:  # a clear win only
                     best, best_d, best_nodes = rate, d, nodes if is_narrow else None
         return best_d, best_nodes
+
+
+def _cut_expected(obs, d: int) -> float:
+    """1 + the mean over lookup outcomes ``(accepted, drafted)`` of what a draft cut to ``d``
+    tokens would have had accepted (see ``SpecPolicy.lookup_expected``)."""
+    q = min(sum(a for a, _ in obs) / max(1, sum(n for _, n in obs)), 0.999)
+    tot = 0.0
+    for a, n in obs:
+        tot += min(a, d)
+        if a >= n and d > n:  # all of a shorter draft accepted: how far it might have gone on
+            tot += q * (1 - q ** (d - n)) / (1 - q)
+    return 1.0 + tot / len(obs)
 
 
 def _groups(alphas: list) -> collections.Counter:
