@@ -118,10 +118,11 @@ def make_engine(
     from specd.config import CacheConfig, EngineConfig, SchedulerConfig
     from specd.engine.engine import Engine
 
-    use_draft = draft if mode.kind not in ("off", "ngram") and head is None else None
+    drafts = mode.kind not in ("off", "ngram")  # the mode uses a model proposer
+    use_draft = draft if drafts and head is None else None
     cfg = EngineConfig(
         target=str(target.path),
-        head=head if mode.kind not in ("off", "ngram") else None,
+        head=head if drafts else None,
         draft=str(draft.path) if use_draft is not None else None,
         device=device,
         spec=mode.spec_config(),

@@ -132,16 +132,6 @@ class HeadLayer:
         self.w_post = f32(head.post_norm.weight)
         self.cos, self.sin = f32(head.rotary.cos), f32(head.rotary.sin)
 
-    def usable(self, x: torch.Tensor, kv: torch.Tensor, backend) -> bool:
-        return (
-            getattr(backend, "name", None) == "cpu"
-            and x.dtype == torch.float32
-            and kv.dtype == torch.float32
-            and x.device.type == "cpu"
-            and kv.is_contiguous()
-            and x.shape[0] <= QuantLinear.KERNEL_MAX_ROWS
-        )
-
     def run(self, x: torch.Tensor, e: torch.Tensor, positions, kvl: torch.Tensor, meta, backend) -> torch.Tensor:
         """The layer's output hidden states [T, d] for hidden inputs ``x`` and token embeddings ``e``."""
         c = self.cfg
@@ -157,13 +147,24 @@ class HeadLayer:
         return out
 
 
+def takes(backend, kv: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether a forward of rows ``x`` over cache ``kv`` can run as C calls (a target's layers or a
+    feature head's): the CPU kernel's attention backend, fp32 rows and cache on the CPU, a
+    contiguous cache, at most ``KERNEL_MAX_ROWS`` rows; ``SPECD_FUSED=0`` turns it off."""
+    return (
+        getattr(backend, "name", None) == "cpu"
+        and os.environ.get("SPECD_FUSED", "1") != "0"
+        and x.dtype == torch.float32
+        and kv.dtype == torch.float32
+        and x.device.type == "cpu"
+        and kv.is_contiguous()
+        and x.shape[0] <= QuantLinear.KERNEL_MAX_ROWS
+    )
+
+
 def fused_layers(model, backend, kv: torch.Tensor, x: torch.Tensor) -> FusedLayers | None:
     """The model's ``FusedLayers`` when this forward can take them (see the module doc), else None."""
-    if getattr(backend, "name", None) != "cpu" or os.environ.get("SPECD_FUSED", "1") == "0":
-        return None
-    if x.dtype != torch.float32 or kv.dtype != torch.float32 or x.device.type != "cpu":
-        return None
-    if x.shape[0] > QuantLinear.KERNEL_MAX_ROWS or not x.is_contiguous() or not kv.is_contiguous():
+    if not takes(backend, kv, x) or not x.is_contiguous():
         return None
     fused = getattr(model, "_fused", None)  # built once (``quant.set_act_int8`` drops it); False: not usable
     if fused is None:

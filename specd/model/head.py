@@ -24,7 +24,6 @@ test: the same layer unrolled over k steps on dense tensors, step j feeding step
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import torch.nn as nn
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 from specd.config import ModelConfig
 from specd.model.attention import AttentionMetadata
+from specd.model.fused import takes
 from specd.model.llama import RMSNorm, Rotary
 from specd.model.quant import QuantLinear, embedding, linear, quantize_int8
 
@@ -112,7 +112,7 @@ class EagleHead(nn.Module):
         from specd.model.qkernel import kernel
 
         lib = kernel()  # the layer as one C call (norms, RoPE, KV write, attention, MLP), as the target's
-        self.fused = HeadLayer(lib, self) if lib is not None and os.environ.get("SPECD_FUSED", "1") != "0" else None
+        self.fused = HeadLayer(lib, self) if lib is not None else None
 
     def _w(self, name: str):
         """A projection for ``linear``: its int8 drafting copy (``use_kernel``) or its float weight."""
@@ -156,7 +156,7 @@ class EagleHead(nn.Module):
         """Head rows over the paged cache ``kv`` [1, 2, NB, BS, KVH, D]: tokens ``ids`` [T] (the
         token after each row's position), hidden inputs ``x`` [T, d] -> output hidden states [T, d]."""
         fused = self.fused
-        if fused is not None and fused.usable(x, kv, backend):
+        if fused is not None and takes(backend, kv, x):
             if int(positions.max()) >= self.rotary.cos.shape[0] or int(positions.min()) < 0:
                 raise IndexError("head position outside its RoPE table")
             return fused.run(x, self.embed(ids), positions, kv[0], meta, backend)

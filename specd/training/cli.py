@@ -76,7 +76,7 @@ def _add_reply_args(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--served",
         action="store_true",
-        help="replies (and a head's features) from the target as `specd serve` runs it (a GGUF file's blocks, "
+        help="--kind head: replies and features from the target as `specd serve` runs it (a GGUF file's blocks, "
         "int8 activations on a CPU) instead of fp32 floats",
     )
     r.add_argument("--max-new-tokens", type=int, default=160)

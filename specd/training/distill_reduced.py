@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specd.training.data import generate_replies, pick_vocab
+from specd.training.data import generate_replies, parse_counts, pick_vocab
 from specd.training.draft import DraftNet, init_from_target, reduced_config
 from specd.training.export import export_reduced
 from specd.training.loop import reduced_agreement, train_reduced
@@ -50,8 +50,9 @@ def run(args) -> int:
         tok, data = target.tokenizer, [tuple(x) for x in json.loads(Path(args.data_in).read_text())]
     else:
         tok, data, target = generate_replies(
-            args.target, args.prompts, args.prompt_count, args.self_prompts, args.max_new_tokens, args.seed
-        )
+            args.target, args.prompts, args.prompt_count, args.self_prompts, args.max_new_tokens, args.seed,
+            tasks=parse_counts(getattr(args, "tasks", None)), passages=getattr(args, "passages", None),
+        )  # fmt: skip
     if args.data_out:  # keep the (expensive) replies: they are the target's own outputs, reusable
         Path(args.data_out).write_text(json.dumps(data))
     rng = random.Random(args.seed)

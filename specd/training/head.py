@@ -182,11 +182,11 @@ def _replies(args) -> tuple:
     if args.data_in:
         from specd.model.loader import load_model
 
-        if served:
-            from specd.engine.builder import _act_quant
+        if served:  # loaded as the engine loads it
+            from specd.config import EngineConfig
+            from specd.engine.builder import load_models
 
-            target = load_model(args.target, "cpu", "auto", quantization="auto")
-            _act_quant("auto", target, None)
+            target = load_models(EngineConfig(target=args.target, act_quant="auto"), None, None)[0]
         else:  # dense: faster over whole replies on a CPU than fp32 activations on quantized weights
             target = load_model(args.target, "cpu", "float32")
         data = [tuple(x) for f in args.data_in.split(",") for x in json.loads(Path(f).read_text())]
