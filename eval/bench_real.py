@@ -75,6 +75,7 @@ def parse_args(argv=None):
     ap.add_argument("--head", default=None, help="feature head for specd+head systems (default: the built-in head)")
     ap.add_argument("--batch", default="1,4", help="batch sizes, one run each (comma list)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads and llama.cpp n_threads alike")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or auto: specd and transformers alike (llama.cpp: CPU)")
     ap.add_argument("--dtype", default="float32", help="specd and transformers weights (auto: specd's choice)")
     ap.add_argument(
         "--quantization",
@@ -104,9 +105,9 @@ def load_pair(a, quantization: str = "none"):
     for what, path in (("target", a.target), ("draft", a.draft)):
         if not Path(path).exists():
             raise SystemExit(f"bench_real: the {what} {path} does not exist (make: BENCH_DRAFT=DIR for another draft)")
-    target = C.load_variant(a.target, quantization, "cpu", a.dtype, progress=False)
+    target = C.load_variant(a.target, quantization, a.device, a.dtype, progress=False)
     dtype = str(target.dtype).removeprefix("torch.")  # the draft computes in the target's dtype
-    draft = load_model(a.draft, "cpu", dtype, progress=False, target=target)
+    draft = load_model(a.draft, a.device, dtype, progress=False, target=target)
     hf_draft_ok = draft_spec(checkpoint_folder(a.draft)) is None
     return target, draft, hf_draft_ok
 
@@ -150,7 +151,8 @@ def _hf_model(ctx, path):
 
     from specd.model.loader import checkpoint_folder
 
-    return AutoModelForCausalLM.from_pretrained(str(checkpoint_folder(path)), dtype=ctx.target.dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint_folder(path)), dtype=ctx.target.dtype)
+    return model.to(ctx.target.device).eval()
 
 
 def make_system(name: str, ctx):
@@ -207,7 +209,7 @@ def _specd_systems(arg: str, ctx, head: str | None = None) -> list:
     ``head``: the feature head as the model proposer (named ``specd+head...``)."""
     out = []
     for q, (target, draft) in ctx.pairs.items():
-        s = P.Specd(C.Mode.parse(arg or "off"), target, draft, "cpu", ctx.a.max_tokens, prefix_cache=False,
+        s = P.Specd(C.Mode.parse(arg or "off"), target, draft, str(target.device), ctx.a.max_tokens, prefix_cache=False,
                     memory_bytes=ctx.memory, max_num_seqs=ctx.max_seqs, head=head)  # fmt: skip
         if head is not None:
             s.name = s.name.replace("specd:", "specd+head:", 1)
@@ -343,19 +345,23 @@ def weight_bytes(module) -> int:
     return sum(seen.values())
 
 
-def bandwidth(mib: int = 256, reps: int = 5) -> dict:
-    """Streaming bandwidth with torch's threads: read (``x.sum()``) and copy (``y.copy_(x)``, read +
-    write) of a ``mib`` MiB buffer, far beyond the caches; best of ``reps``."""
+def bandwidth(mib: int = 256, reps: int = 5, device: str = "cpu") -> dict:
+    """Streaming bandwidth with torch's threads (or of the GPU): read (``x.sum()``) and copy
+    (``y.copy_(x)``, read + write) of a ``mib`` MiB buffer, far beyond the caches; best of ``reps``."""
     import torch
 
     n = (mib << 20) // 4
-    x, y = torch.ones(n), torch.empty(n)
+    x, y = torch.ones(n, device=device), torch.empty(n, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     best_r = best_c = float("inf")
-    for _ in range(reps):
+    for _ in range(reps + 1):  # the first round warms up (allocator, kernels)
+        sync()
         t0 = time.perf_counter()
         x.sum()
+        sync()
         t1 = time.perf_counter()
         y.copy_(x)
+        sync()
         t2 = time.perf_counter()
         best_r, best_c = min(best_r, t1 - t0), min(best_c, t2 - t1)
     return {
@@ -389,7 +395,8 @@ def bandwidth_floor(pairs: dict, target_path, profile: dict) -> dict:
     """The memory-bandwidth floor of one target step per weight format: weight bytes read / measured
     read GB/s, for specd's weights (``pairs``: quantization -> (target, draft)) and, for llama.cpp,
     the GGUF file's; with each specd plain step measured against it."""
-    bw = bandwidth()
+    first = next(iter(pairs.values()))[0]
+    bw = bandwidth(mib=256 if first.device.type == "cpu" else 4096, device=str(first.device))
     out = {"bandwidth": bw, "formats": {}}
     for q, (target, _) in pairs.items():
         wb = step_weight_bytes(target)
@@ -690,7 +697,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     names = [n.strip() for n in a.systems.split(",") if n.strip()]
     batches = [int(x) for x in a.batch.split(",") if x.strip()]
-    meta = H.run_meta("bench_real", argv)
+    meta = H.run_meta("bench_real", argv, a.device)
     meta.update(threads=a.threads, cpu_info=H.cpu_info(), **library_info(names))
     print(header(meta), flush=True)
     pairs, prompts, ids, chat, ctx, systems, notes = setup(a, names, batches)

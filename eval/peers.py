@@ -123,8 +123,9 @@ class HF:
         import torch
 
         L = max(len(p) for p in ids_list)
-        x = torch.tensor([[self.pad] * (L - len(p)) + list(p) for p in ids_list])
-        att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ids_list])
+        dev = self.model.device
+        x = torch.tensor([[self.pad] * (L - len(p)) + list(p) for p in ids_list], device=dev)
+        att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ids_list], device=dev)
         n0 = self.forwards.n
         with torch.no_grad():
             out = self.model.generate(x, attention_mask=att, **self.kw)

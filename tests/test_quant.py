@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from specd.model.qkernel import kernel
+from specd.model.qkernel import kernel, x8_isa
 from specd.model.quant import QuantLinear, addmm, linear, quantize_int4, quantize_int8, unpack_int4
 from specd.model.quant_load import repack
 
@@ -164,3 +164,24 @@ def test_int8_activations_keep_a_row_independent_of_the_others(fmt):
         assert torch.equal(op(x[:M]), alone[:M]), M
     op.act_int8 = False
     assert not torch.equal(op(x), alone)  # (and it is a different computation from fp32 activations)
+
+
+@pytest.mark.skipif(x8_isa(1) != "avx512vnni", reason="this CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("fmt", ["int8/channel", "int8/g32", "int4/g32", "int4/g64"])
+def test_int8_activations_avx512_vnni_equals_avx2_bitwise(fmt):
+    """The AVX512-VNNI tiles (two 8-row tiles per vector, vpdpbusd) give the AVX2 tiles' bits for
+    every row count and an odd number of tiles (N = 67: 9 tiles), and are the path in use here."""
+    g = torch.Generator().manual_seed(5)
+    op = FORMATS[fmt](torch.randn(67, 576, generator=g) * 0.05, torch.randn(67, generator=g))
+    op.act_int8 = True
+    x, res = torch.randn(19, 576, generator=g) * 3, torch.randn(19, 67, generator=g)
+    try:
+        for M in (1, 2, 5, 8, 9, 17, 19):
+            assert x8_isa(0) == "avx2"
+            slow = addmm(res[:M], x[:M], op)
+            assert x8_isa(1) == "avx512vnni"
+            assert torch.equal(addmm(res[:M], x[:M], op), slow), M
+    finally:
+        x8_isa(-1)
+        op.act_int8 = False
+    assert x8_isa() == "avx512vnni"

@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
 #include <math.h>
 
 #include <vector>
@@ -289,9 +290,146 @@ static inline void x8_pass(int64_t r, const int8_t* xm, const float* dm, const f
     }
 }
 
+// ---- the same tiles on AVX512-VNNI (chosen at run time where the CPU has it) ----------------------
+// Two 8-row tiles side by side in one 512-bit vector (16 output rows), and vpdpbusd (64 products summed
+// into int32 per instruction) in place of maddubs + add + madd. The integer sums are exact in both
+// (the int16 sums of the AVX2 path never saturate, see above), and the fp32 steps per output element
+// (cvt, dw * dx, fma, the min's fma, block by block) are the same instructions lane by lane: the
+// results are bitwise those of x8_tile, so which path runs never changes a token.
+#define X512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni")))
+
+X512 static inline __m512i cat256(const uint8_t* a, const uint8_t* b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
+                              _mm256_loadu_si256((const __m256i*)b), 1);
+}
+
+X512 static inline __m512 cat256ps(const float* a, const float* b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
+}
+
+X512 static inline __m512i bcast4_512(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+// tiles a and b (their weights wa / wb, scales sa / sb, mins ma / mb): out [R, 16], a's 8 rows then b's
+template <bool INT4, int R>
+X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float* xs, int64_t K, const uint8_t* wa,
+                                 const uint8_t* wb, const float* sa, const float* sb, const float* ma,
+                                 const float* mb, float* out) {
+    const int64_t nbk = K / 32;
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nbk; b++) {
+        __m512i is[R];
+        for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();
+        const int8_t* xb = qx + 32 * b;
+        if (INT4) {
+            const uint8_t *pa = wa + 128 * b, *pb = wb + 128 * b;
+            for (int v = 0; v < 4; v++) {
+                const __m512i W = cat256(pa + 32 * v, pb + 32 * v);
+                const __m512i lo = _mm512_and_si512(W, mask), hi = _mm512_and_si512(_mm512_srli_epi16(W, 4), mask);
+                for (int r = 0; r < R; r++) {
+                    is[r] = _mm512_dpbusd_epi32(is[r], lo, bcast4_512(xb + r * K + 4 * v));
+                    is[r] = _mm512_dpbusd_epi32(is[r], hi, bcast4_512(xb + r * K + 16 + 4 * v));
+                }
+            }
+        } else {
+            const uint8_t *pa = wa + 256 * b, *pb = wb + 256 * b;
+            for (int s = 0; s < 8; s++) {
+                const __m512i W = cat256(pa + 32 * s, pb + 32 * s);
+                const __m512i aw = _mm512_abs_epi8(W);
+                const __mmask64 neg = _mm512_movepi8_mask(W);  // w < 0: the activation byte is negated
+                for (int r = 0; r < R; r++) {
+                    const __m512i x = bcast4_512(xb + r * K + 4 * s);
+                    const __m512i sx = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+                    // sign_epi8 zeroes x where w == 0; |w| = 0 there, so the product is 0 either way
+                    is[r] = _mm512_dpbusd_epi32(is[r], aw, sx);
+                }
+            }
+        }
+        const __m512 dw = cat256ps(sa + 8 * b, sb + 8 * b);
+        const __m512 mv = INT4 && ma ? cat256ps(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nbk + b])),
+                                     acc[r]);
+            if (INT4 && ma) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nbk + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+template <bool INT4>
+X512 static inline void x8_pass2(int64_t r, const int8_t* xm, const float* dm, const float* sm, int64_t K,
+                                 const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb,
+                                 const float* ma, const float* mb, float* acc) {
+#define X8_CASE(n) \
+    case n: x8_tile2<INT4, n>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc); break;
+    switch (r) {
+        X8_CASE(8) X8_CASE(7) X8_CASE(6) X8_CASE(5) X8_CASE(4) X8_CASE(3) X8_CASE(2)
+        default: x8_tile2<INT4, 1>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc);
+    }
+#undef X8_CASE
+}
+
+// 1: the AVX512-VNNI path, 0: AVX2; -1 (start): the CPU decides (SPECD_QGEMM_AVX512=0 forces AVX2)
+static int g_x8_avx512 = -1;
+
+static bool cpu_avx512_vnni() {
+    const char* env = getenv("SPECD_QGEMM_AVX512");
+    if (env && strcmp(env, "0") == 0) return false;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+}
+
+static bool has_avx512_vnni() {
+    if (g_x8_avx512 < 0) g_x8_avx512 = cpu_avx512_vnni() ? 1 : 0;
+    return g_x8_avx512 == 1;
+}
+
+// y's rows m0 .. m0+r-1, columns n0 .. n0+nc-1 from acc [r, stride] (+ bias, + add)
+static inline void x8_store(const float* acc, int64_t stride, int64_t r, int64_t m0, int64_t n0, int64_t nc,
+                            int64_t N, const float* add, const float* bias, float* y) {
+    for (int64_t i = 0; i < r; i++) {
+        const int64_t m = m0 + i;
+        for (int64_t j = 0; j < nc; j++) {
+            float v = acc[stride * i + j];
+            if (bias) v += bias[n0 + j];
+            if (add) v += add[m * N + n0 + j];
+            y[m * N + n0 + j] = v;
+        }
+    }
+}
+
+template <bool INT4>
+X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K,
+                             const uint8_t* w, const float* scale, const float* mins, int64_t N, const float* add,
+                             const float* bias, float* y) {
+    const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
+    const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
+    const int64_t NP = (NT + 1) / 2;  // tile pairs; an odd last tile pairs with itself (its copy is dropped)
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < NP; p++) {
+        const int64_t ta = 2 * p, tb = ta + 1 < NT ? ta + 1 : ta;
+        const float* ma = mins ? mins + ta * nbk * 8 : nullptr;
+        const float* mb = mins ? mins + tb * nbk * 8 : nullptr;
+        const int64_t n0 = 8 * ta, nc = tb == ta ? (N - n0 < 8 ? N - n0 : 8) : (N - n0 < 16 ? N - n0 : 16);
+        alignas(64) float acc[X8_RB * 16];
+        for (int64_t m0 = 0; m0 < M; m0 += rp) {
+            const int64_t r = M - m0 < rp ? M - m0 : rp;
+            x8_pass2<INT4>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, w + ta * tile_bytes, w + tb * tile_bytes,
+                           scale + ta * nbk * 8, scale + tb * nbk * 8, ma, mb, acc);
+            x8_store(acc, 16, r, m0, n0, nc, N, add, bias, y);
+        }
+    }
+}
+
 template <bool INT4>
 static void gemm_x8(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K, const uint8_t* w,
                     const float* scale, const float* mins, int64_t N, const float* add, const float* bias, float* y) {
+    if (has_avx512_vnni()) return gemm_x8_512<INT4>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
     const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
 #pragma omp parallel for schedule(static)
@@ -304,15 +442,7 @@ static void gemm_x8(const int8_t* qx, const float* dx, const float* xs, int64_t 
         for (int64_t m0 = 0; m0 < M; m0 += rp) {
             const int64_t r = M - m0 < rp ? M - m0 : rp;
             x8_pass<INT4>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wt, st, mt, acc);
-            for (int64_t i = 0; i < r; i++) {
-                const int64_t m = m0 + i;
-                for (int64_t j = 0; j < nc; j++) {
-                    float v = acc[8 * i + j];
-                    if (bias) v += bias[n0 + j];
-                    if (add) v += add[m * N + n0 + j];
-                    y[m * N + n0 + j] = v;
-                }
-            }
+            x8_store(acc, 8, r, m0, n0, nc, N, add, bias, y);
         }
     }
 }
@@ -685,6 +815,13 @@ static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t
 }
 
 extern "C" {
+// The int8-activation GEMM's instruction set: want 1 (AVX512-VNNI, where the CPU has it), 0 (AVX2),
+// -1 (the CPU decides), 2 (no change); returns the one in use (1 or 0). Both give bitwise-equal results.
+int specd_x8_isa(int want) {
+    if (want != 2) g_x8_avx512 = want < 0 ? -1 : (want == 1 && cpu_avx512_vnni() ? 1 : 0);
+    return has_avx512_vnni() ? 1 : 0;
+}
+
 // y = x @ W^T (+ add[M,N]) (+ bias[N]); add/bias may be NULL; add may alias y.
 void specd_qgemm_i8(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
                     int64_t G, const float* add, const float* bias, float* y) {

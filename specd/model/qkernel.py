@@ -82,7 +82,21 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_head_layer.restype = None
     lib.specd_attention.argtypes = [p, p, p, i, i, i, i, i, i, ctypes.c_float, p]
     lib.specd_attention.restype = None
+    lib.specd_x8_isa.argtypes = [ctypes.c_int]
+    lib.specd_x8_isa.restype = ctypes.c_int
+    isa = "AVX512-VNNI" if lib.specd_x8_isa(2) else "AVX2"
+    log.info("quantized CPU kernel: int8-activation GEMMs on %s", isa)
     return lib
+
+
+def x8_isa(want: int | None = None) -> str | None:
+    """The instruction set of the int8-activation GEMMs (``avx512vnni`` or ``avx2``; None without the
+    kernel). ``want``: 1 asks for AVX512-VNNI (where the CPU has it), 0 for AVX2, -1 lets the CPU
+    decide. Both give bitwise-equal results; tests compare them."""
+    lib = kernel()
+    if lib is None:
+        return None
+    return "avx512vnni" if lib.specd_x8_isa(2 if want is None else want) else "avx2"
 
 
 def _ptr(t: torch.Tensor | None):
