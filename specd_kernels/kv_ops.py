@@ -27,7 +27,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("T",))  # the step's token count: one compile for every count
     def _write_kv_kernel(
         k_ptr,
         v_ptr,
@@ -71,7 +71,7 @@ if HAS_TRITON:
         tl.store(kc_ptr + dst, k.to(tl.float32).to(kc_ptr.dtype.element_ty), mask=m)
         tl.store(vc_ptr + dst, v.to(tl.float32).to(vc_ptr.dtype.element_ty), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("N",))
     def _copy_slots_kernel(
         kv_ptr,
         tmp_ptr,

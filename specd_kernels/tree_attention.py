@@ -75,7 +75,13 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         return acc, m_new, l_i
 
-    @triton.jit
+    # integer arguments that change from step to step (the block-table and tree-mask widths): not
+    # specialized on (== 1, % 16), so a growing context or a new tree size does not compile a new
+    # variant mid-stream (seen on an H200: a JIT compile per new combination). The split partials'
+    # strides stay specialized (0 or multiples of 16 anyway; unspecializing them spills on sm_80).
+    _STEP_VARYING = ("stride_btb", "stride_mt", "max_blocks", "mask_cols")
+
+    @triton.jit(do_not_specialize=_STEP_VARYING)
     def _tree_attention_kernel(
         q_ptr,
         k_ptr,
@@ -483,6 +489,7 @@ def choose_splits(
     return splits, split_len
 
 
+@functools.lru_cache(maxsize=512)  # pure; a step's layers ask the same question (launch overhead on a GPU)
 def launch_configs(
     *,
     head_dim: int,
@@ -496,9 +503,9 @@ def launch_configs(
     num_splits: int | None = None,
     block_q: int | None = None,
     block_n: int | None = None,
-) -> list[TreeAttentionConfig]:
+) -> tuple[TreeAttentionConfig, ...]:
     """Every configuration :func:`tree_attention` may launch for one problem, in the order it tries
-    them (pure: no tensors, no device; ``num_sms`` None = interpreter / not CUDA).
+    them (pure: no tensors, no device; ``num_sms`` None = interpreter / not CUDA; memoized).
 
     The first is the launcher's choice; the others are its fallbacks when compiling raises
     ``OutOfResources`` (shared memory / registers): one pipeline stage, then 32-key tiles, then
@@ -536,7 +543,7 @@ def launch_configs(
                 split_len=split_len,
             )
         )
-    return out
+    return tuple(out)
 
 
 def dot_operands(q_dtype: torch.dtype, kv_dtype: torch.dtype, *, interpret: bool) -> tuple[bool, str]:
@@ -664,7 +671,7 @@ def tree_attention(
     )
 
 
-def _launch_first_that_fits(cfgs: list, key: tuple, plan_for, out: torch.Tensor) -> torch.Tensor:
+def _launch_first_that_fits(cfgs: tuple, key: tuple, plan_for, out: torch.Tensor) -> torch.Tensor:
     """Launch the plan of the first configuration (from the one remembered for ``key``) that
     compiles; ``OutOfResources`` moves on to the next, anything else is re-raised."""
     last_err = None

@@ -150,13 +150,14 @@ class LlamaModel(nn.Module):
                     # o and down are used through addmm (residual + x @ W^T in one op): keep W^T views
                     # (a QuantLinear is its own op: the forward dispatches in quant.linear / addmm)
                     b_qkv = b_qkv if isinstance(w_qkv, torch.Tensor) else None
+                    # norm weights in fp32 once (a bf16 RMSNorm computes in fp32: no cast per call)
                     layers.append(
                         (
-                            blk.input_norm.weight,
+                            blk.input_norm.weight.float(),
                             w_qkv,
                             b_qkv,
                             _op(blk.attn.o, t=True),
-                            blk.post_norm.weight,
+                            blk.post_norm.weight.float(),
                             _op(blk.mlp.gate_up),
                             _op(blk.mlp.down, t=True),
                         )
