@@ -362,3 +362,35 @@ def test_a_head_with_tensor_parallelism_is_refused_and_the_builtin_model_keeps_i
         a = Namespace(target=None, draft=None, head=None, tensor_parallel_size=tp)
         fill_default_models(a)
         assert (a.head, a.draft) == (head and str(tmp_path / head), draft and str(tmp_path / draft))
+
+
+def test_kept_features_grow_in_place_and_equal_concatenation():
+    """The ledger keeps a request's features in a buffer grown by doubling (rows written after the
+    kept ones), and the kept rows always equal plain concatenation, through drops (consumed by the
+    head), rollbacks (a failed step) and a gap (a fresh start)."""
+    from specd.engine.ledger import KVLedger
+    from specd.engine.sequence import Sequence
+
+    g = torch.Generator().manual_seed(3)
+    seq = Sequence.__new__(Sequence)
+    seq.hidden, seq.hidden_start, seq.hidden_buf, seq.draft_computed = None, 0, None, 0
+    ref, start, pos = None, 0, 0
+    buffers = set()
+    for step in range(200):
+        rows = torch.randn(1 + step % 3, 5, generator=g)
+        if step % 17 == 16:  # the head consumed features up to here: the next keep drops them
+            seq.draft_computed = pos - 2
+        KVLedger._keep_hidden(seq, pos, rows)
+        ref = rows if ref is None else torch.cat([ref, rows])
+        pos += rows.shape[0]
+        drop = min(seq.draft_computed - start, ref.shape[0])
+        if drop > 0:
+            ref, start = ref[drop:], start + drop
+        if step % 23 == 22:  # a failed step: drop the last rows
+            keep = max(ref.shape[0] - 2, 0)
+            seq.hidden, ref, pos = seq.hidden[:keep], ref[:keep], start + keep
+        assert seq.hidden_start == start and torch.equal(seq.hidden, ref), step
+        buffers.add(seq.hidden_buf.data_ptr() if seq.hidden_buf is not None else None)
+    assert len(buffers) < 20  # reallocated now and then, not every step
+    KVLedger._keep_hidden(seq, pos + 5, torch.ones(2, 5))  # a gap: the kept rows start afresh
+    assert seq.hidden_start == pos + 5 and torch.equal(seq.hidden, torch.ones(2, 5))

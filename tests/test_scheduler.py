@@ -417,6 +417,28 @@ def test_a_hopeless_decision_is_reused_briefly_then_revisited():
     assert drafted_at is not None and drafted_at <= 64
 
 
+def test_lookup_waits_for_a_measured_plain_step_at_each_batch_size():
+    """Adaptive prompt lookup drafts nothing at a batch size whose plain step is not measured yet
+    (that step measures it), then at most ``LOOKUP_PROBE`` tokens until a speculative step is
+    measured, and only then what the costs say: the full budget before any measurement made a new
+    16-request batch verify 9 rows per request until one plain step happened by chance (0.6x plain)."""
+    from specd.speculation.policy import LOOKUP_PROBE
+
+    s, clock = _sched(spec=SpecConfig(mode="ngram", ngram_tokens=8, adaptive=True))
+    pol = s.policy
+    seq = _seq(clock, "a", n=3, mode="ngram")
+    for _ in range(8):
+        pol.note_lookup(seq, 8, 8)  # every lookup fully accepted: long drafts pay once costs are known
+    assert pol.ngram_budget(seq, 16) == 0  # no plain step at 16 requests yet
+    pol.observe_plain(16, 0.030)
+    assert pol.ngram_budget(seq, 16) == LOOKUP_PROBE  # no speculative step measured yet
+    assert pol.ngram_budget(seq, 12) == 0  # another batch size: its own plain step first
+    pol.observe(0.032, None, tokens=48, batch=16)
+    assert pol.ngram_budget(seq, 16) == 8
+    fixed, _ = _sched(spec=SpecConfig(mode="ngram", ngram_tokens=8, adaptive=False))
+    assert fixed.policy.ngram_budget(seq, 16) == 8  # a fixed lookup length is kept as configured
+
+
 def test_lookup_length_follows_the_outcomes_not_one_lucky_match():
     """Prompt-lookup drafts are cut where the recent outcomes say they pay: 1 + mean(min(accepted,
     d)) (a prefix is accepted or not), so after one full 8-token match among misses a request does

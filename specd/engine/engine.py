@@ -70,6 +70,7 @@ class Engine:
         self.tp = p.tp  # the target's tensor-parallel ranks, or None
         self.capture = getattr(p.drafter, "capture", None)  # a feature head's target layers
         self._policy_clock = p.policy_clock
+        self._model_draft_s = 0.0  # the policy clock's seconds in the model proposer this step
         self.eos_ids = set(p.target.config.eos_token_ids)
         self.vocab_size = p.target.config.vocab_size
         self.seqs: dict[str, Sequence] = {}
@@ -209,7 +210,6 @@ class Engine:
         mark = self.timings.now()
         self._enter("draft", seqs)
         proposals = self._draft(scheduled)
-        timing["t1"] = self._policy_clock()
         mark = self.timings.add("draft", mark)
         self._enter("forward", seqs)
         tp = target_pass(
@@ -275,10 +275,12 @@ class Engine:
                     lookups[seq.request_id] = (lookup, b)
             elif lookup is not None:
                 out[seq.request_id] = lookup
+        t_model = self._policy_clock()
         if catch and self.drafter is not None:
             self.drafter.catch_up(catch)
         if spec and self.drafter is not None:
             out.update(self.drafter.propose(spec))
+        self._model_draft_s = self._policy_clock() - t_model
         for rid, (lookup, b) in lookups.items():  # hybrid: the lookup's branches over the model's tree
             out[rid] = merge(out[rid], lookup, b) if rid in out else lookup
         return out
@@ -388,7 +390,7 @@ class Engine:
         """Feed the adaptive policy the costs of a clean pure-decode step (prefill would skew the fit)."""
         if not timing.get("logits") or not all(sc.final and sc.num_tokens == 1 for sc in sched.scheduled):
             return
-        proposals, t1 = timing["proposals"], timing["t1"]
+        proposals = timing["proposals"]
         try:
             if proposals:
                 # per-level draft cost (draft model only): the forwards after the first (which also
@@ -397,7 +399,10 @@ class Engine:
                 if self.drafter is not None and any(not p.deterministic for p in proposals.values()):
                     levels = self.drafter.levels - 1
                     level = self.drafter.level_time / levels if levels > 0 else None
-                self.policy.observe(t2 - t1, level, sched.num_tokens, len(sched.scheduled))
+                # the step's cost but the model proposer's forwards (priced per level): prompt
+                # lookup's matching and the per-request work of speculating count, as they do in
+                # a plain step's cost (t2 - t0)
+                self.policy.observe(t2 - t0 - self._model_draft_s, level, sched.num_tokens, len(sched.scheduled))
             else:
                 self.policy.observe_plain(len(sched.scheduled), t2 - t0)
         except Exception as e:  # noqa: BLE001 - the policy's inputs are the policy's problem

@@ -121,9 +121,9 @@ class KVLedger:
             return
         h = seq.hidden
         if h is None or seq.hidden_start + h.shape[0] != start:
-            h, seq.hidden_start = rows, start
+            h, seq.hidden_start, seq.hidden_buf = rows, start, None
         else:
-            h = torch.cat([h, rows])
+            h = _append_rows(seq, h, rows)
         drop = min(seq.draft_computed - seq.hidden_start, h.shape[0])
         if drop > 0:
             h, seq.hidden_start = h[drop:], seq.hidden_start + drop
@@ -196,7 +196,7 @@ class KVLedger:
                 blocks.free()
         seq.num_computed = 0
         seq.draft_computed = 0
-        seq.hidden, seq.hidden_start = None, 0
+        seq.hidden, seq.hidden_start, seq.hidden_buf = None, 0, None
         seq.pc_state = [0, 0]
         seq.pc_draft_state = [0, 0]
 
@@ -246,3 +246,20 @@ class KVLedger:
         seq.pc_draft_state = list(cp.pc_draft_state)
         if cp.generator_state is not None and seq.generator is not None:
             seq.generator.set_state(cp.generator_state)
+
+
+def _append_rows(seq: Sequence, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``h`` then ``rows``, written in place after ``h`` in ``seq.hidden_buf`` where ``h`` views it
+    and there is room, else in a new buffer twice the size (amortized O(rows) per step, where a
+    ``cat`` per step copies everything kept so far: quadratic while a lazy head is not drafting)."""
+    buf, n, r = seq.hidden_buf, h.shape[0], rows.shape[0]
+    if buf is not None and h.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+        off = (h.data_ptr() - buf.data_ptr()) // (buf.stride(0) * buf.element_size())
+        if off + n + r <= buf.shape[0]:
+            buf[off + n : off + n + r] = rows
+            return buf[off : off + n + r]
+    buf = rows.new_empty((max(2 * (n + r), 64), rows.shape[1]))
+    buf[:n] = h
+    buf[n : n + r] = rows
+    seq.hidden_buf = buf
+    return buf[: n + r]

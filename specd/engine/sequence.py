@@ -154,6 +154,7 @@ class Sequence:
         # not yet consumed by the head [n, F] (the ledger keeps and rolls them back)
         self.hidden: torch.Tensor | None = None
         self.hidden_start = 0
+        self.hidden_buf: torch.Tensor | None = None  # storage ``hidden`` views, grown by doubling
         self.blocks: SeqBlocks | None = None
         self.draft_blocks: SeqBlocks | None = None
         self.generator: torch.Generator | None = None

@@ -9,11 +9,13 @@ are measured by the engine in its thread's CPU time on a CPU (waits for the GIL 
 not distort them; wall time on a GPU):
 
 - T(0) = the measured cost of a draft-free decode step at this batch size (a batch size not yet
-  seen gets one plain step first);
+  seen gets one plain step first, prompt lookup included);
 - T(D>0) = V(B * (1 + nodes(D))) + D * t_draft, t_draft = one draft level after the first (which
-  also catches the draft cache up), V(n) = the target part of a speculative step of n tokens: the
-  measured EMA at exactly n tokens over B requests once seen twice (the cost of a forward is not linear in its rows
-  on a CPU: one row reads the weights, memory-bound; a few more ride on the same reads, then each
+  also catches the draft cache up), V(n) = a speculative step of n tokens but its model-proposer
+  forwards (so prompt lookup's matching and the per-request work of speculating are priced, as
+  they are in T(0)): the measured EMA at exactly n tokens over B requests once seen twice (the
+  cost of a forward is not linear in its rows on a CPU: one row reads the weights, memory-bound;
+  a few more ride on the same reads, then each
   costs compute: SmolLM2 on AVX2 with int8 activations, 2 rows 1.14x one row, 3 rows 1.35x, 5 rows
   1.95x), else ``max(t_fixed + t_per_token * n, T(0) + t_per_token * (n - B))`` with t_fixed and
   t_per_token fitted (least squares over the last 64 speculative decode steps; the floor: a fit
@@ -329,16 +331,22 @@ class SpecPolicy:
         """Prompt-lookup draft tokens for ``seq``: the length that maximises expected tokens per
         second at its acceptance (drafting itself costs nothing; verifying each token does), capped
         by ``want`` (default: its mode's budget). A step with no n-gram match drafts nothing,
-        whatever is reserved. With adaptive speculation off the full budget is always kept; while
-        nothing pays, every ``probe_min``-th step of the request (staggered by request, so a batch
-        never probes all at once) keeps ``LOOKUP_PROBE`` tokens so the estimate stays current."""
+        whatever is reserved. With adaptive speculation off the full budget is always kept; at a
+        batch size whose plain step is not measured yet, nothing (that step measures it); before any
+        speculative step is measured, ``LOOKUP_PROBE`` tokens; while nothing pays, every
+        ``probe_min``-th step of the request (staggered by request, so a batch never probes all at
+        once) keeps ``LOOKUP_PROBE`` tokens so the estimate stays current."""
         if want is None:
             want = self.desired_budget(seq)
         elif seq.spec.max_draft_tokens is not None:
             want = min(want, seq.spec.max_draft_tokens)
         t_plain = self.t_plain.get(batch)
-        if not self.spec.adaptive or want <= 0 or self.t_target is None or t_plain is None:
+        if not self.spec.adaptive or want <= 0:
             return want
+        if t_plain is None:  # a batch size not seen yet: one plain step first measures it
+            return 0
+        if self.t_target is None:  # no speculative step measured yet: a short draft measures one
+            return min(want, LOOKUP_PROBE)
         best, best_d = 1.0 / t_plain, 0
         for d in range(1, want + 1):
             rate = self.lookup_expected(seq, d) / self._verify_cost(d, batch, t_plain)
