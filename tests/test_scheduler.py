@@ -134,6 +134,19 @@ def _plain_costs(s, sizes=(1, 2, 64, 256)):
     s.policy.t_plain = {b: s.policy.t_target + s.policy.t_per_token * b for b in sizes}
 
 
+def test_adaptive_start_is_a_plain_step_then_a_short_narrow_draft():
+    """Before any measurement: a plain step at each new batch size (it measures depth 0), then a
+    depth-2 draft, narrow where shapes are weighed (2 nodes, not a 4-level tree of 16: at 16
+    requests that first measurement verified 68 rows), then what the measured costs say."""
+    s, _ = _sched(spec=SpecConfig(mode="head", tree_depth=6, tree_budget=16, adaptive=True))
+    pol = s.policy
+    assert pol.choose_depth([0.8] * 4, narrow=[0.8] * 4) == 0
+    pol.observe_plain(4, 0.010)
+    assert pol.choose_depth([0.8] * 4, narrow=[0.8] * 4) == 2 and pol.last_nodes == 2
+    assert pol.choose_depth([0.8] * 4) == 2 and pol.last_nodes is None  # (no narrow estimates given)
+    assert pol.choose_depth([0.8] * 5, narrow=[0.8] * 5) == 0  # another batch size: measured first
+
+
 def test_adaptive_depth_follows_acceptance_and_step_costs():
     s, _ = _sched(spec=SpecConfig(mode="tree", tree_depth=6, adaptive=True))
     s.policy.observe(t_target=0.010, t_draft_level=0.001)  # a cheap draft
