@@ -60,12 +60,18 @@ bench: install
 		--out eval/out/bench_real
 
 # optional benchmark dependency (never a runtime one): llama-cpp-python, built from source for this CPU
-# (OpenMP, -march=native, no multimodal library / tools / tests; a few minutes on 2 cores)
-LLAMA_CMAKE_ARGS ?= -DGGML_OPENMP=ON -DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+# (OpenMP, -march=native, no multimodal library / tools / tests; a few minutes on 2 cores). On a CPU
+# with AMX (Sapphire Rapids and later) -march=native builds ggml's AMX matmul, which segfaults in the
+# first decode here (llama.cpp issue 20824): there it is built for AVX512 (VNNI, BF16) without AMX.
+LLAMA_ISA := $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null \
+	&& echo -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+	-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON || echo -DGGML_NATIVE=ON)
+LLAMA_CMAKE_ARGS ?= -DGGML_OPENMP=ON $(LLAMA_ISA) -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 bench-deps:
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip uninstall -q -y llama-cpp-python  # (a cached wheel would keep the old build flags)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc)} \
-		$(BIN)/pip install --no-binary llama-cpp-python 'llama-cpp-python>=0.3'
+		$(BIN)/pip install --no-cache-dir --no-binary llama-cpp-python 'llama-cpp-python>=0.3'
 
 # acceptance and speedup per category on the built-in pair (Spec-Bench and MT-bench), with the theory check;
 # then the feature head, prompt lookup and `auto` per Spec-Bench category as served (int8 activations)

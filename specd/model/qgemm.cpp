@@ -1,4 +1,5 @@
 // Weight-only quantized matmul for x86 CPUs with AVX2 + FMA: y[M,N] = x[M,K] @ W^T (+ add) (+ bias).
+// (The int8-activation GEMM also has AVX512-VNNI tiles, chosen at run time: see gemm_x8_512.)
 //
 // Weights stay quantized in memory and are read once per call for all M rows: the loop over output
 // rows n is outside the loop over row chunks of x, so a weight row (K bytes or K/2 bytes) is

@@ -8,6 +8,10 @@ row but change the numerics with the batch shape. ``qgemm.cpp`` computes in fp32
 weights, reads a weight once for all rows of a call, and gives a row the same bits whatever the
 other rows are, so speculative verification stays lossless.
 
+The int8-activation GEMM runs AVX512-VNNI tiles where the CPU has them (``x8_isa``; bitwise
+equal to the AVX2 tiles, ``SPECD_QGEMM_AVX512=0`` keeps AVX2): the library is still compiled for
+AVX2 only, the AVX512 functions carry their own target attribute.
+
 ``kernel()`` returns the loaded library or None (no x86-64 with AVX2 + FMA, no compiler, or
 ``SPECD_QGEMM=0``): callers then fall back to dequantize + ``torch`` matmul, with a warning logged
 once. The shared object is cached under ``$SPECD_CACHE_DIR/kernels`` keyed by the source's hash.
