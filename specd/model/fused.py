@@ -147,12 +147,17 @@ class HeadLayer:
         return out
 
 
+MAX_HEAD_DIM = 256  # qgemm.cpp's score_rows_paged: keys transposed 8 at a time into [D, 8] on the stack
+
+
 def takes(backend, kv: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether a forward of rows ``x`` over cache ``kv`` can run as C calls (a target's layers or a
     feature head's): the CPU kernel's attention backend, fp32 rows and cache on the CPU, a
-    contiguous cache, at most ``KERNEL_MAX_ROWS`` rows; ``SPECD_FUSED=0`` turns it off."""
+    contiguous cache, at most ``KERNEL_MAX_ROWS`` rows, a head size of at most 256 (the paged
+    attention's per-block key buffer); ``SPECD_FUSED=0`` turns it off."""
     return (
         getattr(backend, "name", None) == "cpu"
+        and kv.shape[-1] <= MAX_HEAD_DIM
         and os.environ.get("SPECD_FUSED", "1") != "0"
         and x.dtype == torch.float32
         and kv.dtype == torch.float32

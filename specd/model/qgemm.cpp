@@ -28,6 +28,7 @@
 #include <math.h>
 
 #include <vector>
+#include <algorithm>
 
 #define PF_ROWS 8  // software prefetch distance in weight rows
 
@@ -504,15 +505,15 @@ static inline __m256 exp_nonpos(__m256 x) {
 // out rows a, b (64 wide) = sum_j p[j] * v_j in key order, then * inv; a key whose weight is 0 is
 // skipped for that row (its value is never read for it). Per element: fmaf(p, v, o) in key order,
 // the same as the one-row loop computes.
-static void weighted_sum_2x64(const float* pa, const float* pb, int64_t L, const float* vb, int64_t KVH,
-                              const float* inv, float* out) {
+template <class VRow>
+static void weighted_sum_2x64(const float* pa, const float* pb, int64_t L, VRow vrow, const float* inv, float* out) {
     for (int half = 0; half < 2; half++) {
         __m256 oa[4], ob[4];
         for (int t = 0; t < 4; t++) oa[t] = ob[t] = _mm256_setzero_ps();
         for (int64_t j = 0; j < L; j++) {
             const float a = pa[j], b = pb[j];
             if (a == 0.f && b == 0.f) continue;
-            const float* vj = vb + j * KVH * 64 + 32 * half;
+            const float* vj = vrow(j) + 32 * half;
             __m256 v[4];
             for (int t = 0; t < 4; t++) v[t] = _mm256_loadu_ps(vj + 8 * t);
             if (a != 0.f) {
@@ -546,11 +547,29 @@ static inline void scores8(const float* q, int64_t D, const float* KT, int64_t L
     }
 }
 
+// rows a .. a+ni-1's scores of keys j .. j+7 (acc) scaled, masked (row r uses mask row r % Q) and
+// stored at S [ni, L8] column j; a masked key is -inf whatever its (possibly uninitialised) key held
+static inline void store_scores(const __m256* acc, int64_t ni, int64_t a, int64_t j, const float* mask, int64_t Q,
+                                int64_t L, float scale, float* S, int64_t L8) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), sc8 = _mm256_set1_ps(scale);
+    float mtmp[8];
+    for (int64_t i = 0; i < ni; i++) {
+        const float* mrow = mask + ((a + i) % Q) * L;
+        __m256 mk;
+        if (j + 8 <= L) {
+            mk = _mm256_loadu_ps(mrow + j);
+        } else {
+            for (int t = 0; t < 8; t++) mtmp[t] = j + t < L ? mrow[j + t] : -INFINITY;
+            mk = _mm256_loadu_ps(mtmp);
+        }
+        const __m256 sv = _mm256_add_ps(_mm256_mul_ps(acc[i], sc8), mk);
+        _mm256_storeu_ps(S + i * L8 + j, _mm256_blendv_ps(sv, ninf, _mm256_cmp_ps(mk, ninf, _CMP_EQ_OQ)));
+    }
+}
+
 static void score_rows(const float* q, int64_t r0, int64_t nr, const float* KT, const float* mask, int64_t Q,
                        int64_t L, int64_t D, float scale, float* S) {
     const int64_t L8 = (L + 7) / 8 * 8;
-    const __m256 ninf = _mm256_set1_ps(-INFINITY), sc8 = _mm256_set1_ps(scale);
-    float mtmp[8];
     __m256 acc[4];
     for (int64_t i0 = 0; i0 < nr; i0 += 4) {
         const int64_t ni = nr - i0 < 4 ? nr - i0 : 4;
@@ -562,19 +581,48 @@ static void score_rows(const float* q, int64_t r0, int64_t nr, const float* KT, 
                 case 2: scores8<2>(qi, D, KT, L8, j, acc); break;
                 default: scores8<1>(qi, D, KT, L8, j, acc);
             }
-            for (int64_t i = 0; i < ni; i++) {
-                const float* mrow = mask + ((r0 + i0 + i) % Q) * L;
-                __m256 mk;
-                if (j + 8 <= L) {
-                    mk = _mm256_loadu_ps(mrow + j);
-                } else {
-                    for (int t = 0; t < 8; t++) mtmp[t] = j + t < L ? mrow[j + t] : -INFINITY;
-                    mk = _mm256_loadu_ps(mtmp);
-                }
-                const __m256 sv = _mm256_add_ps(_mm256_mul_ps(acc[i], sc8), mk);
-                // a masked key is -inf whatever its (possibly uninitialised) key held
-                _mm256_storeu_ps(S + (i0 + i) * L8 + j, _mm256_blendv_ps(sv, ninf, _mm256_cmp_ps(mk, ninf, _CMP_EQ_OQ)));
+            store_scores(acc, ni, r0 + i0, j, mask, Q, L, scale, S + i0 * L8, L8);
+        }
+    }
+}
+
+static inline void transpose8(__m256 r[8]);
+
+// Keys j .. j+7 of the keys behind ``kptr`` (one pointer per key, the paged cache's rows; zero past
+// L) transposed into KT8 [D, 8]: the 8-key slice of pack_kt's KT, built in L1 where it is used.
+static inline void pack8(const float* const* kptr, int64_t j, int64_t L, int64_t D, float* KT8) {
+    if (D % 8 == 0) {
+        for (int64_t d = 0; d < D; d += 8) {
+            __m256 r[8];
+            for (int t = 0; t < 8; t++) r[t] = j + t < L ? _mm256_loadu_ps(kptr[j + t] + d) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int t = 0; t < 8; t++) _mm256_storeu_ps(KT8 + (d + t) * 8, r[t]);
+        }
+        return;
+    }
+    for (int64_t d = 0; d < D; d++)
+        for (int t = 0; t < 8; t++) KT8[d * 8 + t] = j + t < L ? kptr[j + t][d] : 0.f;
+}
+
+// score_rows for keys read through ``kptr`` (no packed copy of the keys): the same scores, bit for
+// bit (the same 8-key vectors, the same sum over d in order), keys in the outer loop.
+static void score_rows_paged(const float* q, int64_t r0, int64_t nr, const float* const* kptr, const float* mask,
+                             int64_t Q, int64_t L, int64_t D, float scale, float* S) {
+    const int64_t L8 = (L + 7) / 8 * 8;
+    alignas(32) float KT8[8 * 256];  // head_dim <= 256 (checked by the caller: fused.py)
+    __m256 acc[4];
+    for (int64_t j = 0; j < L8; j += 8) {
+        pack8(kptr, j, L, D, KT8);
+        for (int64_t i0 = 0; i0 < nr; i0 += 4) {
+            const int64_t ni = nr - i0 < 4 ? nr - i0 : 4;
+            const float* qi = q + (r0 + i0) * D;
+            switch (ni) {
+                case 4: scores8<4>(qi, D, KT8, 8, 0, acc); break;
+                case 3: scores8<3>(qi, D, KT8, 8, 0, acc); break;
+                case 2: scores8<2>(qi, D, KT8, 8, 0, acc); break;
+                default: scores8<1>(qi, D, KT8, 8, 0, acc);
             }
+            store_scores(acc, ni, r0 + i0, j, mask, Q, L, scale, S + i0 * L8, L8);
         }
     }
 }
@@ -583,10 +631,11 @@ static void score_rows(const float* q, int64_t r0, int64_t nr, const float* KT, 
 // at a time from the keys transposed (KT [D, L8], packed by the caller): each score is a sum over d
 // in order 0..D-1 in one vector lane, the same computation for every row and key whichever rows or
 // keys share the vector. S: scratch [nr, L8] (L8 = L rounded up to 8).
-static void attn_rows(const float* q, int64_t r0, int64_t nr, const float* KT, const float* vb, const float* mask,
-                      int64_t Q, int64_t L, int64_t KVH, int64_t D, float scale, float* S, float* out) {
+// (attn_finish: the rows' softmax over S and their weighted sums of the values, V row j at vrow(j);
+// out rows r0 .. r0+nr-1.)
+template <class VRow>
+static void attn_finish(int64_t r0, int64_t nr, VRow vrow, int64_t L, int64_t D, float* S, float* out) {
     const int64_t L8 = (L + 7) / 8 * 8;
-    score_rows(q, r0, nr, KT, mask, Q, L, D, scale, S);
     float inv[ATT_ROWS];
     for (int64_t i = 0; i < nr; i++) {
         float* si = S + i * L8;
@@ -601,7 +650,7 @@ static void attn_rows(const float* q, int64_t r0, int64_t nr, const float* KT, c
     }
     int64_t i = 0;
     if (D == 64)  // the common head size: two rows at a time, half a row in registers each
-        for (; i + 2 <= nr; i += 2) weighted_sum_2x64(S + i * L8, S + (i + 1) * L8, L, vb, KVH, inv + i, out + (r0 + i) * D);
+        for (; i + 2 <= nr; i += 2) weighted_sum_2x64(S + i * L8, S + (i + 1) * L8, L, vrow, inv + i, out + (r0 + i) * D);
     for (; i < nr; i++) {
         const float* si = S + i * L8;
         float* o = out + (r0 + i) * D;
@@ -609,7 +658,7 @@ static void attn_rows(const float* q, int64_t r0, int64_t nr, const float* KT, c
         for (int64_t j = 0; j < L; j++) {
             const float p = si[j];
             if (p == 0.f) continue;  // masked or negligible: never read its value (padding may hold anything)
-            const float* vj = vb + j * KVH * D;
+            const float* vj = vrow(j);
             for (int64_t d = 0; d < D; d++) o[d] = fmaf(p, vj[d], o[d]);
         }
         for (int64_t d = 0; d < D; d++) o[d] *= inv[i];
@@ -753,39 +802,14 @@ static void silu_mul_rows(const float* gu, int64_t T, int64_t inter, float* a) {
     }
 }
 
-// keys of (sequence b, KV head h) transposed into KT [D, L8] (zero past Lp) and its values into VB
-// [Lp, D], read through the block table (copies: exact)
-static void pack_paged(const float* kbase, const float* vbase, int64_t b, int64_t h, int64_t KVH, int64_t D,
-                       const int32_t* bt, int64_t maxb, int64_t BS, int64_t Lp, float* KT, float* VB) {
-    const int64_t L8 = (Lp + 7) / 8 * 8;
-    const float* kr[8];
-    for (int64_t j0 = 0; j0 < L8; j0 += 8) {
-        for (int t = 0; t < 8; t++) {
-            const int64_t j = j0 + t;
-            if (j >= Lp) {
-                kr[t] = nullptr;
-                continue;
-            }
-            const int64_t slot = (int64_t)bt[b * maxb + j / BS] * BS + j % BS;
-            kr[t] = kbase + (slot * KVH + h) * D;
-            memcpy(VB + j * D, vbase + (slot * KVH + h) * D, D * sizeof(float));
-        }
-        if (D % 8 == 0) {
-            for (int64_t d = 0; d < D; d += 8) {
-                __m256 r[8];
-                for (int t = 0; t < 8; t++) r[t] = kr[t] ? _mm256_loadu_ps(kr[t] + d) : _mm256_setzero_ps();
-                transpose8(r);
-                for (int t = 0; t < 8; t++) _mm256_storeu_ps(KT + (d + t) * L8 + j0, r[t]);
-            }
-        } else {
-            for (int64_t d = 0; d < D; d++)
-                for (int t = 0; t < 8; t++) KT[d * L8 + j0 + t] = kr[t] ? kr[t][d] : 0.f;
-        }
-    }
+static inline void grow(std::vector<float>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
 }
 
-// Attention of every query of every sequence over the paged cache (keys and values read through the
-// block table), each (sequence, KV head) by attn_rows exactly as specd_attention computes it.
+// Attention of every query of every sequence over the paged cache, each (sequence, KV head) with the
+// same scores, softmax and weighted sums as specd_attention (bit for bit), reading keys and values
+// in place through the block table: one pointer per key, keys transposed 8 at a time in L1 (a packed
+// copy of the whole context per layer cost more than the attention itself at 2k tokens).
 //   qkv [T, stride] (q heads first), kv [2, nslots, KVH, D], bias [B, Qm, Lp] additive, o [T, H * D]
 static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t KVH, int64_t D, const float* kv,
                             int64_t nslots, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
@@ -794,19 +818,28 @@ static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t
     const float* vbase = kv + nslots * KVH * D;
 #pragma omp parallel
     {
-        std::vector<float> KT(D * L8), VB(Lp * D + 8), S(ATT_ROWS * L8), QG(G * Qm * D), OUT(G * Qm * D);
+        // per-thread scratch kept between calls (grown, never cleared: every element read is written first)
+        static thread_local std::vector<float> S, QG, OUT;
+        static thread_local std::vector<const float*> KP, VP;
+        grow(S, ATT_ROWS * L8), grow(QG, G * Qm * D), grow(OUT, G * Qm * D);
+        if ((int64_t)KP.size() < Lp) KP.resize(Lp), VP.resize(Lp);
 #pragma omp for schedule(static) collapse(2)
         for (int64_t b = 0; b < B; b++)
             for (int64_t h = 0; h < KVH; h++) {
                 const int64_t t0 = qsl[b], q = qsl[b + 1] - qsl[b], R = G * q;
-                pack_paged(kv, vbase, b, h, KVH, D, bt, maxb, BS, Lp, KT.data(), VB.data());
+                for (int64_t j = 0; j < Lp; j++) {
+                    const int64_t slot = (int64_t)bt[b * maxb + j / BS] * BS + j % BS;
+                    KP[j] = kv + (slot * KVH + h) * D;
+                    VP[j] = vbase + (slot * KVH + h) * D;
+                }
+                const float* const* vp = VP.data();
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t i = 0; i < q; i++)
                         memcpy(QG.data() + (g * q + i) * D, qkv + (t0 + i) * stride + (h * G + g) * D, D * sizeof(float));
                 for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {
                     const int64_t nr = R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS;
-                    attn_rows(QG.data(), r0, nr, KT.data(), VB.data(), bias + b * Qm * Lp, q, Lp, 1, D, scale,
-                              S.data(), OUT.data());
+                    score_rows_paged(QG.data(), r0, nr, KP.data(), bias + b * Qm * Lp, q, Lp, D, scale, S.data());
+                    attn_finish(r0, nr, [vp](int64_t j) { return vp[j]; }, Lp, D, S.data(), OUT.data());
                 }
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t i = 0; i < q; i++)
@@ -912,8 +945,10 @@ void specd_attention(const float* q, const float* kv, const float* mask, int64_t
                 pack_kt(kbase + (b * L * KVH + h) * D, L, KVH, D, KT);
                 for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {
                     const int64_t nr = R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS;
-                    attn_rows(q + (b * KVH + h) * R * D, r0, nr, KT, vbase + (b * L * KVH + h) * D, mask + b * Q * L,
-                              Q, L, KVH, D, scale, S, out + (b * KVH + h) * R * D);
+                    const float* vb = vbase + (b * L * KVH + h) * D;
+                    score_rows(q + (b * KVH + h) * R * D, r0, nr, KT, mask + b * Q * L, Q, L, D, scale, S);
+                    attn_finish(r0, nr, [vb, KVH, D](int64_t j) { return vb + j * KVH * D; }, L, D, S,
+                                out + (b * KVH + h) * R * D);
                 }
             }
         delete[] S;
