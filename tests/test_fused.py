@@ -107,6 +107,17 @@ def test_a_fused_row_does_not_depend_on_the_batch(lm, act, monkeypatch):
         set_act_int8(lm.model, False)
 
 
+def test_two_phase_attention_equals_the_one_phase_kernel(lm, monkeypatch):
+    """Decode and verification widths run the paged attention in two phases (scores by key chunk,
+    then softmax and weighted sums by row pair, balanced over threads); wide prefills, and every
+    call with ``SPECD_ATT2_MAX_BYTES=0``, one task per (sequence, KV head). Bit for bit the same:
+    the step's logits and the K/V it wrote."""
+    two, two_kv, _ = _step(lm, True, monkeypatch)
+    monkeypatch.setenv("SPECD_ATT2_MAX_BYTES", "0")
+    one, one_kv, _ = _step(lm, True, monkeypatch)
+    assert torch.equal(one, two) and torch.equal(one_kv, two_kv)
+
+
 def test_the_fused_path_steps_aside_where_it_does_not_apply(lm):
     x, kv = torch.zeros(1, lm.config.hidden_size), torch.zeros(2, 2, 4, 4, 2, 8)
     assert fused_layers(lm.model, get_backend("torch", CPU), kv, x) is None  # not the CPU kernel's attention

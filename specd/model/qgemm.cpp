@@ -806,6 +806,92 @@ static inline void grow(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
 }
 
+// The same attention in two parallel phases, for decode and verification widths (all scores fit in
+// ATT2_MAX_BYTES): (1) scores of every row of a (sequence, KV head) for one chunk of ATT2_CHUNK keys
+// per task (each score is its own lane's sum, so who computes which keys changes no bit), (2) each
+// pair of rows' softmax and weighted sum (in key order, as attn_finish does). Balances the work over
+// threads where one task per (sequence, KV head) could not (batch 1: 3 KV heads for 2 threads).
+#define ATT2_CHUNK 256
+#define ATT2_MAX_BYTES (16 << 20)  // SPECD_ATT2_MAX_BYTES overrides (0: always the one-phase kernel)
+
+static double att2_max_bytes() {
+    const char* e = getenv("SPECD_ATT2_MAX_BYTES");
+    return e ? atof(e) : (double)ATT2_MAX_BYTES;
+}
+
+static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int64_t KVH, int64_t D, const float* kv,
+                               int64_t nslots, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
+                               int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, float* o) {
+    const int64_t G = H / KVH, L8 = (Lp + 7) / 8 * 8, T = qsl[B] - qsl[0];
+    if ((double)G * KVH * T * L8 * sizeof(float) > att2_max_bytes()) return false;
+    const float* vbase = kv + nslots * KVH * D;
+    // per (b, h): its rows (g * q + i) from row base(b, h) of S and QG, its keys' and values' rows
+    std::vector<float> S(G * KVH * T * L8), QG(G * KVH * T * D);
+    std::vector<const float*> KP(B * KVH * Lp), VP(B * KVH * Lp);
+    const int64_t nch = (L8 + ATT2_CHUNK - 1) / ATT2_CHUNK;
+    auto base = [&](int64_t b, int64_t h) { return (h * T + (qsl[b] - qsl[0])) * G; };
+#pragma omp parallel
+    {
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < KVH; h++) {
+                const int64_t t0 = qsl[b], q = qsl[b + 1] - qsl[b];
+                float* qg = QG.data() + base(b, h) * D;
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t i = 0; i < q; i++)
+                        memcpy(qg + (g * q + i) * D, qkv + (t0 + i) * stride + (h * G + g) * D, D * sizeof(float));
+                const float** kp = KP.data() + (b * KVH + h) * Lp;
+                const float** vp = VP.data() + (b * KVH + h) * Lp;
+                for (int64_t j = 0; j < Lp; j++) {
+                    const int64_t slot = (int64_t)bt[b * maxb + j / BS] * BS + j % BS;
+                    kp[j] = kv + (slot * KVH + h) * D;
+                    vp[j] = vbase + (slot * KVH + h) * D;
+                }
+            }
+#pragma omp for schedule(dynamic) collapse(3)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < KVH; h++)
+                for (int64_t c = 0; c < nch; c++) {
+                    const int64_t q = qsl[b + 1] - qsl[b], R = G * q, j0 = c * ATT2_CHUNK;
+                    const int64_t j1 = j0 + ATT2_CHUNK < L8 ? j0 + ATT2_CHUNK : L8;
+                    const float* const* kp = KP.data() + (b * KVH + h) * Lp;
+                    const float* qg = QG.data() + base(b, h) * D;
+                    float* sb = S.data() + base(b, h) * L8;
+                    alignas(32) float KT8[8 * 256];
+                    __m256 acc[4];
+                    for (int64_t j = j0; j < j1 && R > 0; j += 8) {
+                        pack8(kp, j, Lp, D, KT8);
+                        for (int64_t i0 = 0; i0 < R; i0 += 4) {
+                            const int64_t ni = R - i0 < 4 ? R - i0 : 4;
+                            switch (ni) {
+                                case 4: scores8<4>(qg + i0 * D, D, KT8, 8, 0, acc); break;
+                                case 3: scores8<3>(qg + i0 * D, D, KT8, 8, 0, acc); break;
+                                case 2: scores8<2>(qg + i0 * D, D, KT8, 8, 0, acc); break;
+                                default: scores8<1>(qg + i0 * D, D, KT8, 8, 0, acc);
+                            }
+                            store_scores(acc, ni, i0, j, bias + b * Qm * Lp, q, Lp, scale, sb + i0 * L8, L8);
+                        }
+                    }
+                }
+#pragma omp for schedule(dynamic) collapse(3)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < KVH; h++)
+                for (int64_t r0 = 0; r0 < G * Qm; r0 += 2) {
+                    const int64_t t0 = qsl[b], q = qsl[b + 1] - qsl[b], R = G * q;
+                    if (r0 >= R) continue;
+                    const int64_t nr = R - r0 < 2 ? R - r0 : 2;
+                    const float* const* vp = VP.data() + (b * KVH + h) * Lp;
+                    alignas(32) float out[2 * 256];
+                    attn_finish(0, nr, [vp](int64_t j) { return vp[j]; }, Lp, D, S.data() + (base(b, h) + r0) * L8, out);
+                    for (int64_t k = 0; k < nr; k++) {
+                        const int64_t r = r0 + k, g = r / q, i = r % q;
+                        memcpy(o + (t0 + i) * H * D + (h * G + g) * D, out + k * D, D * sizeof(float));
+                    }
+                }
+    }
+    return true;
+}
+
 // Attention of every query of every sequence over the paged cache, each (sequence, KV head) with the
 // same scores, softmax and weighted sums as specd_attention (bit for bit), reading keys and values
 // in place through the block table: one pointer per key, keys transposed 8 at a time in L1 (a packed
@@ -922,7 +1008,9 @@ void specd_head_layer(float* x, const float* e, const float* w_e, int64_t T, int
         memcpy(kv + s * nkv, qkv.data() + t * stride + nq, nkv * sizeof(float));
         memcpy(kv + (nslots + s) * nkv, qkv.data() + t * stride + nq + nkv, nkv * sizeof(float));
     }
-    paged_attention(qkv.data(), stride, H, KVH, D, kv, nslots, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale, o.data());
+    if (!paged_attention_2p(qkv.data(), stride, H, KVH, D, kv, nslots, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale,
+                            o.data()))
+        paged_attention(qkv.data(), stride, H, KVH, D, kv, nslots, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale, o.data());
     lin(lins[1], o.data(), T, x, x, fs, qs, xp);
     rms_rows(x, T, d, w_post, eps, h.data());
     lin(lins[2], h.data(), T, nullptr, gu.data(), fs, qs, xp);
