@@ -452,6 +452,38 @@ def test_lookup_waits_for_a_measured_plain_step_at_each_batch_size():
     assert fixed.policy.ngram_budget(seq, 16) == 8  # a fixed lookup length is kept as configured
 
 
+def test_costs_are_kept_per_context_bucket():
+    """A step's costs are recorded under its context bucket (the batch's total context, one bucket
+    per doubling from 512 tokens): costs measured on short prompts do not price a 2k-token one's
+    verification rows (each row attends over the whole context); a new bucket falls back to the
+    nearest shorter one's plain step until its own is measured."""
+    from specd.speculation.policy import ctx_bucket
+
+    assert [ctx_bucket(n) for n in (0, 511, 512, 1023, 1024, 2048, 5000)] == [0, 0, 1, 1, 2, 3, 4]
+    s, clock = _sched(spec=SpecConfig(mode="ngram", ngram_tokens=8, adaptive=True))
+    pol = s.policy
+    seq = _seq(clock, "a", n=3, mode="ngram")
+    for k in range(8):
+        pol.note_lookup(seq, k % 2, 2)  # every other lookup's first token accepted: 1.5 tokens per step
+    seq.num_computed = 100
+    pol.plan([seq], 1)
+    pol.observe_plain(1, 0.005)
+    pol.observe(0.0055, None, tokens=2, batch=1)
+    pol.observe(0.0055, None, tokens=2, batch=1)  # short context: a 2-row step costs 1.1x a plain one
+    assert pol.ngram_budget(seq, 1, want=1) == 1
+    seq.num_computed = 2100
+    pol.plan([seq], 1)
+    assert pol.ctx_bucket == 3 and pol.plain_cost(1) == 0.005  # (the shorter bucket's, until measured)
+    assert (1, 2) not in pol.t_width  # the short context's verification costs are not this one's
+    pol.observe_plain(1, 0.014)
+    pol.observe(0.022, None, tokens=2, batch=1)
+    pol.observe(0.022, None, tokens=2, batch=1)  # 2k tokens: the extra row costs half a step
+    assert pol.plain_cost(1) == 0.014 and pol.ngram_budget(seq, 1, want=1) == 0
+    seq.num_computed = 100
+    pol.plan([seq], 1)
+    assert pol.plain_cost(1) == 0.005 and pol.ngram_budget(seq, 1, want=1) == 1
+
+
 def test_lookup_length_follows_the_outcomes_not_one_lucky_match():
     """Prompt-lookup drafts are cut where the recent outcomes say they pay: 1 + mean(min(accepted,
     d)) (a prefix is accepted or not), so after one full 8-token match among misses a request does

@@ -144,7 +144,12 @@ class SpecPolicy:
         self.t_target: float | None = None  # seconds of a target step's fixed part (forward + verify + commit)
         self.t_per_token = 0.0  # marginal seconds per target token
         self.t_draft: float | None = None  # EMA seconds of one draft forward (one tree level)
-        self.t_plain: dict = {}  # batch size -> EMA seconds of a decode step without drafts
+        # costs are kept per context bucket (the batch's total context: <512, <1k, <2k, ... tokens):
+        # at 2k tokens of context a row costs ~2.7x what it does at 32 (attention over the context),
+        # so costs measured on short prompts must not price a long one's steps
+        self.ctx_bucket = 0  # of the step being planned (set by ``plan``)
+        self._plain_by_ctx: dict = {}  # bucket -> {batch size -> EMA seconds of a step without drafts}
+        self._width_by_ctx: dict = {}  # bucket -> t_width
         self.accept_ema: float | None = None  # engine-wide per-position acceptance (prior for new requests)
         self.ngram_ema: float | None = None  # the same for prompt lookup's drafts
         self.chain_ema: float | None = None  # the same for the model's top-1 chain (the narrow shape)
@@ -157,11 +162,39 @@ class SpecPolicy:
         self.probing = False
         self.last_depth = 0
         self._fit = CostFit()
-        # (requests, target tokens) of a speculative step -> [EMA seconds, observations]: the same
-        # tokens cost more over more requests (attention contexts, per-request work)
-        self.t_width: dict = {}
         self._decision: tuple | None = None  # (alphas, step, config, depth, hopeless) of the last decision
         self.hopeless_batch: tuple | None = None  # (batch, step, mode) of the last "drafting cannot pay"
+
+    @property
+    def t_plain(self) -> dict:
+        """batch size -> EMA seconds of a decode step without drafts, in this step's context bucket."""
+        return self._plain_by_ctx.setdefault(self.ctx_bucket, {})
+
+    @t_plain.setter
+    def t_plain(self, v: dict) -> None:
+        self._plain_by_ctx[self.ctx_bucket] = v
+
+    def plain_cost(self, batch: int) -> float | None:
+        """T(0) at ``batch``: measured in this context bucket, else in the nearest shorter one (a
+        context that just crossed a bucket keeps its last measurement until a plain step updates
+        it; it can only underprice T(0), which turns speculation off and so measures it); None when
+        this batch size never ran a plain step."""
+        for b in range(self.ctx_bucket, -1, -1):
+            t = self._plain_by_ctx.get(b, {}).get(batch)
+            if t is not None:
+                return t
+        return None
+
+    @property
+    def t_width(self) -> dict:
+        """(requests, target tokens) of a speculative step -> [EMA seconds, observations], in this
+        step's context bucket: the same tokens cost more over more requests (attention contexts,
+        per-request work) and over longer contexts."""
+        return self._width_by_ctx.setdefault(self.ctx_bucket, {})
+
+    @t_width.setter
+    def t_width(self, v: dict) -> None:
+        self._width_by_ctx[self.ctx_bucket] = v
 
     # per request --------------------------------------------------------------------------------
     def mode_of(self, seq: Sequence) -> str:
@@ -283,6 +316,7 @@ class SpecPolicy:
         ``candidates`` (the requests that may run this step, in rank order)."""
         cap = self.step_spec_cap(batch) if self.spec.adaptive else 1 << 30
         self.step += 1
+        self.ctx_bucket = ctx_bucket(sum(s.num_computed for s in candidates[:batch]))
         if not (self.spec.adaptive and self.has_draft) or self.spec.mode not in MODEL_MODES:
             return StepPlan(None, None, cap, batch)
         autos = [s for s in candidates if s.spec.mode == "auto"]
@@ -340,7 +374,7 @@ class SpecPolicy:
             want = self.desired_budget(seq)
         elif seq.spec.max_draft_tokens is not None:
             want = min(want, seq.spec.max_draft_tokens)
-        t_plain = self.t_plain.get(batch)
+        t_plain = self.plain_cost(batch)
         if not self.spec.adaptive or want <= 0:
             return want
         if t_plain is None:  # a batch size not seen yet: one plain step first measures it
@@ -381,7 +415,7 @@ class SpecPolicy:
         verification of the proposal's tokens (measured), plus the draft levels for the model."""
         if self.t_target is None or self.t_draft is None or model_depth <= 0:
             return True  # nothing measured yet (or the model would not draft): the free proposal
-        t_plain = self.t_plain.get(batch, self.t_target)
+        t_plain = self.plain_cost(batch) or self.t_target
         ngram_rate = self.lookup_expected(seq, ngram_tokens) / self._verify_cost(ngram_tokens, batch, t_plain)
         nodes = self.nodes_for_depth(model_depth) if nodes is None else nodes
         model_cost = self._verify_cost(nodes, batch, t_plain) + model_depth * self.t_draft
@@ -397,7 +431,7 @@ class SpecPolicy:
         if self.t_target is None or self.t_draft is None or model_depth <= 0:
             return False
         nodes = self.nodes_for_depth(model_depth) if nodes is None else nodes
-        t_plain = self.t_plain.get(batch, self.t_target)
+        t_plain = self.plain_cost(batch) or self.t_target
         t_levels = model_depth * self.t_draft
 
         def cost(n: int) -> float:
@@ -418,7 +452,7 @@ class SpecPolicy:
         self.last_nodes = None
         if not alphas:
             return 0
-        if len(alphas) not in self.t_plain:
+        if self.plain_cost(len(alphas)) is None:
             return 0  # first time at this batch size: one plain step measures the cost of depth 0
         if self.t_target is None or self.t_draft is None:
             # no speculative step measured yet: a short draft measures one (narrow where shapes are
@@ -442,7 +476,7 @@ class SpecPolicy:
         slowly); sets ``last_nodes``. Hopeless: not even perfect acceptance would make drafting pay
         at this batch size."""
         c = self._decision
-        key = (self.spec.mode, dmax)
+        key = (self.spec.mode, dmax, self.ctx_bucket)
         ests = (list(alphas), None if narrow is None else list(narrow))
         if c is not None and c[0] == ests and self.step - c[1] < DECISION_REUSE_STEPS and c[2] == key:
             self.last_nodes = c[5]
@@ -450,7 +484,7 @@ class SpecPolicy:
         best_d, self.last_nodes = self._best_depth(alphas, dmax, narrow)
         perfect = [0.999] * len(alphas)
         hopeless = best_d == 0 and self._best_depth(perfect, dmax, None if narrow is None else perfect)[0] == 0
-        if len(alphas) in self.t_plain:  # (an unmeasured batch size is re-asked next step)
+        if self.plain_cost(len(alphas)) is not None:  # (an unmeasured batch size is re-asked next step)
             self._decision = (ests, self.step, key, best_d, hopeless, self.last_nodes)
             self.hopeless_batch = (len(alphas), self.step, self.spec.mode) if hopeless else None
         return best_d, hopeless
@@ -475,7 +509,7 @@ class SpecPolicy:
         """(depth, nodes: the narrow shape's count, or None for the mode's width) of the best
         expected tokens per second; the narrow shape is weighed when ``narrow`` acceptances are given."""
         B = len(alphas)
-        t_plain = self.t_plain.get(B)
+        t_plain = self.plain_cost(B)
         if t_plain is None:
             return 0, None  # first time at this batch size: one plain step measures the cost of depth 0
         td = self.t_draft
@@ -491,6 +525,12 @@ class SpecPolicy:
                 if rate > best * 1.02:  # a clear win only
                     best, best_d, best_nodes = rate, d, nodes if is_narrow else None
         return best_d, best_nodes
+
+
+def ctx_bucket(tokens: int) -> int:
+    """The cost model's context bucket of a batch holding ``tokens`` tokens of context in all:
+    0 below 512, then one per doubling (512-1023: 1, 1024-2047: 2, ...)."""
+    return max(0, int(tokens).bit_length() - 9)
 
 
 def _cut_expected(obs, d: int) -> float:
