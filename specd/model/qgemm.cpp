@@ -604,14 +604,15 @@ static inline void pack8(const float* const* kptr, int64_t j, int64_t L, int64_t
         for (int t = 0; t < 8; t++) KT8[d * 8 + t] = j + t < L ? kptr[j + t][d] : 0.f;
 }
 
-// score_rows for keys read through ``kptr`` (no packed copy of the keys): the same scores, bit for
-// bit (the same 8-key vectors, the same sum over d in order), keys in the outer loop.
-static void score_rows_paged(const float* q, int64_t r0, int64_t nr, const float* const* kptr, const float* mask,
-                             int64_t Q, int64_t L, int64_t D, float scale, float* S) {
+// score_rows for keys j0 .. j1-1 (multiples of 8) read through ``kptr`` (no packed copy of the keys):
+// the same scores, bit for bit (the same 8-key vectors, the same sum over d in order), keys in the
+// outer loop; rows r0 .. r0+nr-1 of q (mask row r % Q) into S [nr, L8] (L8 = L rounded up to 8).
+static void score_keys(const float* q, int64_t r0, int64_t nr, const float* const* kptr, int64_t j0, int64_t j1,
+                       const float* mask, int64_t Q, int64_t L, int64_t D, float scale, float* S) {
     const int64_t L8 = (L + 7) / 8 * 8;
     alignas(32) float KT8[8 * 256];  // head_dim <= 256 (checked by the caller: fused.py)
     __m256 acc[4];
-    for (int64_t j = 0; j < L8; j += 8) {
+    for (int64_t j = j0; j < j1; j += 8) {
         pack8(kptr, j, L, D, KT8);
         for (int64_t i0 = 0; i0 < nr; i0 += 4) {
             const int64_t ni = nr - i0 < 4 ? nr - i0 : 4;
@@ -854,24 +855,9 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
                 for (int64_t c = 0; c < nch; c++) {
                     const int64_t q = qsl[b + 1] - qsl[b], R = G * q, j0 = c * ATT2_CHUNK;
                     const int64_t j1 = j0 + ATT2_CHUNK < L8 ? j0 + ATT2_CHUNK : L8;
-                    const float* const* kp = KP.data() + (b * KVH + h) * Lp;
-                    const float* qg = QG.data() + base(b, h) * D;
-                    float* sb = S.data() + base(b, h) * L8;
-                    alignas(32) float KT8[8 * 256];
-                    __m256 acc[4];
-                    for (int64_t j = j0; j < j1 && R > 0; j += 8) {
-                        pack8(kp, j, Lp, D, KT8);
-                        for (int64_t i0 = 0; i0 < R; i0 += 4) {
-                            const int64_t ni = R - i0 < 4 ? R - i0 : 4;
-                            switch (ni) {
-                                case 4: scores8<4>(qg + i0 * D, D, KT8, 8, 0, acc); break;
-                                case 3: scores8<3>(qg + i0 * D, D, KT8, 8, 0, acc); break;
-                                case 2: scores8<2>(qg + i0 * D, D, KT8, 8, 0, acc); break;
-                                default: scores8<1>(qg + i0 * D, D, KT8, 8, 0, acc);
-                            }
-                            store_scores(acc, ni, i0, j, bias + b * Qm * Lp, q, Lp, scale, sb + i0 * L8, L8);
-                        }
-                    }
+                    if (R > 0)
+                        score_keys(QG.data() + base(b, h) * D, 0, R, KP.data() + (b * KVH + h) * Lp, j0, j1,
+                                   bias + b * Qm * Lp, q, Lp, D, scale, S.data() + base(b, h) * L8);
                 }
 #pragma omp for schedule(dynamic) collapse(3)
         for (int64_t b = 0; b < B; b++)
@@ -924,7 +910,7 @@ static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t
                         memcpy(QG.data() + (g * q + i) * D, qkv + (t0 + i) * stride + (h * G + g) * D, D * sizeof(float));
                 for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {
                     const int64_t nr = R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS;
-                    score_rows_paged(QG.data(), r0, nr, KP.data(), bias + b * Qm * Lp, q, Lp, D, scale, S.data());
+                    score_keys(QG.data(), r0, nr, KP.data(), 0, L8, bias + b * Qm * Lp, q, Lp, D, scale, S.data());
                     attn_finish(r0, nr, [vp](int64_t j) { return vp[j]; }, Lp, D, S.data(), OUT.data());
                 }
                 for (int64_t g = 0; g < G; g++)
