@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from specd.model.cpu import cpu_info
 from specd.model.qkernel import kernel, x8_isa
 from specd.model.quant import QuantLinear, addmm, linear, quantize_int4, quantize_int8, unpack_int4
 from specd.model.quant_load import repack
@@ -166,7 +167,10 @@ def test_int8_activations_keep_a_row_independent_of_the_others(fmt):
     assert not torch.equal(op(x), alone)  # (and it is a different computation from fp32 activations)
 
 
-@pytest.mark.skipif(x8_isa(1) != "avx512vnni", reason="this CPU has no AVX512-VNNI")
+@pytest.mark.skipif(
+    kernel() is None or not {"avx512f", "avx512bw", "avx512dq", "avx512_vnni"} <= cpu_info()["flags"],
+    reason="no CPU kernel here, or this CPU has no AVX512-VNNI",
+)
 @pytest.mark.parametrize("fmt", ["int8/channel", "int8/g32", "int4/g32", "int4/g64"])
 def test_int8_activations_avx512_vnni_equals_avx2_bitwise(fmt):
     """The AVX512-VNNI tiles (two 8-row tiles per vector, vpdpbusd) give the AVX2 tiles' bits for

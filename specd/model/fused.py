@@ -147,7 +147,7 @@ class HeadLayer:
         return out
 
 
-MAX_HEAD_DIM = 256  # qgemm.cpp's score_rows_paged: keys transposed 8 at a time into [D, 8] on the stack
+MAX_HEAD_DIM = 256  # qgemm.cpp's score_keys: keys transposed 8 at a time into [D, 8] on the stack
 
 
 def takes(backend, kv: torch.Tensor, x: torch.Tensor) -> bool:

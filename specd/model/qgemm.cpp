@@ -28,7 +28,6 @@
 #include <math.h>
 
 #include <vector>
-#include <algorithm>
 
 #define PF_ROWS 8  // software prefetch distance in weight rows
 
@@ -628,12 +627,10 @@ static void score_keys(const float* q, int64_t r0, int64_t nr, const float* cons
     }
 }
 
-// Rows r0 .. r0+nr-1 of one (sequence, KV head): they share its keys and values. Scores come 8 keys
-// at a time from the keys transposed (KT [D, L8], packed by the caller): each score is a sum over d
-// in order 0..D-1 in one vector lane, the same computation for every row and key whichever rows or
-// keys share the vector. S: scratch [nr, L8] (L8 = L rounded up to 8).
-// (attn_finish: the rows' softmax over S and their weighted sums of the values, V row j at vrow(j);
-// out rows r0 .. r0+nr-1.)
+// Rows r0 .. r0+nr-1 of one (sequence, KV head), their scores already in S [nr, L8] (L8 = L rounded
+// up to 8; score_rows / score_keys): each row's softmax over its keys and its weighted sum of the
+// values (V row j at vrow(j)) into out rows r0 .. r0+nr-1, the same computation whichever rows share
+// the call.
 template <class VRow>
 static void attn_finish(int64_t r0, int64_t nr, VRow vrow, int64_t L, int64_t D, float* S, float* out) {
     const int64_t L8 = (L + 7) / 8 * 8;
@@ -803,6 +800,17 @@ static void silu_mul_rows(const float* gu, int64_t T, int64_t inter, float* a) {
     }
 }
 
+// key and value rows of (sequence b, KV head h) for positions 0 .. Lp-1, through the block table
+static inline void kv_rows(const float* kv, const float* vbase, int64_t b, int64_t h, int64_t KVH, int64_t D,
+                           const int32_t* bt, int64_t maxb, int64_t BS, int64_t Lp, const float** kp,
+                           const float** vp) {
+    for (int64_t j = 0; j < Lp; j++) {
+        const int64_t slot = (int64_t)bt[b * maxb + j / BS] * BS + j % BS;
+        kp[j] = kv + (slot * KVH + h) * D;
+        vp[j] = vbase + (slot * KVH + h) * D;
+    }
+}
+
 static inline void grow(std::vector<float>& v, size_t n) {
     if (v.size() < n) v.resize(n);
 }
@@ -841,13 +849,8 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t i = 0; i < q; i++)
                         memcpy(qg + (g * q + i) * D, qkv + (t0 + i) * stride + (h * G + g) * D, D * sizeof(float));
-                const float** kp = KP.data() + (b * KVH + h) * Lp;
-                const float** vp = VP.data() + (b * KVH + h) * Lp;
-                for (int64_t j = 0; j < Lp; j++) {
-                    const int64_t slot = (int64_t)bt[b * maxb + j / BS] * BS + j % BS;
-                    kp[j] = kv + (slot * KVH + h) * D;
-                    vp[j] = vbase + (slot * KVH + h) * D;
-                }
+                kv_rows(kv, vbase, b, h, KVH, D, bt, maxb, BS, Lp, KP.data() + (b * KVH + h) * Lp,
+                        VP.data() + (b * KVH + h) * Lp);
             }
 #pragma omp for schedule(dynamic) collapse(3)
         for (int64_t b = 0; b < B; b++)
@@ -899,11 +902,7 @@ static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t
         for (int64_t b = 0; b < B; b++)
             for (int64_t h = 0; h < KVH; h++) {
                 const int64_t t0 = qsl[b], q = qsl[b + 1] - qsl[b], R = G * q;
-                for (int64_t j = 0; j < Lp; j++) {
-                    const int64_t slot = (int64_t)bt[b * maxb + j / BS] * BS + j % BS;
-                    KP[j] = kv + (slot * KVH + h) * D;
-                    VP[j] = vbase + (slot * KVH + h) * D;
-                }
+                kv_rows(kv, vbase, b, h, KVH, D, bt, maxb, BS, Lp, KP.data(), VP.data());
                 const float* const* vp = VP.data();
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t i = 0; i < q; i++)
