@@ -19,20 +19,21 @@ from eval import harness as H
 PROMPTS = ["The capital of France is a city that", "Write a short poem about the sea.", "What is 17 times 23?"]
 
 
-def forward_ms(lm, rows: int, reps: int = 15) -> float:
-    """Median ms of one target forward of ``rows`` new tokens after a 32-token context, with the
-    attention backend the engine picks here (on a CPU with the kernel: the fused layers)."""
+def forward_ms(lm, rows: int, reps: int = 15, ctx: int = 32) -> float:
+    """Median ms of one target forward of ``rows`` new tokens after a ``ctx``-token context (the
+    cache's contents are whatever it holds: the cost does not depend on them), with the attention
+    backend the engine picks here (on a CPU with the kernel: the fused layers)."""
     import torch
 
     from specd.engine.kv_cache import KVCache
     from specd.model.attention import build_metadata, get_backend
 
     c, m = lm.config, lm.model
-    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 8, 16, lm.dtype, torch.device("cpu"))
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, (ctx + rows) // 16 + 2, 16, lm.dtype, torch.device("cpu"))
     seq = cache.new_seq()
-    seq.reserve(32 + rows)
-    meta = build_metadata([rows], [32], [seq.blocks], seq.slots(32, 32 + rows), 16, torch.device("cpu"))
-    ids, pos = torch.randint(0, c.vocab_size, (rows,)), torch.arange(32, 32 + rows)
+    seq.reserve(ctx + rows)
+    meta = build_metadata([rows], [ctx], [seq.blocks], seq.slots(ctx, ctx + rows), 16, torch.device("cpu"))
+    ids, pos = torch.randint(0, c.vocab_size, (rows,)), torch.arange(ctx, ctx + rows)
     backend = get_backend("auto", torch.device("cpu"))
     times = []
     for _ in range(reps + 2):
@@ -50,6 +51,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--widths", default="1,5,17")
+    ap.add_argument(
+        "--contexts",
+        default="",
+        help="comma list of context lengths: also print the forward ms of each width after each context",
+    )
     a = ap.parse_args(argv)
     H.set_threads(a.threads)
     H.quiet_transformers()
@@ -82,6 +88,12 @@ def main(argv=None) -> int:
     head += [f"{w} rows / {widths[0]}" for w in widths[1:]]
     print(f"threads {a.threads}; {a.tokens} tokens x {len(PROMPTS)} prompts x {a.rounds} rounds, medians")
     print(C.md_table(head, rows))
+    if a.contexts:
+        ctxs = [int(x) for x in a.contexts.split(",")]
+        for v, lm in models.items():
+            print(f"\n{v}: target forward ms by context (rows) and width (columns)")
+            table = [[str(n)] + [f"{forward_ms(lm, w, ctx=n):.1f}" for w in widths] for n in ctxs]
+            print(C.md_table(["context"] + [f"{w} rows" for w in widths], table))
     return 0
 
 

@@ -258,3 +258,29 @@ def test_new_requests_start_from_the_engines_lookup_acceptance(shared_pair):
     second = eng.add_request([5, 6, 8], GREEDY)
     eng.step()  # (the scheduler takes the request in)
     assert abs(second.ngram_accept - 0.1) < 1e-6
+
+
+def test_the_policy_prices_the_tokens_verified_not_the_tokens_reserved(shared_pair, monkeypatch):
+    """A lookup that finds no match (or a shorter one) reserves its budget and verifies fewer tokens:
+    the step's cost is recorded against the rows the target verified. Keyed by the reservation, a
+    16-request step verifying ~25 rows was priced as ~80 and drafting looked ~5x cheaper than it was
+    (auto at batch 16: 0.85x plain)."""
+    t, _ = shared_pair
+    spec = SpecConfig(mode="ngram", ngram_tokens=6, ngram_branches=2, adaptive=False)
+    eng = Engine(EngineConfig(target=str(TARGET), spec=spec, scheduler=SchedulerConfig(max_num_seqs=4)), t)
+    seen = []
+    real = eng.policy.observe
+    monkeypatch.setattr(eng.policy, "observe", lambda *a, **k: (seen.append(a[2:4]), real(*a, **k)))
+    prompts = _ids(eng, REPETITIVE[:2] + ["Sam was sad because", "The sun"])
+    seqs = [eng.add_request(p, GREEDY, SpecParams(mode="ngram")) for p in prompts]
+    short_of_reserved = 0
+    while any(not s.finished for s in seqs):
+        running = [s for s in seqs if not s.finished]
+        drafted0 = sum(s.stats.draft_tokens for s in running)
+        n = len(seen)
+        eng.step()
+        if len(seen) > n:  # a speculative decode step was priced
+            verified = len(running) + sum(s.stats.draft_tokens for s in running) - drafted0
+            assert seen[-1] == (verified, len(running))
+            short_of_reserved += eng.scheduler.last_spec_budget + len(running) > verified
+    assert short_of_reserved > 0, "every lookup verified its full reservation: the test proves nothing"

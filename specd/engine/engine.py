@@ -402,7 +402,11 @@ class Engine:
                 # the step's cost but the model proposer's forwards (priced per level): prompt
                 # lookup's matching and the per-request work of speculating count, as they do in
                 # a plain step's cost (t2 - t0)
-                self.policy.observe(t2 - t0 - self._model_draft_s, level, sched.num_tokens, len(sched.scheduled))
+                # keyed by the tokens the target verified, not the budget the scheduler reserved (a
+                # lookup that found no match reserves its tokens and verifies none: priced by the
+                # reservation, 16 requests' rows looked ~5x cheaper than they are)
+                verified = len(sched.scheduled) + sum(p.tree.num_nodes - 1 for p in proposals.values())
+                self.policy.observe(t2 - t0 - self._model_draft_s, level, verified, len(sched.scheduled))
             else:
                 self.policy.observe_plain(len(sched.scheduled), t2 - t0)
         except Exception as e:  # noqa: BLE001 - the policy's inputs are the policy's problem

@@ -478,6 +478,10 @@ static inline float dot_d(const float* a, const float* b, int64_t D) {
 }
 
 #define ATT_ROWS 16  // query rows per task (they share one pass over the keys)
+// Keys ahead whose key / value rows are prefetched: the paged cache's rows (one head's 256 bytes of
+// every 768 at SmolLM2's 3 KV heads, a new block every 16 keys) defeat the hardware prefetcher, and
+// at batch 16 x 150 tokens the cache read per step is as large as the weights'.
+#define KV_PREFETCH 16
 
 // exp of x <= 0 (a score minus its row's max), 8 lanes, Cephes' expf polynomial (about 1 ulp);
 // below -87.3 (and -inf, a masked key) exactly 0. Every key goes through this one function, so a
@@ -510,6 +514,10 @@ static void weighted_sum_2x64(const float* pa, const float* pb, int64_t L, VRow 
         __m256 oa[4], ob[4];
         for (int t = 0; t < 4; t++) oa[t] = ob[t] = _mm256_setzero_ps();
         for (int64_t j = 0; j < L; j++) {
+            if (half == 0 && j + KV_PREFETCH < L) {
+                const char* pf = (const char*)vrow(j + KV_PREFETCH);
+                for (int b = 0; b < 256; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+            }
             const float a = pa[j], b = pb[j];
             if (a == 0.f && b == 0.f) continue;
             const float* vj = vrow(j) + 32 * half;
@@ -589,7 +597,13 @@ static inline void transpose8(__m256 r[8]);
 
 // Keys j .. j+7 of the keys behind ``kptr`` (one pointer per key, the paged cache's rows; zero past
 // L) transposed into KT8 [D, 8]: the 8-key slice of pack_kt's KT, built in L1 where it is used.
+static inline void prefetch_rows(const float* const* ptr, int64_t j, int64_t n, int64_t L, int64_t bytes) {
+    for (int64_t t = j; t < j + n && t < L; t++)
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)ptr[t] + b, _MM_HINT_T0);
+}
+
 static inline void pack8(const float* const* kptr, int64_t j, int64_t L, int64_t D, float* KT8) {
+    prefetch_rows(kptr, j + KV_PREFETCH, 8, L, D * sizeof(float));
     if (D % 8 == 0) {
         for (int64_t d = 0; d < D; d += 8) {
             __m256 r[8];
@@ -611,6 +625,7 @@ static void score_keys(const float* q, int64_t r0, int64_t nr, const float* cons
     const int64_t L8 = (L + 7) / 8 * 8;
     alignas(32) float KT8[8 * 256];  // head_dim <= 256 (checked by the caller: fused.py)
     __m256 acc[4];
+    prefetch_rows(kptr, j0, KV_PREFETCH, L, D * sizeof(float));  // (pack8 asks for the later ones)
     for (int64_t j = j0; j < j1; j += 8) {
         pack8(kptr, j, L, D, KT8);
         for (int64_t i0 = 0; i0 < nr; i0 += 4) {
@@ -654,6 +669,10 @@ static void attn_finish(int64_t r0, int64_t nr, VRow vrow, int64_t L, int64_t D,
         float* o = out + (r0 + i) * D;
         for (int64_t d = 0; d < D; d++) o[d] = 0.f;
         for (int64_t j = 0; j < L; j++) {
+            if (j + KV_PREFETCH < L) {
+                const char* pf = (const char*)vrow(j + KV_PREFETCH);
+                for (int64_t b = 0; b < D * (int64_t)sizeof(float); b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+            }
             const float p = si[j];
             if (p == 0.f) continue;  // masked or negligible: never read its value (padding may hold anything)
             const float* vj = vrow(j);
