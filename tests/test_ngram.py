@@ -227,6 +227,7 @@ def test_lookup_probes_are_short_and_staggered_while_lookup_does_not_pay(shared_
     eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
     pol = eng.policy
     pol.t_target, pol.t_per_token, pol.t_plain = 0.010, 0.0002, {16: 0.010}
+    pol.note_width(16, 16 * 1000)  # (the fit measured out to wide steps)
     seqs = [eng.add_request([5, 6, 7, i], GREEDY, SpecParams(mode="ngram")) for i in range(16)]
     for s in seqs:
         s.ngram_accept = 0.02

@@ -1,5 +1,6 @@
 """Scheduler policy with a fake clock and no model (deterministic)."""
 
+import pytest
 import torch
 
 from specd.config import SchedulerConfig, SpecConfig
@@ -130,8 +131,11 @@ def test_budget_counts_verification_tokens():
 
 
 def _plain_costs(s, sizes=(1, 2, 64, 256)):
-    """Plain (no-draft) step costs consistent with the fitted model at these batch sizes."""
+    """Plain (no-draft) step costs consistent with the fitted model at these batch sizes, and the
+    fit measured out to steps wider than any draft there (so it prices every width)."""
     s.policy.t_plain = {b: s.policy.t_target + s.policy.t_per_token * b for b in sizes}
+    for b in sizes:
+        s.policy.note_width(b, 1000 * b)
 
 
 def test_adaptive_start_is_a_plain_step_then_a_short_narrow_draft():
@@ -281,6 +285,7 @@ def test_plain_decoding_is_measured_not_extrapolated():
         0.001,
         0.0,
     )  # speculative steps: 10 ms + 1 ms / level
+    s.policy.note_width(4, 4000)  # (measured out to wide steps)
     s.policy.observe_plain(4, 0.010)
     assert s.policy.choose_depth([0.7] * 4) >= 2  # plain steps cost as much as speculative ones: speculate
     s.policy.forget()
@@ -384,6 +389,7 @@ def test_the_narrow_shape_wins_where_verification_rows_cost_compute():
     pol = s.policy
     pol.t_target, pol.t_per_token, pol.t_draft = 0.008, 0.002, 0.0005  # CPU: each row 25% of a step
     pol.t_plain = {1: 0.010}
+    pol.note_width(1, 1000)  # (measured out to wide steps)
     pol.step = 1
     d = pol.choose_depth([0.6], narrow=[0.45])
     assert d >= 1 and pol.last_nodes == d  # the narrow draft
@@ -395,6 +401,7 @@ def test_the_narrow_shape_wins_where_verification_rows_cost_compute():
     assert d >= 2 and pol.last_nodes is None  # the wide tree
     seq = _seq(clock, "a", n=3, mode="auto")
     seq.recent_accept, seq.chain_accept = 0.6, 0.45
+    seq.stats.by_proposer["draft"] = [1, 2, 1]  # (its own acceptance measured: not a first draft)
     pol.forget()
     pol.t_target, pol.t_per_token = 0.008, 0.002
     plan = pol.plan([seq], 1)
@@ -446,7 +453,7 @@ def test_lookup_waits_for_a_measured_plain_step_at_each_batch_size():
     pol.observe_plain(16, 0.030)
     assert pol.ngram_budget(seq, 16) == LOOKUP_PROBE  # no speculative step measured yet
     assert pol.ngram_budget(seq, 12) == 0  # another batch size: its own plain step first
-    pol.observe(0.032, None, tokens=48, batch=16)
+    pol.observe(0.032, None, tokens=16 * 9, batch=16)  # a step as wide as every request's full draft
     assert pol.ngram_budget(seq, 16) == 8
     fixed, _ = _sched(spec=SpecConfig(mode="ngram", ngram_tokens=8, adaptive=False))
     assert fixed.policy.ngram_budget(seq, 16) == 8  # a fixed lookup length is kept as configured
@@ -510,3 +517,42 @@ def test_lookup_length_follows_the_outcomes_not_one_lucky_match():
         pol.note_lookup(seq, 2, 2)  # short drafts always fully accepted: longer ones are worth trying
     assert pol.lookup_expected(fresh, 2) == 1 + 16 / 12  # the engine's estimate follows new outcomes
     assert pol.lookup_expected(seq, 4) > pol.lookup_expected(seq, 2) == 3.0
+
+
+def test_widths_beyond_twice_the_widest_measured_step_are_priced_as_plain_rows():
+    """The cost fit prices verification widths up to twice the widest step measured at that batch
+    size; the rows beyond cost what a plain step's rows do on average until a step that wide is
+    measured, so a fresh engine explores wider drafts by doubling (a fit from narrow steps priced
+    16 requests' 16-node trees at a third of their cost: ~150 ms steps at 0.5 acceptance)."""
+    s, _ = _sched(spec=SpecConfig(mode="tree", tree_topk=4, tree_budget=16, tree_depth=6, adaptive=True))
+    pol = s.policy
+    pol.t_target, pol.t_per_token, pol.t_draft = 0.020, 0.0001, 0.001  # a fit: rows look nearly free
+    pol.t_plain = {16: 0.025}
+    pol.note_width(16, 48)  # the widest step measured at 16 requests: 2 draft tokens each
+    assert pol._verify_cost(5, 16, 0.025) == pytest.approx(0.025 + 0.0001 * 80)  # 96 tokens: the fit
+    wide = 0.025 + 0.0001 * 80 + 80 * 0.025 / 16  # 176 tokens: 80 of them at a plain row's average cost
+    assert pol._verify_cost(10, 16, 0.025) == pytest.approx(wide)
+    pol.step = 1
+    assert pol.choose_depth([0.5] * 16) <= 5  # a 16-node tree per request is not bet on unmeasured
+    pol.note_width(16, 16 * 17)  # once measured, the fit is trusted there
+    assert pol._verify_cost(16, 16, 0.025) == pytest.approx(0.025 + 0.0001 * 256)
+
+
+def test_a_requests_first_model_draft_is_a_short_chain():
+    """An adaptive request's first model draft is a FIRST_MODEL_DRAFT-node chain, whatever depth the
+    step chose from the engine-wide acceptance (another group's last drafts set it); once its own
+    acceptance is measured it drafts what the step decided."""
+    from specd.speculation.policy import FIRST_MODEL_DRAFT
+
+    s, clock = _sched(spec=SpecConfig(mode="tree", tree_topk=4, tree_budget=16, tree_depth=6, adaptive=True))
+    pol = s.policy
+    pol.t_target, pol.t_per_token, pol.t_draft = 0.010, 0.0, 0.0005  # rows free: a deep wide tree pays
+    _plain_costs(s)
+    seq = _seq(clock, "a", n=3, mode="auto")
+    seq.recent_accept = seq.chain_accept = 0.9
+    plan = pol.plan([seq], 1)
+    assert plan.depth > FIRST_MODEL_DRAFT
+    assert pol.budget(seq, plan) == (FIRST_MODEL_DRAFT, FIRST_MODEL_DRAFT)
+    seq.stats.by_proposer["head"] = [1, 2, 2]  # its first draft was verified
+    want, depth = pol.budget(seq, plan)
+    assert depth == plan.depth and want > FIRST_MODEL_DRAFT

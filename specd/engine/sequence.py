@@ -183,6 +183,7 @@ class Sequence:
         self.ngram_accept: float = 0.5  # EMA of per-position acceptance of its prompt-lookup drafts
         # its recent prompt-lookup outcomes (accepted, drafted) (SpecPolicy.lookup_expected)
         self.lookup_outcomes: collections.deque = collections.deque(maxlen=16)
+        self.lookup_cache: dict = {}  # d -> the policy's lookup_expected from these outcomes (cleared on a new one)
 
     @property
     def num_prompt(self) -> int:

@@ -59,6 +59,8 @@ LOOKUP_ONLY = -1  # a budget's depth: this step, prompt lookup only (the model p
 DECISION_REUSE_STEPS = 8  # a decision is reused while the batch's estimates are unchanged
 HOPELESS_REUSE_STEPS = 64  # "drafting cannot pay at this batch size" is trusted this long
 LOOKUP_PROBE = 2  # draft tokens of a prompt-lookup probe while lookup does not pay for a request
+FIRST_MODEL_DRAFT = 2  # nodes (a top-1 chain) of a request's first model draft: its own acceptance is unknown
+MODEL_PROPOSERS = ("draft", "head")  # SpecStats.by_proposer names of the model proposers
 FIT_WINDOW = 64  # speculative steps in the least-squares cost fit
 LOOKUP_WINDOW = 256  # prompt-lookup outcomes kept engine-wide (per request: Sequence.lookup_outcomes)
 LOOKUP_MIN_OWN = 4  # a request's own outcomes used once it has this many (else the engine's)
@@ -150,11 +152,13 @@ class SpecPolicy:
         self.ctx_bucket = 0  # of the step being planned (set by ``plan``)
         self._plain_by_ctx: dict = {}  # bucket -> {batch size -> EMA seconds of a step without drafts}
         self._width_by_ctx: dict = {}  # bucket -> t_width
+        self._widest_by_ctx: dict = {}  # bucket -> {batch size -> most target tokens a measured step verified}
+        self._vcost: dict = {}  # _verify_cost's answers since the last measurement or plan
         self.accept_ema: float | None = None  # engine-wide per-position acceptance (prior for new requests)
         self.ngram_ema: float | None = None  # the same for prompt lookup's drafts
         self.chain_ema: float | None = None  # the same for the model's top-1 chain (the narrow shape)
         self.lookup_outcomes: collections.deque = collections.deque(maxlen=LOOKUP_WINDOW)  # (accepted, drafted)
-        self._lookup_cache: dict = {}  # d -> lookup_expected from the engine's outcomes
+        self._lookup_cache: dict = {}  # "E": lookup_expected by d from the engine's outcomes
         self.last_nodes: int | None = None  # draft nodes of the last adaptive decision (None: the mode's)
         self.probe_every = 16  # current probe interval (steps) while speculation is off
         self.probe_min, self.probe_max = 16, 256
@@ -249,9 +253,11 @@ class SpecPolicy:
         with ``tokens`` target tokens over ``batch`` requests, and one draft level (None: not
         measured this step)."""
         a = 0.2
+        self._vcost.clear()
         if t_draft_level is not None:
             self.t_draft = t_draft_level if self.t_draft is None else (1 - a) * self.t_draft + a * t_draft_level
         if tokens > 0:
+            self.note_width(batch, tokens)
             w = self.t_width.get((batch, tokens))
             if w is None:
                 self.t_width[(batch, tokens)] = [t_target, 1]
@@ -264,12 +270,20 @@ class SpecPolicy:
             return
         self.t_target = t_target if self.t_target is None else (1 - a) * self.t_target + a * t_target
 
+    def note_width(self, batch: int, tokens: int) -> None:
+        """A step verifying ``tokens`` target tokens over ``batch`` requests was measured (in this
+        context bucket): the cost fit is trusted up to twice the widest such step (``_verify_cost``)."""
+        widest = self._widest_by_ctx.setdefault(self.ctx_bucket, {})
+        widest[batch] = max(widest.get(batch, 0), tokens)
+        self._vcost.clear()
+
     def observe_plain(self, batch: int, seconds: float) -> None:
         """A decode step with no drafts at all, ``batch`` requests, took ``seconds``: the cost of
         depth 0 at this batch size, measured rather than extrapolated from speculative steps (plain
         decoding takes a cheaper attention path)."""
         old = self.t_plain.get(batch)
         self.t_plain[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self._vcost.clear()
 
     def note_accept(self, rate: float, lookup: bool = False, chain: bool = False) -> None:
         """Per-position acceptance of a speculating step (``lookup``: of prompt lookup's draft;
@@ -285,6 +299,7 @@ class SpecPolicy:
     def note_lookup(self, seq: Sequence, accepted: int, drafted: int) -> None:
         """One prompt-lookup draft of ``drafted`` tokens had ``accepted`` of them accepted."""
         seq.lookup_outcomes.append((accepted, drafted))
+        seq.lookup_cache.clear()
         self.lookup_outcomes.append((accepted, drafted))
         self._lookup_cache.clear()
 
@@ -297,18 +312,17 @@ class SpecPolicy:
         ``E(a, d)`` of one acceptance rate overrates long drafts after a lucky match; with no
         outcomes yet it is still used, at the request's ``ngram_accept``."""
         own = seq.lookup_outcomes
-        if len(own) >= LOOKUP_MIN_OWN:
-            return _cut_expected(own, d)
+        if len(own) >= LOOKUP_MIN_OWN:  # its own outcomes, else the engine's: every d at once, once
+            return _cached_cut(seq.lookup_cache, own, d)  # until the next outcome
         if not self.lookup_outcomes:
             return _expected(seq.ngram_accept, d)
-        e = self._lookup_cache.get(d)  # the engine's outcomes: once per d until the next outcome
-        if e is None:
-            e = self._lookup_cache[d] = _cut_expected(self.lookup_outcomes, d)
-        return e
+        return _cached_cut(self._lookup_cache, self.lookup_outcomes, d)
 
     def forget(self) -> None:
-        """Drop the cached decision: the next ``choose_depth`` recomputes from the current costs."""
+        """Drop the cached decision and priced widths: the next ``choose_depth`` recomputes from the
+        current costs."""
         self._decision = None
+        self._vcost.clear()
 
     # the decision -------------------------------------------------------------------------------
     def plan(self, candidates: list, batch: int) -> StepPlan:
@@ -316,6 +330,7 @@ class SpecPolicy:
         ``candidates`` (the requests that may run this step, in rank order)."""
         cap = self.step_spec_cap(batch) if self.spec.adaptive else 1 << 30
         self.step += 1
+        self._vcost.clear()
         self.ctx_bucket = ctx_bucket(sum(s.num_computed for s in candidates[:batch]))
         if not (self.spec.adaptive and self.has_draft) or self.spec.mode not in MODEL_MODES:
             return StepPlan(None, None, cap, batch)
@@ -357,6 +372,13 @@ class SpecPolicy:
         want += self.spec.ngram_tokens if mode == "hybrid" else 0
         if self.probing:
             want = 1 if seq is plan.probe else 0  # a probe drafts a single token for one request
+        elif not any(p in seq.stats.by_proposer for p in MODEL_PROPOSERS):
+            # the decision priced this request at the engine-wide acceptance, which the previous
+            # requests' last drafts set: its first model draft is a short chain until its own is
+            # measured (a fresh 16-request group started at a stale 0.96 drafted 16-node trees for
+            # all of them, ~150 ms steps, three times per group)
+            depth = min(depth, FIRST_MODEL_DRAFT)
+            want = min(want, FIRST_MODEL_DRAFT + (self.spec.ngram_tokens if mode == "hybrid" else 0))
         if seq.spec.max_draft_tokens is not None:
             want = min(want, seq.spec.max_draft_tokens)
         return want, depth
@@ -395,11 +417,29 @@ class SpecPolicy:
         steps of exactly that many tokens measured (seen at least twice; never below a plain step),
         else the cost fit, never below the measured plain step plus the extra tokens."""
         assert self.t_target is not None
+        key = (nodes, batch, t_plain, self.ctx_bucket, self.t_target, self.t_per_token)
+        c = self._vcost.get(key)
+        if c is None:  # (asked per request and draft length every step: once per step and shape)
+            c = self._vcost[key] = self._verify_cost_now(nodes, batch, t_plain)
+        return c
+
+    def _verify_cost_now(self, nodes: int, batch: int, t_plain: float) -> float:
+        assert self.t_target is not None
         w = self.t_width.get((batch, batch * (1 + nodes)))
         if w is not None and w[1] >= 2:
             return max(w[0], t_plain)
         tpt = self.t_per_token
-        return max(self.t_target + tpt * batch * (1 + nodes), t_plain + tpt * batch * nodes)
+        n = batch * (1 + nodes)
+        fit = max(self.t_target + tpt * n, t_plain + tpt * batch * nodes)
+        # trusted up to twice the widest step measured at this batch size (in this context bucket);
+        # rows beyond it cost what a plain step's rows do on average until a step that wide is
+        # measured: a fit from narrow steps priced a fresh engine's 16 x 16-node trees at a third
+        # of their ~150 ms, and the width to explore grows by doubling as it is measured instead
+        lim = 2 * max(self._widest_by_ctx.get(self.ctx_bucket, {}).get(batch, batch), batch)
+        if n <= lim:
+            return fit
+        at_lim = max(self.t_target + tpt * lim, t_plain + tpt * (lim - batch))
+        return max(fit, at_lim + (n - lim) * t_plain / batch)
 
     def _model_accept(self, seq: Sequence, nodes: int, depth: int) -> float:
         """The request's acceptance for a model draft of ``nodes`` nodes up to ``depth``: its chain
@@ -533,16 +573,30 @@ def ctx_bucket(tokens: int) -> int:
     return max(0, int(tokens).bit_length() - 9)
 
 
-def _cut_expected(obs, d: int) -> float:
-    """1 + the mean over lookup outcomes ``(accepted, drafted)`` of what a draft cut to ``d``
-    tokens would have had accepted (see ``SpecPolicy.lookup_expected``)."""
-    q = min(sum(a for a, _ in obs) / max(1, sum(n for _, n in obs)), 0.999)
-    tot = 0.0
-    for a, n in obs:
-        tot += min(a, d)
-        if a >= n and d > n:  # all of a shorter draft accepted: how far it might have gone on
-            tot += q * (1 - q ** (d - n)) / (1 - q)
-    return 1.0 + tot / len(obs)
+def _cut_expected(obs, dmax: int) -> list:
+    """[1 + the mean over lookup outcomes ``(accepted, drafted)`` of what a draft cut to ``d``
+    tokens would have had accepted, for d in 0..dmax] (see ``SpecPolicy.lookup_expected``); over
+    the distinct outcomes (a few dozen of up to 256), every d in one pass."""
+    cnt = collections.Counter(obs)
+    q = min(sum(a * c for (a, _), c in cnt.items()) / max(1, sum(n * c for (_, n), c in cnt.items())), 0.999)
+    out = [1.0] * (dmax + 1)
+    for d in range(1, dmax + 1):
+        tot = 0.0
+        for (a, n), c in cnt.items():
+            t = min(a, d)
+            if a >= n and d > n:  # all of a shorter draft accepted: how far it might have gone on
+                t += q * (1 - q ** (d - n)) / (1 - q)
+            tot += c * t
+        out[d] = 1.0 + tot / len(obs)
+    return out
+
+
+def _cached_cut(cache: dict, obs, d: int) -> float:
+    """``_cut_expected(obs, ...)[d]`` kept in ``cache`` (cleared when an outcome arrives)."""
+    e = cache.get("E")
+    if e is None or d >= len(e):
+        e = cache["E"] = _cut_expected(obs, max(d, 16))
+    return e[d]
 
 
 def _groups(alphas: list) -> collections.Counter:
