@@ -556,3 +556,16 @@ def test_a_requests_first_model_draft_is_a_short_chain():
     seq.stats.by_proposer["head"] = [1, 2, 2]  # its first draft was verified
     want, depth = pol.budget(seq, plan)
     assert depth == plan.depth and want > FIRST_MODEL_DRAFT
+
+
+def test_before_the_fit_the_marginal_cost_is_anchored_at_the_plain_step():
+    """Until the least-squares fit has 8 steps of varied widths, each speculative step measured
+    gives the marginal cost of a token through the plain step at its batch size: a flat 0 made a
+    fresh engine's first wide drafts look free (16 requests x 6 nodes priced at ~60% of their cost)."""
+    s, _ = _sched(spec=SpecConfig(mode="tree", tree_depth=6, adaptive=True))
+    pol = s.policy
+    pol.observe_plain(16, 0.025)
+    pol.observe(0.049, 0.005, tokens=48, batch=16)  # 32 draft tokens cost 24 ms more than plain
+    assert pol.t_per_token == pytest.approx(0.00075)
+    assert pol._verify_cost(2, 16, 0.025) == pytest.approx(0.049)  # the measured step, on the line
+    assert pol._verify_cost(4, 16, 0.025) == pytest.approx(0.025 + 0.00075 * 64)

@@ -20,7 +20,12 @@ not distort them; wall time on a GPU):
   1.95x), else ``max(t_fixed + t_per_token * n, T(0) + t_per_token * (n - B))`` with t_fixed and
   t_per_token fitted (least squares over the last 64 speculative decode steps; the floor: a fit
   from far wider steps must not make a narrow verification look cheaper than a plain step plus its
-  extra tokens).
+  extra tokens; before the fit exists, the line through each measured step and the plain step at
+  its batch size). n is always the tokens the target verified, never the budget reserved (a lookup
+  without a match verifies none of it). The fit is trusted up to twice the widest step measured at
+  this batch size; rows beyond cost a plain step's average row until measured (widths are explored
+  by doubling), and a request's first model draft is a ``FIRST_MODEL_DRAFT``-node chain (the
+  engine-wide acceptance it was priced at came from other requests).
 
 Shape: a tree-drafting mode (``tree``, ``head``, ``hybrid``) also weighs, per depth D, a *narrow*
 draft of D nodes (a dynamic tree whose budget equals its depth: in practice the draft's top-1
@@ -64,6 +69,7 @@ MODEL_PROPOSERS = ("draft", "head")  # SpecStats.by_proposer names of the model 
 FIT_WINDOW = 64  # speculative steps in the least-squares cost fit
 LOOKUP_WINDOW = 256  # prompt-lookup outcomes kept engine-wide (per request: Sequence.lookup_outcomes)
 LOOKUP_MIN_OWN = 4  # a request's own outcomes used once it has this many (else the engine's)
+MARGIN = 1.02  # a draft must promise this much more than plain decoding (a clear win only)
 
 
 @dataclass
@@ -154,6 +160,7 @@ class SpecPolicy:
         self._width_by_ctx: dict = {}  # bucket -> t_width
         self._widest_by_ctx: dict = {}  # bucket -> {batch size -> most target tokens a measured step verified}
         self._vcost: dict = {}  # _verify_cost's answers since the last measurement or plan
+        self._anchored = False  # t_per_token came from steps anchored at plain ones (no fit yet)
         self.accept_ema: float | None = None  # engine-wide per-position acceptance (prior for new requests)
         self.ngram_ema: float | None = None  # the same for prompt lookup's drafts
         self.chain_ema: float | None = None  # the same for the model's top-1 chain (the narrow shape)
@@ -268,6 +275,14 @@ class SpecPolicy:
         if fit is not None:
             self.t_target, self.t_per_token = fit
             return
+        t0 = self.plain_cost(batch) if tokens > batch else None
+        if t0 is not None:  # no fit yet (8 steps of varied widths): the line through this step and
+            # the plain step at its batch size gives the marginal cost (a flat 0 priced a fresh
+            # engine's 16 x 6-node drafts at ~60% of their cost)
+            m = max(0.0, (t_target - t0) / (tokens - batch))
+            self.t_per_token = (1 - a) * self.t_per_token + a * m if self._anchored else m
+            self._anchored = True
+            t_target = max(1e-6, t_target - self.t_per_token * tokens)  # the line's intercept
         self.t_target = t_target if self.t_target is None else (1 - a) * self.t_target + a * t_target
 
     def note_width(self, batch: int, tokens: int) -> None:
@@ -406,7 +421,7 @@ class SpecPolicy:
         best, best_d = 1.0 / t_plain, 0
         for d in range(1, want + 1):
             rate = self.lookup_expected(seq, d) / self._verify_cost(d, batch, t_plain)
-            if rate > best * 1.02:
+            if rate > best * MARGIN:
                 best, best_d = rate, d
         if best_d == 0 and (self.step + _offset(seq)) % self.probe_min == 0:
             return min(want, LOOKUP_PROBE)
@@ -562,7 +577,7 @@ class SpecPolicy:
             for tot, nodes_of, is_narrow in shapes:
                 nodes = nodes_of(d)
                 rate = tot[d] / (self._verify_cost(nodes, B, t_plain) + d * td)
-                if rate > best * 1.02:  # a clear win only
+                if rate > best * MARGIN:  # a clear win only
                     best, best_d, best_nodes = rate, d, nodes if is_narrow else None
         return best_d, best_nodes
 
