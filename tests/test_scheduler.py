@@ -569,3 +569,26 @@ def test_before_the_fit_the_marginal_cost_is_anchored_at_the_plain_step():
     assert pol.t_per_token == pytest.approx(0.00075)
     assert pol._verify_cost(2, 16, 0.025) == pytest.approx(0.049)  # the measured step, on the line
     assert pol._verify_cost(4, 16, 0.025) == pytest.approx(0.025 + 0.00075 * 64)
+
+
+def test_the_cost_line_is_kept_per_context_bucket():
+    """The fitted line (fixed cost and marginal cost per verified token) is kept per context bucket
+    like the plain costs: a row attends over its context, so 16 requests of 1.5k tokens pay ~4x per
+    verification row what 16 of 150 do; one line for all priced long-context lookups at the short
+    ones' rate (batch 16: 47 ms steps for 2 extra tokens each where plain ran 28 ms). A bucket not
+    measured yet borrows the nearest measured one's line."""
+    s, _ = _sched(spec=SpecConfig(mode="ngram", adaptive=True))
+    pol = s.policy
+    for bucket, per_row in ((0, 0.0007), (5, 0.003)):
+        pol.ctx_bucket = bucket
+        pol.observe_plain(16, 0.025)
+        for k in range(12):  # varied widths: the least-squares fit
+            pol.observe(0.025 + per_row * (k % 4 + 1), None, tokens=16 + k % 4 + 1, batch=16)
+    pol.ctx_bucket = 0
+    assert pol.t_per_token == pytest.approx(0.0007)
+    pol.ctx_bucket = 5
+    assert pol.t_per_token == pytest.approx(0.003)
+    pol.ctx_bucket = 4
+    assert pol.t_per_token == pytest.approx(0.003)  # nearest measured bucket (shorter first on a tie)
+    pol.ctx_bucket = 2
+    assert pol.t_per_token == pytest.approx(0.0007)

@@ -149,8 +149,11 @@ class SpecPolicy:
         self.has_head = has_head
         self.max_verify_tokens = max_verify_tokens
         self.step = 0
-        self.t_target: float | None = None  # seconds of a target step's fixed part (forward + verify + commit)
-        self.t_per_token = 0.0  # marginal seconds per target token
+        # per context bucket (``t_target`` / ``t_per_token``, see below): [fixed seconds of a target
+        # step (forward + verify + commit) or None, marginal seconds per target token, anchored]
+        # (anchored: the marginal cost came from steps anchored at plain ones, no fit yet)
+        self._line_by_ctx: dict = {}
+        self._fit_by_ctx: dict = {}  # bucket -> CostFit
         self.t_draft: float | None = None  # EMA seconds of one draft forward (one tree level)
         # costs are kept per context bucket (the batch's total context: <512, <1k, <2k, ... tokens):
         # at 2k tokens of context a row costs ~2.7x what it does at 32 (attention over the context),
@@ -160,7 +163,6 @@ class SpecPolicy:
         self._width_by_ctx: dict = {}  # bucket -> t_width
         self._widest_by_ctx: dict = {}  # bucket -> {batch size -> most target tokens a measured step verified}
         self._vcost: dict = {}  # _verify_cost's answers since the last measurement or plan
-        self._anchored = False  # t_per_token came from steps anchored at plain ones (no fit yet)
         self.accept_ema: float | None = None  # engine-wide per-position acceptance (prior for new requests)
         self.ngram_ema: float | None = None  # the same for prompt lookup's drafts
         self.chain_ema: float | None = None  # the same for the model's top-1 chain (the narrow shape)
@@ -172,9 +174,41 @@ class SpecPolicy:
         self.probe_hopeless = 4096  # probe interval while even perfect acceptance would not pay
         self.probing = False
         self.last_depth = 0
-        self._fit = CostFit()
         self._decision: tuple | None = None  # (alphas, step, config, depth, hopeless) of the last decision
         self.hopeless_batch: tuple | None = None  # (batch, step, mode) of the last "drafting cannot pay"
+
+    def _line(self) -> list | None:
+        """This context bucket's cost line, else the nearest measured bucket's (shorter first)."""
+        own = self._line_by_ctx.get(self.ctx_bucket)
+        if own is not None and own[0] is not None:
+            return own
+        near = [b for b, ln in self._line_by_ctx.items() if ln[0] is not None]
+        if not near:
+            return own
+        return self._line_by_ctx[min(near, key=lambda b: (abs(b - self.ctx_bucket), b > self.ctx_bucket))]
+
+    @property
+    def t_target(self) -> float | None:
+        """Seconds of a speculative step's fixed part in this context bucket (the fitted line's
+        intercept; a bucket not measured yet borrows the nearest one's line); None: no speculative
+        step measured anywhere."""
+        line = self._line()
+        return None if line is None else line[0]
+
+    @t_target.setter
+    def t_target(self, v: float | None) -> None:
+        self._line_by_ctx.setdefault(self.ctx_bucket, [None, 0.0, False])[0] = v
+
+    @property
+    def t_per_token(self) -> float:
+        """Marginal seconds per verified token in this context bucket (each row attends over the
+        context: at 16 x 1.5k tokens a row costs ~4x one at 150)."""
+        line = self._line()
+        return 0.0 if line is None else line[1]
+
+    @t_per_token.setter
+    def t_per_token(self, v: float) -> None:
+        self._line_by_ctx.setdefault(self.ctx_bucket, [None, 0.0, False])[1] = v
 
     @property
     def t_plain(self) -> dict:
@@ -271,19 +305,20 @@ class SpecPolicy:
             else:
                 w[0] = (1 - a) * w[0] + a * t_target
                 w[1] += 1
-        fit = self._fit.add(tokens, t_target)
+        fit = self._fit_by_ctx.setdefault(self.ctx_bucket, CostFit()).add(tokens, t_target)
         if fit is not None:
             self.t_target, self.t_per_token = fit
             return
+        line = self._line_by_ctx.setdefault(self.ctx_bucket, [None, 0.0, False])
         t0 = self.plain_cost(batch) if tokens > batch else None
         if t0 is not None:  # no fit yet (8 steps of varied widths): the line through this step and
             # the plain step at its batch size gives the marginal cost (a flat 0 priced a fresh
             # engine's 16 x 6-node drafts at ~60% of their cost)
             m = max(0.0, (t_target - t0) / (tokens - batch))
-            self.t_per_token = (1 - a) * self.t_per_token + a * m if self._anchored else m
-            self._anchored = True
-            t_target = max(1e-6, t_target - self.t_per_token * tokens)  # the line's intercept
-        self.t_target = t_target if self.t_target is None else (1 - a) * self.t_target + a * t_target
+            line[1] = (1 - a) * line[1] + a * m if line[2] else m
+            line[2] = True
+            t_target = max(1e-6, t_target - line[1] * tokens)  # the line's intercept
+        line[0] = t_target if line[0] is None else (1 - a) * line[0] + a * t_target
 
     def note_width(self, batch: int, tokens: int) -> None:
         """A step verifying ``tokens`` target tokens over ``batch`` requests was measured (in this
