@@ -56,6 +56,12 @@ def main(argv=None) -> int:
         default="",
         help="comma list of context lengths: also print the forward ms of each width after each context",
     )
+    ap.add_argument(
+        "--isas",
+        default="",
+        help="comma list of int8-activation GEMM instruction sets (amx, avx512vnni, avx2): the forward ms "
+        "of each width per set and context (--contexts, else 32) for the first variant, in rotated rounds",
+    )
     a = ap.parse_args(argv)
     H.set_threads(a.threads)
     H.quiet_transformers()
@@ -94,7 +100,32 @@ def main(argv=None) -> int:
             print(f"\n{v}: target forward ms by context (rows) and width (columns)")
             table = [[str(n)] + [f"{forward_ms(lm, w, ctx=n):.1f}" for w in widths] for n in ctxs]
             print(C.md_table(["context"] + [f"{w} rows" for w in widths], table))
+    if a.isas:
+        isa_table(next(iter(models.values())), a.isas.split(","), widths, a.contexts or "32", a.rounds)
     return 0
+
+
+def isa_table(lm, isas: list, widths: list, contexts: str, rounds: int) -> None:
+    """Forward ms by instruction set of the int8-activation GEMMs (bitwise-equal results), the sets
+    rotated within each round; medians over rounds."""
+    from specd.model.qkernel import ISAS, x8_isa
+
+    ctxs = [int(x) for x in contexts.split(",")]
+    ms: dict = {}
+    try:
+        for _ in range(rounds):
+            for isa in isas:
+                if x8_isa(ISAS.index(isa)) != isa:
+                    raise SystemExit(f"error: this CPU cannot run {isa} (in use: {x8_isa()})")
+                for n in ctxs:
+                    for w in widths:
+                        ms.setdefault((isa, n, w), []).append(forward_ms(lm, w, ctx=n))
+    finally:
+        x8_isa(-1)
+    print("\nforward ms by int8-activation GEMM instruction set")
+    head = ["set", "context"] + [f"{w} rows" for w in widths]
+    rows = [[isa, str(n)] + [f"{statistics.median(ms[(isa, n, w)]):.2f}" for w in widths] for n in ctxs for isa in isas]
+    print(C.md_table(head, rows))
 
 
 if __name__ == "__main__":

@@ -167,25 +167,33 @@ def test_int8_activations_keep_a_row_independent_of_the_others(fmt):
     assert not torch.equal(op(x), alone)  # (and it is a different computation from fp32 activations)
 
 
+AVX512_VNNI = {"avx512f", "avx512bw", "avx512dq", "avx512_vnni"}
+
+
 @pytest.mark.skipif(
-    kernel() is None or not {"avx512f", "avx512bw", "avx512dq", "avx512_vnni"} <= cpu_info()["flags"],
+    kernel() is None or not AVX512_VNNI <= cpu_info()["flags"],
     reason="no CPU kernel here, or this CPU has no AVX512-VNNI",
 )
 @pytest.mark.parametrize("fmt", ["int8/channel", "int8/g32", "int4/g32", "int4/g64"])
-def test_int8_activations_avx512_vnni_equals_avx2_bitwise(fmt):
-    """The AVX512-VNNI tiles (two 8-row tiles per vector, vpdpbusd) give the AVX2 tiles' bits for
-    every row count and an odd number of tiles (N = 67: 9 tiles), and are the path in use here."""
+def test_int8_activations_avx512_vnni_and_amx_equal_avx2_bitwise(fmt):
+    """The AVX512-VNNI tiles (two 8-row tiles per vector, vpdpbusd) and, where the CPU has them, the
+    AMX tiles (from 5 or 7 rows, 16 rows per pass: 17 and 33 rows take two and three passes) give the
+    AVX2 tiles' bits for every row count and an odd number of tiles (N = 67: 9 tiles); the best of
+    them is the path in use here."""
     g = torch.Generator().manual_seed(5)
     op = FORMATS[fmt](torch.randn(67, 576, generator=g) * 0.05, torch.randn(67, generator=g))
     op.act_int8 = True
-    x, res = torch.randn(19, 576, generator=g) * 3, torch.randn(19, 67, generator=g)
+    x, res = torch.randn(40, 576, generator=g) * 3, torch.randn(40, 67, generator=g)
+    amx = {"amx_tile", "amx_int8"} <= cpu_info()["flags"]
     try:
-        for M in (1, 2, 5, 8, 9, 17, 19):
+        for M in (1, 2, 5, 6, 7, 8, 9, 16, 17, 19, 33, 40):
             assert x8_isa(0) == "avx2"
             slow = addmm(res[:M], x[:M], op)
             assert x8_isa(1) == "avx512vnni"
             assert torch.equal(addmm(res[:M], x[:M], op), slow), M
+            assert x8_isa(2) == ("amx" if amx else "avx512vnni")
+            assert torch.equal(addmm(res[:M], x[:M], op), slow), M
     finally:
         x8_isa(-1)
         op.act_int8 = False
-    assert x8_isa() == "avx512vnni"
+    assert x8_isa() == ("amx" if amx else "avx512vnni")

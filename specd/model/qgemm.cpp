@@ -1,5 +1,5 @@
 // Weight-only quantized matmul for x86 CPUs with AVX2 + FMA: y[M,N] = x[M,K] @ W^T (+ add) (+ bias).
-// (The int8-activation GEMM also has AVX512-VNNI tiles, chosen at run time: see gemm_x8_512.)
+// (The int8-activation GEMM also has AVX512-VNNI and AMX tiles, chosen at run time: gemm_x8_512, gemm_x8_amx.)
 //
 // Weights stay quantized in memory and are read once per call for all M rows: the loop over output
 // rows n is outside the loop over row chunks of x, so a weight row (K bytes or K/2 bytes) is
@@ -26,6 +26,9 @@
 #include <string.h>
 #include <stdlib.h>
 #include <math.h>
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <vector>
 
@@ -375,20 +378,38 @@ X512 static inline void x8_pass2(int64_t r, const int8_t* xm, const float* dm, c
 #undef X8_CASE
 }
 
-// 1: the AVX512-VNNI path, 0: AVX2; -1 (start): the CPU decides (SPECD_QGEMM_AVX512=0 forces AVX2)
-static int g_x8_avx512 = -1;
+// 2: AMX (int8 tiles) for calls of AMX_MIN_ROWS rows or more, the AVX512-VNNI path below that;
+// 1: the AVX512-VNNI path; 0: AVX2; -1 (start): the CPU decides (SPECD_QGEMM_AVX512=0 forces AVX2,
+// SPECD_QGEMM_AMX=0 stops at AVX512-VNNI).
+static int g_x8_isa = -1;
+
+static bool env_off(const char* name) {
+    const char* env = getenv(name);
+    return env && strcmp(env, "0") == 0;
+}
 
 static bool cpu_avx512_vnni() {
-    const char* env = getenv("SPECD_QGEMM_AVX512");
-    if (env && strcmp(env, "0") == 0) return false;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+    return !env_off("SPECD_QGEMM_AVX512") && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni");
 }
 
-static bool has_avx512_vnni() {
-    if (g_x8_avx512 < 0) g_x8_avx512 = cpu_avx512_vnni() ? 1 : 0;
-    return g_x8_avx512 == 1;
+// AMX needs the CPU's tiles and the kernel's leave to use their state (Linux: arch_prctl, once per process)
+static bool cpu_amx() {
+    unsigned a, b, c, d;
+    if (env_off("SPECD_QGEMM_AMX") || !cpu_avx512_vnni() || !__get_cpuid_count(7, 0, &a, &b, &c, &d) ||
+        !(d & (1u << 24)) || !(d & (1u << 25)))  // AMX-TILE, AMX-INT8
+        return false;
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
 }
+
+static int x8_isa() {
+    if (g_x8_isa < 0) g_x8_isa = cpu_amx() ? 2 : cpu_avx512_vnni() ? 1 : 0;
+    return g_x8_isa;
+}
+
+static bool has_avx512_vnni() { return x8_isa() >= 1; }
 
 // y's rows m0 .. m0+r-1, columns n0 .. n0+nc-1 from acc [r, stride] (+ bias, + add)
 static inline void x8_store(const float* acc, int64_t stride, int64_t r, int64_t m0, int64_t n0, int64_t nc,
@@ -427,10 +448,171 @@ X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs,
     }
 }
 
+
+// ---- AMX (Sapphire Rapids and later): the same integer sums from int8 tiles --------------------------
+// Per pair of 8-row weight tiles (16 output rows) and 32-block of k, one tile op multiplies every
+// activation row of the pass (up to 16) at once: A = the rows' 32 activation codes (signed), B = the
+// block's weights as 8 rows of 4 k x 16 outputs (the x8 layout's vectors, int4 nibbles unpacked to
+// bytes: unsigned; int8: signed), C = int32 [rows, 16]. The block's integer sums are exact, as
+// vpdpbusd's are, and each row's fp32 steps are x8_tile2's (cvt, dw * dx, fma, the min's fma, block
+// by block): the results are bitwise those of the other paths. A tile op costs the same for 1 or 16
+// rows, so what a row adds is its fp32 steps; narrower calls stay on the AVX512-VNNI path.
+#define XAMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,amx-tile,amx-int8")))
+// rows from which the tiles win (measured on a 2-core Xeon: the unpacked int4 weights cost more to feed)
+#define AMX_MIN_ROWS(INT4) ((INT4) ? 7 : 5)
+#define AMX_ROWS 16
+
+struct TileCfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// tiles 0-3: C of up to 4 blocks [m, 16] int32; 4, 5: A [m, 32] int8; 6, 7: B [8, 64]
+XAMX static void amx_config(int64_t m) {
+    TileCfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)m, c.colsb[t] = 64;
+    for (int t = 4; t < 6; t++) c.rows[t] = (uint8_t)m, c.colsb[t] = 32;
+    for (int t = 6; t < 8; t++) c.rows[t] = 8, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+// block b's weights of tiles a and b as a B tile [8, 64] in bb
+template <bool INT4>
+XAMX static inline void amx_unpack(const uint8_t* wa, const uint8_t* wb, int64_t b, uint8_t* bb) {
+    if (INT4) {
+        const __m512i mask = _mm512_set1_epi8(0x0F);
+        for (int v = 0; v < 4; v++) {
+            const __m512i W = cat256(wa + 128 * b + 32 * v, wb + 128 * b + 32 * v);
+            _mm512_store_si512((__m512i*)(bb + 64 * v), _mm512_and_si512(W, mask));
+            _mm512_store_si512((__m512i*)(bb + 64 * (4 + v)), _mm512_and_si512(_mm512_srli_epi16(W, 4), mask));
+        }
+    } else {
+        for (int s = 0; s < 8; s++)
+            _mm512_store_si512((__m512i*)(bb + 64 * s), cat256(wa + 256 * b + 32 * s, wb + 256 * b + 32 * s));
+    }
+}
+
+#define AMX_DP(c, a, b)                  \
+    do {                                 \
+        if (INT4) _tile_dpbsud(c, a, b); \
+        else _tile_dpbssd(c, a, b);      \
+    } while (0)
+
+// blocks b .. b+nb-1 (nb <= 4) of the pass's rows qx [m, K]: their int32 sums into cs [nb][m][16]
+// (four C tiles, A and B tiles alternating, so consecutive tile ops do not wait on each other's loads)
+template <bool INT4>
+XAMX static inline void amx_blocks(const int8_t* qx, int64_t K, const uint8_t* wa, const uint8_t* wb, int64_t b,
+                                   int nb, uint8_t* bb, int32_t* cs, int64_t m) {
+    for (int i = 0; i < nb; i++) amx_unpack<INT4>(wa, wb, b + i, bb + 512 * i);
+    _tile_zero(0);
+    _tile_loadd(4, qx + 32 * b, K);
+    _tile_loadd(6, bb, 64);
+    AMX_DP(0, 4, 6);
+    if (nb > 1) {
+        _tile_zero(1);
+        _tile_loadd(5, qx + 32 * (b + 1), K);
+        _tile_loadd(7, bb + 512, 64);
+        AMX_DP(1, 5, 7);
+    }
+    if (nb > 2) {
+        _tile_zero(2);
+        _tile_loadd(4, qx + 32 * (b + 2), K);
+        _tile_loadd(6, bb + 1024, 64);
+        AMX_DP(2, 4, 6);
+    }
+    if (nb > 3) {
+        _tile_zero(3);
+        _tile_loadd(5, qx + 32 * (b + 3), K);
+        _tile_loadd(7, bb + 1536, 64);
+        AMX_DP(3, 5, 7);
+    }
+    _tile_stored(0, cs, 64);
+    if (nb > 1) _tile_stored(1, cs + 16 * m, 64);
+    if (nb > 2) _tile_stored(2, cs + 32 * m, 64);
+    if (nb > 3) _tile_stored(3, cs + 48 * m, 64);
+}
+#undef AMX_DP
+
+// R rows of x (a pass) against tiles a and b: out [R, 16], as x8_tile2
+template <bool INT4, int R>
+XAMX static void amx_tile2(const int8_t* qx, const float* dx, const float* xs, int64_t K, const uint8_t* wa,
+                           const uint8_t* wb, const float* sa, const float* sb, const float* ma, const float* mb,
+                           float* out) {
+    const int64_t nbk = K / 32;
+    alignas(64) uint8_t bb[4 * 512];
+    alignas(64) int32_t cs[4 * AMX_ROWS * 16];
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nbk; b0 += 4) {
+        const int nb = nbk - b0 < 4 ? (int)(nbk - b0) : 4;
+        amx_blocks<INT4>(qx, K, wa, wb, b0, nb, bb, cs, R);
+        for (int i = 0; i < nb; i++) {
+            const int64_t b = b0 + i;
+            const __m512 dw = cat256ps(sa + 8 * b, sb + 8 * b);
+            const __m512 mv = INT4 && ma ? cat256ps(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
+            const int32_t* c = cs + 16 * R * i;
+            for (int r = 0; r < R; r++) {
+                const __m512 is = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i*)(c + 16 * r)));
+                acc[r] = _mm512_fmadd_ps(is, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nbk + b])), acc[r]);
+                if (INT4 && ma) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nbk + b]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+template <bool INT4>
+XAMX static void amx_pass(int64_t r, const int8_t* xm, const float* dm, const float* sm, int64_t K, const uint8_t* wa,
+                          const uint8_t* wb, const float* sa, const float* sb, const float* ma, const float* mb,
+                          float* acc) {
+#define AMX_CASE(n) \
+    case n: amx_tile2<INT4, n>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc); break;
+    switch (r) {
+        AMX_CASE(16) AMX_CASE(15) AMX_CASE(14) AMX_CASE(13) AMX_CASE(12) AMX_CASE(11) AMX_CASE(10) AMX_CASE(9)
+        AMX_CASE(8) AMX_CASE(7) AMX_CASE(6) AMX_CASE(5) AMX_CASE(4) AMX_CASE(3) AMX_CASE(2)
+        default: amx_tile2<INT4, 1>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc);
+    }
+#undef AMX_CASE
+}
+
+template <bool INT4>
+XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K,
+                             const uint8_t* w, const float* scale, const float* mins, int64_t N, const float* add,
+                             const float* bias, float* y) {
+    const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
+    const int64_t passes = (M + AMX_ROWS - 1) / AMX_ROWS, rp = (M + passes - 1) / passes;
+    const int64_t NP = (NT + 1) / 2;
+#pragma omp parallel
+    {
+        int64_t cfg = 0;  // the row count the tiles are configured for (per thread)
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < NP; p++) {
+            const int64_t ta = 2 * p, tb = ta + 1 < NT ? ta + 1 : ta;
+            const float* ma = mins ? mins + ta * nbk * 8 : nullptr;
+            const float* mb = mins ? mins + tb * nbk * 8 : nullptr;
+            const int64_t n0 = 8 * ta, nc = tb == ta ? (N - n0 < 8 ? N - n0 : 8) : (N - n0 < 16 ? N - n0 : 16);
+            alignas(64) float acc[AMX_ROWS * 16];
+            for (int64_t m0 = 0; m0 < M; m0 += rp) {
+                const int64_t r = M - m0 < rp ? M - m0 : rp;
+                if (r != cfg) amx_config(r), cfg = r;
+                amx_pass<INT4>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, w + ta * tile_bytes,
+                               w + tb * tile_bytes, scale + ta * nbk * 8, scale + tb * nbk * 8, ma, mb, acc);
+                x8_store(acc, 16, r, m0, n0, nc, N, add, bias, y);
+            }
+        }
+        if (cfg) _tile_release();
+    }
+}
+
 template <bool INT4>
 static void gemm_x8(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K, const uint8_t* w,
                     const float* scale, const float* mins, int64_t N, const float* add, const float* bias, float* y) {
-    if (has_avx512_vnni()) return gemm_x8_512<INT4>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
+    const int isa = x8_isa();
+    if (isa == 2 && M >= AMX_MIN_ROWS(INT4)) return gemm_x8_amx<INT4>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
+    if (isa >= 1) return gemm_x8_512<INT4>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
     const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
 #pragma omp parallel for schedule(static)
@@ -939,11 +1121,15 @@ static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t
 }
 
 extern "C" {
-// The int8-activation GEMM's instruction set: want 1 (AVX512-VNNI, where the CPU has it), 0 (AVX2),
-// -1 (the CPU decides), 2 (no change); returns the one in use (1 or 0). Both give bitwise-equal results.
+// The int8-activation GEMM's instruction set: want 2 (AMX, where the CPU has it, else the best below),
+// 1 (AVX512-VNNI, where the CPU has it), 0 (AVX2), -1 (the CPU decides), 9 (no change); returns the
+// one in use (2, 1 or 0). All give bitwise-equal results.
 int specd_x8_isa(int want) {
-    if (want != 2) g_x8_avx512 = want < 0 ? -1 : (want == 1 && cpu_avx512_vnni() ? 1 : 0);
-    return has_avx512_vnni() ? 1 : 0;
+    if (want < 0) g_x8_isa = -1;
+    else if (want == 2) g_x8_isa = cpu_amx() ? 2 : cpu_avx512_vnni() ? 1 : 0;
+    else if (want == 1) g_x8_isa = cpu_avx512_vnni() ? 1 : 0;
+    else if (want == 0) g_x8_isa = 0;
+    return x8_isa();
 }
 
 // y = x @ W^T (+ add[M,N]) (+ bias[N]); add/bias may be NULL; add may alias y.

@@ -8,9 +8,10 @@ row but change the numerics with the batch shape. ``qgemm.cpp`` computes in fp32
 weights, reads a weight once for all rows of a call, and gives a row the same bits whatever the
 other rows are, so speculative verification stays lossless.
 
-The int8-activation GEMM runs AVX512-VNNI tiles where the CPU has them (``x8_isa``; bitwise
-equal to the AVX2 tiles, ``SPECD_QGEMM_AVX512=0`` keeps AVX2): the library is still compiled for
-AVX2 only, the AVX512 functions carry their own target attribute.
+The int8-activation GEMM runs AVX512-VNNI tiles where the CPU has them, and AMX int8 tiles for
+calls of 3 rows or more where it has those too (``x8_isa``; all bitwise equal to the AVX2 tiles;
+``SPECD_QGEMM_AMX=0`` stops at AVX512-VNNI, ``SPECD_QGEMM_AVX512=0`` keeps AVX2): the library is
+still compiled for AVX2 only, the AVX512 and AMX functions carry their own target attribute.
 
 ``kernel()`` returns the loaded library or None (no x86-64 with AVX2 + FMA, no compiler, or
 ``SPECD_QGEMM=0``): callers then fall back to dequantize + ``torch`` matmul, with a warning logged
@@ -88,19 +89,22 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_attention.restype = None
     lib.specd_x8_isa.argtypes = [ctypes.c_int]
     lib.specd_x8_isa.restype = ctypes.c_int
-    isa = "AVX512-VNNI" if lib.specd_x8_isa(2) else "AVX2"
-    log.info("quantized CPU kernel: int8-activation GEMMs on %s", isa)
+    log.info("quantized CPU kernel: int8-activation GEMMs on %s", ISAS[lib.specd_x8_isa(9)])
     return lib
 
 
+ISAS = ("avx2", "avx512vnni", "amx")
+
+
 def x8_isa(want: int | None = None) -> str | None:
-    """The instruction set of the int8-activation GEMMs (``avx512vnni`` or ``avx2``; None without the
-    kernel). ``want``: 1 asks for AVX512-VNNI (where the CPU has it), 0 for AVX2, -1 lets the CPU
-    decide. Both give bitwise-equal results; tests compare them."""
+    """The instruction set of the int8-activation GEMMs (``amx``, ``avx512vnni`` or ``avx2``; None
+    without the kernel). ``want``: 2 asks for AMX (where the CPU has it, else the best below), 1 for
+    AVX512-VNNI (where the CPU has it), 0 for AVX2, -1 lets the CPU decide. All give bitwise-equal
+    results; tests compare them."""
     lib = kernel()
     if lib is None:
         return None
-    return "avx512vnni" if lib.specd_x8_isa(2 if want is None else want) else "avx2"
+    return ISAS[lib.specd_x8_isa(9 if want is None else want)]
 
 
 def _ptr(t: torch.Tensor | None):
