@@ -6,14 +6,17 @@ and batch-invariant like the op-by-op path (a row's bits do not depend on the ot
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
 
 from specd.engine.kv_cache import KVCache
 from specd.model.attention import build_metadata, get_backend
+from specd.model.cpu import cpu_info
 from specd.model.fused import fused_layers
 from specd.model.loader import load_model
+from specd.model.qkernel import x8_isa
 from specd.model.quant import set_act_int8
 from tests.conftest import TARGET
 from tests.test_cpu_attention import _tree_mask
@@ -27,26 +30,27 @@ def lm(request):
     return load_model(TARGET, "cpu", "float32", quantization=request.param)
 
 
-def _step(lm, fused: bool, monkeypatch, capture=None):
+def _step(lm, fused: bool, monkeypatch, capture=None, prompts=PROMPTS):
     """Prefill three prompts, then one mixed step (a decode row, a causal chunk of 3, a 6-node tree):
     (logits of the step, the cache, the captured features)."""
     monkeypatch.setenv("SPECD_FUSED", "1" if fused else "0")
     c, m, be = lm.config, lm.model, get_backend("auto", CPU)
-    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 32, 4, torch.float32, CPU)
-    seqs = [cache.new_seq() for _ in PROMPTS]
-    for s, p in zip(seqs, PROMPTS):
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, torch.float32, CPU)
+    seqs = [cache.new_seq() for _ in prompts]
+    for s, p in zip(seqs, prompts):
         s.reserve(len(p) + 8)
-    meta = build_metadata([len(p) for p in PROMPTS], [0, 0, 0], [s.blocks for s in seqs],
-                          sum((s.slots(0, len(p)) for s, p in zip(seqs, PROMPTS)), []), 4, CPU)  # fmt: skip
-    ids = torch.tensor(sum(PROMPTS, []))
-    pos = torch.cat([torch.arange(len(p)) for p in PROMPTS])
+    meta = build_metadata([len(p) for p in prompts], [0, 0, 0], [s.blocks for s in seqs],
+                          sum((s.slots(0, len(p)) for s, p in zip(seqs, prompts)), []), 4, CPU)  # fmt: skip
+    ids = torch.tensor(sum(prompts, []))
+    pos = torch.cat([torch.arange(len(p)) for p in prompts])
     m(ids, pos, cache.kv, meta, be)
-    qlens, masks = [1, 3, 6], [None, None, _tree_mask(6, random.Random(2))]
-    ctx = [len(p) for p in PROMPTS]
+    tree = _tree_mask(6, random.Random(2))
+    qlens, masks = [1, 3, 6], [None, None, tree]
+    ctx = [len(p) for p in prompts]
     slots = sum((s.slots(n, n + q) for s, n, q in zip(seqs, ctx, qlens)), [])
     meta = build_metadata(qlens, ctx, [s.blocks for s in seqs], slots, 4, CPU, tree_masks=masks)
     ids = torch.tensor([5, 17, 99, 254, 7, 8, 9, 10, 11, 12])
-    pos = torch.tensor([7, 3, 4, 5, 11, 12, 12, 13, 13, 14])
+    pos = torch.cat([torch.tensor([ctx[0]]), torch.arange(ctx[1], ctx[1] + 3), ctx[2] + tree.sum(1) - 1])
     caps = None if capture is None else dict.fromkeys(capture)
     h = m(ids, pos, cache.kv, meta, be) if caps is None else m(ids, pos, cache.kv, meta, be, capture=caps)
     return m.compute_logits(h), cache.kv.clone(), caps
@@ -116,6 +120,45 @@ def test_two_phase_attention_equals_the_one_phase_kernel(lm, monkeypatch):
     monkeypatch.setenv("SPECD_ATT2_MAX_BYTES", "0")
     one, one_kv, _ = _step(lm, True, monkeypatch)
     assert torch.equal(one, two) and torch.equal(one_kv, two_kv)
+
+
+@pytest.fixture(scope="module")
+def lm64(tmp_path_factory):
+    """A small random Llama with SmolLM2's head size (64: the AVX512 weighted sums' case), int4."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=384, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    out = tmp_path_factory.mktemp("lm64")
+    LlamaForCausalLM(cfg).save_pretrained(str(out))
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json"):
+        if (TARGET / f).exists():
+            shutil.copy(TARGET / f, out / f)
+    return load_model(out, "cpu", "float32", quantization="int4")
+
+
+def test_every_kernel_instruction_set_gives_the_same_bits(lm64, monkeypatch):
+    """AVX2, AVX512 (16-key scores, 64-wide weighted sums in registers; int8 GEMMs on VNNI) and, where
+    the CPU has it, AMX (the step's 10 rows take the int8 tiles): one mixed step over contexts of
+    30-70 keys (16-key blocks and an 8-key tail), bit for bit: the logits and the K/V written."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 512) for _ in range(n)] for n in (45, 30, 70)]
+    set_act_int8(lm64.model, True)
+    runs = {}
+    try:
+        for want in (0, 1, 2):
+            isa = x8_isa(want)
+            runs[isa] = _step(lm64, True, monkeypatch, prompts=prompts)[:2]
+    finally:
+        x8_isa(-1)
+        set_act_int8(lm64.model, False)
+    flags = cpu_info()["flags"]
+    assert len(runs) == 1 + ({"avx512f", "avx512_vnni"} <= flags) + ({"amx_tile", "amx_int8"} <= flags)
+    ref_logits, ref_kv = runs.pop("avx2")
+    assert ref_logits.abs().sum() > 0
+    for isa, (logits, kv) in runs.items():
+        assert torch.equal(logits, ref_logits) and torch.equal(kv, ref_kv), isa
 
 
 def test_the_fused_path_steps_aside_where_it_does_not_apply(lm):

@@ -784,19 +784,19 @@ static inline void prefetch_rows(const float* const* ptr, int64_t j, int64_t n, 
         for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)ptr[t] + b, _MM_HINT_T0);
 }
 
-static inline void pack8(const float* const* kptr, int64_t j, int64_t L, int64_t D, float* KT8) {
+static inline void pack8(const float* const* kptr, int64_t j, int64_t L, int64_t D, float* KT8, int64_t ld = 8) {
     prefetch_rows(kptr, j + KV_PREFETCH, 8, L, D * sizeof(float));
     if (D % 8 == 0) {
         for (int64_t d = 0; d < D; d += 8) {
             __m256 r[8];
             for (int t = 0; t < 8; t++) r[t] = j + t < L ? _mm256_loadu_ps(kptr[j + t] + d) : _mm256_setzero_ps();
             transpose8(r);
-            for (int t = 0; t < 8; t++) _mm256_storeu_ps(KT8 + (d + t) * 8, r[t]);
+            for (int t = 0; t < 8; t++) _mm256_storeu_ps(KT8 + (d + t) * ld, r[t]);
         }
         return;
     }
     for (int64_t d = 0; d < D; d++)
-        for (int t = 0; t < 8; t++) KT8[d * 8 + t] = j + t < L ? kptr[j + t][d] : 0.f;
+        for (int t = 0; t < 8; t++) KT8[d * ld + t] = j + t < L ? kptr[j + t][d] : 0.f;
 }
 
 // score_rows for keys j0 .. j1-1 (multiples of 8) read through ``kptr`` (no packed copy of the keys):
@@ -824,6 +824,98 @@ static void score_keys(const float* q, int64_t r0, int64_t nr, const float* cons
     }
 }
 
+// ---- the paged attention's scores and weighted sums on AVX512 (where the kernel's instruction set is
+// AVX512-VNNI or AMX: x8_isa): 16 keys per score vector, a 64-wide value row in 4 vectors. Each score
+// is still its own lane's sum over d in order, and each output element its own fma chain over keys
+// in order: the AVX2 functions' bits.
+static bool att_avx512() { return x8_isa() >= 1; }
+
+template <int NI>
+X512 static inline void scores16(const float* q, int64_t D, const float* KT16, __m512* acc) {
+    for (int i = 0; i < NI; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 kd = _mm512_load_ps(KT16 + d * 16);
+        for (int i = 0; i < NI; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * D + d]), kd, acc[i]);
+    }
+}
+
+// store_scores for keys j .. j+15
+X512 static inline void store_scores16(const __m512* acc, int64_t ni, int64_t a, int64_t j, const float* mask,
+                                       int64_t Q, int64_t L, float scale, float* S, int64_t L8) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+    alignas(64) float mtmp[16];
+    for (int64_t i = 0; i < ni; i++) {
+        const float* mrow = mask + ((a + i) % Q) * L;
+        __m512 mk;
+        if (j + 16 <= L) {
+            mk = _mm512_loadu_ps(mrow + j);
+        } else {
+            for (int t = 0; t < 16; t++) mtmp[t] = j + t < L ? mrow[j + t] : -INFINITY;
+            mk = _mm512_load_ps(mtmp);
+        }
+        const __m512 sv = _mm512_add_ps(_mm512_mul_ps(acc[i], sc), mk);
+        _mm512_storeu_ps(S + i * L8 + j, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mk, ninf, _CMP_EQ_OQ), sv, ninf));
+    }
+}
+
+// score_keys (the same arguments and bits), 16 keys at a time (a last 8 through score_keys)
+X512 static void score_keys_512(const float* q, int64_t r0, int64_t nr, const float* const* kptr, int64_t j0,
+                                int64_t j1, const float* mask, int64_t Q, int64_t L, int64_t D, float scale, float* S) {
+    const int64_t L8 = (L + 7) / 8 * 8;
+    alignas(64) float KT16[16 * 256];  // head_dim <= 256 (checked by the caller: fused.py)
+    __m512 acc[4];
+    prefetch_rows(kptr, j0, KV_PREFETCH, L, D * sizeof(float));
+    int64_t j = j0;
+    for (; j + 16 <= j1; j += 16) {
+        pack8(kptr, j, L, D, KT16, 16);
+        pack8(kptr, j + 8, L, D, KT16 + 8, 16);
+        for (int64_t i0 = 0; i0 < nr; i0 += 4) {
+            const int64_t ni = nr - i0 < 4 ? nr - i0 : 4;
+            const float* qi = q + (r0 + i0) * D;
+            switch (ni) {
+                case 4: scores16<4>(qi, D, KT16, acc); break;
+                case 3: scores16<3>(qi, D, KT16, acc); break;
+                case 2: scores16<2>(qi, D, KT16, acc); break;
+                default: scores16<1>(qi, D, KT16, acc);
+            }
+            store_scores16(acc, ni, r0 + i0, j, mask, Q, L, scale, S + i0 * L8, L8);
+        }
+    }
+    if (j < j1) score_keys(q, r0, nr, kptr, j, j1, mask, Q, L, D, scale, S);
+}
+
+// weighted_sum_2x64 (the same bits): both rows' whole 64 columns in registers, one pass over the values
+template <class VRow>
+X512 static void weighted_sum_2x64_512(const float* pa, const float* pb, int64_t L, VRow vrow, const float* inv,
+                                       float* out) {
+    __m512 oa[4], ob[4];
+    for (int t = 0; t < 4; t++) oa[t] = ob[t] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; j++) {
+        if (j + KV_PREFETCH < L) {
+            const char* pf = (const char*)vrow(j + KV_PREFETCH);
+            for (int b = 0; b < 256; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+        }
+        const float a = pa[j], b = pb[j];
+        if (a == 0.f && b == 0.f) continue;
+        const float* vj = vrow(j);
+        __m512 v[4];
+        for (int t = 0; t < 4; t++) v[t] = _mm512_loadu_ps(vj + 16 * t);
+        if (a != 0.f) {
+            const __m512 av = _mm512_set1_ps(a);
+            for (int t = 0; t < 4; t++) oa[t] = _mm512_fmadd_ps(av, v[t], oa[t]);
+        }
+        if (b != 0.f) {
+            const __m512 bv = _mm512_set1_ps(b);
+            for (int t = 0; t < 4; t++) ob[t] = _mm512_fmadd_ps(bv, v[t], ob[t]);
+        }
+    }
+    const __m512 ia = _mm512_set1_ps(inv[0]), ib = _mm512_set1_ps(inv[1]);
+    for (int t = 0; t < 4; t++) {
+        _mm512_storeu_ps(out + 16 * t, _mm512_mul_ps(oa[t], ia));
+        _mm512_storeu_ps(out + 64 + 16 * t, _mm512_mul_ps(ob[t], ib));
+    }
+}
+
 // Rows r0 .. r0+nr-1 of one (sequence, KV head), their scores already in S [nr, L8] (L8 = L rounded
 // up to 8; score_rows / score_keys): each row's softmax over its keys and its weighted sum of the
 // values (V row j at vrow(j)) into out rows r0 .. r0+nr-1, the same computation whichever rows share
@@ -845,7 +937,12 @@ static void attn_finish(int64_t r0, int64_t nr, VRow vrow, int64_t L, int64_t D,
     }
     int64_t i = 0;
     if (D == 64)  // the common head size: two rows at a time, half a row in registers each
-        for (; i + 2 <= nr; i += 2) weighted_sum_2x64(S + i * L8, S + (i + 1) * L8, L, vrow, inv + i, out + (r0 + i) * D);
+        for (; i + 2 <= nr; i += 2) {
+            if (att_avx512())
+                weighted_sum_2x64_512(S + i * L8, S + (i + 1) * L8, L, vrow, inv + i, out + (r0 + i) * D);
+            else
+                weighted_sum_2x64(S + i * L8, S + (i + 1) * L8, L, vrow, inv + i, out + (r0 + i) * D);
+        }
     for (; i < nr; i++) {
         const float* si = S + i * L8;
         float* o = out + (r0 + i) * D;
@@ -1060,7 +1157,7 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
                     const int64_t q = qsl[b + 1] - qsl[b], R = G * q, j0 = c * ATT2_CHUNK;
                     const int64_t j1 = j0 + ATT2_CHUNK < L8 ? j0 + ATT2_CHUNK : L8;
                     if (R > 0)
-                        score_keys(QG.data() + base(b, h) * D, 0, R, KP.data() + (b * KVH + h) * Lp, j0, j1,
+                        (att_avx512() ? score_keys_512 : score_keys)(QG.data() + base(b, h) * D, 0, R, KP.data() + (b * KVH + h) * Lp, j0, j1,
                                    bias + b * Qm * Lp, q, Lp, D, scale, S.data() + base(b, h) * L8);
                 }
 #pragma omp for schedule(dynamic) collapse(3)
@@ -1110,7 +1207,8 @@ static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t
                         memcpy(QG.data() + (g * q + i) * D, qkv + (t0 + i) * stride + (h * G + g) * D, D * sizeof(float));
                 for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {
                     const int64_t nr = R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS;
-                    score_keys(QG.data(), r0, nr, KP.data(), 0, L8, bias + b * Qm * Lp, q, Lp, D, scale, S.data());
+                    (att_avx512() ? score_keys_512 : score_keys)(QG.data(), r0, nr, KP.data(), 0, L8, bias + b * Qm * Lp,
+                                                                 q, Lp, D, scale, S.data());
                     attn_finish(r0, nr, [vp](int64_t j) { return vp[j]; }, Lp, D, S.data(), OUT.data());
                 }
                 for (int64_t g = 0; g < G; g++)

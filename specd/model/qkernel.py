@@ -10,8 +10,10 @@ other rows are, so speculative verification stays lossless.
 
 The int8-activation GEMM runs AVX512-VNNI tiles where the CPU has them, and AMX int8 tiles for
 calls of 3 rows or more where it has those too (``x8_isa``; all bitwise equal to the AVX2 tiles;
-``SPECD_QGEMM_AMX=0`` stops at AVX512-VNNI, ``SPECD_QGEMM_AVX512=0`` keeps AVX2): the library is
-still compiled for AVX2 only, the AVX512 and AMX functions carry their own target attribute.
+``SPECD_QGEMM_AMX=0`` stops at AVX512-VNNI, ``SPECD_QGEMM_AVX512=0`` keeps AVX2); the paged
+attention's scores and weighted sums run on AVX512 with either of the two (bitwise equal to AVX2
+too). The library is still compiled for AVX2 only, the AVX512 and AMX functions carry their own
+target attribute.
 
 ``kernel()`` returns the loaded library or None (no x86-64 with AVX2 + FMA, no compiler, or
 ``SPECD_QGEMM=0``): callers then fall back to dequantize + ``torch`` matmul, with a warning logged
@@ -98,9 +100,9 @@ ISAS = ("avx2", "avx512vnni", "amx")
 
 def x8_isa(want: int | None = None) -> str | None:
     """The instruction set of the int8-activation GEMMs (``amx``, ``avx512vnni`` or ``avx2``; None
-    without the kernel). ``want``: 2 asks for AMX (where the CPU has it, else the best below), 1 for
-    AVX512-VNNI (where the CPU has it), 0 for AVX2, -1 lets the CPU decide. All give bitwise-equal
-    results; tests compare them."""
+    without the kernel), and so of the paged attention (AVX512 with the first two). ``want``: 2 asks
+    for AMX (where the CPU has it, else the best below), 1 for AVX512-VNNI (where the CPU has it), 0
+    for AVX2, -1 lets the CPU decide. All give bitwise-equal results; tests compare them."""
     lib = kernel()
     if lib is None:
         return None
