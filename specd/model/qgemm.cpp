@@ -456,7 +456,8 @@ X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs,
 // bytes: unsigned; int8: signed), C = int32 [rows, 16]. The block's integer sums are exact, as
 // vpdpbusd's are, and each row's fp32 steps are x8_tile2's (cvt, dw * dx, fma, the min's fma, block
 // by block): the results are bitwise those of the other paths. A tile op costs the same for 1 or 16
-// rows, so what a row adds is its fp32 steps; narrower calls stay on the AVX512-VNNI path.
+// rows, so what a row adds is its fp32 steps; narrower calls stay on the AVX512-VNNI path. 17-32 rows
+// share each unpacked B tile between two halves (amx_tile2_halves).
 #define XAMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,amx-tile,amx-int8")))
 // rows from which the tiles win (measured on a 2-core Xeon: the unpacked int4 weights cost more to feed)
 #define AMX_MIN_ROWS(INT4) ((INT4) ? 7 : 5)
@@ -578,12 +579,84 @@ XAMX static void amx_pass(int64_t r, const int8_t* xm, const float* dm, const fl
 #undef AMX_CASE
 }
 
+// 17-32 rows: two row halves (r0 + r1, each <= 16) against each block's B tile, loaded once for both
+// (tiles 0, 2: C of blocks b, b+1 for the first half; 1, 3: for the second; 4, 5: A of the halves),
+// the accumulators in memory (acc [r0 + r1, 16]); the same fp32 steps per row as amx_tile2
+XAMX static void amx_config2(int64_t r0, int64_t r1) {
+    TileCfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)(t % 2 ? r1 : r0), c.colsb[t] = 64;
+    c.rows[4] = (uint8_t)r0, c.rows[5] = (uint8_t)r1, c.colsb[4] = c.colsb[5] = 32;
+    for (int t = 6; t < 8; t++) c.rows[t] = 8, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+#define AMX_DP(c, a, b)                  \
+    do {                                 \
+        if (INT4) _tile_dpbsud(c, a, b); \
+        else _tile_dpbssd(c, a, b);      \
+    } while (0)
+
+template <bool INT4>
+XAMX static void amx_tile2_halves(int64_t r0, int64_t r1, const int8_t* qx, const float* dx, const float* xs,
+                                  int64_t K, const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb,
+                                  const float* ma, const float* mb, float* acc) {
+    const int64_t nbk = K / 32, R = r0 + r1;
+    const int8_t* q1 = qx + r0 * K;
+    alignas(64) uint8_t bb[2 * 512];
+    alignas(64) int32_t cs[2 * 2 * AMX_ROWS * 16];  // [block of the pair][row of the pass][16]
+    for (int64_t r = 0; r < R; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_setzero_ps());
+    for (int64_t b0 = 0; b0 < nbk; b0 += 2) {
+        const int nb = nbk - b0 < 2 ? 1 : 2;
+        amx_unpack<INT4>(wa, wb, b0, bb);
+        _tile_loadd(6, bb, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(4, qx + 32 * b0, K);
+        _tile_loadd(5, q1 + 32 * b0, K);
+        AMX_DP(0, 4, 6);
+        AMX_DP(1, 5, 6);
+        if (nb > 1) {
+            amx_unpack<INT4>(wa, wb, b0 + 1, bb + 512);
+            _tile_loadd(7, bb + 512, 64);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(4, qx + 32 * (b0 + 1), K);
+            _tile_loadd(5, q1 + 32 * (b0 + 1), K);
+            AMX_DP(2, 4, 7);
+            AMX_DP(3, 5, 7);
+        }
+        _tile_stored(0, cs, 64);
+        _tile_stored(1, cs + 16 * r0, 64);
+        if (nb > 1) {
+            _tile_stored(2, cs + 16 * R, 64);
+            _tile_stored(3, cs + 16 * (R + r0), 64);
+        }
+        for (int i = 0; i < nb; i++) {
+            const int64_t b = b0 + i;
+            const __m512 dw = cat256ps(sa + 8 * b, sb + 8 * b);
+            const __m512 mv = INT4 && ma ? cat256ps(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
+            const int32_t* c = cs + 16 * R * i;
+            for (int64_t r = 0; r < R; r++) {
+                const __m512 is = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i*)(c + 16 * r)));
+                __m512 a = _mm512_loadu_ps(acc + 16 * r);
+                a = _mm512_fmadd_ps(is, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nbk + b])), a);
+                if (INT4 && ma) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nbk + b]), a);
+                _mm512_storeu_ps(acc + 16 * r, a);
+            }
+        }
+    }
+}
+#undef AMX_DP
+
 template <bool INT4>
 XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K,
                              const uint8_t* w, const float* scale, const float* mins, int64_t N, const float* add,
                              const float* bias, float* y) {
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
-    const int64_t passes = (M + AMX_ROWS - 1) / AMX_ROWS, rp = (M + passes - 1) / passes;
+    // passes of up to 2 * AMX_ROWS rows (two halves sharing each B tile), M split into equal passes
+    const int64_t passes = (M + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS), rp = (M + passes - 1) / passes;
     const int64_t NP = (NT + 1) / 2;
 #pragma omp parallel
     {
@@ -594,12 +667,17 @@ XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs,
             const float* ma = mins ? mins + ta * nbk * 8 : nullptr;
             const float* mb = mins ? mins + tb * nbk * 8 : nullptr;
             const int64_t n0 = 8 * ta, nc = tb == ta ? (N - n0 < 8 ? N - n0 : 8) : (N - n0 < 16 ? N - n0 : 16);
-            alignas(64) float acc[AMX_ROWS * 16];
+            alignas(64) float acc[2 * AMX_ROWS * 16];
             for (int64_t m0 = 0; m0 < M; m0 += rp) {
-                const int64_t r = M - m0 < rp ? M - m0 : rp;
-                if (r != cfg) amx_config(r), cfg = r;
-                amx_pass<INT4>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, w + ta * tile_bytes,
-                               w + tb * tile_bytes, scale + ta * nbk * 8, scale + tb * nbk * 8, ma, mb, acc);
+                const int64_t r = M - m0 < rp ? M - m0 : rp, h0 = (r + 1) / 2;
+                if (r != cfg) r <= AMX_ROWS ? amx_config(r) : amx_config2(h0, r - h0), cfg = r;
+                const uint8_t *wa = w + ta * tile_bytes, *wb = w + tb * tile_bytes;
+                const float *sa = scale + ta * nbk * 8, *sb = scale + tb * nbk * 8;
+                if (r <= AMX_ROWS)
+                    amx_pass<INT4>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wa, wb, sa, sb, ma, mb, acc);
+                else
+                    amx_tile2_halves<INT4>(h0, r - h0, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wa, wb, sa, sb,
+                                           ma, mb, acc);
                 x8_store(acc, 16, r, m0, n0, nc, N, add, bias, y);
             }
         }
