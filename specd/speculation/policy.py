@@ -198,6 +198,7 @@ class SpecPolicy:
     @t_target.setter
     def t_target(self, v: float | None) -> None:
         self._line_by_ctx.setdefault(self.ctx_bucket, [None, 0.0, False])[0] = v
+        self._vcost.clear()
 
     @property
     def t_per_token(self) -> float:
@@ -209,6 +210,7 @@ class SpecPolicy:
     @t_per_token.setter
     def t_per_token(self, v: float) -> None:
         self._line_by_ctx.setdefault(self.ctx_bucket, [None, 0.0, False])[1] = v
+        self._vcost.clear()
 
     @property
     def t_plain(self) -> dict:
@@ -218,6 +220,7 @@ class SpecPolicy:
     @t_plain.setter
     def t_plain(self, v: dict) -> None:
         self._plain_by_ctx[self.ctx_bucket] = v
+        self._vcost.clear()
 
     def plain_cost(self, batch: int) -> float | None:
         """T(0) at ``batch``: measured in this context bucket, else in the nearest shorter one (a
@@ -240,6 +243,7 @@ class SpecPolicy:
     @t_width.setter
     def t_width(self, v: dict) -> None:
         self._width_by_ctx[self.ctx_bucket] = v
+        self._vcost.clear()
 
     # per request --------------------------------------------------------------------------------
     def mode_of(self, seq: Sequence) -> str:
@@ -463,24 +467,27 @@ class SpecPolicy:
         return best_d
 
     def _verify_cost(self, nodes: int, batch: int, t_plain: float) -> float:
-        """Seconds of a target step verifying ``nodes`` draft tokens per request at ``batch``: what
-        steps of exactly that many tokens measured (seen at least twice; never below a plain step),
-        else the cost fit, never below the measured plain step plus the extra tokens."""
-        assert self.t_target is not None
-        key = (nodes, batch, t_plain, self.ctx_bucket, self.t_target, self.t_per_token)
+        """Seconds of a target step verifying ``nodes`` draft tokens per request at ``batch``
+        (``_cost_n`` of its ``batch * (1 + nodes)`` tokens)."""
+        return self._cost_n(batch * (1 + nodes), batch, t_plain)
+
+    def _cost_n(self, n: int, batch: int, t_plain: float) -> float:
+        """Seconds of a target step of ``n`` tokens over ``batch`` requests: what steps of exactly
+        that many tokens measured (seen at least twice; never below a plain step), else the cost
+        fit, never below the measured plain step plus the extra tokens."""
+        key = (n, batch, t_plain, self.ctx_bucket)  # (cleared whenever a cost changes)
         c = self._vcost.get(key)
         if c is None:  # (asked per request and draft length every step: once per step and shape)
-            c = self._vcost[key] = self._verify_cost_now(nodes, batch, t_plain)
+            c = self._vcost[key] = self._cost_now(n, batch, t_plain)
         return c
 
-    def _verify_cost_now(self, nodes: int, batch: int, t_plain: float) -> float:
+    def _cost_now(self, n: int, batch: int, t_plain: float) -> float:
         assert self.t_target is not None
-        w = self.t_width.get((batch, batch * (1 + nodes)))
+        w = self.t_width.get((batch, n))
         if w is not None and w[1] >= 2:
             return max(w[0], t_plain)
         tpt = self.t_per_token
-        n = batch * (1 + nodes)
-        fit = max(self.t_target + tpt * n, t_plain + tpt * batch * nodes)
+        fit = max(self.t_target + tpt * n, t_plain + tpt * (n - batch))
         # trusted up to twice the widest step measured at this batch size (in this context bucket);
         # rows beyond it cost what a plain step's rows do on average until a step that wide is
         # measured: a fit from narrow steps priced a fresh engine's 16 x 16-node trees at a third
