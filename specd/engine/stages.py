@@ -146,6 +146,8 @@ def kept_hidden(w: WorkItem, res: AcceptResult | None) -> torch.Tensor | None:
     if w.feats is None or res is None or w.tree is None:
         return w.feats
     m = w.feats.shape[0] - w.tree.num_nodes  # committed tokens before the root
+    if res.accepted == list(range(1, len(res.accepted) + 1)):  # no draft, or a leading run of it: a view
+        return w.feats[: m + 1 + len(res.accepted)]
     rows = list(range(m + 1)) + [m + node for node in res.accepted]
     return w.feats[torch.tensor(rows, device=w.feats.device)]
 
