@@ -448,7 +448,6 @@ X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs,
     }
 }
 
-
 // ---- AMX (Sapphire Rapids and later): the same integer sums from int8 tiles --------------------------
 // Per pair of 8-row weight tiles (16 output rows) and 32-block of k, one tile op multiplies every
 // activation row of the pass (up to 16) at once: A = the rows' 32 activation codes (signed), B = the
@@ -456,8 +455,8 @@ X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs,
 // bytes: unsigned; int8: signed), C = int32 [rows, 16]. The block's integer sums are exact, as
 // vpdpbusd's are, and each row's fp32 steps are x8_tile2's (cvt, dw * dx, fma, the min's fma, block
 // by block): the results are bitwise those of the other paths. A tile op costs the same for 1 or 16
-// rows, so what a row adds is its fp32 steps; narrower calls stay on the AVX512-VNNI path. 17-32 rows
-// share each unpacked B tile between two halves (amx_tile2_halves).
+// rows, so what a row adds is its fp32 steps; narrower calls (AMX_MIN_ROWS) stay on the AVX512-VNNI
+// path. 17-32 rows share each unpacked B tile between two halves (amx_tile2_halves).
 #define XAMX __attribute__((target("avx512f,avx512bw,avx512dq,avx512vnni,amx-tile,amx-int8")))
 // rows from which the tiles win (measured on a 2-core Xeon: the unpacked int4 weights cost more to feed)
 #define AMX_MIN_ROWS(INT4) ((INT4) ? 7 : 5)
@@ -670,7 +669,11 @@ XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs,
             alignas(64) float acc[2 * AMX_ROWS * 16];
             for (int64_t m0 = 0; m0 < M; m0 += rp) {
                 const int64_t r = M - m0 < rp ? M - m0 : rp, h0 = (r + 1) / 2;
-                if (r != cfg) r <= AMX_ROWS ? amx_config(r) : amx_config2(h0, r - h0), cfg = r;
+                if (r != cfg) {
+                    if (r <= AMX_ROWS) amx_config(r);
+                    else amx_config2(h0, r - h0);
+                    cfg = r;
+                }
                 const uint8_t *wa = w + ta * tile_bytes, *wb = w + tb * tile_bytes;
                 const float *sa = scale + ta * nbk * 8, *sb = scale + tb * nbk * 8;
                 if (r <= AMX_ROWS)

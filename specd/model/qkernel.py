@@ -9,7 +9,7 @@ weights, reads a weight once for all rows of a call, and gives a row the same bi
 other rows are, so speculative verification stays lossless.
 
 The int8-activation GEMM runs AVX512-VNNI tiles where the CPU has them, and AMX int8 tiles for
-calls of 3 rows or more where it has those too (``x8_isa``; all bitwise equal to the AVX2 tiles;
+calls of 7 rows or more (5 with int8 weights) where it has those too (``x8_isa``; all bitwise equal to the AVX2 tiles;
 ``SPECD_QGEMM_AMX=0`` stops at AVX512-VNNI, ``SPECD_QGEMM_AVX512=0`` keeps AVX2); the paged
 attention's scores and weighted sums run on AVX512 with either of the two (bitwise equal to AVX2
 too). The library is still compiled for AVX2 only, the AVX512 and AMX functions carry their own
