@@ -246,6 +246,47 @@ def test_lookup_probes_are_short_and_staggered_while_lookup_does_not_pay(shared_
         assert pol.ngram_budget(s, 16) > LOOKUP_PROBE
 
 
+def test_lookups_stop_at_a_batch_size_where_they_delivered_less_than_plain(shared_pair):
+    """At a batch size where adaptive requests' lookup-only steps have delivered fewer tokens per
+    second than plain steps (an EMA over ``LOOKUP_GUARD_MIN`` or more of them), a request's lookup
+    budget is a staggered ``LOOKUP_PROBE`` only, whatever its priced length; once they deliver more,
+    the priced length is back. Batch 1 is never guarded."""
+    from specd.speculation.policy import LOOKUP_GUARD_MIN, LOOKUP_ONLY, LOOKUP_PROBE, StepPlan
+
+    t, d = shared_pair
+    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
+    pol = eng.policy
+    pol.t_target, pol.t_per_token, pol.t_plain = 0.010, 0.0001, {1: 0.010, 16: 0.016}
+    pol.note_width(16, 16 * 1000)
+    seqs = [eng.add_request([5, 6, 7, i], GREEDY, SpecParams(mode="auto")) for i in range(16)]
+    for s in seqs:
+        for _ in range(8):
+            pol.note_lookup(s, 8, 8)  # every lookup fully accepted: long lookups price well
+    plan = StepPlan(0, None, 1 << 30, 16)
+
+    def budgets():
+        out = []
+        for step in range(pol.probe_min):
+            pol.step = step
+            out.append([pol.budget(s, plan) for s in seqs])
+        return out
+
+    assert all(n > LOOKUP_PROBE and depth == LOOKUP_ONLY for row in budgets() for n, depth in row)
+    for _ in range(LOOKUP_GUARD_MIN):
+        pol.note_lookup_step(16, 17, 0.020)  # 850 tokens/s against plain's 16 / 0.016 = 1000
+    assert pol.lookups_lose(16) and not pol.lookups_lose(4)
+    rows = budgets()
+    assert all(b in ((0, 0), (LOOKUP_PROBE, LOOKUP_ONLY)) for row in rows for b in row)
+    probes = [step for step, row in enumerate(rows) for b in row if b[0]]
+    assert len(probes) == len(seqs) and len(set(probes)) > 1  # each probes once, not all at once
+    for _ in range(30):
+        pol.note_lookup_step(16, 30, 0.020)  # 1500 tokens/s: lookups pay again
+    assert not pol.lookups_lose(16)
+    assert all(n > LOOKUP_PROBE for row in budgets() for n, _ in row)
+    pol.note_lookup_step(1, 1, 1.0)  # (batch 1 is not recorded)
+    assert 1 not in pol._lookup_gain
+
+
 def test_new_requests_start_from_the_engines_lookup_acceptance(shared_pair):
     """A request's prompt-lookup acceptance starts from the engine-wide estimate (as the model's
     does), not from a fixed 0.5: where lookups keep failing, new requests do not pay to relearn it."""

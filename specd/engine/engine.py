@@ -223,6 +223,7 @@ class Engine:
         outs = self._commit(tp, results, cps)
         self.timings.add("commit", mark)
         timing["proposals"], timing["logits"] = proposals, tp.logits is not None
+        timing["accepted"] = sum(len(r.accepted) for r in results if r is not None)
         return outs
 
     def _run_isolating(self, scheduled: list, cps: dict, timing: dict) -> list:
@@ -407,6 +408,9 @@ class Engine:
                 # reservation, 16 requests' rows looked ~5x cheaper than they are)
                 verified = len(sched.scheduled) + sum(p.tree.num_nodes - 1 for p in proposals.values())
                 self.policy.observe(t2 - t0 - self._model_draft_s, level, verified, len(sched.scheduled))
+                if all(sc.spec_depth == LOOKUP_ONLY for sc in sched.scheduled if sc.seq.request_id in proposals):
+                    n = len(sched.scheduled)
+                    self.policy.note_lookup_step(n, n + timing.get("accepted", 0), t2 - t0)
             else:
                 self.policy.observe_plain(len(sched.scheduled), t2 - t0)
         except Exception as e:  # noqa: BLE001 - the policy's inputs are the policy's problem

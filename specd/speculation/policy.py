@@ -70,6 +70,7 @@ FIT_WINDOW = 64  # speculative steps in the least-squares cost fit
 LOOKUP_WINDOW = 256  # prompt-lookup outcomes kept engine-wide (per request: Sequence.lookup_outcomes)
 LOOKUP_MIN_OWN = 4  # a request's own outcomes used once it has this many (else the engine's)
 MARGIN = 1.02  # a draft must promise this much more than plain decoding (a clear win only)
+LOOKUP_GUARD_MIN = 8  # lookup-only steps measured at a batch size before their realized rate is trusted
 
 
 @dataclass
@@ -162,6 +163,8 @@ class SpecPolicy:
         self._plain_by_ctx: dict = {}  # bucket -> {batch size -> EMA seconds of a step without drafts}
         self._width_by_ctx: dict = {}  # bucket -> t_width
         self._widest_by_ctx: dict = {}  # bucket -> {batch size -> most target tokens a measured step verified}
+        # batch size -> [EMA of a lookup-only step's realized tokens/s over a plain step's, steps]
+        self._lookup_gain: dict = {}
         self._vcost: dict = {}  # _verify_cost's answers since the last measurement or plan
         self.accept_ema: float | None = None  # engine-wide per-position acceptance (prior for new requests)
         self.ngram_ema: float | None = None  # the same for prompt lookup's drafts
@@ -413,7 +416,10 @@ class SpecPolicy:
             return self.ngram_budget(seq, plan.batch), 0
         auto = seq.spec.mode == "auto"
         if plan.depth == 0 and not self.probing and auto:  # the model does not pay this step: free lookup only
-            n = self.ngram_budget(seq, plan.batch, self.spec.ngram_tokens * self.spec.ngram_branches)
+            if self.lookups_lose(plan.batch):  # what they delivered says no: a staggered probe only
+                n = LOOKUP_PROBE if (self.step + _offset(seq)) % self.probe_min == 0 else 0
+            else:
+                n = self.ngram_budget(seq, plan.batch, self.spec.ngram_tokens * self.spec.ngram_branches)
             return (n, LOOKUP_ONLY) if n > 0 else (0, 0)
         want = self.desired_budget(seq)
         if plan.depth is None or not auto or want <= 0:
@@ -465,6 +471,26 @@ class SpecPolicy:
         if best_d == 0 and (self.step + _offset(seq)) % self.probe_min == 0:
             return min(want, LOOKUP_PROBE)
         return best_d
+
+    def note_lookup_step(self, batch: int, tokens: int, seconds: float) -> None:
+        """A decode step of ``batch`` (>= 2) requests whose drafts were all prompt lookups emitted
+        ``tokens`` in ``seconds``: its realized rate against a plain step's at that batch size."""
+        t0 = self.plain_cost(batch)
+        if batch < 2 or t0 is None or seconds <= 0:
+            return
+        g = tokens / seconds / (batch / t0)
+        e = self._lookup_gain.get(batch)
+        self._lookup_gain[batch] = [g, 1] if e is None else [0.9 * e[0] + 0.1 * g, e[1] + 1]
+
+    def lookups_lose(self, batch: int) -> bool:
+        """Whether adaptive requests' lookup-only steps at ``batch`` have delivered fewer tokens per
+        second than plain steps (an EMA over at least ``LOOKUP_GUARD_MIN`` of them). The per-request
+        pricing (``ngram_budget``) assumes every request drafts as much, while at 16 requests on a
+        CPU a few matches verify a few rows at ~1 ms each (the target's rows and the step's own
+        work) against ~1.5 ms per plain token, so sparse lookups accepted ~60% of the time lose;
+        what they delivered is the check."""
+        e = self._lookup_gain.get(batch)
+        return e is not None and e[1] >= LOOKUP_GUARD_MIN and e[0] < 1.0
 
     def _verify_cost(self, nodes: int, batch: int, t_plain: float) -> float:
         """Seconds of a target step verifying ``nodes`` draft tokens per request at ``batch``
