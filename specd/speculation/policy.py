@@ -36,6 +36,13 @@ child: what a chain of the same depth would have had accepted, measured from eve
 Where each verification row costs compute (a CPU: 5 rows ~2x one row) the narrow draft wins; where
 rows are nearly free (a GPU) the wide tree does.
 
+Prompt lookup alone (an adaptive request's step while the model does not pay): each request's
+length maximises expected tokens per second as if every request drafted as much
+(``ngram_budget``); at a batch size (>= 2) where such steps have delivered fewer tokens per second
+than plain steps (``lookups_lose``: an EMA of the realized ratio over 8+ of them), lookups are a
+staggered 2-token probe only until the ratio recovers: at 16 requests on a CPU only a few requests
+match, and the few rows they add cost ~1 ms each against ~1.5 ms per plain token.
+
 D = 0 turns speculation off: at high batch the target step grows and D shrinks; when the batch
 drains it grows back. While D = 0, a probe step drafts one token for ONE request (the least
 recently probed) so acceptance estimates stay current; the probe interval doubles (16 -> 256
