@@ -534,7 +534,6 @@ XAMX static inline void amx_blocks(const int8_t* qx, int64_t K, const uint8_t* w
     if (nb > 2) _tile_stored(2, cs + 32 * m, 64);
     if (nb > 3) _tile_stored(3, cs + 48 * m, 64);
 }
-#undef AMX_DP
 
 // R rows of x (a pass) against tiles a and b: out [R, 16], as x8_tile2
 template <bool INT4, int R>
@@ -590,12 +589,6 @@ XAMX static void amx_config2(int64_t r0, int64_t r1) {
     for (int t = 6; t < 8; t++) c.rows[t] = 8, c.colsb[t] = 64;
     _tile_loadconfig(&c);
 }
-
-#define AMX_DP(c, a, b)                  \
-    do {                                 \
-        if (INT4) _tile_dpbsud(c, a, b); \
-        else _tile_dpbssd(c, a, b);      \
-    } while (0)
 
 template <bool INT4>
 XAMX static void amx_tile2_halves(int64_t r0, int64_t r1, const int8_t* qx, const float* dx, const float* xs,
