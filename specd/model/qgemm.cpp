@@ -409,8 +409,6 @@ static int x8_isa() {
     return g_x8_isa;
 }
 
-static bool has_avx512_vnni() { return x8_isa() >= 1; }
-
 // y's rows m0 .. m0+r-1, columns n0 .. n0+nc-1 from acc [r, stride] (+ bias, + add)
 static inline void x8_store(const float* acc, int64_t stride, int64_t r, int64_t m0, int64_t n0, int64_t nc,
                             int64_t N, const float* add, const float* bias, float* y) {
@@ -425,6 +423,19 @@ static inline void x8_store(const float* acc, int64_t stride, int64_t r, int64_t
     }
 }
 
+// Output tile pair p of an x8-layout weight (tiles ta, tb; an odd last tile pairs with itself and its
+// copy is dropped): its first output row n0, its nc live columns, each tile's mins (int4) or null
+struct TilePair {
+    int64_t ta, tb, n0, nc;
+    const float *ma, *mb;
+};
+
+static inline TilePair tile_pair(int64_t p, int64_t NT, int64_t N, int64_t nbk, const float* mins) {
+    const int64_t ta = 2 * p, tb = ta + 1 < NT ? ta + 1 : ta, n0 = 8 * ta;
+    const int64_t nc = tb == ta ? (N - n0 < 8 ? N - n0 : 8) : (N - n0 < 16 ? N - n0 : 16);
+    return {ta, tb, n0, nc, mins ? mins + ta * nbk * 8 : nullptr, mins ? mins + tb * nbk * 8 : nullptr};
+}
+
 template <bool INT4>
 X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K,
                              const uint8_t* w, const float* scale, const float* mins, int64_t N, const float* add,
@@ -434,10 +445,9 @@ X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs,
     const int64_t NP = (NT + 1) / 2;  // tile pairs; an odd last tile pairs with itself (its copy is dropped)
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < NP; p++) {
-        const int64_t ta = 2 * p, tb = ta + 1 < NT ? ta + 1 : ta;
-        const float* ma = mins ? mins + ta * nbk * 8 : nullptr;
-        const float* mb = mins ? mins + tb * nbk * 8 : nullptr;
-        const int64_t n0 = 8 * ta, nc = tb == ta ? (N - n0 < 8 ? N - n0 : 8) : (N - n0 < 16 ? N - n0 : 16);
+        const TilePair tp = tile_pair(p, NT, N, nbk, mins);
+        const int64_t ta = tp.ta, tb = tp.tb, n0 = tp.n0, nc = tp.nc;
+        const float *ma = tp.ma, *mb = tp.mb;
         alignas(64) float acc[X8_RB * 16];
         for (int64_t m0 = 0; m0 < M; m0 += rp) {
             const int64_t r = M - m0 < rp ? M - m0 : rp;
@@ -655,10 +665,9 @@ XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs,
         int64_t cfg = 0;  // the row count the tiles are configured for (per thread)
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < NP; p++) {
-            const int64_t ta = 2 * p, tb = ta + 1 < NT ? ta + 1 : ta;
-            const float* ma = mins ? mins + ta * nbk * 8 : nullptr;
-            const float* mb = mins ? mins + tb * nbk * 8 : nullptr;
-            const int64_t n0 = 8 * ta, nc = tb == ta ? (N - n0 < 8 ? N - n0 : 8) : (N - n0 < 16 ? N - n0 : 16);
+            const TilePair tp = tile_pair(p, NT, N, nbk, mins);
+            const int64_t ta = tp.ta, tb = tp.tb, n0 = tp.n0, nc = tp.nc;
+            const float *ma = tp.ma, *mb = tp.mb;
             alignas(64) float acc[2 * AMX_ROWS * 16];
             for (int64_t m0 = 0; m0 < M; m0 += rp) {
                 const int64_t r = M - m0 < rp ? M - m0 : rp, h0 = (r + 1) / 2;

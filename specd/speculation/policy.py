@@ -424,7 +424,7 @@ class SpecPolicy:
         auto = seq.spec.mode == "auto"
         if plan.depth == 0 and not self.probing and auto:  # the model does not pay this step: free lookup only
             if self.lookups_lose(plan.batch):  # what they delivered says no: a staggered probe only
-                n = LOOKUP_PROBE if (self.step + _offset(seq)) % self.probe_min == 0 else 0
+                n = self._lookup_probe(seq, LOOKUP_PROBE)
             else:
                 n = self.ngram_budget(seq, plan.batch, self.spec.ngram_tokens * self.spec.ngram_branches)
             return (n, LOOKUP_ONLY) if n > 0 else (0, 0)
@@ -475,9 +475,12 @@ class SpecPolicy:
             rate = self.lookup_expected(seq, d) / self._verify_cost(d, batch, t_plain)
             if rate > best * MARGIN:
                 best, best_d = rate, d
-        if best_d == 0 and (self.step + _offset(seq)) % self.probe_min == 0:
-            return min(want, LOOKUP_PROBE)
-        return best_d
+        return best_d or self._lookup_probe(seq, want)
+
+    def _lookup_probe(self, seq: Sequence, want: int) -> int:
+        """``LOOKUP_PROBE`` tokens (at most ``want``) on every ``probe_min``-th step of ``seq``
+        (staggered by request, so a batch never probes all at once), else 0."""
+        return min(want, LOOKUP_PROBE) if (self.step + _offset(seq)) % self.probe_min == 0 else 0
 
     def note_lookup_step(self, batch: int, tokens: int, seconds: float) -> None:
         """A decode step of ``batch`` (>= 2) requests whose drafts were all prompt lookups emitted
@@ -500,21 +503,16 @@ class SpecPolicy:
         return e is not None and e[1] >= LOOKUP_GUARD_MIN and e[0] < 1.0
 
     def _verify_cost(self, nodes: int, batch: int, t_plain: float) -> float:
-        """Seconds of a target step verifying ``nodes`` draft tokens per request at ``batch``
-        (``_cost_n`` of its ``batch * (1 + nodes)`` tokens)."""
-        return self._cost_n(batch * (1 + nodes), batch, t_plain)
-
-    def _cost_n(self, n: int, batch: int, t_plain: float) -> float:
-        """Seconds of a target step of ``n`` tokens over ``batch`` requests: what steps of exactly
-        that many tokens measured (seen at least twice; never below a plain step), else the cost
-        fit, never below the measured plain step plus the extra tokens."""
-        key = (n, batch, t_plain, self.ctx_bucket)  # (cleared whenever a cost changes)
+        """Seconds of a target step verifying ``nodes`` draft tokens per request at ``batch``: what
+        steps of exactly that many tokens measured (seen at least twice; never below a plain step),
+        else the cost fit, never below the measured plain step plus the extra tokens."""
+        key = (nodes, batch, t_plain, self.ctx_bucket)  # (cleared whenever a cost changes)
         c = self._vcost.get(key)
         if c is None:  # (asked per request and draft length every step: once per step and shape)
-            c = self._vcost[key] = self._cost_now(n, batch, t_plain)
+            c = self._vcost[key] = self._verify_cost_now(batch * (1 + nodes), batch, t_plain)
         return c
 
-    def _cost_now(self, n: int, batch: int, t_plain: float) -> float:
+    def _verify_cost_now(self, n: int, batch: int, t_plain: float) -> float:
         assert self.t_target is not None
         w = self.t_width.get((batch, n))
         if w is not None and w[1] >= 2:
