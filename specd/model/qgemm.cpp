@@ -770,39 +770,34 @@ static inline __m256 exp_nonpos(__m256 x) {
     return _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
 }
 
-// out rows a, b (64 wide) = sum_j p[j] * v_j in key order, then * inv; a key whose weight is 0 is
-// skipped for that row (its value is never read for it). Per element: fmaf(p, v, o) in key order,
-// the same as the one-row loop computes.
-template <class VRow>
-static void weighted_sum_2x64(const float* pa, const float* pb, int64_t L, VRow vrow, const float* inv, float* out) {
-    for (int half = 0; half < 2; half++) {
-        __m256 oa[4], ob[4];
-        for (int t = 0; t < 4; t++) oa[t] = ob[t] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < L; j++) {
-            if (half == 0 && j + KV_PREFETCH < L) {
-                const char* pf = (const char*)vrow(j + KV_PREFETCH);
-                for (int b = 0; b < 256; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-            }
-            const float a = pa[j], b = pb[j];
-            if (a == 0.f && b == 0.f) continue;
-            const float* vj = vrow(j) + 32 * half;
-            __m256 v[4];
-            for (int t = 0; t < 4; t++) v[t] = _mm256_loadu_ps(vj + 8 * t);
-            if (a != 0.f) {
-                const __m256 av = _mm256_set1_ps(a);
-                for (int t = 0; t < 4; t++) oa[t] = _mm256_fmadd_ps(av, v[t], oa[t]);
-            }
-            if (b != 0.f) {
-                const __m256 bv = _mm256_set1_ps(b);
-                for (int t = 0; t < 4; t++) ob[t] = _mm256_fmadd_ps(bv, v[t], ob[t]);
-            }
+// Weighted sums of NR rows over one 32-column slice c0 .. c0+31 of the values: out_i[c] = (sum_j
+// p_i[j] * v_j[c], one fmaf per key in key order) * inv_i; a key whose weight is 0 is skipped for
+// that row (its value is never read for it). Every output element is its own fma chain over the keys
+// in order, so which rows or columns share a pass (or an instruction set) changes no bit; the rows
+// share each value row's load. p: the rows' weights, NR rows L8 apart; out: the rows' outputs.
+#define WS_COLS 32
+#define WS_MAX_ROWS 3  // AVX2: 3 rows x 4 accumulators + a broadcast fit the 16 ymm registers
+template <int NR, class VRow>
+static void wsum32(const float* p, int64_t L8, int64_t L, VRow vrow, int64_t c0, const float* inv,
+                   float* const* out) {
+    __m256 acc[NR][4];
+    for (int i = 0; i < NR; i++)
+        for (int t = 0; t < 4; t++) acc[i][t] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < L; j++) {
+        if (j + KV_PREFETCH < L) {
+            const char* pf = (const char*)(vrow(j + KV_PREFETCH) + c0);
+            _mm_prefetch(pf, _MM_HINT_T0), _mm_prefetch(pf + 64, _MM_HINT_T0);
         }
-        const __m256 ia = _mm256_set1_ps(inv[0]), ib = _mm256_set1_ps(inv[1]);
-        for (int t = 0; t < 4; t++) {
-            _mm256_storeu_ps(out + 32 * half + 8 * t, _mm256_mul_ps(oa[t], ia));
-            _mm256_storeu_ps(out + 64 + 32 * half + 8 * t, _mm256_mul_ps(ob[t], ib));
+        const float* vj = vrow(j) + c0;
+        for (int i = 0; i < NR; i++) {
+            const float w = p[i * L8 + j];
+            if (w == 0.f) continue;
+            const __m256 wv = _mm256_set1_ps(w);
+            for (int t = 0; t < 4; t++) acc[i][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vj + 8 * t), acc[i][t]);
         }
     }
+    for (int i = 0; i < NR; i++)
+        for (int t = 0; t < 4; t++) _mm256_storeu_ps(out[i] + c0 + 8 * t, _mm256_mul_ps(acc[i][t], _mm256_set1_ps(inv[i])));
 }
 
 // Rows r0 .. r0+nr-1 of one (sequence, KV head): they share its keys and values. Scores come 8 keys
@@ -967,35 +962,118 @@ X512 static void score_keys_512(const float* q, int64_t r0, int64_t nr, const fl
     if (j < j1) score_keys(q, r0, nr, kptr, j, j1, mask, Q, L, D, scale, S);
 }
 
-// weighted_sum_2x64 (the same bits): both rows' whole 64 columns in registers, one pass over the values
-template <class VRow>
-X512 static void weighted_sum_2x64_512(const float* pa, const float* pb, int64_t L, VRow vrow, const float* inv,
-                                       float* out) {
-    __m512 oa[4], ob[4];
-    for (int t = 0; t < 4; t++) oa[t] = ob[t] = _mm512_setzero_ps();
+// wsum32 (the same bits) on AVX512: up to 8 rows x 2 accumulators in registers
+#define WS_MAX_ROWS_512 8
+template <int NR, class VRow>
+X512 static void wsum32_512(const float* p, int64_t L8, int64_t L, VRow vrow, int64_t c0, const float* inv,
+                            float* const* out) {
+    __m512 acc[NR][2];
+    for (int i = 0; i < NR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < L; j++) {
         if (j + KV_PREFETCH < L) {
-            const char* pf = (const char*)vrow(j + KV_PREFETCH);
-            for (int b = 0; b < 256; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+            const char* pf = (const char*)(vrow(j + KV_PREFETCH) + c0);
+            _mm_prefetch(pf, _MM_HINT_T0), _mm_prefetch(pf + 64, _MM_HINT_T0);
         }
-        const float a = pa[j], b = pb[j];
-        if (a == 0.f && b == 0.f) continue;
-        const float* vj = vrow(j);
-        __m512 v[4];
-        for (int t = 0; t < 4; t++) v[t] = _mm512_loadu_ps(vj + 16 * t);
-        if (a != 0.f) {
-            const __m512 av = _mm512_set1_ps(a);
-            for (int t = 0; t < 4; t++) oa[t] = _mm512_fmadd_ps(av, v[t], oa[t]);
-        }
-        if (b != 0.f) {
-            const __m512 bv = _mm512_set1_ps(b);
-            for (int t = 0; t < 4; t++) ob[t] = _mm512_fmadd_ps(bv, v[t], ob[t]);
+        const float* vj = vrow(j) + c0;
+        const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
+        for (int i = 0; i < NR; i++) {
+            const float w = p[i * L8 + j];
+            if (w == 0.f) continue;
+            const __m512 wv = _mm512_set1_ps(w);
+            acc[i][0] = _mm512_fmadd_ps(wv, v0, acc[i][0]), acc[i][1] = _mm512_fmadd_ps(wv, v1, acc[i][1]);
         }
     }
-    const __m512 ia = _mm512_set1_ps(inv[0]), ib = _mm512_set1_ps(inv[1]);
-    for (int t = 0; t < 4; t++) {
-        _mm512_storeu_ps(out + 16 * t, _mm512_mul_ps(oa[t], ia));
-        _mm512_storeu_ps(out + 64 + 16 * t, _mm512_mul_ps(ob[t], ib));
+    for (int i = 0; i < NR; i++) {
+        const __m512 s = _mm512_set1_ps(inv[i]);
+        _mm512_storeu_ps(out[i] + c0, _mm512_mul_ps(acc[i][0], s));
+        _mm512_storeu_ps(out[i] + c0 + 16, _mm512_mul_ps(acc[i][1], s));
+    }
+}
+
+// The most rows one weighted-sum pass takes on this machine's instruction set
+static int64_t ws_max_rows() { return att_avx512() ? WS_MAX_ROWS_512 : WS_MAX_ROWS; }
+
+// n (1 .. ws_max_rows()) rows' weighted sums over columns c0 .. c0+31 (wsum32 / wsum32_512)
+template <class VRow>
+static void wsum_rows(int64_t n, const float* p, int64_t L8, int64_t L, VRow vrow, int64_t c0, const float* inv,
+                      float* const* out) {
+#define WS_CASE(k) \
+    case k: (att_avx512() ? wsum32_512<k, VRow> : wsum32<k, VRow>)(p, L8, L, vrow, c0, inv, out); return;
+    switch (n) {
+        WS_CASE(1) WS_CASE(2) WS_CASE(3)
+    }
+#undef WS_CASE
+#define WS_CASE(k) \
+    case k: wsum32_512<k, VRow>(p, L8, L, vrow, c0, inv, out); return;
+    switch (n) {
+        WS_CASE(4) WS_CASE(5) WS_CASE(6) WS_CASE(7) WS_CASE(8)
+    }
+#undef WS_CASE
+}
+
+// Each of n rows' softmax in place over its L keys (rows L8 apart; keys L .. L8-1 hold -inf), 1 / its
+// sum into inv: the max (exact, so taken 8 lanes at a time), the exps (exp_nonpos), then the sum in
+// key order, each row its own scalar chain (4 rows' chains interleaved): a row's bits never depend on
+// which rows share the call, and a tree node's sum equals the same token's decoded one by one.
+template <int NR>
+static void row_sums(const float* S, int64_t L8, int64_t L, float* l) {
+    float a[NR];
+    for (int i = 0; i < NR; i++) a[i] = 0.f;
+    for (int64_t j = 0; j < L; j++)
+        for (int i = 0; i < NR; i++) a[i] += S[i * L8 + j];
+    for (int i = 0; i < NR; i++) l[i] = a[i];
+}
+
+static void softmax_rows(float* S, int64_t n, int64_t L, float* inv) {
+    const int64_t L8 = (L + 7) / 8 * 8;
+    for (int64_t i = 0; i < n; i++) {
+        float* si = S + i * L8;
+        __m256 m = _mm256_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < L8; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(si + j));
+        alignas(32) float t[8];
+        _mm256_store_ps(t, m);
+        float mx = -INFINITY;
+        for (int k = 0; k < 8; k++) mx = t[k] > mx ? t[k] : mx;
+        const __m256 m8 = _mm256_set1_ps(mx == -INFINITY ? 0.f : mx);
+        for (int64_t j = 0; j < L8; j += 8)
+            _mm256_storeu_ps(si + j, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(si + j), m8)));
+    }
+    for (int64_t i = 0; i < n; i += 4) {
+        float l[4] = {0.f, 0.f, 0.f, 0.f};
+        switch (n - i < 4 ? n - i : 4) {
+            case 4: row_sums<4>(S + i * L8, L8, L, l); break;
+            case 3: row_sums<3>(S + i * L8, L8, L, l); break;
+            case 2: row_sums<2>(S + i * L8, L8, L, l); break;
+            default: row_sums<1>(S + i * L8, L8, L, l);
+        }
+        for (int64_t k = 0; k < 4 && i + k < n; k++) inv[i + k] = l[k] > 0.f ? 1.f / l[k] : 0.f;
+    }
+}
+
+// Rows 0 .. n-1's weighted sums (their weights in S, L8 apart, 1 / sums in inv) into out[0 .. n-1]:
+// per 32-column slice, rows in passes of at most ws_max_rows(); a head size that is not a multiple of
+// 32 one row and column at a time (the same fmaf chains).
+template <class VRow>
+static void weighted_sums(int64_t n, const float* S, int64_t L, VRow vrow, int64_t D, const float* inv,
+                          float* const* out) {
+    const int64_t L8 = (L + 7) / 8 * 8, mr = ws_max_rows();
+    if (D % WS_COLS == 0) {
+        for (int64_t c0 = 0; c0 < D; c0 += WS_COLS)
+            for (int64_t i = 0; i < n; i += mr)
+                wsum_rows(n - i < mr ? n - i : mr, S + i * L8, L8, L, vrow, c0, inv + i, out + i);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const float* si = S + i * L8;
+        float* o = out[i];
+        for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+        for (int64_t j = 0; j < L; j++) {
+            const float w = si[j];
+            if (w == 0.f) continue;  // masked or negligible: never read its value (padding may hold anything)
+            const float* vj = vrow(j);
+            for (int64_t d = 0; d < D; d++) o[d] = fmaf(w, vj[d], o[d]);
+        }
+        for (int64_t d = 0; d < D; d++) o[d] *= inv[i];
     }
 }
 
@@ -1005,43 +1083,11 @@ X512 static void weighted_sum_2x64_512(const float* pa, const float* pb, int64_t
 // the call.
 template <class VRow>
 static void attn_finish(int64_t r0, int64_t nr, VRow vrow, int64_t L, int64_t D, float* S, float* out) {
-    const int64_t L8 = (L + 7) / 8 * 8;
     float inv[ATT_ROWS];
-    for (int64_t i = 0; i < nr; i++) {
-        float* si = S + i * L8;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < L; j++) mx = si[j] > mx ? si[j] : mx;
-        const __m256 m8 = _mm256_set1_ps(mx == -INFINITY ? 0.f : mx);
-        for (int64_t j = 0; j < L8; j += 8)
-            _mm256_storeu_ps(si + j, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(si + j), m8)));
-        float l = 0.f;
-        for (int64_t j = 0; j < L; j++) l += si[j];
-        inv[i] = l > 0.f ? 1.f / l : 0.f;
-    }
-    int64_t i = 0;
-    if (D == 64)  // the common head size: two rows at a time, half a row in registers each
-        for (; i + 2 <= nr; i += 2) {
-            if (att_avx512())
-                weighted_sum_2x64_512(S + i * L8, S + (i + 1) * L8, L, vrow, inv + i, out + (r0 + i) * D);
-            else
-                weighted_sum_2x64(S + i * L8, S + (i + 1) * L8, L, vrow, inv + i, out + (r0 + i) * D);
-        }
-    for (; i < nr; i++) {
-        const float* si = S + i * L8;
-        float* o = out + (r0 + i) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-        for (int64_t j = 0; j < L; j++) {
-            if (j + KV_PREFETCH < L) {
-                const char* pf = (const char*)vrow(j + KV_PREFETCH);
-                for (int64_t b = 0; b < D * (int64_t)sizeof(float); b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
-            }
-            const float p = si[j];
-            if (p == 0.f) continue;  // masked or negligible: never read its value (padding may hold anything)
-            const float* vj = vrow(j);
-            for (int64_t d = 0; d < D; d++) o[d] = fmaf(p, vj[d], o[d]);
-        }
-        for (int64_t d = 0; d < D; d++) o[d] *= inv[i];
-    }
+    float* outp[ATT_ROWS];
+    softmax_rows(S, nr, L, inv);
+    for (int64_t i = 0; i < nr; i++) outp[i] = out + (r0 + i) * D;
+    weighted_sums(nr, S, L, vrow, D, inv, outp);
 }
 
 static inline void transpose8(__m256 r[8]) {
@@ -1198,9 +1244,12 @@ static inline void grow(std::vector<float>& v, size_t n) {
 
 // The same attention in two parallel phases, for decode and verification widths (all scores fit in
 // ATT2_MAX_BYTES): (1) scores of every row of a (sequence, KV head) for one chunk of ATT2_CHUNK keys
-// per task (each score is its own lane's sum, so who computes which keys changes no bit), (2) each
-// pair of rows' softmax and weighted sum (in key order, as attn_finish does). Balances the work over
-// threads where one task per (sequence, KV head) could not (batch 1: 3 KV heads for 2 threads).
+// per task (each score is its own lane's sum, so who computes which keys changes no bit), (2) the
+// rows' softmax, 4 rows per task, (3) the weighted sums per 32-column slice of the values and group
+// of rows (each element its own chain over keys in order), as attn_finish computes them. Balances the
+// work over threads where one task per (sequence, KV head) could not (batch 1: 3 KV heads for 2
+// threads), and a decode row's 3 query heads read each value slice once. Head sizes that are not a
+// multiple of 32 take the one-phase kernel.
 #define ATT2_CHUNK 256
 #define ATT2_MAX_BYTES (16 << 20)  // SPECD_ATT2_MAX_BYTES overrides (0: always the one-phase kernel)
 
@@ -1213,10 +1262,11 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
                                int64_t nslots, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
                                int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, float* o) {
     const int64_t G = H / KVH, L8 = (Lp + 7) / 8 * 8, T = qsl[B] - qsl[0];
-    if ((double)G * KVH * T * L8 * sizeof(float) > att2_max_bytes()) return false;
+    if (D % WS_COLS || (double)G * KVH * T * L8 * sizeof(float) > att2_max_bytes()) return false;
+    const int64_t mr = ws_max_rows(), ngm = (G * Qm + mr - 1) / mr;  // row groups per (sequence, KV head), at most
     const float* vbase = kv + nslots * KVH * D;
     // per (b, h): its rows (g * q + i) from row base(b, h) of S and QG, its keys' and values' rows
-    std::vector<float> S(G * KVH * T * L8), QG(G * KVH * T * D);
+    std::vector<float> S(G * KVH * T * L8), QG(G * KVH * T * D), INV(G * KVH * T);
     std::vector<const float*> KP(B * KVH * Lp), VP(B * KVH * Lp);
     const int64_t nch = (L8 + ATT2_CHUNK - 1) / ATT2_CHUNK;
     auto base = [&](int64_t b, int64_t h) { return (h * T + (qsl[b] - qsl[0])) * G; };
@@ -1246,18 +1296,30 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
 #pragma omp for schedule(dynamic) collapse(3)
         for (int64_t b = 0; b < B; b++)
             for (int64_t h = 0; h < KVH; h++)
-                for (int64_t r0 = 0; r0 < G * Qm; r0 += 2) {
-                    const int64_t t0 = qsl[b], q = qsl[b + 1] - qsl[b], R = G * q;
-                    if (r0 >= R) continue;
-                    const int64_t nr = R - r0 < 2 ? R - r0 : 2;
-                    const float* const* vp = VP.data() + (b * KVH + h) * Lp;
-                    alignas(32) float out[2 * 256];
-                    attn_finish(0, nr, [vp](int64_t j) { return vp[j]; }, Lp, D, S.data() + (base(b, h) + r0) * L8, out);
-                    for (int64_t k = 0; k < nr; k++) {
-                        const int64_t r = r0 + k, g = r / q, i = r % q;
-                        memcpy(o + (t0 + i) * H * D + (h * G + g) * D, out + k * D, D * sizeof(float));
-                    }
+                for (int64_t r0 = 0; r0 < G * Qm; r0 += 4) {
+                    const int64_t R = G * (qsl[b + 1] - qsl[b]);
+                    if (r0 < R)
+                        softmax_rows(S.data() + (base(b, h) + r0) * L8, R - r0 < 4 ? R - r0 : 4, Lp,
+                                     INV.data() + base(b, h) + r0);
                 }
+#pragma omp for schedule(dynamic) collapse(4)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < KVH; h++)
+                for (int64_t c0 = 0; c0 < D; c0 += WS_COLS)
+                    for (int64_t k = 0; k < ngm; k++) {
+                        const int64_t t0 = qsl[b], q = qsl[b + 1] - qsl[b], R = G * q;
+                        const int64_t ng = (R + mr - 1) / mr, n = ng ? (R + ng - 1) / ng : 0, r0 = k * n;
+                        if (r0 >= R) continue;
+                        float* outp[WS_MAX_ROWS_512];
+                        const int64_t nk = R - r0 < n ? R - r0 : n;
+                        for (int64_t i = 0; i < nk; i++) {
+                            const int64_t r = r0 + i, g = r / q;
+                            outp[i] = o + (t0 + r % q) * H * D + (h * G + g) * D;
+                        }
+                        const float* const* vp = VP.data() + (b * KVH + h) * Lp;
+                        wsum_rows(nk, S.data() + (base(b, h) + r0) * L8, L8, Lp, [vp](int64_t j) { return vp[j]; },
+                                  c0, INV.data() + base(b, h) + r0, outp);
+                    }
     }
     return true;
 }
