@@ -3,6 +3,7 @@ held-out text, relative to the unquantized weights.
 
     python -m eval.quant_quality --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --quantization none,int8,int4,gguf --tokens 4096 --threads 2
+    # and a KV cache's element type per format: --quantization gguf+a8 --kv-dtypes float32,float16
 
 Texts: the tail of ``../shared/data/tinyshakespeare/input.txt`` and the answers of the last GSM8K
 training problems (``../shared/data/gsm8k/train.jsonl``; the built-in draft's distillation prompts
@@ -40,18 +41,24 @@ def texts(tokens_chars: int) -> dict:
 
 
 def run(a) -> dict:
+    import torch
+
     from specd.model.perplexity import perplexity
 
     out: dict = {}
     data = None
+    kvs = [x.strip() for x in a.kv_dtypes.split(",") if x.strip()]
     for q in [x.strip() for x in a.quantization.split(",") if x.strip()]:
         t0 = time.perf_counter()
         lm = C.load_variant(a.target, q, "cpu", "float32", progress=False)
         if data is None:
             data = {k: lm.tokenizer(v)["input_ids"][: a.tokens] for k, v in texts(a.tokens * 6).items()}
-        out[q] = {k: round(perplexity(lm, ids, a.window), 4) for k, ids in data.items()}
-        out[q]["seconds"] = round(time.perf_counter() - t0, 1)
-        print(q, out[q], flush=True)
+        for kv in kvs:
+            name = q if kv == "model" else f"{q}, KV {kv}"
+            kv_dt = None if kv == "model" else getattr(torch, kv)
+            out[name] = {k: round(perplexity(lm, ids, a.window, kv_dt), 4) for k, ids in data.items()}
+            out[name]["seconds"] = round(time.perf_counter() - t0, 1)
+            print(name, out[name], flush=True)
     return {"tokens": {k: len(v) for k, v in data.items()}, "perplexity": out}
 
 
@@ -72,13 +79,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quantization", default="none,int8,int4,gguf")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--window", type=int, default=512)
+    ap.add_argument(
+        "--kv-dtypes", default="model", help="comma list of KV cache dtypes per quantization: model, float32, float16"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="write report.json and summary.md here")
     a = ap.parse_args(argv)
     H.set_threads(a.threads)
     H.quiet_transformers()
     rep = run(a)
-    md = render(rep, "none")
+    md = render(rep, next(iter(rep["perplexity"])))
     print(md)
     if a.out:
         out = Path(a.out)

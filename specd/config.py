@@ -106,6 +106,9 @@ class ModelConfig:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
 
 
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache. ``num_blocks`` wins over ``memory_bytes`` when both are given."""
@@ -113,8 +116,11 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None
     memory_bytes: int | None = None  # budget for target + draft caches together
+    dtype: str = "auto"  # the target cache's elements: auto | float32 | float16 | bfloat16 (builder.kv_dtype)
 
     def __post_init__(self):
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype must be one of {', '.join(KV_DTYPES)}, got {self.dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

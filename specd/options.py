@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+from specd.config import KV_DTYPES
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = ROOT / "models" / "demo" / "target"
 DEMO_DRAFT = ROOT / "models" / "demo" / "draft"
@@ -87,6 +89,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks per cache (default: from memory)")
     p.add_argument("--kv-memory-gb", type=float, default=None, help="KV cache budget in GiB (both caches)")
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=KV_DTYPES,
+        help="the target's KV cache: auto (float16 for a quantized model on the CPU kernel: half the bytes "
+        "its attention reads; else the model's dtype) | float32 | float16 | bfloat16",
+    )
     add_spec_args(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=1024)
@@ -210,6 +219,7 @@ def engine_config(a):
             block_size=a.block_size,
             num_blocks=a.num_blocks,
             memory_bytes=int(a.kv_memory_gb * (1 << 30)) if a.kv_memory_gb else None,
+            dtype=getattr(a, "kv_dtype", "auto"),
         ),
         spec=SpecConfig(
             mode=a.spec_mode,

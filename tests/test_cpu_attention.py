@@ -97,9 +97,9 @@ def test_a_query_row_does_not_depend_on_the_batch(backend, d):
     assert torch.equal(alone, together)
 
 
-def _logits(lm, ids, chunks):
+def _logits(lm, ids, chunks, kv_dtype=torch.float32):
     c = lm.config
-    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 16, 4, torch.float32, CPU)
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 16, 4, kv_dtype, CPU)
     seq = cache.new_seq()
     seq.reserve(len(ids))
     out, pos = [], 0
@@ -113,28 +113,34 @@ def _logits(lm, ids, chunks):
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["kv32", "kv16"])
 @pytest.mark.parametrize("act", [False, True], ids=["fp32-act", "int8-act"])
-def test_a_quantized_forward_is_batch_invariant(act):
+def test_a_quantized_forward_is_batch_invariant(act, kv):
     """Same tokens through a quantized model in one chunk, one token at a time, and in uneven
-    chunks: bitwise-equal logits."""
+    chunks: bitwise-equal logits, over an fp32 or an fp16 KV cache."""
     from specd.model.quant import set_act_int8
 
     lm = load_model(TARGET, "cpu", "float32", quantization="int4")
     set_act_int8(lm.model, act)
     ids = [1, 403, 407, 261, 378, 365, 167, 282, 395, 263, 320, 326]
-    whole = _logits(lm, ids, [12])
-    assert torch.equal(whole, _logits(lm, ids, [1] * 12))
-    assert torch.equal(whole, _logits(lm, ids, [5, 2, 5]))
+    whole = _logits(lm, ids, [12], kv)
+    assert torch.equal(whole, _logits(lm, ids, [1] * 12, kv))
+    assert torch.equal(whole, _logits(lm, ids, [5, 2, 5], kv))
+    if kv == torch.float16:  # (the fp16 cache is read, not an fp32 copy: its rounding shows in the logits)
+        assert not torch.equal(whole, _logits(lm, ids, [12]))
 
 
-def test_plain_output_does_not_depend_on_the_batch_and_speculation_matches_it_exactly():
+@pytest.mark.parametrize("kv", ["auto", "float32"])
+def test_plain_output_does_not_depend_on_the_batch_and_speculation_matches_it_exactly(kv):
     """int4 weights, int8 activations: batch 4 == batch 1 to the last bit of every log-probability,
-    and chain / tree speculation give the same tokens and the same log-probabilities."""
+    and chain / tree speculation give the same tokens and the same log-probabilities; with the KV
+    cache ``auto`` picks for a quantized model on the CPU kernel (fp16) and with an fp32 one."""
     t = load_model(TARGET, "cpu", "float32", quantization="int4")
     d = load_model(TARGET.parent / "stories260K-draft-1L64", "cpu", "float32", quantization="int4")
     cfg = EngineConfig(target=str(TARGET), draft="d", dtype="float32", quantization="int4", act_quant="int8",
-                       cache=CacheConfig(num_blocks=256), spec=SpecConfig(adaptive=False))  # fmt: skip
+                       cache=CacheConfig(num_blocks=256, dtype=kv), spec=SpecConfig(adaptive=False))  # fmt: skip
     eng = Engine(cfg, target=t, draft=d)
+    assert eng.cache.kv.dtype == (torch.float16 if kv == "auto" else torch.float32)
     tok = eng.tokenizer
     prompts = [tok(p)["input_ids"] for p in ("Once upon a time", "The dog ran", "Lily saw a big", "Tom and Sue")]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)

@@ -31,12 +31,12 @@ def lm(request):
     return load_model(TARGET, "cpu", "float32", quantization=request.param)
 
 
-def _step(lm, fused: bool, monkeypatch, capture=None, prompts=PROMPTS):
-    """Prefill three prompts, then one mixed step (a decode row, a causal chunk of 3, a 6-node tree):
-    (logits of the step, the cache, the captured features)."""
+def _step(lm, fused: bool, monkeypatch, capture=None, prompts=PROMPTS, kv=torch.float32):
+    """Prefill three prompts, then one mixed step (a decode row, a causal chunk of 3, a 6-node tree)
+    over a KV cache of ``kv``: (logits of the step, the cache, the captured features)."""
     monkeypatch.setenv("SPECD_FUSED", "1" if fused else "0")
     c, m, be = lm.config, lm.model, get_backend("auto", CPU)
-    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, torch.float32, CPU)
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 64, 4, kv, CPU)
     seqs = [cache.new_seq() for _ in prompts]
     for s, p in zip(seqs, prompts):
         s.reserve(len(p) + 8)
@@ -57,16 +57,21 @@ def _step(lm, fused: bool, monkeypatch, capture=None, prompts=PROMPTS):
     return m.compute_logits(h), cache.kv.clone(), caps
 
 
-def test_the_fused_layers_equal_the_op_by_op_forward(lm, monkeypatch):
-    """fp32 activations: equal within 1e-4 (only the sum orders of RMSNorm and SiLU differ)."""
+@pytest.mark.parametrize("kvd", [torch.float32, torch.float16], ids=["kv32", "kv16"])
+def test_the_fused_layers_equal_the_op_by_op_forward(lm, kvd, monkeypatch):
+    """fp32 activations: equal within 1e-4 (only the sum orders of RMSNorm and SiLU differ); over an
+    fp16 cache within 1e-3 (a last-bit difference before the cache's rounding can move a key or value
+    by one fp16 step: the C code rounds as torch's ``.to(float16)`` does, both widen exactly)."""
     layers = (0, lm.config.num_layers // 2, lm.config.num_layers - 1)
-    ref, ref_kv, ref_caps = _step(lm, False, monkeypatch, layers)
-    out, kv, caps = _step(lm, True, monkeypatch, layers)
+    ref, ref_kv, ref_caps = _step(lm, False, monkeypatch, layers, kv=kvd)
+    out, kv, caps = _step(lm, True, monkeypatch, layers, kv=kvd)
+    assert kv.dtype == kvd
     assert fused_layers(lm.model, get_backend("auto", CPU), kv, torch.zeros(1, 8)) is not None  # (it was taken)
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(kv, ref_kv, rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if kvd == torch.float32 else 1e-3
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(kv.float(), ref_kv.float(), rtol=tol, atol=tol)
     for i in layers:
-        torch.testing.assert_close(caps[i], ref_caps[i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(caps[i], ref_caps[i], rtol=tol, atol=tol)
     assert not torch.equal(caps[layers[0]], caps[layers[-1]])  # each layer's own input, not the last x
 
 
@@ -112,15 +117,24 @@ def test_a_fused_row_does_not_depend_on_the_batch(lm, act, monkeypatch):
         set_act_int8(lm.model, False)
 
 
-def test_two_phase_attention_equals_the_one_phase_kernel(lm, monkeypatch):
+@pytest.mark.parametrize("kvd", [torch.float32, torch.float16], ids=["kv32", "kv16"])
+def test_two_phase_attention_equals_the_one_phase_kernel(lm, kvd, monkeypatch):
     """Decode and verification widths run the paged attention in two phases (scores by key chunk,
     then softmax and weighted sums by row pair, balanced over threads); wide prefills, and every
     call with ``SPECD_ATT2_MAX_BYTES=0``, one task per (sequence, KV head). Bit for bit the same:
     the step's logits and the K/V it wrote."""
-    two, two_kv, _ = _step(lm, True, monkeypatch)
+    two, two_kv, _ = _step(lm, True, monkeypatch, kv=kvd)
     monkeypatch.setenv("SPECD_ATT2_MAX_BYTES", "0")
-    one, one_kv, _ = _step(lm, True, monkeypatch)
+    one, one_kv, _ = _step(lm, True, monkeypatch, kv=kvd)
     assert torch.equal(one, two) and torch.equal(one_kv, two_kv)
+
+
+def test_an_fp16_cache_holds_the_keys_and_values_rounded_as_torch_rounds_them(lm, monkeypatch):
+    """Layer 0's keys and values do not depend on the cache's contents: the fp16 cache holds exactly
+    the fp32 cache's, rounded to nearest even (``.to(float16)``)."""
+    _, kv32, _ = _step(lm, True, monkeypatch)
+    _, kv16, _ = _step(lm, True, monkeypatch, kv=torch.float16)
+    assert kv32[0].abs().sum() > 0 and torch.equal(kv16[0], kv32[0].to(torch.float16))
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +153,8 @@ def lm64(tmp_path_factory):
     return load_model(out, "cpu", "float32", quantization="int4")
 
 
-def test_every_kernel_instruction_set_gives_the_same_bits(lm64, monkeypatch):
+@pytest.mark.parametrize("kvd", [torch.float32, torch.float16], ids=["kv32", "kv16"])
+def test_every_kernel_instruction_set_gives_the_same_bits(lm64, kvd, monkeypatch):
     """AVX2, AVX512 (16-key scores, 64-wide weighted sums in registers; int8 GEMMs on VNNI) and, where
     the CPU has it, AMX (the step's 10 rows take the int8 tiles): one mixed step over contexts of
     30-70 keys (16-key blocks and an 8-key tail), bit for bit: the logits and the K/V written."""
@@ -150,7 +165,7 @@ def test_every_kernel_instruction_set_gives_the_same_bits(lm64, monkeypatch):
     try:
         for want in (0, 1, 2):
             isa = x8_isa(want)
-            runs[isa] = _step(lm64, True, monkeypatch, prompts=prompts)[:2]
+            runs[isa] = _step(lm64, True, monkeypatch, prompts=prompts, kv=kvd)[:2]
     finally:
         x8_isa(-1)
         set_act_int8(lm64.model, False)

@@ -262,3 +262,22 @@ def test_act_quant_auto_is_the_command_lines_default_and_picks_int8_for_quantize
     assert q.model.layers[0].mlp.down.act_int8 and d.model.layers[0].mlp.down.act_int8
     plain = load_model(TARGET, "cpu", "float32")
     Engine(EngineConfig(target=str(TARGET), dtype="float32", act_quant="auto"), target=plain)  # no error, fp32
+
+
+def test_kv_dtype_auto_is_fp16_for_a_quantized_model_on_the_cpu_kernel_and_explicit_choices_are_checked():
+    """``--kv-dtype auto``: fp16 under a quantized fp32 model on the CPU kernel, the model's dtype
+    otherwise; fp16 may be asked for under an fp32 model there; anything else is a one-line error."""
+    from specd.options import engine_config, serve_parser
+
+    assert engine_config(serve_parser().parse_args(["--kv-dtype", "float16"])).cache.dtype == "float16"
+    with pytest.raises(ValueError, match="KV cache dtype"):
+        CacheConfig(dtype="int8")
+    q = load_model(TARGET, "cpu", "float32", quantization="int4")
+    plain = load_model(TARGET, "cpu", "float32")
+    for lm, kv, want in ((q, "auto", torch.float16), (plain, "auto", torch.float32), (q, "float32", torch.float32),
+                         (plain, "float16", torch.float16)):  # fmt: skip
+        cfg = EngineConfig(target=str(TARGET), dtype="float32", cache=CacheConfig(num_blocks=32, dtype=kv))
+        assert Engine(cfg, target=lm).cache.kv.dtype == want, (kv, want)
+    cfg = EngineConfig(target=str(TARGET), dtype="float32", cache=CacheConfig(num_blocks=32, dtype="bfloat16"))
+    with pytest.raises(LoadError, match="--kv-dtype bfloat16: a float32 model on cpu keeps its KV cache"):
+        Engine(cfg, target=plain)

@@ -121,14 +121,16 @@ def max_model_len(target: LoadedModel, draft: LoadedModel | None) -> int:
     return n
 
 
-def cache_blocks(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int, head=None) -> int:
+def cache_blocks(
+    cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | None, max_len: int, head=None, kv_dt=None
+) -> int:
     """KV blocks per cache: the configured number, else enough for every sequence at full length
     (plus tree room) within the memory budget (both caches together)."""
     if cfg.cache.num_blocks is not None:
         return cfg.cache.num_blocks
     bs = cfg.cache.block_size
     tc = target.config
-    per = KVCache.bytes_per_block(tc.num_layers, tc.num_kv_heads, tc.head_dim, bs, target.dtype)
+    per = KVCache.bytes_per_block(tc.num_layers, tc.num_kv_heads, tc.head_dim, bs, kv_dt or target.dtype)
     if draft is not None or head is not None:
         dc = draft.config if draft is not None else head.cfg
         per += KVCache.bytes_per_block(dc.num_layers, dc.num_kv_heads, dc.head_dim, bs, target.dtype)
@@ -141,6 +143,26 @@ def cache_blocks(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | No
         else:
             budget = CPU_KV_BUDGET
     return max(16, min(want, budget // per))
+
+
+def kv_dtype(cfg: EngineConfig, target: LoadedModel, backend) -> torch.dtype:
+    """The target KV cache's element type (``--kv-dtype``). ``auto``: fp16 where a quantized fp32
+    target runs on the CPU kernel (its fused layers read fp16 keys and values widened exactly to fp32:
+    half the bytes of the attention's memory-bound read at long contexts; within a quantized model's
+    own noise), else the model's dtype. An explicit choice is the model's dtype, or fp16 under an fp32
+    model on the CPU kernel's attention; anything else is a one-line ``LoadError``."""
+    model_dt, name = target.dtype, cfg.cache.dtype
+    cpu_kernel = target.device.type == "cpu" and getattr(backend, "name", None) == "cpu" and model_dt == torch.float32
+    if name == "auto":
+        tp = cfg.tensor_parallel_size > 1
+        return torch.float16 if cpu_kernel and not tp and target.model.quantized() else model_dt
+    want = getattr(torch, name)
+    if want == model_dt or (want == torch.float16 and cpu_kernel and cfg.tensor_parallel_size == 1):
+        return want
+    raise LoadError(
+        f"--kv-dtype {name}: a {str(model_dt).removeprefix('torch.')} model on {target.device.type} keeps its KV "
+        "cache in its own dtype (float16 under float32 needs the CPU kernel's attention, one process)"
+    )
 
 
 def load_head_for(cfg: EngineConfig, target: LoadedModel, draft: LoadedModel | None):
@@ -171,14 +193,17 @@ def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | No
     device = target.device
     max_len = max_model_len(target, draft)
     backend = get_backend(cfg.attention_backend, device)
-    n = cache_blocks(cfg, target, draft, max_len, head)
+    kv_dt = kv_dtype(cfg, target, backend)
+    if kv_dt != target.dtype:
+        log.info("KV cache in %s (--kv-dtype %s)", str(kv_dt).removeprefix("torch."), cfg.cache.dtype)
+    n = cache_blocks(cfg, target, draft, max_len, head, kv_dt)
     bs = cfg.cache.block_size
     tc = target.config
     tp = None
     if cfg.tensor_parallel_size > 1:
         target, tp = start_tensor_parallel(cfg, target, n, backend)
     kv_heads = tp.kv_heads if tp is not None else tc.num_kv_heads
-    cache = KVCache(tc.num_layers, kv_heads, tc.head_dim, n, bs, target.dtype, device)
+    cache = KVCache(tc.num_layers, kv_heads, tc.head_dim, n, bs, kv_dt, device)
     draft_cache = None
     if draft is not None or head is not None:
         dc = draft.config if draft is not None else head.cfg

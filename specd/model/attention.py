@@ -235,8 +235,8 @@ class CpuAttention(TorchAttention):
     (``specd.model.qkernel.attention_rows``): each query row is computed alone, so a row's output
     does not depend on the batch (how many sequences, queries or padded keys share the step), which
     keeps a quantized model's speculative output bitwise equal to its plain output. (torch's SDPA
-    blocks query rows through GEMMs whose kernels change with the row count.) fp32 KV on a CPU;
-    anything else goes to the torch path."""
+    blocks query rows through GEMMs whose kernels change with the row count.) An fp32 or fp16 KV
+    cache on a CPU; anything else goes to the torch path."""
 
     name = "cpu"
 
@@ -244,7 +244,7 @@ class CpuAttention(TorchAttention):
         self.lib = lib
 
     def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float):
-        if kv_layer.dtype != torch.float32 or q.device.type != "cpu":
+        if kv_layer.dtype not in (torch.float32, torch.float16) or q.device.type != "cpu":
             return TorchAttention.attention(q, kv_layer, meta, scale)
         from specd.model.qkernel import attention_rows
 
@@ -268,9 +268,10 @@ class CpuAttention(TorchAttention):
 
     @staticmethod
     def _kv(kv_layer: torch.Tensor, blocks: torch.Tensor, B: int, Lp: int) -> torch.Tensor:
-        """Each sequence's whole blocks, keys and values: one contiguous [2, B, Lp, KVH, D]."""
+        """Each sequence's whole blocks, keys and values: one contiguous fp32 [2, B, Lp, KVH, D] (an fp16
+        cache widened exactly, as the fused layers' kernel reads it)."""
         KVH, D = kv_layer.shape[-2], kv_layer.shape[-1]
-        return kv_layer.index_select(1, blocks).view(2, B, Lp, KVH, D)
+        return kv_layer.index_select(1, blocks).view(2, B, Lp, KVH, D).float()
 
 
 class TritonAttention:

@@ -10,7 +10,7 @@ matmuls, the row-at-a-time attention). Each step is row-wise or row-independent,
 still depends on that token alone: speculative verification stays bitwise equal to plain decoding.
 
 Used by ``LlamaModel.forward`` when every projection is a ``QuantLinear`` the CPU kernel takes, the
-activations and the KV cache are fp32 on the CPU and the attention backend is the CPU kernel's;
+activations are fp32 and the KV cache fp32 or fp16 on the CPU and the attention backend is the CPU kernel's;
 ``SPECD_FUSED=0`` turns it off (the op-by-op path then runs, for comparisons).
 """
 
@@ -113,7 +113,7 @@ def _attention_args(positions, kv, meta, backend, scale: float) -> tuple:
         raise IndexError(f"KV slot out of range of the cache ({nslots} slots)")
     keep = (pos, bt, qsl, slots, bias)
     return (keep, pos.data_ptr(), nslots, slots.data_ptr(), qsl.data_ptr(), B, bt.data_ptr(), bt.shape[1],
-            meta.block_size, bias.data_ptr(), Qm, Lp, scale)  # fmt: skip
+            meta.block_size, bias.data_ptr(), Qm, Lp, scale, int(kv.dtype == torch.float16))  # fmt: skip
 
 
 class HeadLayer:
@@ -147,20 +147,21 @@ class HeadLayer:
         return out
 
 
+KERNEL_KV_DTYPES = (torch.float32, torch.float16)  # the cache element types the C attention reads (fp16: F16C)
 MAX_HEAD_DIM = 256  # qgemm.cpp's score_keys: keys transposed 8 at a time into [D, 8] on the stack
 
 
 def takes(backend, kv: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether a forward of rows ``x`` over cache ``kv`` can run as C calls (a target's layers or a
-    feature head's): the CPU kernel's attention backend, fp32 rows and cache on the CPU, a
-    contiguous cache, at most ``KERNEL_MAX_ROWS`` rows, a head size of at most 256 (the paged
+    feature head's): the CPU kernel's attention backend, fp32 rows on the CPU, a contiguous fp32 or
+    fp16 cache there, at most ``KERNEL_MAX_ROWS`` rows, a head size of at most 256 (the paged
     attention's per-block key buffer); ``SPECD_FUSED=0`` turns it off."""
     return (
         getattr(backend, "name", None) == "cpu"
         and kv.shape[-1] <= MAX_HEAD_DIM
         and os.environ.get("SPECD_FUSED", "1") != "0"
         and x.dtype == torch.float32
-        and kv.dtype == torch.float32
+        and kv.dtype in KERNEL_KV_DTYPES
         and x.device.type == "cpu"
         and kv.is_contiguous()
         and x.shape[0] <= QuantLinear.KERNEL_MAX_ROWS

@@ -10,10 +10,10 @@ import torch.nn.functional as F
 
 
 @torch.inference_mode()
-def nll(lm, ids: list, window: int = 256, chunk: int = 128) -> tuple[float, int]:
+def nll(lm, ids: list, window: int = 256, chunk: int = 128, kv_dtype=None) -> tuple[float, int]:
     """(summed negative log-likelihood in nats, tokens scored) of ``ids`` cut into independent
     windows of ``window`` tokens (each prefilled in ``chunk``-token steps; its first token is
-    context only)."""
+    context only), over a KV cache of ``kv_dtype`` (default: the model's dtype)."""
     from specd.engine.kv_cache import KVCache
     from specd.model.attention import build_metadata, get_backend
 
@@ -27,7 +27,7 @@ def nll(lm, ids: list, window: int = 256, chunk: int = 128) -> tuple[float, int]
         w = ids[s : s + window]
         if len(w) < 2:
             break
-        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, -(-len(w) // bs) + 1, bs, lm.dtype, dev)
+        cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, -(-len(w) // bs) + 1, bs, kv_dtype or lm.dtype, dev)
         seq = cache.new_seq()
         seq.reserve(len(w))
         logits = []
@@ -42,7 +42,7 @@ def nll(lm, ids: list, window: int = 256, chunk: int = 128) -> tuple[float, int]
     return total, count
 
 
-def perplexity(lm, ids: list, window: int = 256) -> float:
+def perplexity(lm, ids: list, window: int = 256, kv_dtype=None) -> float:
     """exp(mean NLL) of ``ids`` (see ``nll``)."""
-    total, count = nll(lm, ids, window)
+    total, count = nll(lm, ids, window, kv_dtype=kv_dtype)
     return math.exp(total / max(count, 1))

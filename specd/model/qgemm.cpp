@@ -770,6 +770,23 @@ static inline __m256 exp_nonpos(__m256 x) {
     return _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
 }
 
+// K/V cache elements: fp32, or fp16 (IEEE half, the bits torch.float16 stores: half_t), widened to
+// fp32 exactly on load (F16C), so every computation after the load is the fp32 cache's.
+typedef uint16_t half_t;
+static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8(const half_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+static inline float ld1(const float* p) { return *p; }
+static inline float ld1(const half_t* p) { return _cvtsh_ss(*p); }
+X512 static inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+X512 static inline __m512 ld16(const half_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+// A value row's 32-column slice at p, fetched ahead: 128 bytes in fp32, 64 in fp16
+template <class T>
+static inline void prefetch_slice(const T* p) {
+    _mm_prefetch((const char*)p, _MM_HINT_T0);
+    if (sizeof(T) == 4) _mm_prefetch((const char*)p + 64, _MM_HINT_T0);
+}
+
 // Weighted sums of NR rows over one 32-column slice c0 .. c0+31 of the values: out_i[c] = (sum_j
 // p_i[j] * v_j[c], one fmaf per key in key order) * inv_i; a key whose weight is 0 is skipped for
 // that row (its value is never read for it). Every output element is its own fma chain over the keys
@@ -784,16 +801,13 @@ static void wsum32(const float* p, int64_t L8, int64_t L, VRow vrow, int64_t c0,
     for (int i = 0; i < NR; i++)
         for (int t = 0; t < 4; t++) acc[i][t] = _mm256_setzero_ps();
     for (int64_t j = 0; j < L; j++) {
-        if (j + KV_PREFETCH < L) {
-            const char* pf = (const char*)(vrow(j + KV_PREFETCH) + c0);
-            _mm_prefetch(pf, _MM_HINT_T0), _mm_prefetch(pf + 64, _MM_HINT_T0);
-        }
-        const float* vj = vrow(j) + c0;
+        if (j + KV_PREFETCH < L) prefetch_slice(vrow(j + KV_PREFETCH) + c0);
+        const auto* vj = vrow(j) + c0;
         for (int i = 0; i < NR; i++) {
             const float w = p[i * L8 + j];
             if (w == 0.f) continue;
             const __m256 wv = _mm256_set1_ps(w);
-            for (int t = 0; t < 4; t++) acc[i][t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vj + 8 * t), acc[i][t]);
+            for (int t = 0; t < 4; t++) acc[i][t] = _mm256_fmadd_ps(wv, ld8(vj + 8 * t), acc[i][t]);
         }
     }
     for (int i = 0; i < NR; i++)
@@ -857,35 +871,38 @@ static inline void transpose8(__m256 r[8]);
 
 // Keys j .. j+7 of the keys behind ``kptr`` (one pointer per key, the paged cache's rows; zero past
 // L) transposed into KT8 [D, 8]: the 8-key slice of pack_kt's KT, built in L1 where it is used.
-static inline void prefetch_rows(const float* const* ptr, int64_t j, int64_t n, int64_t L, int64_t bytes) {
+template <class T>
+static inline void prefetch_rows(const T* const* ptr, int64_t j, int64_t n, int64_t L, int64_t bytes) {
     for (int64_t t = j; t < j + n && t < L; t++)
         for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)ptr[t] + b, _MM_HINT_T0);
 }
 
-static inline void pack8(const float* const* kptr, int64_t j, int64_t L, int64_t D, float* KT8, int64_t ld = 8) {
-    prefetch_rows(kptr, j + KV_PREFETCH, 8, L, D * sizeof(float));
+template <class T>
+static inline void pack8(const T* const* kptr, int64_t j, int64_t L, int64_t D, float* KT8, int64_t ld = 8) {
+    prefetch_rows(kptr, j + KV_PREFETCH, 8, L, D * sizeof(T));
     if (D % 8 == 0) {
         for (int64_t d = 0; d < D; d += 8) {
             __m256 r[8];
-            for (int t = 0; t < 8; t++) r[t] = j + t < L ? _mm256_loadu_ps(kptr[j + t] + d) : _mm256_setzero_ps();
+            for (int t = 0; t < 8; t++) r[t] = j + t < L ? ld8(kptr[j + t] + d) : _mm256_setzero_ps();
             transpose8(r);
             for (int t = 0; t < 8; t++) _mm256_storeu_ps(KT8 + (d + t) * ld, r[t]);
         }
         return;
     }
     for (int64_t d = 0; d < D; d++)
-        for (int t = 0; t < 8; t++) KT8[d * ld + t] = j + t < L ? kptr[j + t][d] : 0.f;
+        for (int t = 0; t < 8; t++) KT8[d * ld + t] = j + t < L ? ld1(kptr[j + t] + d) : 0.f;
 }
 
 // score_rows for keys j0 .. j1-1 (multiples of 8) read through ``kptr`` (no packed copy of the keys):
 // the same scores, bit for bit (the same 8-key vectors, the same sum over d in order), keys in the
 // outer loop; rows r0 .. r0+nr-1 of q (mask row r % Q) into S [nr, L8] (L8 = L rounded up to 8).
-static void score_keys(const float* q, int64_t r0, int64_t nr, const float* const* kptr, int64_t j0, int64_t j1,
+template <class T>
+static void score_keys(const float* q, int64_t r0, int64_t nr, const T* const* kptr, int64_t j0, int64_t j1,
                        const float* mask, int64_t Q, int64_t L, int64_t D, float scale, float* S) {
     const int64_t L8 = (L + 7) / 8 * 8;
     alignas(32) float KT8[8 * 256];  // head_dim <= 256 (checked by the caller: fused.py)
     __m256 acc[4];
-    prefetch_rows(kptr, j0, KV_PREFETCH, L, D * sizeof(float));  // (pack8 asks for the later ones)
+    prefetch_rows(kptr, j0, KV_PREFETCH, L, D * sizeof(T));  // (pack8 asks for the later ones)
     for (int64_t j = j0; j < j1; j += 8) {
         pack8(kptr, j, L, D, KT8);
         for (int64_t i0 = 0; i0 < nr; i0 += 4) {
@@ -937,12 +954,13 @@ X512 static inline void store_scores16(const __m512* acc, int64_t ni, int64_t a,
 }
 
 // score_keys (the same arguments and bits), 16 keys at a time (a last 8 through score_keys)
-X512 static void score_keys_512(const float* q, int64_t r0, int64_t nr, const float* const* kptr, int64_t j0,
+template <class T>
+X512 static void score_keys_512(const float* q, int64_t r0, int64_t nr, const T* const* kptr, int64_t j0,
                                 int64_t j1, const float* mask, int64_t Q, int64_t L, int64_t D, float scale, float* S) {
     const int64_t L8 = (L + 7) / 8 * 8;
     alignas(64) float KT16[16 * 256];  // head_dim <= 256 (checked by the caller: fused.py)
     __m512 acc[4];
-    prefetch_rows(kptr, j0, KV_PREFETCH, L, D * sizeof(float));
+    prefetch_rows(kptr, j0, KV_PREFETCH, L, D * sizeof(T));
     int64_t j = j0;
     for (; j + 16 <= j1; j += 16) {
         pack8(kptr, j, L, D, KT16, 16);
@@ -970,12 +988,9 @@ X512 static void wsum32_512(const float* p, int64_t L8, int64_t L, VRow vrow, in
     __m512 acc[NR][2];
     for (int i = 0; i < NR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < L; j++) {
-        if (j + KV_PREFETCH < L) {
-            const char* pf = (const char*)(vrow(j + KV_PREFETCH) + c0);
-            _mm_prefetch(pf, _MM_HINT_T0), _mm_prefetch(pf + 64, _MM_HINT_T0);
-        }
-        const float* vj = vrow(j) + c0;
-        const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
+        if (j + KV_PREFETCH < L) prefetch_slice(vrow(j + KV_PREFETCH) + c0);
+        const auto* vj = vrow(j) + c0;
+        const __m512 v0 = ld16(vj), v1 = ld16(vj + 16);
         for (int i = 0; i < NR; i++) {
             const float w = p[i * L8 + j];
             if (w == 0.f) continue;
@@ -1070,8 +1085,8 @@ static void weighted_sums(int64_t n, const float* S, int64_t L, VRow vrow, int64
         for (int64_t j = 0; j < L; j++) {
             const float w = si[j];
             if (w == 0.f) continue;  // masked or negligible: never read its value (padding may hold anything)
-            const float* vj = vrow(j);
-            for (int64_t d = 0; d < D; d++) o[d] = fmaf(w, vj[d], o[d]);
+            const auto* vj = vrow(j);
+            for (int64_t d = 0; d < D; d++) o[d] = fmaf(w, ld1(vj + d), o[d]);
         }
         for (int64_t d = 0; d < D; d++) o[d] *= inv[i];
     }
@@ -1228,9 +1243,9 @@ static void silu_mul_rows(const float* gu, int64_t T, int64_t inter, float* a) {
 }
 
 // key and value rows of (sequence b, KV head h) for positions 0 .. Lp-1, through the block table
-static inline void kv_rows(const float* kv, const float* vbase, int64_t b, int64_t h, int64_t KVH, int64_t D,
-                           const int32_t* bt, int64_t maxb, int64_t BS, int64_t Lp, const float** kp,
-                           const float** vp) {
+template <class E>
+static inline void kv_rows(const E* kv, const E* vbase, int64_t b, int64_t h, int64_t KVH, int64_t D,
+                           const int32_t* bt, int64_t maxb, int64_t BS, int64_t Lp, const E** kp, const E** vp) {
     for (int64_t j = 0; j < Lp; j++) {
         const int64_t slot = (int64_t)bt[b * maxb + j / BS] * BS + j % BS;
         kp[j] = kv + (slot * KVH + h) * D;
@@ -1258,16 +1273,17 @@ static double att2_max_bytes() {
     return e ? atof(e) : (double)ATT2_MAX_BYTES;
 }
 
-static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int64_t KVH, int64_t D, const float* kv,
+template <class E>
+static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int64_t KVH, int64_t D, const E* kv,
                                int64_t nslots, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
                                int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, float* o) {
     const int64_t G = H / KVH, L8 = (Lp + 7) / 8 * 8, T = qsl[B] - qsl[0];
     if (D % WS_COLS || (double)G * KVH * T * L8 * sizeof(float) > att2_max_bytes()) return false;
     const int64_t mr = ws_max_rows(), ngm = (G * Qm + mr - 1) / mr;  // row groups per (sequence, KV head), at most
-    const float* vbase = kv + nslots * KVH * D;
+    const E* vbase = kv + nslots * KVH * D;
     // per (b, h): its rows (g * q + i) from row base(b, h) of S and QG, its keys' and values' rows
     std::vector<float> S(G * KVH * T * L8), QG(G * KVH * T * D), INV(G * KVH * T);
-    std::vector<const float*> KP(B * KVH * Lp), VP(B * KVH * Lp);
+    std::vector<const E*> KP(B * KVH * Lp), VP(B * KVH * Lp);
     const int64_t nch = (L8 + ATT2_CHUNK - 1) / ATT2_CHUNK;
     auto base = [&](int64_t b, int64_t h) { return (h * T + (qsl[b] - qsl[0])) * G; };
 #pragma omp parallel
@@ -1290,7 +1306,7 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
                     const int64_t q = qsl[b + 1] - qsl[b], R = G * q, j0 = c * ATT2_CHUNK;
                     const int64_t j1 = j0 + ATT2_CHUNK < L8 ? j0 + ATT2_CHUNK : L8;
                     if (R > 0)
-                        (att_avx512() ? score_keys_512 : score_keys)(QG.data() + base(b, h) * D, 0, R, KP.data() + (b * KVH + h) * Lp, j0, j1,
+                        (att_avx512() ? score_keys_512<E> : score_keys<E>)(QG.data() + base(b, h) * D, 0, R, KP.data() + (b * KVH + h) * Lp, j0, j1,
                                    bias + b * Qm * Lp, q, Lp, D, scale, S.data() + base(b, h) * L8);
                 }
 #pragma omp for schedule(dynamic) collapse(3)
@@ -1316,7 +1332,7 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
                             const int64_t r = r0 + i, g = r / q;
                             outp[i] = o + (t0 + r % q) * H * D + (h * G + g) * D;
                         }
-                        const float* const* vp = VP.data() + (b * KVH + h) * Lp;
+                        const E* const* vp = VP.data() + (b * KVH + h) * Lp;
                         wsum_rows(nk, S.data() + (base(b, h) + r0) * L8, L8, Lp, [vp](int64_t j) { return vp[j]; },
                                   c0, INV.data() + base(b, h) + r0, outp);
                     }
@@ -1329,16 +1345,17 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
 // in place through the block table: one pointer per key, keys transposed 8 at a time in L1 (a packed
 // copy of the whole context per layer cost more than the attention itself at 2k tokens).
 //   qkv [T, stride] (q heads first), kv [2, nslots, KVH, D], bias [B, Qm, Lp] additive, o [T, H * D]
-static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t KVH, int64_t D, const float* kv,
+template <class E>
+static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t KVH, int64_t D, const E* kv,
                             int64_t nslots, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
                             int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, float* o) {
     const int64_t G = H / KVH, L8 = (Lp + 7) / 8 * 8;
-    const float* vbase = kv + nslots * KVH * D;
+    const E* vbase = kv + nslots * KVH * D;
 #pragma omp parallel
     {
         // per-thread scratch kept between calls (grown, never cleared: every element read is written first)
         static thread_local std::vector<float> S, QG, OUT;
-        static thread_local std::vector<const float*> KP, VP;
+        static thread_local std::vector<const E*> KP, VP;
         grow(S, ATT_ROWS * L8), grow(QG, G * Qm * D), grow(OUT, G * Qm * D);
         if ((int64_t)KP.size() < Lp) KP.resize(Lp), VP.resize(Lp);
 #pragma omp for schedule(static) collapse(2)
@@ -1346,13 +1363,13 @@ static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t
             for (int64_t h = 0; h < KVH; h++) {
                 const int64_t t0 = qsl[b], q = qsl[b + 1] - qsl[b], R = G * q;
                 kv_rows(kv, vbase, b, h, KVH, D, bt, maxb, BS, Lp, KP.data(), VP.data());
-                const float* const* vp = VP.data();
+                const E* const* vp = VP.data();
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t i = 0; i < q; i++)
                         memcpy(QG.data() + (g * q + i) * D, qkv + (t0 + i) * stride + (h * G + g) * D, D * sizeof(float));
                 for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {
                     const int64_t nr = R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS;
-                    (att_avx512() ? score_keys_512 : score_keys)(QG.data(), r0, nr, KP.data(), 0, L8, bias + b * Qm * Lp,
+                    (att_avx512() ? score_keys_512<E> : score_keys<E>)(QG.data(), r0, nr, KP.data(), 0, L8, bias + b * Qm * Lp,
                                                                  q, Lp, D, scale, S.data());
                     attn_finish(r0, nr, [vp](int64_t j) { return vp[j]; }, Lp, D, S.data(), OUT.data());
                 }
@@ -1361,6 +1378,32 @@ static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t
                         memcpy(o + (t0 + i) * H * D + (h * G + g) * D, OUT.data() + (g * q + i) * D, D * sizeof(float));
             }
     }
+}
+
+// A K or V row into the cache: fp32 as is, fp16 rounded to nearest even (as torch's .to(float16))
+static inline void store_row(float* dst, const float* src, int64_t n) { memcpy(dst, src, n * sizeof(float)); }
+static inline void store_row(half_t* dst, const float* src, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i*)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+// The step's new keys and values (rows of qkv after the q heads) into their cache slots, then the
+// attention of every row over the paged cache (kv [2, nslots, KVH, D] of E: float or half_t)
+template <class E>
+static void write_and_attend(E* kv, const float* qkv, int64_t T, int64_t stride, int64_t H, int64_t KVH, int64_t D,
+                             int64_t nslots, const int64_t* slot_mapping, const int32_t* qsl, int64_t B,
+                             const int32_t* bt, int64_t maxb, int64_t BS, const float* bias, int64_t Qm, int64_t Lp,
+                             float scale, float* o) {
+    const int64_t nq = H * D, nkv = KVH * D;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t s = slot_mapping[t];
+        store_row(kv + s * nkv, qkv + t * stride + nq, nkv);
+        store_row(kv + (nslots + s) * nkv, qkv + t * stride + nq + nkv, nkv);
+    }
+    if (!paged_attention_2p(qkv, stride, H, KVH, D, (const E*)kv, nslots, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale, o))
+        paged_attention(qkv, stride, H, KVH, D, (const E*)kv, nslots, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale, o);
 }
 
 extern "C" {
@@ -1401,26 +1444,26 @@ void specd_qgemm_x8(const float* x, int64_t M, int64_t K, const uint8_t* w, cons
 // x += down(silu(gate) * up(norm(x))). lins: qkv, o, gate_up, down. The new K, V go to slot_mapping.
 void specd_head_layer(float* x, const float* e, const float* w_e, int64_t T, int64_t d, const float* w_in,
                       const float* w_post, float eps, const Lin* lins, int64_t H, int64_t KVH, int64_t D, int64_t inter,
-                      const float* cos, const float* sin, const int64_t* pos, float* kv, int64_t nslots,
+                      const float* cos, const float* sin, const int64_t* pos, void* kv, int64_t nslots,
                       const int64_t* slot_mapping, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
-                      int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale);
+                      int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, int64_t kv16);
 
 void specd_layer(float* x, int64_t T, int64_t d, const float* w_in, const float* w_post, float eps, const Lin* lins,
                  int64_t H, int64_t KVH, int64_t D, int64_t inter, const float* cos, const float* sin,
-                 const int64_t* pos, float* kv, int64_t nslots, const int64_t* slot_mapping, const int32_t* qsl,
+                 const int64_t* pos, void* kv, int64_t nslots, const int64_t* slot_mapping, const int32_t* qsl,
                  int64_t B, const int32_t* bt, int64_t maxb, int64_t BS, const float* bias, int64_t Qm, int64_t Lp,
-                 float scale) {
+                 float scale, int64_t kv16) {
     specd_head_layer(x, nullptr, nullptr, T, d, w_in, w_post, eps, lins, H, KVH, D, inter, cos, sin, pos, kv, nslots,
-                     slot_mapping, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale);
+                     slot_mapping, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale, kv16);
 }
 
 // One decoder layer (specd_layer), or with e != nullptr a feature head's (specd/model/head.py): its
 // q/k/v projection reads [rms(e) * w_e, rms(x) * w_in] (2d wide per row) instead of rms(x) * w_in.
 void specd_head_layer(float* x, const float* e, const float* w_e, int64_t T, int64_t d, const float* w_in,
                       const float* w_post, float eps, const Lin* lins, int64_t H, int64_t KVH, int64_t D, int64_t inter,
-                      const float* cos, const float* sin, const int64_t* pos, float* kv, int64_t nslots,
+                      const float* cos, const float* sin, const int64_t* pos, void* kv, int64_t nslots,
                       const int64_t* slot_mapping, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
-                      int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale) {
+                      int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, int64_t kv16) {
     const int64_t din = e ? 2 * d : d;
     std::vector<float> fs, h(T * din), qkv(T * (H + 2 * KVH) * D), o(T * H * D), gu(T * 2 * inter), a(T * inter);
     std::vector<float> xp;
@@ -1436,14 +1479,12 @@ void specd_head_layer(float* x, const float* e, const float* w_e, int64_t T, int
     }
     lin(lins[0], h.data(), T, nullptr, qkv.data(), fs, qs, xp);
     rope_rows(qkv.data(), T, stride, H + KVH, D, cos, sin, pos);
-    for (int64_t t = 0; t < T; t++) {
-        const int64_t s = slot_mapping[t];
-        memcpy(kv + s * nkv, qkv.data() + t * stride + nq, nkv * sizeof(float));
-        memcpy(kv + (nslots + s) * nkv, qkv.data() + t * stride + nq + nkv, nkv * sizeof(float));
-    }
-    if (!paged_attention_2p(qkv.data(), stride, H, KVH, D, kv, nslots, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale,
-                            o.data()))
-        paged_attention(qkv.data(), stride, H, KVH, D, kv, nslots, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale, o.data());
+    if (kv16)
+        write_and_attend((half_t*)kv, qkv.data(), T, stride, H, KVH, D, nslots, slot_mapping, qsl, B, bt, maxb, BS, bias,
+                         Qm, Lp, scale, o.data());
+    else
+        write_and_attend((float*)kv, qkv.data(), T, stride, H, KVH, D, nslots, slot_mapping, qsl, B, bt, maxb, BS, bias,
+                         Qm, Lp, scale, o.data());
     lin(lins[1], o.data(), T, x, x, fs, qs, xp);
     rms_rows(x, T, d, w_post, eps, h.data());
     lin(lins[2], h.data(), T, nullptr, gu.data(), fs, qs, xp);

@@ -39,13 +39,13 @@ from specd.model.errors import cache_dir
 
 log = logging.getLogger("specd.quant")
 SOURCE = Path(__file__).with_name("qgemm.cpp")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
 def _cpu_ok() -> bool:
     from specd.model.cpu import cpu_info
 
-    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= cpu_info()["flags"]
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= cpu_info()["flags"]
 
 
 def _build(out: Path) -> None:
@@ -83,7 +83,7 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_qgemm_x8.argtypes = [p, i, i, p, p, p, i, ctypes.c_int, p, p, p]
     lib.specd_qgemm_x8.restype = None
     f = ctypes.c_float
-    lib.specd_layer.argtypes = [p, i, i, p, p, f, p, i, i, i, i, p, p, p, p, i, p, p, i, p, i, i, p, i, i, f]
+    lib.specd_layer.argtypes = [p, i, i, p, p, f, p, i, i, i, i, p, p, p, p, i, p, p, i, p, i, i, p, i, i, f, i]
     lib.specd_layer.restype = None
     lib.specd_head_layer.argtypes = [p, p, p, *lib.specd_layer.argtypes[1:]]
     lib.specd_head_layer.restype = None
