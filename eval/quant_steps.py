@@ -19,17 +19,19 @@ from eval import harness as H
 PROMPTS = ["The capital of France is a city that", "Write a short poem about the sea.", "What is 17 times 23?"]
 
 
-def forward_ms(lm, rows: int, reps: int = 15, ctx: int = 32) -> float:
+def forward_ms(lm, rows: int, reps: int = 15, ctx: int = 32, kv_dtype=None) -> float:
     """Median ms of one target forward of ``rows`` new tokens after a ``ctx``-token context (the
     cache's contents are whatever it holds: the cost does not depend on them), with the attention
-    backend the engine picks here (on a CPU with the kernel: the fused layers)."""
+    backend the engine picks here (on a CPU with the kernel: the fused layers), over a KV cache of
+    ``kv_dtype`` (default: the model's dtype)."""
     import torch
 
     from specd.engine.kv_cache import KVCache
     from specd.model.attention import build_metadata, get_backend
 
     c, m = lm.config, lm.model
-    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, (ctx + rows) // 16 + 2, 16, lm.dtype, torch.device("cpu"))
+    blocks, dt = (ctx + rows) // 16 + 2, kv_dtype or lm.dtype
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, blocks, 16, dt, torch.device("cpu"))
     seq = cache.new_seq()
     seq.reserve(ctx + rows)
     meta = build_metadata([rows], [ctx], [seq.blocks], seq.slots(ctx, ctx + rows), 16, torch.device("cpu"))
@@ -61,6 +63,12 @@ def main(argv=None) -> int:
         default="",
         help="comma list of int8-activation GEMM instruction sets (amx, avx512vnni, avx2): the forward ms "
         "of each width per set and context (--contexts, else 32) for the first variant, in rotated rounds",
+    )
+    ap.add_argument(
+        "--kv-dtypes",
+        default="",
+        help="comma list of KV cache dtypes (float32, float16): the forward ms of each width per dtype and "
+        "context (--contexts, else 32) for the first variant, in rotated rounds",
     )
     a = ap.parse_args(argv)
     H.set_threads(a.threads)
@@ -102,6 +110,8 @@ def main(argv=None) -> int:
             print(C.md_table(["context"] + [f"{w} rows" for w in widths], table))
     if a.isas:
         isa_table(next(iter(models.values())), a.isas.split(","), widths, a.contexts or "32", a.rounds)
+    if a.kv_dtypes:
+        kv_table(next(iter(models.values())), a.kv_dtypes.split(","), widths, a.contexts or "32", a.rounds)
     return 0
 
 
@@ -125,6 +135,24 @@ def isa_table(lm, isas: list, widths: list, contexts: str, rounds: int) -> None:
     print("\nforward ms by int8-activation GEMM instruction set")
     head = ["set", "context"] + [f"{w} rows" for w in widths]
     rows = [[isa, str(n)] + [f"{statistics.median(ms[(isa, n, w)]):.2f}" for w in widths] for n in ctxs for isa in isas]
+    print(C.md_table(head, rows))
+
+
+def kv_table(lm, kv_dtypes: list, widths: list, contexts: str, rounds: int) -> None:
+    """Forward ms by KV cache element type, the types rotated within each round; medians over rounds."""
+    import torch
+
+    ctxs = [int(x) for x in contexts.split(",")]
+    ms: dict = {}
+    for _ in range(rounds):
+        for n in ctxs:
+            for w in widths:
+                for kv in kv_dtypes:
+                    ms.setdefault((kv, n, w), []).append(forward_ms(lm, w, ctx=n, kv_dtype=getattr(torch, kv)))
+    print("\nforward ms by KV cache dtype")
+    head = ["KV cache", "context"] + [f"{w} rows" for w in widths]
+    med = {k: statistics.median(v) for k, v in ms.items()}
+    rows = [[kv, str(n)] + [f"{med[(kv, n, w)]:.2f}" for w in widths] for n in ctxs for kv in kv_dtypes]
     print(C.md_table(head, rows))
 
 
