@@ -45,7 +45,7 @@ def forward_ms(lm, rows: int, reps: int = 15, ctx: int = 32, kv_dtype=None) -> f
     return 1e3 * statistics.median(times[2:])
 
 
-def main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
     ap.add_argument("--variants", default="float32:none,bfloat16:none,float32:int8,float32:int4,float32:gguf")
@@ -70,7 +70,11 @@ def main(argv=None) -> int:
         help="comma list of KV cache dtypes (float32, float16): the forward ms of each width per dtype and "
         "context (--contexts, else 32) for the first variant, in rotated rounds",
     )
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
     H.set_threads(a.threads)
     H.quiet_transformers()
     from specd.engine.sampling import SamplingParams

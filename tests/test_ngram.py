@@ -247,8 +247,9 @@ def test_lookup_probes_are_short_and_staggered_while_lookup_does_not_pay(shared_
 
 
 def test_lookups_stop_at_a_batch_size_where_they_delivered_less_than_plain(shared_pair):
-    """At a batch size where adaptive requests' lookup-only steps have delivered fewer tokens per
-    second than plain steps (an EMA over ``LOOKUP_GUARD_MIN`` or more of them), a request's lookup
+    """At a batch size (its power-of-two bucket) where adaptive requests' lookup-only steps have
+    delivered fewer tokens per second than plain steps (an EMA over ``LOOKUP_GUARD_MIN`` or more of
+    them), a request's lookup
     budget is a staggered ``LOOKUP_PROBE`` only, whatever its priced length; once they deliver more,
     the priced length is back. Batch 1 is never guarded."""
     from specd.speculation.policy import LOOKUP_GUARD_MIN, LOOKUP_ONLY, LOOKUP_PROBE, StepPlan
@@ -256,7 +257,8 @@ def test_lookups_stop_at_a_batch_size_where_they_delivered_less_than_plain(share
     t, d = shared_pair
     eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
     pol = eng.policy
-    pol.t_target, pol.t_per_token, pol.t_plain = 0.010, 0.0001, {1: 0.010, 16: 0.016}
+    pol.t_target, pol.t_per_token = 0.010, 0.0001
+    pol.t_plain = {1: 0.010, 16: 0.016, **{b: 0.001 * b for b in range(12, 16)}}  # 1000 tokens/s plain
     pol.note_width(16, 16 * 1000)
     seqs = [eng.add_request([5, 6, 7, i], GREEDY, SpecParams(mode="auto")) for i in range(16)]
     for s in seqs:
@@ -274,7 +276,10 @@ def test_lookups_stop_at_a_batch_size_where_they_delivered_less_than_plain(share
     assert all(n > LOOKUP_PROBE and depth == LOOKUP_ONLY for row in budgets() for n, depth in row)
     for _ in range(LOOKUP_GUARD_MIN):
         pol.note_lookup_step(16, 17, 0.020)  # 850 tokens/s against plain's 16 / 0.016 = 1000
-    assert pol.lookups_lose(16) and not pol.lookups_lose(4)
+    assert pol.lookups_lose(16) and not pol.lookups_lose(4) and not pol.lookups_lose(15)
+    for _ in range(LOOKUP_GUARD_MIN):  # sizes 8-15 are judged together (a draining group's steps)
+        pol.note_lookup_step(12 + _ % 4, 12, 0.020)  # 600 tokens/s against ~1000
+    assert pol.lookups_lose(8) and pol.lookups_lose(15) and not pol.lookups_lose(7)
     rows = budgets()
     assert all(b in ((0, 0), (LOOKUP_PROBE, LOOKUP_ONLY)) for row in rows for b in row)
     probes = [step for step, row in enumerate(rows) for b in row if b[0]]
@@ -284,7 +289,7 @@ def test_lookups_stop_at_a_batch_size_where_they_delivered_less_than_plain(share
     assert not pol.lookups_lose(16)
     assert all(n > LOOKUP_PROBE for row in budgets() for n, _ in row)
     pol.note_lookup_step(1, 1, 1.0)  # (batch 1 is not recorded)
-    assert 1 not in pol._lookup_gain
+    assert not pol.lookups_lose(1) and (1).bit_length() not in pol._lookup_gain
 
 
 def test_new_requests_start_from_the_engines_lookup_acceptance(shared_pair):

@@ -38,8 +38,9 @@ rows are nearly free (a GPU) the wide tree does.
 
 Prompt lookup alone (an adaptive request's step while the model does not pay): each request's
 length maximises expected tokens per second as if every request drafted as much
-(``ngram_budget``); at a batch size (>= 2) where such steps have delivered fewer tokens per second
-than plain steps (``lookups_lose``: an EMA of the realized ratio over 8+ of them), lookups are a
+(``ngram_budget``); at a batch size (>= 2; judged per power-of-two bucket of sizes) where such
+steps have delivered fewer tokens per second than plain steps (``lookups_lose``: an EMA of the
+realized ratio over 8+ of them), lookups are a
 staggered 2-token probe only until the ratio recovers: at 16 requests on a CPU only a few requests
 match, and the few rows they add cost ~1 ms each against ~1.5 ms per plain token.
 
@@ -484,22 +485,26 @@ class SpecPolicy:
 
     def note_lookup_step(self, batch: int, tokens: int, seconds: float) -> None:
         """A decode step of ``batch`` (>= 2) requests whose drafts were all prompt lookups emitted
-        ``tokens`` in ``seconds``: its realized rate against a plain step's at that batch size."""
+        ``tokens`` in ``seconds``: its realized rate against a plain step's at that batch size,
+        pooled per power-of-two bucket of batch sizes (a group draining from 16 requests spends
+        only a few steps at each size, too few to judge one size alone)."""
         t0 = self.plain_cost(batch)
         if batch < 2 or t0 is None or seconds <= 0:
             return
         g = tokens / seconds / (batch / t0)
-        e = self._lookup_gain.get(batch)
-        self._lookup_gain[batch] = [g, 1] if e is None else [0.9 * e[0] + 0.1 * g, e[1] + 1]
+        k = batch.bit_length()
+        e = self._lookup_gain.get(k)
+        self._lookup_gain[k] = [g, 1] if e is None else [0.9 * e[0] + 0.1 * g, e[1] + 1]
 
     def lookups_lose(self, batch: int) -> bool:
-        """Whether adaptive requests' lookup-only steps at ``batch`` have delivered fewer tokens per
-        second than plain steps (an EMA over at least ``LOOKUP_GUARD_MIN`` of them). The per-request
+        """Whether adaptive requests' lookup-only steps at ``batch`` (its power-of-two bucket of
+        batch sizes) have delivered fewer tokens per second than plain steps (an EMA over at least
+        ``LOOKUP_GUARD_MIN`` of them). The per-request
         pricing (``ngram_budget``) assumes every request drafts as much, while at 16 requests on a
         CPU a few matches verify a few rows at ~1 ms each (the target's rows and the step's own
         work) against ~1.5 ms per plain token, so sparse lookups accepted ~60% of the time lose;
         what they delivered is the check."""
-        e = self._lookup_gain.get(batch)
+        e = self._lookup_gain.get(batch.bit_length()) if batch >= 2 else None
         return e is not None and e[1] >= LOOKUP_GUARD_MIN and e[0] < 1.0
 
     def _verify_cost(self, nodes: int, batch: int, t_plain: float) -> float:
