@@ -267,3 +267,18 @@ def test_rollback_invariant_over_thousands_of_random_steps(shared_pair, monkeypa
     assert checked > 20
     assert eng.kv_blocks_used() == (0, 0)
     assert eng.cache.pool.num_free == eng.cache.pool.num_blocks
+
+
+def test_greedy_tokens_are_torch_argmax_ties_and_nan_included():
+    """The verifier's per-row argmax (numpy on a CPU) picks what ``torch.argmax`` picks: the first of
+    equal maxima, and a NaN where one is."""
+    from specd.engine.stages import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(17, 49152, generator=g)
+    x[3, 100] = x[3, 7] = x[3].max() + 1  # a tie: the lower id wins
+    x[5, 2000] = float("nan")
+    x[6] = 0.0  # all equal
+    assert greedy_tokens(x) == x.argmax(-1).tolist()
+    assert greedy_tokens(x)[3] == 7 and greedy_tokens(x)[6] == 0
+    assert greedy_tokens(x[:, ::2]) == x[:, ::2].argmax(-1).tolist()  # a strided view
