@@ -1281,9 +1281,17 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
     if (D % WS_COLS || (double)G * KVH * T * L8 * sizeof(float) > att2_max_bytes()) return false;
     const int64_t mr = ws_max_rows(), ngm = (G * Qm + mr - 1) / mr;  // row groups per (sequence, KV head), at most
     const E* vbase = kv + nslots * KVH * D;
-    // per (b, h): its rows (g * q + i) from row base(b, h) of S and QG, its keys' and values' rows
-    std::vector<float> S(G * KVH * T * L8), QG(G * KVH * T * D), INV(G * KVH * T);
-    std::vector<const E*> KP(B * KVH * Lp), VP(B * KVH * Lp);
+    // scratch of the calling thread, kept between calls (grown, never cleared: every element read is
+    // written first; allocating and zeroing it per layer cost 4-7% of a step: page faults on fresh
+    // mmap'd memory); the threads use it through the pointers. Per (b, h): its rows (g * q + i) from
+    // row base(b, h) of S and QG, its keys' and values' rows in KP and VP.
+    static thread_local std::vector<float> s_buf, qg_buf, inv_buf;
+    grow(s_buf, G * KVH * T * L8), grow(qg_buf, G * KVH * T * D), grow(inv_buf, G * KVH * T);
+    float *const S = s_buf.data(), *const QG = qg_buf.data(), *const INV = inv_buf.data();
+    static thread_local std::vector<const E*> kp_buf, vp_buf;
+    if ((int64_t)kp_buf.size() < B * KVH * Lp) kp_buf.resize(B * KVH * Lp), vp_buf.resize(B * KVH * Lp);
+    const E** const KP = kp_buf.data();
+    const E** const VP = vp_buf.data();
     const int64_t nch = (L8 + ATT2_CHUNK - 1) / ATT2_CHUNK;
     auto base = [&](int64_t b, int64_t h) { return (h * T + (qsl[b] - qsl[0])) * G; };
 #pragma omp parallel
@@ -1292,12 +1300,12 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
         for (int64_t b = 0; b < B; b++)
             for (int64_t h = 0; h < KVH; h++) {
                 const int64_t t0 = qsl[b], q = qsl[b + 1] - qsl[b];
-                float* qg = QG.data() + base(b, h) * D;
+                float* qg = QG + base(b, h) * D;
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t i = 0; i < q; i++)
                         memcpy(qg + (g * q + i) * D, qkv + (t0 + i) * stride + (h * G + g) * D, D * sizeof(float));
-                kv_rows(kv, vbase, b, h, KVH, D, bt, maxb, BS, Lp, KP.data() + (b * KVH + h) * Lp,
-                        VP.data() + (b * KVH + h) * Lp);
+                kv_rows(kv, vbase, b, h, KVH, D, bt, maxb, BS, Lp, KP + (b * KVH + h) * Lp,
+                        VP + (b * KVH + h) * Lp);
             }
 #pragma omp for schedule(dynamic) collapse(3)
         for (int64_t b = 0; b < B; b++)
@@ -1306,8 +1314,8 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
                     const int64_t q = qsl[b + 1] - qsl[b], R = G * q, j0 = c * ATT2_CHUNK;
                     const int64_t j1 = j0 + ATT2_CHUNK < L8 ? j0 + ATT2_CHUNK : L8;
                     if (R > 0)
-                        (att_avx512() ? score_keys_512<E> : score_keys<E>)(QG.data() + base(b, h) * D, 0, R, KP.data() + (b * KVH + h) * Lp, j0, j1,
-                                   bias + b * Qm * Lp, q, Lp, D, scale, S.data() + base(b, h) * L8);
+                        (att_avx512() ? score_keys_512<E> : score_keys<E>)(QG + base(b, h) * D, 0, R, KP + (b * KVH + h) * Lp, j0, j1,
+                                   bias + b * Qm * Lp, q, Lp, D, scale, S + base(b, h) * L8);
                 }
 #pragma omp for schedule(dynamic) collapse(3)
         for (int64_t b = 0; b < B; b++)
@@ -1315,8 +1323,8 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
                 for (int64_t r0 = 0; r0 < G * Qm; r0 += 4) {
                     const int64_t R = G * (qsl[b + 1] - qsl[b]);
                     if (r0 < R)
-                        softmax_rows(S.data() + (base(b, h) + r0) * L8, R - r0 < 4 ? R - r0 : 4, Lp,
-                                     INV.data() + base(b, h) + r0);
+                        softmax_rows(S + (base(b, h) + r0) * L8, R - r0 < 4 ? R - r0 : 4, Lp,
+                                     INV + base(b, h) + r0);
                 }
 #pragma omp for schedule(dynamic) collapse(4)
         for (int64_t b = 0; b < B; b++)
@@ -1332,9 +1340,9 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
                             const int64_t r = r0 + i, g = r / q;
                             outp[i] = o + (t0 + r % q) * H * D + (h * G + g) * D;
                         }
-                        const E* const* vp = VP.data() + (b * KVH + h) * Lp;
-                        wsum_rows(nk, S.data() + (base(b, h) + r0) * L8, L8, Lp, [vp](int64_t j) { return vp[j]; },
-                                  c0, INV.data() + base(b, h) + r0, outp);
+                        const E* const* vp = VP + (b * KVH + h) * Lp;
+                        wsum_rows(nk, S + (base(b, h) + r0) * L8, L8, Lp, [vp](int64_t j) { return vp[j]; },
+                                  c0, INV + base(b, h) + r0, outp);
                     }
     }
     return true;
@@ -1465,9 +1473,11 @@ void specd_head_layer(float* x, const float* e, const float* w_e, int64_t T, int
                       const int64_t* slot_mapping, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
                       int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, int64_t kv16) {
     const int64_t din = e ? 2 * d : d;
-    std::vector<float> fs, h(T * din), qkv(T * (H + 2 * KVH) * D), o(T * H * D), gu(T * 2 * inter), a(T * inter);
-    std::vector<float> xp;
-    std::vector<int8_t> qs;
+    // the calling thread's scratch, kept between calls (grown, never cleared: every element read is
+    // written first; fresh vectors cost page faults on every layer of every step)
+    static thread_local std::vector<float> fs, h, qkv, o, gu, a, xp;
+    static thread_local std::vector<int8_t> qs;
+    grow(h, T * din), grow(qkv, T * (H + 2 * KVH) * D), grow(o, T * H * D), grow(gu, T * 2 * inter), grow(a, T * inter);
     const int64_t nq = H * D, nkv = KVH * D, stride = nq + 2 * nkv;
     if (e) {
         for (int64_t t = 0; t < T; t++) {
