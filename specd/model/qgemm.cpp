@@ -934,6 +934,20 @@ X512 static inline void scores16(const float* q, int64_t D, const float* KT16, _
     }
 }
 
+// scores16 for 32 keys (KT32 [D, 32]): each query broadcast feeds two key vectors, so a pass is
+// bound by the FMAs rather than the loads; acc[i] keys 0-15, acc[4 + i] keys 16-31
+template <int NI>
+X512 static inline void scores32(const float* q, int64_t D, const float* KT32, __m512* acc) {
+    for (int i = 0; i < NI; i++) acc[i] = acc[4 + i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        const __m512 k0 = _mm512_load_ps(KT32 + d * 32), k1 = _mm512_load_ps(KT32 + d * 32 + 16);
+        for (int i = 0; i < NI; i++) {
+            const __m512 qb = _mm512_set1_ps(q[i * D + d]);
+            acc[i] = _mm512_fmadd_ps(qb, k0, acc[i]), acc[4 + i] = _mm512_fmadd_ps(qb, k1, acc[4 + i]);
+        }
+    }
+}
+
 // store_scores for keys j .. j+15
 X512 static inline void store_scores16(const __m512* acc, int64_t ni, int64_t a, int64_t j, const float* mask,
                                        int64_t Q, int64_t L, float scale, float* S, int64_t L8) {
@@ -953,15 +967,30 @@ X512 static inline void store_scores16(const __m512* acc, int64_t ni, int64_t a,
     }
 }
 
-// score_keys (the same arguments and bits), 16 keys at a time (a last 8 through score_keys)
+// score_keys (the same arguments and bits), 32 keys at a time, then 16 (a last 8 through score_keys)
 template <class T>
 X512 static void score_keys_512(const float* q, int64_t r0, int64_t nr, const T* const* kptr, int64_t j0,
                                 int64_t j1, const float* mask, int64_t Q, int64_t L, int64_t D, float scale, float* S) {
     const int64_t L8 = (L + 7) / 8 * 8;
-    alignas(64) float KT16[16 * 256];  // head_dim <= 256 (checked by the caller: fused.py)
-    __m512 acc[4];
+    alignas(64) float KT16[32 * 256];  // head_dim <= 256 (checked by the caller: fused.py)
+    __m512 acc[8];
     prefetch_rows(kptr, j0, KV_PREFETCH, L, D * sizeof(T));
     int64_t j = j0;
+    for (; j + 32 <= j1; j += 32) {
+        for (int t = 0; t < 4; t++) pack8(kptr, j + 8 * t, L, D, KT16 + 8 * t, 32);
+        for (int64_t i0 = 0; i0 < nr; i0 += 4) {
+            const int64_t ni = nr - i0 < 4 ? nr - i0 : 4;
+            const float* qi = q + (r0 + i0) * D;
+            switch (ni) {
+                case 4: scores32<4>(qi, D, KT16, acc); break;
+                case 3: scores32<3>(qi, D, KT16, acc); break;
+                case 2: scores32<2>(qi, D, KT16, acc); break;
+                default: scores32<1>(qi, D, KT16, acc);
+            }
+            store_scores16(acc, ni, r0 + i0, j, mask, Q, L, scale, S + i0 * L8, L8);
+            store_scores16(acc + 4, ni, r0 + i0, j + 16, mask, Q, L, scale, S + i0 * L8, L8);
+        }
+    }
     for (; j + 16 <= j1; j += 16) {
         pack8(kptr, j, L, D, KT16, 16);
         pack8(kptr, j + 8, L, D, KT16 + 8, 16);
