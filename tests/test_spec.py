@@ -203,6 +203,23 @@ def _cached_kv(cache, blocks, n):
     return kv.view(kv.shape[0], 2, -1, kv.shape[-2], kv.shape[-1])[:, :, torch.tensor(blocks.slots(0, n))]
 
 
+def _assert_caches_equal_a_fresh_prefill(eng, s) -> None:
+    """``s``'s target and draft caches equal a from-scratch prefill of its committed tokens, and the
+    next step's logits from its cache equal the from-scratch ones."""
+    n = s.num_computed
+    ref_kv, ref_logits = _fresh_kv(eng.target, s.tokens[: n + 1])
+    assert torch.allclose(_cached_kv(eng.cache, s.blocks, n), ref_kv[:, :, :n], atol=1e-5)
+    if s.draft_computed:
+        dn = s.draft_computed
+        dref, _ = _fresh_kv(eng.draft, s.tokens[:dn])
+        assert torch.allclose(_cached_kv(eng.draft_cache, s.draft_blocks, dn), dref, atol=1e-5)
+    kv = eng.cache.kv.clone()
+    s.blocks.reserve(n + 1)
+    meta = build_metadata([1], [n], [s.blocks.blocks], [s.blocks.slot(n)], 4, torch.device("cpu"))
+    h = eng.target.model(torch.tensor([s.tokens[n]]), torch.tensor([n]), kv, meta)
+    assert (eng.target.model.compute_logits(h) - ref_logits).abs().max() < 1e-4
+
+
 def test_rollback_invariant_over_thousands_of_random_steps(shared_pair, monkeypatch):
     """Random accept lengths (random paths, random next tokens): after every step both pools balance,
     and every sequence's caches equal a from-scratch prefill of its committed tokens."""
@@ -248,22 +265,9 @@ def test_rollback_invariant_over_thousands_of_random_steps(shared_pair, monkeypa
             eng.draft_cache.pool.check()
             if steps % 50 == 0:
                 for s in seqs:
-                    if s.finished or s.num_computed == 0:
-                        continue
-                    n = s.num_computed
-                    ref_kv, ref_logits = _fresh_kv(eng.target, s.tokens[: n + 1])
-                    assert torch.allclose(_cached_kv(eng.cache, s.blocks, n), ref_kv[:, :, :n], atol=1e-5)
-                    if s.draft_computed:
-                        dn = s.draft_computed
-                        dref, _ = _fresh_kv(eng.draft, s.tokens[:dn])
-                        assert torch.allclose(_cached_kv(eng.draft_cache, s.draft_blocks, dn), dref, atol=1e-5)
-                    # the next step's logits from the cache equal the from-scratch ones
-                    kv = eng.cache.kv.clone()
-                    s.blocks.reserve(n + 1)
-                    meta = build_metadata([1], [n], [s.blocks.blocks], [s.blocks.slot(n)], 4, torch.device("cpu"))
-                    h = eng.target.model(torch.tensor([s.tokens[n]]), torch.tensor([n]), kv, meta)
-                    assert (eng.target.model.compute_logits(h) - ref_logits).abs().max() < 1e-4
-                    checked += 1
+                    if not s.finished and s.num_computed > 0:
+                        _assert_caches_equal_a_fresh_prefill(eng, s)
+                        checked += 1
     assert checked > 20
     assert eng.kv_blocks_used() == (0, 0)
     assert eng.cache.pool.num_free == eng.cache.pool.num_blocks

@@ -967,44 +967,48 @@ X512 static inline void store_scores16(const __m512* acc, int64_t ni, int64_t a,
     }
 }
 
+// rows r0 .. r0+nr-1's scores of the NK (16 or 32) keys at j, packed in KT [D, NK], into S (score_keys)
+template <int NK, int NI>
+X512 static inline void scores_nk(const float* qi, int64_t D, const float* KT, __m512* acc) {
+    if constexpr (NK == 32)
+        scores32<NI>(qi, D, KT, acc);
+    else
+        scores16<NI>(qi, D, KT, acc);
+}
+
+template <int NK>
+X512 static inline void score_block(const float* q, int64_t r0, int64_t nr, const float* KT, int64_t j,
+                                    const float* mask, int64_t Q, int64_t L, int64_t D, float scale, float* S) {
+    const int64_t L8 = (L + 7) / 8 * 8;
+    __m512 acc[8];
+    for (int64_t i0 = 0; i0 < nr; i0 += 4) {
+        const int64_t ni = nr - i0 < 4 ? nr - i0 : 4;
+        const float* qi = q + (r0 + i0) * D;
+        switch (ni) {
+            case 4: scores_nk<NK, 4>(qi, D, KT, acc); break;
+            case 3: scores_nk<NK, 3>(qi, D, KT, acc); break;
+            case 2: scores_nk<NK, 2>(qi, D, KT, acc); break;
+            default: scores_nk<NK, 1>(qi, D, KT, acc);
+        }
+        for (int h = 0; h < NK / 16; h++)
+            store_scores16(acc + 4 * h, ni, r0 + i0, j + 16 * h, mask, Q, L, scale, S + i0 * L8, L8);
+    }
+}
+
 // score_keys (the same arguments and bits), 32 keys at a time, then 16 (a last 8 through score_keys)
 template <class T>
 X512 static void score_keys_512(const float* q, int64_t r0, int64_t nr, const T* const* kptr, int64_t j0,
                                 int64_t j1, const float* mask, int64_t Q, int64_t L, int64_t D, float scale, float* S) {
-    const int64_t L8 = (L + 7) / 8 * 8;
-    alignas(64) float KT16[32 * 256];  // head_dim <= 256 (checked by the caller: fused.py)
-    __m512 acc[8];
+    alignas(64) float KT[32 * 256];  // head_dim <= 256 (checked by the caller: fused.py)
     prefetch_rows(kptr, j0, KV_PREFETCH, L, D * sizeof(T));
     int64_t j = j0;
     for (; j + 32 <= j1; j += 32) {
-        for (int t = 0; t < 4; t++) pack8(kptr, j + 8 * t, L, D, KT16 + 8 * t, 32);
-        for (int64_t i0 = 0; i0 < nr; i0 += 4) {
-            const int64_t ni = nr - i0 < 4 ? nr - i0 : 4;
-            const float* qi = q + (r0 + i0) * D;
-            switch (ni) {
-                case 4: scores32<4>(qi, D, KT16, acc); break;
-                case 3: scores32<3>(qi, D, KT16, acc); break;
-                case 2: scores32<2>(qi, D, KT16, acc); break;
-                default: scores32<1>(qi, D, KT16, acc);
-            }
-            store_scores16(acc, ni, r0 + i0, j, mask, Q, L, scale, S + i0 * L8, L8);
-            store_scores16(acc + 4, ni, r0 + i0, j + 16, mask, Q, L, scale, S + i0 * L8, L8);
-        }
+        for (int t = 0; t < 4; t++) pack8(kptr, j + 8 * t, L, D, KT + 8 * t, 32);
+        score_block<32>(q, r0, nr, KT, j, mask, Q, L, D, scale, S);
     }
     for (; j + 16 <= j1; j += 16) {
-        pack8(kptr, j, L, D, KT16, 16);
-        pack8(kptr, j + 8, L, D, KT16 + 8, 16);
-        for (int64_t i0 = 0; i0 < nr; i0 += 4) {
-            const int64_t ni = nr - i0 < 4 ? nr - i0 : 4;
-            const float* qi = q + (r0 + i0) * D;
-            switch (ni) {
-                case 4: scores16<4>(qi, D, KT16, acc); break;
-                case 3: scores16<3>(qi, D, KT16, acc); break;
-                case 2: scores16<2>(qi, D, KT16, acc); break;
-                default: scores16<1>(qi, D, KT16, acc);
-            }
-            store_scores16(acc, ni, r0 + i0, j, mask, Q, L, scale, S + i0 * L8, L8);
-        }
+        for (int t = 0; t < 2; t++) pack8(kptr, j + 8 * t, L, D, KT + 8 * t, 16);
+        score_block<16>(q, r0, nr, KT, j, mask, Q, L, D, scale, S);
     }
     if (j < j1) score_keys(q, r0, nr, kptr, j, j1, mask, Q, L, D, scale, S);
 }
