@@ -1,4 +1,5 @@
-"""A quantized model's decoder layers on a CPU, one C call per layer (``specd_layer`` in qgemm.cpp).
+"""A quantized model's decoder layers on a CPU in one C call (``specd_layers`` in qgemm.cpp: ``specd_layer``
+per layer).
 
 At decode and verification widths a layer's ~60 small torch ops (norms, RoPE, KV writes, the
 attention gather, SiLU, reshapes, allocations) cost more than its quantized matmuls: on
@@ -63,38 +64,44 @@ def _usable(op) -> bool:
 
 
 class FusedLayers:
-    """The per-layer arguments of ``specd_layer`` for one model, built once per activation format."""
+    """The arguments of ``specd_layers`` for one model (every layer in one call), built once per
+    activation format."""
 
     def __init__(self, lib, model):
         self.lib = lib
         cfg = model.cfg
-        self.cfg = cfg
+        self.cfg, self.n = cfg, len(model.layers)
         self.keep: list = []
-        self.layers = []
-        for blk in model.layers:
-            arr = (Lin * 4)()
+        self.lins = (Lin * (4 * self.n))()
+        self.w_in, self.w_post = (ctypes.c_void_p * self.n)(), (ctypes.c_void_p * self.n)()
+        for i, blk in enumerate(model.layers):
             for j, op in enumerate(_projections(blk)):
-                arr[j], tensors = _lin(op)
+                self.lins[4 * i + j], tensors = _lin(op)
                 self.keep.append(tensors)
             w_in, w_post = blk.input_norm.weight.float().contiguous(), blk.post_norm.weight.float().contiguous()
             self.keep.append((w_in, w_post))
-            self.layers.append((arr, w_in.data_ptr(), w_post.data_ptr()))
+            self.w_in[i], self.w_post[i] = w_in.data_ptr(), w_post.data_ptr()
         self.cos = model.rotary.cos.float().contiguous()
         self.sin = model.rotary.sin.float().contiguous()
+        self.no_caps = (ctypes.c_void_p * self.n)()
 
     def run(self, x, positions, kv, meta, backend, capture: dict | None) -> None:
-        """All layers on ``x`` [T, d] (fp32, contiguous; updated in place); K/V written to ``kv``."""
+        """All layers on ``x`` [T, d] (fp32, contiguous; updated in place); K/V written to ``kv``
+        (contiguous, [layers, ...]); ``capture`` (layer -> None) gets x as it enters those layers."""
         cfg = self.cfg
         _keep, pos, *attn = _attention_args(positions, kv, meta, backend, cfg.head_dim**-0.5)
         T, d = x.shape
-        for i, (arr, w_in, w_post) in enumerate(self.layers):
-            if capture is not None and i in capture:
-                capture[i] = x.clone()  # (x is updated in place below)
-            self.lib.specd_layer(
-                x.data_ptr(), T, d, w_in, w_post, cfg.rms_norm_eps, arr, cfg.num_heads, cfg.num_kv_heads,
-                cfg.head_dim, cfg.intermediate_size, self.cos.data_ptr(), self.sin.data_ptr(), pos, kv[i].data_ptr(),
-                *attn,
-            )  # fmt: skip
+        caps = self.no_caps
+        if capture:
+            caps = (ctypes.c_void_p * self.n)()
+            for i in capture:
+                capture[i] = torch.empty_like(x)
+                caps[i] = capture[i].data_ptr()
+        self.lib.specd_layers(
+            x.data_ptr(), self.n, self.lins, self.w_in, self.w_post, caps, T, d, cfg.rms_norm_eps, cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, self.cos.data_ptr(), self.sin.data_ptr(), pos,
+            kv.data_ptr(), kv[0].numel() * kv.element_size(), *attn,
+        )  # fmt: skip
 
 
 def _attention_args(positions, kv, meta, backend, scale: float) -> tuple:

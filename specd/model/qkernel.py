@@ -87,6 +87,9 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_layer.restype = None
     lib.specd_head_layer.argtypes = [p, p, p, *lib.specd_layer.argtypes[1:]]
     lib.specd_head_layer.restype = None
+    lib.specd_layers.argtypes = [p, i, p, p, p, p, i, i, f, i, i, i, i, p, p, p, p, i, i, p, p, i, p, i, i, p, i, i,
+                                 f, i]  # fmt: skip
+    lib.specd_layers.restype = None
     lib.specd_attention.argtypes = [p, p, p, i, i, i, i, i, i, ctypes.c_float, p]
     lib.specd_attention.restype = None
     lib.specd_x8_isa.argtypes = [ctypes.c_int]
