@@ -49,9 +49,10 @@ static inline __m256 load_i8(const int8_t* p) {
 // The x8 kernels' weights stream from memory once per call (a layer's are far larger than L2), each
 // tile's blocks in order and a pass's tiles side by side in one contiguous run: the hardware's
 // prefetchers stop at 4 KiB pages and fall behind once a pass also computes several rows, so each
-// block asks for the bytes W_PREFETCH ahead of itself (measured on a 2-core Xeon: a one-row forward
-// -8%, four rows -14%; 512-2048 bytes all alike). SPECD_QGEMM_PREFETCH sets the distance (0: off).
-static const int64_t W_PREFETCH = getenv("SPECD_QGEMM_PREFETCH") ? atol(getenv("SPECD_QGEMM_PREFETCH")) : 1024;
+// block asks for the bytes W_PREFETCH ahead of itself (measured on a 2-core Xeon, whole forward at a
+// short context against no prefetch: 1 row -20%, 4 rows -30%; 8 KiB beat 1-4 KiB and tied 16 KiB;
+// past the end of a weight it only wastes a few lines). SPECD_QGEMM_PREFETCH sets it (0: off).
+static const int64_t W_PREFETCH = getenv("SPECD_QGEMM_PREFETCH") ? atol(getenv("SPECD_QGEMM_PREFETCH")) : 8192;
 
 static inline void prefetch_w(const uint8_t* p, int64_t bytes) {
     if (W_PREFETCH > 0)
