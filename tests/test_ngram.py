@@ -219,8 +219,10 @@ def test_a_long_request_is_stored_by_its_last_tokens_only():
 
 def test_lookup_probes_are_short_and_staggered_while_lookup_does_not_pay(shared_pair):
     """At an acceptance where no lookup length pays, each request still probes (so a change is
-    noticed), but with ``LOOKUP_PROBE`` tokens once every ``probe_min`` of its steps, and a batch's
-    requests probe in different steps (all at once made one wide verification every 16 steps)."""
+    noticed), but with ``LOOKUP_PROBE`` tokens once every ``lookup_probe_every(batch)`` of its
+    steps, and a batch's requests probe in different steps (all at once made one wide verification
+    every 16 steps); a wide batch averages at most one probe per 4 steps (one per step made most of
+    its steps a row wider than plain ones, across the int8 tiles' 16-row pass)."""
     from specd.speculation.policy import LOOKUP_PROBE
 
     t, d = shared_pair
@@ -232,7 +234,8 @@ def test_lookup_probes_are_short_and_staggered_while_lookup_does_not_pay(shared_
     for s in seqs:
         s.ngram_accept = 0.02
     probes = collections.defaultdict(list)  # step -> budgets of the requests that probed
-    for step in range(pol.probe_min):
+    every = pol.lookup_probe_every(16)
+    for step in range(every):
         pol.step = step
         for s in seqs:
             n = pol.ngram_budget(s, 16)
@@ -241,6 +244,7 @@ def test_lookup_probes_are_short_and_staggered_while_lookup_does_not_pay(shared_
                 probes[step].append(s.request_id)
     assert sorted(r for ids in probes.values() for r in ids) == sorted(s.request_id for s in seqs)  # once each
     assert len(probes) > 1  # not all in one step
+    assert len(seqs) / every <= 0.25 and pol.lookup_probe_every(1) == pol.lookup_probe_every(4) == pol.probe_min
     for s in seqs:
         s.ngram_accept = 0.95  # lookup pays again: the full length, every step
         assert pol.ngram_budget(s, 16) > LOOKUP_PROBE
@@ -268,7 +272,7 @@ def test_lookups_stop_at_a_batch_size_where_they_delivered_less_than_plain(share
 
     def budgets():
         out = []
-        for step in range(pol.probe_min):
+        for step in range(pol.lookup_probe_every(16)):
             pol.step = step
             out.append([pol.budget(s, plan) for s in seqs])
         return out
