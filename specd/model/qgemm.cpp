@@ -488,6 +488,7 @@ X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs,
 // rows from which the tiles win (measured on a 2-core Xeon: the unpacked int4 weights cost more to feed)
 #define AMX_MIN_ROWS(INT4) ((INT4) ? 7 : 5)
 #define AMX_ROWS 16
+#define AMX_TAIL 3
 
 struct TileCfg {
     uint8_t palette, start_row, reserved[14];
@@ -675,8 +676,13 @@ XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs,
                              const uint8_t* w, const float* scale, const float* mins, int64_t N, const float* add,
                              const float* bias, float* y) {
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
-    // passes of up to 2 * AMX_ROWS rows (two halves sharing each B tile), M split into equal passes
-    const int64_t passes = (M + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS), rp = (M + passes - 1) / passes;
+    // up to AMX_TAIL rows past a multiple of AMX_ROWS (a 16-request batch's few draft tokens) take the
+    // AVX512-VNNI tile right after the tile ops, on the same weights (hot in L1), instead of a second
+    // tile pass (2-core Xeon, whole forward: 17 rows 9.1-9.6 -> 8.5-8.9 ms, 33 rows 16.3-18.3 ->
+    // 14.7-15.7; 6 such rows cost more than the tile pass)
+    const int64_t tail = M > AMX_ROWS && M % AMX_ROWS <= AMX_TAIL ? M % AMX_ROWS : 0, Ma = M - tail;
+    // passes of up to 2 * AMX_ROWS rows (two halves sharing each B tile), Ma split into equal passes
+    const int64_t passes = (Ma + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS), rp = (Ma + passes - 1) / passes;
     const int64_t NP = (NT + 1) / 2;
 #pragma omp parallel
     {
@@ -687,8 +693,8 @@ XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs,
             const int64_t ta = tp.ta, tb = tp.tb, n0 = tp.n0, nc = tp.nc;
             const float *ma = tp.ma, *mb = tp.mb;
             alignas(64) float acc[2 * AMX_ROWS * 16];
-            for (int64_t m0 = 0; m0 < M; m0 += rp) {
-                const int64_t r = M - m0 < rp ? M - m0 : rp, h0 = (r + 1) / 2;
+            for (int64_t m0 = 0; m0 < Ma; m0 += rp) {
+                const int64_t r = Ma - m0 < rp ? Ma - m0 : rp, h0 = (r + 1) / 2;
                 if (r != cfg) {
                     if (r <= AMX_ROWS) amx_config(r);
                     else amx_config2(h0, r - h0);
@@ -702,6 +708,11 @@ XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs,
                     amx_tile2_halves<INT4>(h0, r - h0, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wa, wb, sa, sb,
                                            ma, mb, acc);
                 x8_store(acc, 16, r, m0, n0, nc, N, add, bias, y);
+            }
+            if (tail) {
+                x8_pass2<INT4>(tail, qx + Ma * K, dx + Ma * nbk, xs + Ma * nbk, K, w + ta * tile_bytes,
+                               w + tb * tile_bytes, scale + ta * nbk * 8, scale + tb * nbk * 8, ma, mb, acc);
+                x8_store(acc, 16, tail, Ma, n0, nc, N, add, bias, y);
             }
         }
         if (cfg) _tile_release();
