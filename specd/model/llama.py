@@ -220,7 +220,7 @@ class LlamaModel(nn.Module):
 
     def _unfolded(self, x, positions, kv, meta, backend, capture, cos, sin) -> torch.Tensor:
         """The layers op by op (bf16 / fp16, bigger models, quantized projections), or for a quantized
-        model on a CPU one C call per layer (``specd.model.fused``)."""
+        model on a CPU all layers in one C call (``specd.model.fused``)."""
         cfg = self.cfg
         H, KVH, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         _, _, layers, norm_w, rot, _, _ = self._flat_weights()
@@ -235,7 +235,7 @@ class LlamaModel(nn.Module):
             return _rms(x, w, eps)
 
         fused = fused_layers(self, backend, kv, x)
-        if fused is not None:  # a quantized model on a CPU: one C call per layer (specd.model.fused)
+        if fused is not None:  # a quantized model on a CPU: every layer in one C call (specd.model.fused)
             fused.run(x, positions, kv, meta, backend, capture)
             return norm(x, norm_w)
         for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
