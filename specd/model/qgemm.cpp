@@ -510,7 +510,8 @@ XAMX static void amx_config(int64_t m) {
 // block b's weights of tiles a and b as a B tile [8, 64] in bb
 template <bool INT4>
 XAMX static inline void amx_unpack(const uint8_t* wa, const uint8_t* wb, int64_t b, uint8_t* bb) {
-    prefetch_w(wa + (INT4 ? 128 : 256) * b, INT4 ? 128 : 256), prefetch_w(wb + (INT4 ? 128 : 256) * b, INT4 ? 128 : 256);
+    const int64_t bytes = INT4 ? 128 : 256;  // one block of one tile
+    prefetch_w(wa + bytes * b, bytes), prefetch_w(wb + bytes * b, bytes);
     if (INT4) {
         const __m512i mask = _mm512_set1_epi8(0x0F);
         for (int v = 0; v < 4; v++) {
@@ -678,8 +679,8 @@ XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs,
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
     // up to AMX_TAIL rows past a multiple of AMX_ROWS (a 16-request batch's few draft tokens) take the
     // AVX512-VNNI tile right after the tile ops, on the same weights (hot in L1), instead of a second
-    // tile pass (2-core Xeon, whole forward: 17 rows 9.1-9.6 -> 8.5-8.9 ms, 33 rows 16.3-18.3 ->
-    // 14.7-15.7; 6 such rows cost more than the tile pass)
+    // tile pass (2-core Xeon, whole forward: 17 rows 8.8-9.3 -> 8.0-8.4 ms, 33 rows 16.2-16.7 ->
+    // 14.9-15.8; 6 such rows cost more than the tile pass)
     const int64_t tail = M > AMX_ROWS && M % AMX_ROWS <= AMX_TAIL ? M % AMX_ROWS : 0, Ma = M - tail;
     // passes of up to 2 * AMX_ROWS rows (two halves sharing each B tile), Ma split into equal passes
     const int64_t passes = (Ma + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS), rp = (Ma + passes - 1) / passes;
