@@ -1,9 +1,9 @@
-"""A quantized model's decoder layers on a CPU in one C call (``specd_layers`` in qgemm.cpp: ``specd_layer``
-per layer).
+"""A quantized model's decoder layers on a CPU in one C call (``specd_layers`` in qgemm.cpp, one
+``specd_head_layer`` per layer).
 
 At decode and verification widths a layer's ~60 small torch ops (norms, RoPE, KV writes, the
 attention gather, SiLU, reshapes, allocations) cost more than its quantized matmuls: on
-SmolLM2-135M (AVX2, 2 threads) about 9 of a 14 ms one-row forward. ``specd_layer`` runs the layer's
+SmolLM2-135M (AVX2, 2 threads) about 9 of a 14 ms one-row forward. The C layer runs the layer's
 RMSNorm, q/k/v projection, RoPE, KV write, attention over the paged cache (through the block table,
 no gather copy of the cache), output projection with the residual, RMSNorm, gate/up, SiLU and down
 projection with the residual in one call, with the same kernels as the op-by-op path (the quantized
@@ -27,7 +27,7 @@ from specd.model.quant import QuantLinear
 
 
 class Lin(ctypes.Structure):
-    """One projection as ``specd_layer`` reads it (see ``Lin`` in qgemm.cpp)."""
+    """One projection as ``specd_layers`` reads it (see ``Lin`` in qgemm.cpp)."""
 
     _fields_ = [
         ("kind", ctypes.c_int64),
@@ -105,7 +105,7 @@ class FusedLayers:
 
 
 def _attention_args(positions, kv, meta, backend, scale: float) -> tuple:
-    """(the tensors to keep alive during the call, the positions pointer, then ``specd_layer``'s
+    """(the tensors to keep alive during the call, the positions pointer, then ``specd_layers``'
     attention arguments after its KV pointer) for a forward over ``meta``. Refuses a KV slot
     outside the cache: the C code does no bounds checks, and this is what the op-by-op path's
     index_copy_ would refuse (positions were checked by the caller's RoPE-table lookup)."""

@@ -997,7 +997,7 @@ X512 static inline void store_scores16(const __m512* acc, int64_t ni, int64_t a,
     }
 }
 
-// rows r0 .. r0+nr-1's scores of the NK (16 or 32) keys at j, packed in KT [D, NK], into S (score_keys)
+// scores16 or scores32 by NK
 template <int NK, int NI>
 X512 static inline void scores_nk(const float* qi, int64_t D, const float* KT, __m512* acc) {
     if constexpr (NK == 32)
@@ -1006,6 +1006,7 @@ X512 static inline void scores_nk(const float* qi, int64_t D, const float* KT, _
         scores16<NI>(qi, D, KT, acc);
 }
 
+// rows r0 .. r0+nr-1's scores of the NK (16 or 32) keys at j, packed in KT [D, NK], into S (score_keys)
 template <int NK>
 X512 static inline void score_block(const float* q, int64_t r0, int64_t nr, const float* KT, int64_t j,
                                     const float* mask, int64_t Q, int64_t L, int64_t D, float scale, float* S) {
@@ -1519,17 +1520,8 @@ void specd_head_layer(float* x, const float* e, const float* w_e, int64_t T, int
                       const int64_t* slot_mapping, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
                       int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, int64_t kv16);
 
-void specd_layer(float* x, int64_t T, int64_t d, const float* w_in, const float* w_post, float eps, const Lin* lins,
-                 int64_t H, int64_t KVH, int64_t D, int64_t inter, const float* cos, const float* sin,
-                 const int64_t* pos, void* kv, int64_t nslots, const int64_t* slot_mapping, const int32_t* qsl,
-                 int64_t B, const int32_t* bt, int64_t maxb, int64_t BS, const float* bias, int64_t Qm, int64_t Lp,
-                 float scale, int64_t kv16) {
-    specd_head_layer(x, nullptr, nullptr, T, d, w_in, w_post, eps, lins, H, KVH, D, inter, cos, sin, pos, kv, nslots,
-                     slot_mapping, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale, kv16);
-}
-
-// Every decoder layer of a model in one call (specd_layer nl times; the per-layer Python and ctypes
-// calls cost ~0.2 ms of a 3-4 ms one-row forward): layer i's projections lins[4i .. 4i+3], norm
+// Every decoder layer of a model in one call (specd_head_layer without e, nl times; the per-layer
+// Python and ctypes calls cost ~0.2 ms of a 3-4 ms one-row forward): layer i's projections lins[4i .. 4i+3], norm
 // weights w_in[i] and w_post[i], cache kv + i * kv_layer bytes; caps[i], where not null, gets a copy
 // of x [T, d] as it enters layer i (a feature head's features).
 void specd_layers(float* x, int64_t nl, const Lin* lins, const float* const* w_in, const float* const* w_post,
@@ -1544,7 +1536,7 @@ void specd_layers(float* x, int64_t nl, const Lin* lins, const float* const* w_i
     }
 }
 
-// One decoder layer (specd_layer), or with e != nullptr a feature head's (specd/model/head.py): its
+// One decoder layer (as above), or with e != nullptr a feature head's (specd/model/head.py): its
 // q/k/v projection reads [rms(e) * w_e, rms(x) * w_in] (2d wide per row) instead of rms(x) * w_in.
 void specd_head_layer(float* x, const float* e, const float* w_e, int64_t T, int64_t d, const float* w_in,
                       const float* w_post, float eps, const Lin* lins, int64_t H, int64_t KVH, int64_t D, int64_t inter,

@@ -83,9 +83,9 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_qgemm_x8.argtypes = [p, i, i, p, p, p, i, ctypes.c_int, p, p, p]
     lib.specd_qgemm_x8.restype = None
     f = ctypes.c_float
-    lib.specd_layer.argtypes = [p, i, i, p, p, f, p, i, i, i, i, p, p, p, p, i, p, p, i, p, i, i, p, i, i, f, i]
-    lib.specd_layer.restype = None
-    lib.specd_head_layer.argtypes = [p, p, p, *lib.specd_layer.argtypes[1:]]
+    # x, e, w_e, T, d, w_in, w_post, eps, lins, H, KVH, D, inter, cos, sin, pos, kv, then the attention's
+    lib.specd_head_layer.argtypes = [p, p, p, i, i, p, p, f, p, i, i, i, i, p, p, p, p, i, p, p, i, p, i, i, p, i, i,
+                                     f, i]  # fmt: skip
     lib.specd_head_layer.restype = None
     lib.specd_layers.argtypes = [p, i, p, p, p, p, i, i, f, i, i, i, i, p, p, p, p, i, i, p, p, i, p, i, i, p, i, i,
                                  f, i]  # fmt: skip
