@@ -187,6 +187,24 @@ def test_paged_drafting_rows_equal_the_training_time_test(shared_pair, head_dir)
     assert torch.isinf(lg[:, [i for i in range(512) if i not in set(head.d2t.tolist())]]).all()
 
 
+def test_bf16_autocast_training_learns_as_fp32_does(shared_pair, replies):
+    target, _ = shared_pair
+    d2t = pick_vocab(replies, 256, [2], 512)
+    t2d = torch.full((512,), -100, dtype=torch.long)
+    t2d[d2t] = torch.arange(d2t.numel())
+    layers = new_head(target, d2t).layers
+    feats, held = target_features(target, replies[:-8], layers), target_features(target, replies[-8:], layers)
+    base = head_agreement(new_head(target, d2t), held, t2d)[0]
+    heads = []
+    for bf16 in (False, True):
+        head = new_head(target, d2t)
+        train_head(head, feats, t2d, steps=30, batch=8, lr=3e-3, ttt=2, bf16=bf16)
+        assert all(p.dtype == torch.float32 for p in head.parameters())  # master weights stay fp32
+        assert head_agreement(head, held, t2d)[0] > base + 0.05
+        heads.append(head.fc.weight.detach().clone())
+    assert not torch.equal(heads[0], heads[1])  # the bf16 run really computed in bf16
+
+
 def test_distill_kind_head_beats_an_untrained_head(tmp_path, shared_pair, replies):
     from specd.training.cli import main
 

@@ -70,7 +70,8 @@ def _add_reply_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="more kinds of requests, KIND=N,...: write (a story, email, tips, ... about a subject), code, translate "
         "(a --prompts question), summarize / passage_qa (a --passages passage), rewrite (explain a --prompts "
-        "worked answer)",
+        "worked answer), article (a news article on a --prompts story); then, quoting those replies: "
+        "summarize_own ('Summarize: ' an article), rag_own (an article and a question), translate_back",
     )
     r.add_argument("--passages", default=None, help="plain text the summarize / passage_qa requests quote")
     r.add_argument(
@@ -86,6 +87,13 @@ def _add_reply_args(p: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--ttt-steps", type=int, default=3, help="--kind head: training-time-test unroll steps")
     r.add_argument("--features", default=None, help="--kind head: cache the target's features in this file")
+    r.add_argument(
+        "--train-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="--kind head: bfloat16 runs the training forward under bf16 autocast (fp32 weights and optimizer): "
+        "several times faster on a CPU with AMX / AVX512-BF16 or on a GPU, slower on an AVX2-only CPU",
+    )
     r.add_argument(
         "--init-from", default=None, help="--kind head: start from an earlier head's weights (same target and layers)"
     )

@@ -342,14 +342,15 @@ def task_prompts(questions: list, passages_file: str | None, counts: dict, seed:
     translate), ``summarize`` and ``passage_qa`` (a passage of ``passages_file`` to summarize, or
     to answer a question about from the passage) and ``rewrite`` (a GSM8K worked answer to
     explain), ``write`` (a writing request: a story, an email, tips, ... about a subject) and
-    ``code`` (a small programming task) to how many of each. ``questions``: GSM8K records
+    ``code`` (a small programming task) and ``article`` (a news article on a GSM8K story, which
+    :func:`second_round_prompts` quotes) to how many of each. ``questions``: GSM8K records
     (``question`` / ``answer``)."""
     rng = random.Random(seed)
     out = [rng.choice(WRITING).format(rng.choice(SUBJECTS)) for _ in range(counts.get("write", 0))]
     out += [rng.choice(CODE).format(rng.choice(CODE_TASKS)) for _ in range(counts.get("code", 0))]
     for _ in range(counts.get("translate", 0)):
         q = rng.choice(questions)["question"]
-        out.append(f"Translate the following text into {rng.choice(LANGUAGES)}:\n\n{q}")
+        out.append(TRANSLATE.format(rng.choice(LANGUAGES)) + q)
     summ = _passages(passages_file, counts.get("summarize", 0), rng)
     out += [f"Summarize the following passage in a few sentences.\n\n{p}" for p in summ]
     asks = (
@@ -360,6 +361,7 @@ def task_prompts(questions: list, passages_file: str | None, counts: dict, seed:
     )
     for p in _passages(passages_file, counts.get("passage_qa", 0), rng):
         out.append(f"Read the passage and answer the question.\n\nPassage:\n{p}\n\nQuestion: {rng.choice(asks)}")
+    out += [ARTICLE.format(rng.choice(questions)["question"]) for _ in range(counts.get("article", 0))]
     for _ in range(counts.get("rewrite", 0)):
         r = rng.choice(questions)
         ans = r["answer"].split("####")[0].strip()
@@ -369,7 +371,39 @@ def task_prompts(questions: list, passages_file: str | None, counts: dict, seed:
     return out
 
 
-KIND_NAMES = ("write", "code", "translate", "summarize", "passage_qa", "rewrite")
+ARTICLE = "Write a short news article based on this story: {}"
+TRANSLATE = "Translate the following text into {}:\n\n"
+SECOND_ROUND = ("summarize_own", "translate_back", "rag_own")
+KIND_NAMES = ("write", "code", "translate", "summarize", "passage_qa", "rewrite", "article") + SECOND_ROUND
+DOC_QUESTIONS = (
+    "What is the main point of the text above?",
+    "Who is involved in the events described above, and what did they do?",
+    "Based on the text above, what happens next?",
+    "Answer from the text above: why does this matter?",
+)
+
+
+def second_round_prompts(pairs: list, counts: dict, seed: int) -> list:
+    """Requests built from the target's own first-round replies, in the forms Spec-Bench-style chat
+    traffic takes (never its text): ``summarize_own`` ("Summarize: " + an article the target wrote
+    for an ``article`` request), ``rag_own`` (an article, then a question about it) and
+    ``translate_back`` (a ``translate`` reply, back into English). ``pairs``: (request, reply text)."""
+    rng = random.Random(seed)
+    articles = [r.strip() for q, r in pairs if q.startswith(ARTICLE.split("{")[0]) and len(r) > 200]
+    foreign = []
+    for q, r in pairs:
+        lang = next((lg for lg in LANGUAGES if q.startswith(TRANSLATE.format(lg))), None)
+        if lang and len(r.strip()) > 20:
+            foreign.append((lang, r.strip()))
+
+    def pick(pool: list, n: int) -> list:  # without repeats: as many as there are, at most
+        return rng.sample(pool, min(n, len(pool)))
+
+    out = [f"Summarize: {a}" for a in pick(articles, counts.get("summarize_own", 0))]
+    out += [f"{a}\n\n{rng.choice(DOC_QUESTIONS)}" for a in pick(articles, counts.get("rag_own", 0))]
+    out += [f"Translate {lg} to English: {t}" for lg, t in pick(foreign, counts.get("translate_back", 0))]
+    rng.shuffle(out)
+    return out
 
 
 def parse_counts(spec: str | None) -> dict:
@@ -382,6 +416,20 @@ def parse_counts(spec: str | None) -> dict:
                 raise ValueError(f"--tasks: expected KIND=N with KIND {'|'.join(KIND_NAMES)}, got {part!r}")
             out[k.strip()] = int(v)
     return out
+
+
+def _greedy_replies(eng, questions: list, max_new: int, t0: float) -> list:
+    """[(token ids, prompt length)]: ``eng``'s greedy replies to chat requests ``questions``, in
+    waves of 32 with progress."""
+    from specd.engine.sampling import SamplingParams
+    from specd.engine.sequence import SpecParams
+
+    prompts, data = [chat_ids(eng.tokenizer, q) for q in questions], []
+    for i in range(0, len(prompts), 32):
+        seqs = eng.generate(prompts[i : i + 32], SamplingParams(temperature=0.0, max_tokens=max_new), SpecParams("off"))
+        data += [(s.tokens[:], s.num_prompt) for s in seqs]
+        print(f"data: {len(data)}/{len(prompts)} replies ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return data
 
 
 def generate_replies(
@@ -398,13 +446,12 @@ def generate_replies(
     """(tokenizer, [(token ids, prompt length)], the target ``LoadedModel``): the target's greedy
     replies (specd engine) to the first ``n_prompts`` questions of ``prompts_file``, to ``n_self``
     requests it writes itself and to the ``tasks`` built by :func:`task_prompts` (passages from
-    ``passages``). ``served``: the target as ``specd serve`` runs it (a GGUF file on its own blocks,
+    ``passages``), then to the second-round ``tasks`` (:func:`second_round_prompts`) built from
+    those replies. ``served``: the target as ``specd serve`` runs it (a GGUF file on its own blocks,
     int8 activations on a CPU: the model a draft will actually serve with, and ~5x faster here);
     otherwise fp32 floats."""
     from specd.config import CacheConfig, EngineConfig, SchedulerConfig
     from specd.engine.engine import Engine
-    from specd.engine.sampling import SamplingParams
-    from specd.engine.sequence import SpecParams
 
     how = {"act_quant": "auto"} if served else {"dtype": "float32", "quantization": "none"}
     eng = Engine(
@@ -420,12 +467,11 @@ def generate_replies(
     t0 = time.perf_counter()
     questions += self_prompts(eng, n_self, seed)
     questions += task_prompts(records[n_prompts:] or records, passages, tasks or {}, seed)
-    prompts = [chat_ids(eng.tokenizer, q) for q in questions]
-    data = []
-    for i in range(0, len(prompts), 32):  # in waves, with progress
-        seqs = eng.generate(prompts[i : i + 32], SamplingParams(temperature=0.0, max_tokens=max_new), SpecParams("off"))
-        data += [(s.tokens[:], s.num_prompt) for s in seqs]
-        print(f"data: {len(data)}/{len(prompts)} replies ({time.perf_counter() - t0:.0f} s)", flush=True)
+    questions = list(dict.fromkeys(questions))  # greedy replies to equal requests are equal
+    data = _greedy_replies(eng, questions, max_new, t0)
+    if any((tasks or {}).get(k) for k in SECOND_ROUND):
+        pairs = [(q, eng.tokenizer.decode(t[p:], skip_special_tokens=True)) for q, (t, p) in zip(questions, data)]
+        data += _greedy_replies(eng, second_round_prompts(pairs, tasks or {}, seed), max_new, t0)
     n_tok = sum(len(t) - p for t, p in data)
     print(f"data: {len(data)} replies, {n_tok} reply tokens in {time.perf_counter() - t0:.0f} s", flush=True)
     return eng.tokenizer, data, eng.target

@@ -125,9 +125,12 @@ def _loss(head: EagleHead, rows: list, t2d: torch.Tensor, steps: int) -> tuple:
     return total, parts
 
 
-def train_head(head: EagleHead, data: list, t2d: torch.Tensor, steps: int, batch: int, lr: float, ttt: int, seed=0):
+def train_head(
+    head: EagleHead, data: list, t2d: torch.Tensor, steps: int, batch: int, lr: float, ttt: int, seed=0, bf16=False
+):
     """AdamW with a one-cycle schedule over the head's own parameters; prints progress every 10
-    steps; ``{"final_loss", "final_step_losses", "train_seconds"}``."""
+    steps; ``{"final_loss", "final_step_losses", "train_seconds"}``. ``bf16``: the forward under
+    bf16 autocast (fp32 weights, optimizer and softmax): ~2.7x faster steps on a CPU with AMX."""
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
@@ -137,7 +140,8 @@ def train_head(head: EagleHead, data: list, t2d: torch.Tensor, steps: int, batch
         if step * batch % len(order) < batch:
             rng.shuffle(order)
         i = step * batch % len(order)
-        loss, parts = _loss(head, [data[k] for k in (order + order)[i : i + batch]], t2d, ttt)
+        with torch.autocast(head.fc.weight.device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss, parts = _loss(head, [data[k] for k in (order + order)[i : i + batch]], t2d, ttt)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -243,7 +247,8 @@ def run(args) -> int:
     held_f, train_f = feats[:n_held], feats[n_held:]
     before = head_agreement(head, held_f, t2d, args.ttt_steps)
     print(f"held-out top-1 agreement before training, by step: {[round(a, 4) for a in before]}", flush=True)
-    res = train_head(head, train_f, t2d, args.steps, args.batch_size, args.lr, args.ttt_steps, args.seed)
+    bf16 = getattr(args, "train_dtype", "float32") == "bfloat16"
+    res = train_head(head, train_f, t2d, args.steps, args.batch_size, args.lr, args.ttt_steps, args.seed, bf16)
     after = head_agreement(head, held_f, t2d, args.ttt_steps)
     meta = {
         **res,
@@ -252,6 +257,7 @@ def run(args) -> int:
         "reply_tokens": sum(len(t) - p for t, p in train_data),
         "ttt_steps": args.ttt_steps,
         "steps": args.steps,
+        "train_dtype": "bfloat16" if bf16 else "float32",
         "heldout_top1_agreement_before": [round(a, 4) for a in before],
         "heldout_top1_agreement": [round(a, 4) for a in after],
     }
