@@ -205,6 +205,22 @@ def test_bf16_autocast_training_learns_as_fp32_does(shared_pair, replies):
     assert not torch.equal(heads[0], heads[1])  # the bf16 run really computed in bf16
 
 
+def test_head_agreement_counts_tokens_outside_the_vocabulary_as_misses(shared_pair, replies, head_dir):
+    target, _ = shared_pair
+    trained = load_head(head_dir, target)
+    head = new_head(target, trained.d2t[:96])  # the trained body over its 96 most used tokens
+    head.load_state_dict({k: v.float() for k, v in trained.state_dict().items()})
+    t2d = torch.full((512,), -100, dtype=torch.long)
+    t2d[head.d2t] = torch.arange(head.d2t.numel())
+    held = target_features(target, replies[:8], head.layers)
+    masked, every = head_agreement(head, held, t2d, 2), head_agreement(head, held, t2d, 2, oov_miss=True)
+    labels = [tok for t, p, _ in held for tok in t[max(p, 2) :]]  # step 0 predicts tokens p + 2 onwards
+    n_in = sum(int(t2d[tok]) != -100 for tok in labels)
+    assert 0 < n_in < len(labels), "every label in the vocabulary: the test proves nothing"
+    assert masked[0] * n_in == pytest.approx(every[0] * len(labels))  # the same hits over more positions
+    assert every[0] < masked[0] and every[1] < masked[1]
+
+
 def test_distill_kind_head_beats_an_untrained_head(tmp_path, shared_pair, replies):
     from specd.training.cli import main
 
@@ -412,3 +428,20 @@ def test_kept_features_grow_in_place_and_equal_concatenation():
     assert len(buffers) < 20  # reallocated now and then, not every step
     KVLedger._keep_hidden(seq, pos + 5, torch.ones(2, 5))  # a gap: the kept rows start afresh
     assert seq.hidden_start == pos + 5 and torch.equal(seq.hidden, torch.ones(2, 5))
+
+
+def test_eval_head_agreement_reports_per_category(tmp_path, head_dir):
+    from eval import head_agreement as E
+
+    prompts = tmp_path / "q.jsonl"
+    rows = [("qa", "Once upon a time"), ("qa", "The dog ran"), ("rag", "Lily had a ball"), ("rag", "Tom saw a cat")]
+    prompts.write_text("".join(json.dumps({"category": c, "turns": [t]}) + "\n" for c, t in rows))
+    out = tmp_path / "out"
+    base = ["--target", str(TARGET), "--prompts", str(prompts), "--max-tokens", "24", "--act-quant", "none"]
+    assert E.main([*base, "--heads", str(head_dir), "--steps", "2", "--out", str(out)]) == 0
+    table = json.loads((out / "results.json").read_text())["agreement"][str(head_dir)]
+    assert set(table) == {"qa", "rag"}
+    for cell in table.values():
+        assert cell["positions"] > 0 and len(cell["masked"]) == 2
+        assert 0.2 < cell["unmasked"][0] <= cell["masked"][0] <= 1  # a trained head agrees, OOV only lowers it
+    assert "qa" in (out / "summary.md").read_text()

@@ -162,16 +162,23 @@ def train_head(
 
 
 @torch.no_grad()
-def head_agreement(head: EagleHead, data: list, t2d: torch.Tensor, steps: int = 1) -> list:
+def head_agreement(head: EagleHead, data: list, t2d: torch.Tensor, steps: int = 1, oov_miss: bool = False) -> list:
     """Per unrolled step j: the share of held-out reply positions where the head's top token is the
     target's token p + 2 + j (step 0: the first draft token; later steps feed the head's own
-    hidden states, as deeper tree levels do)."""
+    hidden states, as deeper tree levels do). Positions whose token is outside the draft vocabulary
+    (``t2d`` -100) are left out, or with ``oov_miss`` counted as misses: what the engine sees, since
+    it never drafts such a token."""
+    assert head.d2t is not None
+    every, d2t = torch.arange(t2d.numel()), head.d2t.cpu()  # labels and predictions as target ids
     hit, tot = [0] * steps, [0] * steps
     for row in data:
-        feats, toks, lab = _batch([row], t2d, steps)
+        feats, toks, lab = _batch([row], every, steps)
         for j, x in enumerate(head.unroll(feats, toks, steps)):
             m = lab[j] != -100
-            hit[j] += int((head.logits(x[m]).argmax(-1) == lab[j][m]).sum())
+            if not oov_miss:
+                m &= t2d[lab[j].clamp(min=0)] != -100
+            pred = d2t[head.logits(x[m]).argmax(-1).cpu()]
+            hit[j] += int((pred == lab[j][m]).sum())
             tot[j] += int(m.sum())
     return [h / max(t, 1) for h, t in zip(hit, tot)]
 
@@ -250,6 +257,7 @@ def run(args) -> int:
     bf16 = getattr(args, "train_dtype", "float32") == "bfloat16"
     res = train_head(head, train_f, t2d, args.steps, args.batch_size, args.lr, args.ttt_steps, args.seed, bf16)
     after = head_agreement(head, held_f, t2d, args.ttt_steps)
+    after_all = head_agreement(head, held_f, t2d, args.ttt_steps, oov_miss=True)
     meta = {
         **res,
         "replies": len(train_data),
@@ -260,6 +268,7 @@ def run(args) -> int:
         "train_dtype": "bfloat16" if bf16 else "float32",
         "heldout_top1_agreement_before": [round(a, 4) for a in before],
         "heldout_top1_agreement": [round(a, 4) for a in after],
+        "heldout_top1_agreement_oov_miss": [round(a, 4) for a in after_all],
     }
     save_head(head, Path(args.out), meta)
     print(json.dumps(meta, indent=1))
