@@ -445,3 +445,15 @@ def test_eval_head_agreement_reports_per_category(tmp_path, head_dir):
         assert cell["positions"] > 0 and len(cell["masked"]) == 2
         assert 0.2 < cell["unmasked"][0] <= cell["masked"][0] <= 1  # a trained head agrees, OOV only lowers it
     assert "qa" in (out / "summary.md").read_text()
+
+
+def test_eval_head_costs_times_each_piece(tmp_path, head_dir):
+    from eval import head_costs as E
+
+    out = tmp_path / "out"
+    args = ["--target", str(TARGET), "--head", str(head_dir), "--act-quant", "none", "--rows", "1,3"]
+    assert E.main([*args, "--context", "20", "--reps", "5", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["target"]) == {"1", "3"}
+    assert all(v > 0 for r in res["target"].values() for v in r.values())
+    assert res["head"]["draft_vocab"] == 256 and res["head"]["layer_ms"] > 0 and res["head"]["logits_ms"] > 0
