@@ -6,7 +6,7 @@ head over those rows; then the head's pieces for one draft row: ``fc`` (fusing t
 layer (through the CPU kernel where the engine drafts through it, else op by op), and its logits
 over the draft vocabulary. This is where a speculative step's time goes beyond a plain one.
 
-    OMP_NUM_THREADS=2 python -m eval.head_costs --rows 1,2,4,8 --context 200 --threads 2
+    OMP_NUM_THREADS=2 python -m eval.head_costs --rows 1,2,4,8 --context 200 --threads 2 [--cold-mb 256]
 """
 
 from __future__ import annotations
@@ -30,16 +30,23 @@ def parse_args(argv=None):
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--cold-mb", type=int, default=0, help="evict the caches before each call (MB read; 0: warm)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="folder for results.json")
     return ap.parse_args(argv)
 
 
-def median_ms(f, reps: int) -> float:
+def median_ms(f, reps: int, cold: torch.Tensor | None = None) -> float:
+    """Median ms of ``f()``; ``cold``: a buffer larger than the caches, read (untimed, so no dirty
+    lines are left to write back during ``f``) before each call, so that ``f``'s weights come from
+    memory, not from a cache the previous call warmed. (On a Xeon whose L3 holds the whole model, the
+    engine's steps find most weights in L3: the warm figures are the engine's there.)"""
     for _ in range(max(2, reps // 20)):
         f()
     xs = []
     for _ in range(reps):
+        if cold is not None:
+            cold.sum()
         t = time.perf_counter()
         f()
         xs.append(time.perf_counter() - t)
@@ -63,7 +70,7 @@ class _Prefix:
         return build_metadata([w], [s], [self.seq.blocks], self.seq.slots(s, s + w), 16, self.dev)
 
 
-def target_costs(target, head, rows: list, ctx: int, reps: int) -> dict:
+def target_costs(target, head, rows: list, ctx: int, reps: int, cold=None) -> dict:
     from specd.model.attention import get_backend
 
     c, dev = target.config, target.device
@@ -79,14 +86,14 @@ def target_costs(target, head, rows: list, ctx: int, reps: int) -> dict:
             target.model(ids, pos, pre.cache.kv, meta, backend, capture=dict.fromkeys(head.layers) if caps else None)
 
         out[w] = {
-            "layers_ms": median_ms(layers, reps),
-            "layers_capture_ms": median_ms(lambda f=layers: f(caps=True), reps),
-            "lm_head_ms": median_ms(lambda h=hidden: target.model.compute_logits(h), reps),
+            "layers_ms": median_ms(layers, reps, cold),
+            "layers_capture_ms": median_ms(lambda f=layers: f(caps=True), reps, cold),
+            "lm_head_ms": median_ms(lambda h=hidden: target.model.compute_logits(h), reps, cold),
         }
     return out
 
 
-def head_costs(target, head, ctx: int, reps: int) -> dict:
+def head_costs(target, head, ctx: int, reps: int, cold=None) -> dict:
     from specd.model.attention import get_backend
 
     hc, dev = head.cfg, target.device
@@ -100,9 +107,9 @@ def head_costs(target, head, ctx: int, reps: int) -> dict:
     return {
         "kernel": head.fused is not None,
         "draft_vocab": head.draft_vocab_size,
-        "fc_ms": median_ms(lambda: head.fuse(feats[ctx:]), reps),
-        "layer_ms": median_ms(lambda: head(ids[ctx:], pos, x1, pre.cache.kv, meta, backend), reps),
-        "logits_ms": median_ms(lambda: head.compute_logits(out, reduced=True), reps),
+        "fc_ms": median_ms(lambda: head.fuse(feats[ctx:]), reps, cold),
+        "layer_ms": median_ms(lambda: head(ids[ctx:], pos, x1, pre.cache.kv, meta, backend), reps, cold),
+        "logits_ms": median_ms(lambda: head.compute_logits(out, reduced=True), reps, cold),
     }
 
 
@@ -118,8 +125,9 @@ def main(argv=None) -> int:
     target = load_models(cfg, None, None)[0]
     head = load_head_for(cfg, target, None)  # as the engine loads it (drafting through the kernel there)
     rows = [int(r) for r in args.rows.split(",")]
-    res = {"target": target_costs(target, head, rows, args.context, args.reps)}
-    res["head"] = head_costs(target, head, args.context, args.reps)
+    cold = torch.zeros(args.cold_mb << 18) if args.cold_mb else None  # fp32: 2^18 per MB
+    res = {"target": target_costs(target, head, rows, args.context, args.reps, cold)}
+    res["head"] = head_costs(target, head, args.context, args.reps, cold)
     for w, r in res["target"].items():
         print(f"target, {w} row(s): layers {r['layers_ms']} ms (capturing features {r['layers_capture_ms']}), "
               f"LM head {r['lm_head_ms']} ms", flush=True)  # fmt: skip

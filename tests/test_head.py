@@ -11,6 +11,7 @@ On the built-in model with the committed head: greedy output equals plain decodi
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -457,3 +458,7 @@ def test_eval_head_costs_times_each_piece(tmp_path, head_dir):
     assert set(res["target"]) == {"1", "3"}
     assert all(v > 0 for r in res["target"].values() for v in r.values())
     assert res["head"]["draft_vocab"] == 256 and res["head"]["layer_ms"] > 0 and res["head"]["logits_ms"] > 0
+    calls = []
+    cold = SimpleNamespace(sum=lambda: calls.append("evict"))  # the buffer read before each timed call
+    assert E.median_ms(lambda: calls.append("f"), 4, cold) >= 0
+    assert calls == ["f", "f"] + ["evict", "f"] * 4  # 2 warm calls, then each timed one after a sweep

@@ -115,6 +115,8 @@ def test_repacked_gguf_blocks_equal_gguf_dequantization(qtype):
     assert op.nbytes() < w.nbytes / 3  # the codes stay 8 / 4 bits (plus fp32 scales)
     x = torch.randn(3, 320)
     _check(op(x), x, op, torch.float32)
+    _, scale, mins = op.x8_pack()  # the int8-activation kernel reads the file's fp16 scales as halves
+    assert scale.dtype == torch.float16 and (mins is None or mins.dtype == torch.float16)
 
 
 # int8 activations (--act-quant int8) ------------------------------------------------------------------
@@ -199,3 +201,37 @@ def test_int8_activations_avx512_vnni_and_amx_equal_avx2_bitwise(fmt):
         x8_isa(-1)
         op.act_int8 = False
     assert x8_isa() == ("amx" if amx else "avx512vnni")
+
+
+@pytest.mark.skipif(kernel() is None, reason="no CPU kernel here")
+@pytest.mark.parametrize("fmt", ["int8/g32", "int4/g32", "int4/g64"])
+def test_half_scales_give_the_fp32_scales_bits(fmt, monkeypatch):
+    """Scales and mins that are halves exactly (as GGUF's Q4_0 / Q4_1 / Q8_0 blocks store them) are
+    packed as fp16 and widened on load: every instruction set and row count (AVX2, AVX512-VNNI, AMX
+    tiles, AMX halves and tails) gives the bits of the same weights packed with fp32 scales. Scales
+    that are not halves exactly stay fp32."""
+    from specd.model.quant import pack_x8
+
+    g = torch.Generator().manual_seed(9)
+    op = FORMATS[fmt](torch.randn(67, 576, generator=g) * 0.05, torch.randn(67, generator=g))
+    assert pack_x8(op)[1].dtype == torch.float32  # random fp32 scales: not halves
+    op.scale = op.scale.half().float()
+    op.minv = None if op.minv is None else op.minv.half().float()
+    half = pack_x8(op)
+    assert half[1].dtype == torch.float16 and (half[2] is None or half[2].dtype == torch.float16)
+    monkeypatch.setenv("SPECD_X8_HALF_SCALES", "0")
+    full = pack_x8(op)
+    assert full[1].dtype == torch.float32 and torch.equal(full[1], half[1].float())
+    x, res = torch.randn(40, 576, generator=g) * 3, torch.randn(40, 67, generator=g)
+    op.act_int8 = True
+    try:
+        for want in (0, 1, 2):
+            x8_isa(want)
+            for M in (1, 2, 5, 7, 8, 16, 17, 19, 33, 40):
+                op._x8 = full
+                want_y = addmm(res[:M], x[:M], op)
+                op._x8 = half
+                assert torch.equal(addmm(res[:M], x[:M], op), want_y), (want, M)
+    finally:
+        x8_isa(-1)
+        op.act_int8 = False

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from specd.model.qkernel import _ptr
+from specd.model.qkernel import _ptr, x8_fmt
 from specd.model.quant import QuantLinear
 
 
@@ -47,8 +47,8 @@ def _lin(op: QuantLinear) -> tuple[Lin, tuple]:
     int4 = op.fmt == "int4"
     if op.act_int8:
         w, scale, mins = op.x8_pack()
-        lin = Lin(3 if int4 else 2, op.out_features, op.k_pad, 32, op.in_features, _ptr(w), _ptr(scale), _ptr(mins),
-                  _ptr(op.bias))  # fmt: skip
+        lin = Lin(2 + x8_fmt(int4, scale), op.out_features, op.k_pad, 32, op.in_features, _ptr(w), _ptr(scale),
+                  _ptr(mins), _ptr(op.bias))  # fmt: skip
         return lin, (w, scale, mins, op.bias)
     lin = Lin(1 if int4 else 0, op.out_features, op.k_pad, op.group, op.in_features, _ptr(op.qweight), _ptr(op.scale),
               _ptr(op.minv), _ptr(op.bias))  # fmt: skip

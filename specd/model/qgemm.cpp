@@ -21,6 +21,10 @@
 // 32-block's integer sum then scaled in fp32.
 // A row's result still depends on that row alone (its own blocks and scales), so speculation stays
 // lossless; it is no longer equal to the fp32-activation result (a relative error ~1e-3 per output).
+// Its block scales and mins are fp16 where they are halves exactly (GGUF's own, as llama.cpp reads
+// them): 20 bytes per int4 block instead of 24, the same bits; a decode step streams its weights from
+// memory (2-core Xeon: the int8-activation GEMMs of a step from L3 twice as long as from L2), so the
+// smaller stream made a whole plain step ~20% faster there.
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -33,6 +37,13 @@
 #include <vector>
 
 #define PF_ROWS 8  // software prefetch distance in weight rows
+
+// IEEE half (the bits torch.float16 stores): K/V cache elements, and the x8 layout's block scales and
+// mins where they are halves exactly (GGUF stores Q4_0 / Q4_1 / Q8_0 ones so); widened to fp32 exactly
+// on load (F16C), so every computation after the load is the same as from fp32 copies, bit for bit.
+typedef uint16_t half_t;
+static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8(const half_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -244,9 +255,9 @@ static inline __m256i bcast4(const int8_t* p) {
     return _mm256_set1_epi32(v);
 }
 
-template <bool INT4, int R>
+template <bool INT4, int R, class S>
 static inline void x8_tile(const int8_t* qx, const float* dx, const float* xs, int64_t K, const uint8_t* w,
-                           const float* sc, const float* mn, float* out /* [R, 8] */) {
+                           const S* sc, const S* mn, float* out /* [R, 8] */) {
     const int64_t nbk = K / 32;
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[R];
@@ -279,8 +290,8 @@ static inline void x8_tile(const int8_t* qx, const float* dx, const float* xs, i
                 }
             }
         }
-        const __m256 dw = _mm256_loadu_ps(sc + 8 * b);
-        const __m256 mv = INT4 && mn ? _mm256_loadu_ps(mn + 8 * b) : _mm256_setzero_ps();
+        const __m256 dw = ld8(sc + 8 * b);
+        const __m256 mv = INT4 && mn ? ld8(mn + 8 * b) : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) {
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dw, _mm256_broadcast_ss(dx + r * nbk + b)),
                                      acc[r]);
@@ -294,18 +305,18 @@ static inline void x8_tile(const int8_t* qx, const float* dx, const float* xs, i
 // a one-row pass costs nearly what a full one does).
 #define X8_RB 8
 
-template <bool INT4>
+template <bool INT4, class S>
 static inline void x8_pass(int64_t r, const int8_t* xm, const float* dm, const float* sm, int64_t K,
-                           const uint8_t* wt, const float* st, const float* mt, float* acc) {
+                           const uint8_t* wt, const S* st, const S* mt, float* acc) {
     switch (r) {
-        case 8: x8_tile<INT4, 8>(xm, dm, sm, K, wt, st, mt, acc); break;
-        case 7: x8_tile<INT4, 7>(xm, dm, sm, K, wt, st, mt, acc); break;
-        case 6: x8_tile<INT4, 6>(xm, dm, sm, K, wt, st, mt, acc); break;
-        case 5: x8_tile<INT4, 5>(xm, dm, sm, K, wt, st, mt, acc); break;
-        case 4: x8_tile<INT4, 4>(xm, dm, sm, K, wt, st, mt, acc); break;
-        case 3: x8_tile<INT4, 3>(xm, dm, sm, K, wt, st, mt, acc); break;
-        case 2: x8_tile<INT4, 2>(xm, dm, sm, K, wt, st, mt, acc); break;
-        default: x8_tile<INT4, 1>(xm, dm, sm, K, wt, st, mt, acc);
+        case 8: x8_tile<INT4, 8, S>(xm, dm, sm, K, wt, st, mt, acc); break;
+        case 7: x8_tile<INT4, 7, S>(xm, dm, sm, K, wt, st, mt, acc); break;
+        case 6: x8_tile<INT4, 6, S>(xm, dm, sm, K, wt, st, mt, acc); break;
+        case 5: x8_tile<INT4, 5, S>(xm, dm, sm, K, wt, st, mt, acc); break;
+        case 4: x8_tile<INT4, 4, S>(xm, dm, sm, K, wt, st, mt, acc); break;
+        case 3: x8_tile<INT4, 3, S>(xm, dm, sm, K, wt, st, mt, acc); break;
+        case 2: x8_tile<INT4, 2, S>(xm, dm, sm, K, wt, st, mt, acc); break;
+        default: x8_tile<INT4, 1, S>(xm, dm, sm, K, wt, st, mt, acc);
     }
 }
 
@@ -326,6 +337,13 @@ X512 static inline __m512 cat256ps(const float* a, const float* b) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
 }
 
+// two tiles' 8 block scales (or mins) side by side, widened from halves where they are stored so
+X512 static inline __m512 cat256s(const float* a, const float* b) { return cat256ps(a, b); }
+X512 static inline __m512 cat256s(const half_t* a, const half_t* b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
+                                                   _mm_loadu_si128((const __m128i*)b), 1));
+}
+
 X512 static inline __m512i bcast4_512(const int8_t* p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -333,10 +351,9 @@ X512 static inline __m512i bcast4_512(const int8_t* p) {
 }
 
 // tiles a and b (their weights wa / wb, scales sa / sb, mins ma / mb): out [R, 16], a's 8 rows then b's
-template <bool INT4, int R>
+template <bool INT4, int R, class S>
 X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float* xs, int64_t K, const uint8_t* wa,
-                                 const uint8_t* wb, const float* sa, const float* sb, const float* ma,
-                                 const float* mb, float* out) {
+                                 const uint8_t* wb, const S* sa, const S* sb, const S* ma, const S* mb, float* out) {
     const int64_t nbk = K / 32;
     const __m512i mask = _mm512_set1_epi8(0x0F);
     __m512 acc[R];
@@ -371,8 +388,8 @@ X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float*
                 }
             }
         }
-        const __m512 dw = cat256ps(sa + 8 * b, sb + 8 * b);
-        const __m512 mv = INT4 && ma ? cat256ps(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
+        const __m512 dw = cat256s(sa + 8 * b, sb + 8 * b);
+        const __m512 mv = INT4 && ma ? cat256s(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nbk + b])),
                                      acc[r]);
@@ -382,15 +399,15 @@ X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float*
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
-template <bool INT4>
+template <bool INT4, class S>
 X512 static inline void x8_pass2(int64_t r, const int8_t* xm, const float* dm, const float* sm, int64_t K,
-                                 const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb,
-                                 const float* ma, const float* mb, float* acc) {
+                                 const uint8_t* wa, const uint8_t* wb, const S* sa, const S* sb, const S* ma,
+                                 const S* mb, float* acc) {
 #define X8_CASE(n) \
-    case n: x8_tile2<INT4, n>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc); break;
+    case n: x8_tile2<INT4, n, S>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc); break;
     switch (r) {
         X8_CASE(8) X8_CASE(7) X8_CASE(6) X8_CASE(5) X8_CASE(4) X8_CASE(3) X8_CASE(2)
-        default: x8_tile2<INT4, 1>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc);
+        default: x8_tile2<INT4, 1, S>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc);
     }
 #undef X8_CASE
 }
@@ -442,33 +459,35 @@ static inline void x8_store(const float* acc, int64_t stride, int64_t r, int64_t
 
 // Output tile pair p of an x8-layout weight (tiles ta, tb; an odd last tile pairs with itself and its
 // copy is dropped): its first output row n0, its nc live columns, each tile's mins (int4) or null
+template <class S>
 struct TilePair {
     int64_t ta, tb, n0, nc;
-    const float *ma, *mb;
+    const S *ma, *mb;
 };
 
-static inline TilePair tile_pair(int64_t p, int64_t NT, int64_t N, int64_t nbk, const float* mins) {
+template <class S>
+static inline TilePair<S> tile_pair(int64_t p, int64_t NT, int64_t N, int64_t nbk, const S* mins) {
     const int64_t ta = 2 * p, tb = ta + 1 < NT ? ta + 1 : ta, n0 = 8 * ta;
     const int64_t nc = tb == ta ? (N - n0 < 8 ? N - n0 : 8) : (N - n0 < 16 ? N - n0 : 16);
     return {ta, tb, n0, nc, mins ? mins + ta * nbk * 8 : nullptr, mins ? mins + tb * nbk * 8 : nullptr};
 }
 
-template <bool INT4>
+template <bool INT4, class S>
 X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K,
-                             const uint8_t* w, const float* scale, const float* mins, int64_t N, const float* add,
+                             const uint8_t* w, const S* scale, const S* mins, int64_t N, const float* add,
                              const float* bias, float* y) {
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
     const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
     const int64_t NP = (NT + 1) / 2;  // tile pairs; an odd last tile pairs with itself (its copy is dropped)
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < NP; p++) {
-        const TilePair tp = tile_pair(p, NT, N, nbk, mins);
+        const TilePair<S> tp = tile_pair(p, NT, N, nbk, mins);
         const int64_t ta = tp.ta, tb = tp.tb, n0 = tp.n0, nc = tp.nc;
-        const float *ma = tp.ma, *mb = tp.mb;
+        const S *ma = tp.ma, *mb = tp.mb;
         alignas(64) float acc[X8_RB * 16];
         for (int64_t m0 = 0; m0 < M; m0 += rp) {
             const int64_t r = M - m0 < rp ? M - m0 : rp;
-            x8_pass2<INT4>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, w + ta * tile_bytes, w + tb * tile_bytes,
+            x8_pass2<INT4, S>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, w + ta * tile_bytes, w + tb * tile_bytes,
                            scale + ta * nbk * 8, scale + tb * nbk * 8, ma, mb, acc);
             x8_store(acc, 16, r, m0, n0, nc, N, add, bias, y);
         }
@@ -566,10 +585,9 @@ XAMX static inline void amx_blocks(const int8_t* qx, int64_t K, const uint8_t* w
 }
 
 // R rows of x (a pass) against tiles a and b: out [R, 16], as x8_tile2
-template <bool INT4, int R>
+template <bool INT4, int R, class S>
 XAMX static void amx_tile2(const int8_t* qx, const float* dx, const float* xs, int64_t K, const uint8_t* wa,
-                           const uint8_t* wb, const float* sa, const float* sb, const float* ma, const float* mb,
-                           float* out) {
+                           const uint8_t* wb, const S* sa, const S* sb, const S* ma, const S* mb, float* out) {
     const int64_t nbk = K / 32;
     alignas(64) uint8_t bb[4 * 512];
     alignas(64) int32_t cs[4 * AMX_ROWS * 16];
@@ -580,8 +598,8 @@ XAMX static void amx_tile2(const int8_t* qx, const float* dx, const float* xs, i
         amx_blocks<INT4>(qx, K, wa, wb, b0, nb, bb, cs, R);
         for (int i = 0; i < nb; i++) {
             const int64_t b = b0 + i;
-            const __m512 dw = cat256ps(sa + 8 * b, sb + 8 * b);
-            const __m512 mv = INT4 && ma ? cat256ps(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
+            const __m512 dw = cat256s(sa + 8 * b, sb + 8 * b);
+            const __m512 mv = INT4 && ma ? cat256s(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
             const int32_t* c = cs + 16 * R * i;
             for (int r = 0; r < R; r++) {
                 const __m512 is = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i*)(c + 16 * r)));
@@ -593,16 +611,15 @@ XAMX static void amx_tile2(const int8_t* qx, const float* dx, const float* xs, i
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
-template <bool INT4>
+template <bool INT4, class S>
 XAMX static void amx_pass(int64_t r, const int8_t* xm, const float* dm, const float* sm, int64_t K, const uint8_t* wa,
-                          const uint8_t* wb, const float* sa, const float* sb, const float* ma, const float* mb,
-                          float* acc) {
+                          const uint8_t* wb, const S* sa, const S* sb, const S* ma, const S* mb, float* acc) {
 #define AMX_CASE(n) \
-    case n: amx_tile2<INT4, n>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc); break;
+    case n: amx_tile2<INT4, n, S>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc); break;
     switch (r) {
         AMX_CASE(16) AMX_CASE(15) AMX_CASE(14) AMX_CASE(13) AMX_CASE(12) AMX_CASE(11) AMX_CASE(10) AMX_CASE(9)
         AMX_CASE(8) AMX_CASE(7) AMX_CASE(6) AMX_CASE(5) AMX_CASE(4) AMX_CASE(3) AMX_CASE(2)
-        default: amx_tile2<INT4, 1>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc);
+        default: amx_tile2<INT4, 1, S>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc);
     }
 #undef AMX_CASE
 }
@@ -620,10 +637,10 @@ XAMX static void amx_config2(int64_t r0, int64_t r1) {
     _tile_loadconfig(&c);
 }
 
-template <bool INT4>
+template <bool INT4, class S>
 XAMX static void amx_tile2_halves(int64_t r0, int64_t r1, const int8_t* qx, const float* dx, const float* xs,
-                                  int64_t K, const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb,
-                                  const float* ma, const float* mb, float* acc) {
+                                  int64_t K, const uint8_t* wa, const uint8_t* wb, const S* sa, const S* sb,
+                                  const S* ma, const S* mb, float* acc) {
     const int64_t nbk = K / 32, R = r0 + r1;
     const int8_t* q1 = qx + r0 * K;
     alignas(64) uint8_t bb[2 * 512];
@@ -657,8 +674,8 @@ XAMX static void amx_tile2_halves(int64_t r0, int64_t r1, const int8_t* qx, cons
         }
         for (int i = 0; i < nb; i++) {
             const int64_t b = b0 + i;
-            const __m512 dw = cat256ps(sa + 8 * b, sb + 8 * b);
-            const __m512 mv = INT4 && ma ? cat256ps(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
+            const __m512 dw = cat256s(sa + 8 * b, sb + 8 * b);
+            const __m512 mv = INT4 && ma ? cat256s(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
             const int32_t* c = cs + 16 * R * i;
             for (int64_t r = 0; r < R; r++) {
                 const __m512 is = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i*)(c + 16 * r)));
@@ -672,9 +689,9 @@ XAMX static void amx_tile2_halves(int64_t r0, int64_t r1, const int8_t* qx, cons
 }
 #undef AMX_DP
 
-template <bool INT4>
+template <bool INT4, class S>
 XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K,
-                             const uint8_t* w, const float* scale, const float* mins, int64_t N, const float* add,
+                             const uint8_t* w, const S* scale, const S* mins, int64_t N, const float* add,
                              const float* bias, float* y) {
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
     // up to AMX_TAIL rows past a multiple of AMX_ROWS (a 16-request batch's few draft tokens) take the
@@ -690,9 +707,9 @@ XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs,
         int64_t cfg = 0;  // the row count the tiles are configured for (per thread)
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < NP; p++) {
-            const TilePair tp = tile_pair(p, NT, N, nbk, mins);
+            const TilePair<S> tp = tile_pair(p, NT, N, nbk, mins);
             const int64_t ta = tp.ta, tb = tp.tb, n0 = tp.n0, nc = tp.nc;
-            const float *ma = tp.ma, *mb = tp.mb;
+            const S *ma = tp.ma, *mb = tp.mb;
             alignas(64) float acc[2 * AMX_ROWS * 16];
             for (int64_t m0 = 0; m0 < Ma; m0 += rp) {
                 const int64_t r = Ma - m0 < rp ? Ma - m0 : rp, h0 = (r + 1) / 2;
@@ -702,16 +719,16 @@ XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs,
                     cfg = r;
                 }
                 const uint8_t *wa = w + ta * tile_bytes, *wb = w + tb * tile_bytes;
-                const float *sa = scale + ta * nbk * 8, *sb = scale + tb * nbk * 8;
+                const S *sa = scale + ta * nbk * 8, *sb = scale + tb * nbk * 8;
                 if (r <= AMX_ROWS)
-                    amx_pass<INT4>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wa, wb, sa, sb, ma, mb, acc);
+                    amx_pass<INT4, S>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wa, wb, sa, sb, ma, mb, acc);
                 else
-                    amx_tile2_halves<INT4>(h0, r - h0, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wa, wb, sa, sb,
+                    amx_tile2_halves<INT4, S>(h0, r - h0, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wa, wb, sa, sb,
                                            ma, mb, acc);
                 x8_store(acc, 16, r, m0, n0, nc, N, add, bias, y);
             }
             if (tail) {
-                x8_pass2<INT4>(tail, qx + Ma * K, dx + Ma * nbk, xs + Ma * nbk, K, w + ta * tile_bytes,
+                x8_pass2<INT4, S>(tail, qx + Ma * K, dx + Ma * nbk, xs + Ma * nbk, K, w + ta * tile_bytes,
                                w + tb * tile_bytes, scale + ta * nbk * 8, scale + tb * nbk * 8, ma, mb, acc);
                 x8_store(acc, 16, tail, Ma, n0, nc, N, add, bias, y);
             }
@@ -720,24 +737,25 @@ XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs,
     }
 }
 
-template <bool INT4>
+template <bool INT4, class S>
 static void gemm_x8(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K, const uint8_t* w,
-                    const float* scale, const float* mins, int64_t N, const float* add, const float* bias, float* y) {
+                    const S* scale, const S* mins, int64_t N, const float* add, const float* bias, float* y) {
     const int isa = x8_isa();
-    if (isa == 2 && M >= AMX_MIN_ROWS(INT4)) return gemm_x8_amx<INT4>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
-    if (isa >= 1) return gemm_x8_512<INT4>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
+    if (isa == 2 && M >= AMX_MIN_ROWS(INT4))
+        return gemm_x8_amx<INT4, S>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
+    if (isa >= 1) return gemm_x8_512<INT4, S>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
     const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < NT; t++) {
         const uint8_t* wt = w + t * tile_bytes;
-        const float* st = scale + t * nbk * 8;
-        const float* mt = mins ? mins + t * nbk * 8 : nullptr;
+        const S* st = scale + t * nbk * 8;
+        const S* mt = mins ? mins + t * nbk * 8 : nullptr;
         const int64_t n0 = 8 * t, nc = N - n0 < 8 ? N - n0 : 8;
         alignas(32) float acc[X8_RB * 8];
         for (int64_t m0 = 0; m0 < M; m0 += rp) {
             const int64_t r = M - m0 < rp ? M - m0 : rp;
-            x8_pass<INT4>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wt, st, mt, acc);
+            x8_pass<INT4, S>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wt, st, mt, acc);
             x8_store(acc, 8, r, m0, n0, nc, N, add, bias, y);
         }
     }
@@ -800,11 +818,8 @@ static inline __m256 exp_nonpos(__m256 x) {
     return _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps(x, lo, _CMP_LT_OQ));
 }
 
-// K/V cache elements: fp32, or fp16 (IEEE half, the bits torch.float16 stores: half_t), widened to
-// fp32 exactly on load (F16C), so every computation after the load is the fp32 cache's.
-typedef uint16_t half_t;
-static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 ld8(const half_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+// K/V cache elements: fp32, or fp16 (half_t, see the top), widened to fp32 exactly on load (F16C),
+// so every computation after the load is the fp32 cache's.
 static inline float ld1(const float* p) { return *p; }
 static inline float ld1(const half_t* p) { return _cvtsh_ss(*p); }
 X512 static inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
@@ -1215,13 +1230,27 @@ static void pack_kt(const float* kb, int64_t L, int64_t KVH, int64_t D, float* K
 // small torch ops of a layer cost more than its matmuls at decode widths. Every step is row-wise
 // (RMSNorm, RoPE, SiLU), row-independent (the quantized matmuls above) or the row-at-a-time
 // attention above, so a row's result depends on that row alone, as on the op-by-op path.
-struct Lin {  // one projection: kind 0 int8 / 1 int4 (fp32 activations), 2 int8 / 3 int4 (x8 layout, int8 act.)
+// kind 0 int8 / 1 int4 (fp32 activations); 2 int8 / 3 int4 (x8 layout, int8 activations), fp32 scales
+// and mins; 4 / 5: the same with half scales and mins (X8_HALF)
+struct Lin {
     int64_t kind, N, K, G, Kin;  // K: the padded row length (a multiple of 32), Kin <= K: x's row length
     const void* w;
-    const float* scale;
-    const float* mins;
+    const void* scale;
+    const void* mins;
     const float* bias;
 };
+#define X8_INT4 1  // kinds 2-5 less 2: bit 0 int4, bit 1 half scales (specd_qgemm_x8's fmt)
+#define X8_HALF 2
+
+template <class S>
+static void lin_x8(const Lin& L, const int8_t* qs, const float* dx, const float* xs, int64_t M, const float* add,
+                   float* y) {
+    const S *sc = (const S*)L.scale, *mn = (const S*)L.mins;
+    if ((L.kind - 2) & X8_INT4)
+        gemm_x8<true, S>(qs, dx, xs, M, L.K, (const uint8_t*)L.w, sc, mn, L.N, add, L.bias, y);
+    else
+        gemm_x8<false, S>(qs, dx, xs, M, L.K, (const uint8_t*)L.w, sc, nullptr, L.N, add, L.bias, y);
+}
 
 // y = x @ W^T (+ bias) (+ add); add may alias y
 static void lin(const Lin& L, const float* x, int64_t M, const float* add, float* y, std::vector<float>& fs,
@@ -1236,18 +1265,18 @@ static void lin(const Lin& L, const float* x, int64_t M, const float* add, float
         fs.resize(2 * M * nbk);
         qs.resize(M * K);
         float *xs = fs.data(), *dx = xs + M * nbk;
-        if (L.kind == 3 && L.mins) group_sums(x, M, K, 32, xs);
+        if (((L.kind - 2) & X8_INT4) && L.mins) group_sums(x, M, K, 32, xs);
         quantize_q8(x, M, K, qs.data(), dx);
-        if (L.kind == 3)
-            gemm_x8<true>(qs.data(), dx, xs, M, K, (const uint8_t*)L.w, L.scale, L.mins, L.N, add, L.bias, y);
+        if ((L.kind - 2) & X8_HALF)
+            lin_x8<half_t>(L, qs.data(), dx, xs, M, add, y);
         else
-            gemm_x8<false>(qs.data(), dx, xs, M, K, (const uint8_t*)L.w, L.scale, nullptr, L.N, add, L.bias, y);
+            lin_x8<float>(L, qs.data(), dx, xs, M, add, y);
     } else if (L.kind == 1) {
         fs.resize(M * (K / L.G));
         if (L.mins) group_sums(x, M, K, L.G, fs.data());
-        gemm<true>(x, M, K, L.w, L.scale, L.mins, L.N, L.G, add, L.bias, y, fs.data());
+        gemm<true>(x, M, K, L.w, (const float*)L.scale, (const float*)L.mins, L.N, L.G, add, L.bias, y, fs.data());
     } else {
-        gemm<false>(x, M, K, L.w, L.scale, nullptr, L.N, L.G, add, L.bias, y, nullptr);
+        gemm<false>(x, M, K, L.w, (const float*)L.scale, nullptr, L.N, L.G, add, L.bias, y, nullptr);
     }
 }
 
@@ -1503,10 +1532,11 @@ void specd_qgemm_i4(const float* x, int64_t M, int64_t K, const uint8_t* q, cons
     gemm<true>(x, M, K, q, scale, mins, N, G, add, bias, y, xsum);
 }
 
-// The interleaved layout (see gemm_x8): w, scale [, mins] packed by the caller (quant.pack_x8).
-void specd_qgemm_x8(const float* x, int64_t M, int64_t K, const uint8_t* w, const float* scale, const float* mins,
-                    int64_t N, int int4, const float* add, const float* bias, float* y) {
-    const Lin L{int4 ? 3 : 2, N, K, 32, K, w, scale, mins, bias};
+// The interleaved layout (see gemm_x8): w, scale [, mins] packed by the caller (quant.pack_x8); fmt:
+// X8_INT4 (int4 codes, else int8) | X8_HALF (scale and mins are halves, else fp32).
+void specd_qgemm_x8(const float* x, int64_t M, int64_t K, const uint8_t* w, const void* scale, const void* mins,
+                    int64_t N, int fmt, const float* add, const float* bias, float* y) {
+    const Lin L{2 + fmt, N, K, 32, K, w, scale, mins, bias};
     std::vector<float> fs, xp;
     std::vector<int8_t> qs;
     lin(L, x, M, add, y, fs, qs, xp);

@@ -148,16 +148,21 @@ def qgemm(
     return y
 
 
+def x8_fmt(int4: bool, scale: torch.Tensor) -> int:
+    """qgemm.cpp's X8_INT4 | X8_HALF bits for an x8-layout weight (its ``Lin`` kind less 2)."""
+    return int(int4) | (2 if scale.dtype == torch.float16 else 0)
+
+
 def qgemm_x8(lib: ctypes.CDLL, x: torch.Tensor, packed: tuple, N: int, int4: bool, add=None, bias=None):
     """``add + x @ W^T + bias`` with int8 activations for x fp32 [M, K] (contiguous) and W in the
-    interleaved layout ``packed`` (``quant.pack_x8``); returns fp32 [M, N]."""
+    interleaved layout ``packed`` (``quant.pack_x8``: fp32 or fp16 scales); returns fp32 [M, N]."""
     w, scale, mins = packed
     M, K = x.shape
     add = None if add is None else add.contiguous()
     y = torch.empty((M, N), dtype=torch.float32)
     lib.specd_qgemm_x8(
-        x.data_ptr(), M, K, w.data_ptr(), scale.data_ptr(), _ptr(mins), N, int(int4), _ptr(add), _ptr(bias),
-        y.data_ptr(),
+        x.data_ptr(), M, K, w.data_ptr(), scale.data_ptr(), _ptr(mins), N, x8_fmt(int4, scale), _ptr(add),
+        _ptr(bias), y.data_ptr(),
     )  # fmt: skip
     return y
 

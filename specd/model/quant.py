@@ -20,6 +20,7 @@ tensor and a ``QuantLinear`` so that ``LlamaModel.forward`` stays one path.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn as nn
@@ -106,8 +107,9 @@ class QuantLinear(nn.Module):
 
     def x8_pack(self) -> tuple:
         """The weight in the CPU kernel's interleaved layout for int8 activations (``gemm_x8`` in
-        qgemm.cpp): ``(w uint8, scale fp32 [tiles, K_pad/32, 8], min or None)``, built on first use
-        and kept (a second copy of the codes: same size as ``qweight``)."""
+        qgemm.cpp): ``(w uint8, scale [tiles, K_pad/32, 8], min or None)``, scale and min in fp16
+        where every one of them is a half exactly (GGUF's Q4_0 / Q4_1 / Q8_0 blocks), else fp32; built
+        on first use and kept (a second copy of the codes: same size as ``qweight``)."""
         if getattr(self, "_x8", None) is None:
             self._x8 = pack_x8(self)
         return self._x8
@@ -208,7 +210,19 @@ def pack_x8(op: QuantLinear) -> tuple:
     else:
         w = pad_n(op.qweight).view(T, 8, nbk, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).view(-1)
     mins = None if op.minv is None else tiles(per_block(op.minv))
-    return w, tiles(per_block(op.scale)), mins
+    return (w, *as_halves(tiles(per_block(op.scale)), mins))
+
+
+def as_halves(scale: torch.Tensor, mins: torch.Tensor | None) -> tuple:
+    """``(scale, mins)`` in fp16 where both are halves exactly (widened back on load, they give the
+    kernel the same fp32 values bit for bit, in 5/6 of the bytes per 32-weight int4 block: a decode
+    step reads its weights from memory), else as they are."""
+    if os.environ.get("SPECD_X8_HALF_SCALES", "1") == "0":
+        return scale, mins
+    exact = lambda t: t is None or torch.equal(t.half().float(), t)  # noqa: E731  (inf, overflow: not equal)
+    if not (exact(scale) and exact(mins)):
+        return scale, mins
+    return scale.half(), None if mins is None else mins.half()
 
 
 def _pad_cols(w: torch.Tensor) -> torch.Tensor:
