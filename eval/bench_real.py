@@ -337,11 +337,18 @@ def profile_step(system, ids: list, tokens: int) -> dict:
 def weight_bytes(module) -> int:
     """Bytes of a module's parameters and quantized weight buffers (codes, scales, mins), each tensor
     once (tied embeddings and head: one read per step, the head's full matrix; the embedding lookup
-    itself reads one row). KV caches and rotary tables are not weights."""
-    seen = {}
+    itself reads one row). KV caches and rotary tables are not weights. A quantized layer that the
+    int8-activation kernel ran counts its packed copy (the one a step reads: fp16 scales where exact)."""
+    seen, replaced = {}, set()
+    for m in module.modules():
+        pack = getattr(m, "_x8", None)
+        if pack is not None:
+            seen.update({t.data_ptr(): t.numel() * t.element_size() for t in pack if t is not None})
+            replaced.update(t.data_ptr() for t in (m.qweight, m.scale, m.minv) if t is not None)
     tensors = list(module.parameters()) + [b for n, b in module.named_buffers() if "rotary" not in n]
     for p in tensors:
-        seen[p.data_ptr()] = p.numel() * p.element_size()
+        if p.data_ptr() not in replaced:
+            seen[p.data_ptr()] = p.numel() * p.element_size()
     return sum(seen.values())
 
 
