@@ -142,6 +142,7 @@ class SpecConfig:
     adaptive: bool = True
     ngram_tokens: int = 8  # prompt lookup: draft tokens per continuation
     ngram_branches: int = 1  # prompt lookup: distinct continuations in the tree (1 = a chain)
+    ngram_extend: int = 1  # prompt lookup: draft at most the match length + this many tokens (-1: ngram_tokens)
     suffix_store: bool = True  # ngram mode: also draft from the same tenant's earlier requests
 
     def __post_init__(self):
@@ -149,6 +150,8 @@ class SpecConfig:
             raise ValueError(f"speculation mode must be off|chain|tree|static|head|ngram|hybrid, got {self.mode!r}")
         if not isinstance(self.ngram_branches, int) or not 1 <= self.ngram_branches <= 8:
             raise ValueError(f"ngram_branches must be an integer in 1..8, got {self.ngram_branches!r}")
+        if not isinstance(self.ngram_extend, int) or not -1 <= self.ngram_extend <= 256:
+            raise ValueError(f"ngram_extend must be an integer in -1..256, got {self.ngram_extend!r}")
         for name in ("num_draft_tokens", "tree_budget", "tree_topk", "tree_depth", "ngram_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1 or v > 256:

@@ -42,6 +42,13 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
         "--ngram-branches", type=int, default=1, help="prompt lookup: distinct continuations in the tree (1 = a chain)"
     )
     p.add_argument(
+        "--ngram-extend",
+        type=int,
+        default=1,
+        help="prompt lookup: draft at most the matched length + N tokens (a copied span runs on about as long "
+        "as it already has); -1: every draft --ngram-tokens long",
+    )
+    p.add_argument(
         "--no-suffix-store",
         action="store_true",
         help="ngram mode: do not draft from the same API key's earlier requests (memory-bounded store)",
@@ -229,6 +236,7 @@ def engine_config(a):
             tree_depth=a.tree_depth,
             ngram_tokens=getattr(a, "ngram_tokens", 8),
             ngram_branches=getattr(a, "ngram_branches", 1),
+            ngram_extend=getattr(a, "ngram_extend", 1),
             suffix_store=not getattr(a, "no_suffix_store", False),
             adaptive=not a.no_adaptive,
             static_tree=_static_tree(a.static_tree),

@@ -55,6 +55,52 @@ def test_index_matches_brute_force_as_the_context_grows():
             tokens += [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
 
 
+def _brute_extended(tokens, sizes, max_tokens, branches, extend):
+    """Occurrences longest match first (then most recent), each cut to its match length + extend."""
+    L = len(tokens)
+    for n in reversed(sizes):
+        tail = tokens[L - n :] if L >= n else None
+        occ = [e for e in range(L - 1, n - 1, -1) if tail is not None and tokens[e - n : e] == tail]
+        if not occ:
+            continue
+        m = {}
+        for e in occ:
+            m[e] = n
+            while m[e] < max_tokens - extend and e - 1 - m[e] >= 0 and tokens[e - 1 - m[e]] == tokens[L - 1 - m[e]]:
+                m[e] += 1
+        out = []
+        for e in sorted(occ, key=lambda e: -m[e]):
+            cont = tokens[e : min(e + min(max_tokens, m[e] + extend), L)]
+            if cont not in out:
+                out.append(cont)
+            if len(out) == branches:
+                break
+        return out
+    return []
+
+
+def test_extended_lookup_cuts_each_continuation_to_its_match_length():
+    """``extend``: a continuation is as long as its occurrence's match + extend (at most max_tokens),
+    the longest matches first; against brute force as the context grows."""
+    rng = random.Random(1)
+    for trial in range(30):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 10))]
+        ix = NgramIndex(range(1, 4))
+        for _ in range(12):
+            for extend in (0, 1, 3):
+                want = _brute_extended(tokens, range(1, 4), 6, 3, extend)
+                assert ix.continuations(tokens, 6, 3, extend) == want, (trial, tokens, extend)
+            tokens += [rng.randrange(3) for _ in range(rng.randrange(1, 4))]
+    # a b c d a b x a b: both bigram matches are 2 long; extend 1 gives 3 tokens, most recent first
+    a, b, c, d, x = range(5)
+    ix = NgramIndex(range(1, 3))
+    assert ix.continuations([a, b, c, d, a, b, x, a, b], 3, 2, 1) == [[x, a, b], [c, d, a]]
+    assert ix.continuations([a, b, c, d, a, b, x, a, b], 8, 2, 0) == [[x, a], [c, d]]
+    # a longer match wins over a more recent one: ... c a b | ... x a b | query c a b
+    toks = [c, a, b, d, d, x, a, b, d, c, a, b]
+    assert NgramIndex(range(2, 3)).continuations(toks, 8, 1, 1) == [[d, d, x, a]]
+
+
 def test_trie_merges_shared_prefixes_in_breadth_first_order_within_the_budget():
     tree = trie(7, [[1, 2, 3], [1, 4], [5]], budget=16)
     assert tree.token_list == [7, 1, 5, 2, 4, 3]
@@ -335,3 +381,17 @@ def test_the_policy_prices_the_tokens_verified_not_the_tokens_reserved(shared_pa
             assert seen[-1] == (verified, len(running))
             short_of_reserved += eng.scheduler.last_spec_budget + len(running) > verified
     assert short_of_reserved > 0, "every lookup verified its full reservation: the test proves nothing"
+
+
+def test_ngram_extend_reaches_the_proposer_from_the_command_line(shared_pair):
+    """``--ngram-extend N`` (default 1) sets how far past its match a lookup drafts; -1 drafts
+    ``--ngram-tokens`` always; out-of-range values are refused."""
+    from specd.options import engine_config, serve_parser
+
+    t, _ = shared_pair
+    for argv, want in (([], 1), (["--ngram-extend", "3"], 3), (["--ngram-extend", "-1"], None)):
+        cfg = engine_config(serve_parser().parse_args(["--target", str(TARGET), *argv]))
+        eng = Engine(EngineConfig(target=str(TARGET), spec=cfg.spec), t)
+        assert eng.ngram.cfg.extend == want, argv
+    with pytest.raises(ValueError, match="ngram_extend"):
+        SpecConfig(ngram_extend=-2)

@@ -228,7 +228,9 @@ def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | No
         drafter = HeadDrafter(head, draft_cache, cfg.spec, device, tc.vocab_size, backend, ledger)
     if drafter is not None:
         drafter.clock = policy_clock
-    ngram_cfg = NgramConfig(max_tokens=cfg.spec.ngram_tokens, branches=cfg.spec.ngram_branches)
+    ext = cfg.spec.ngram_extend
+    ngram_cfg = NgramConfig(max_tokens=cfg.spec.ngram_tokens, branches=cfg.spec.ngram_branches,
+                            extend=None if ext < 0 else ext)  # fmt: skip
     ngram = NgramProposer(ngram_cfg, SuffixStore() if cfg.spec.suffix_store else None)
     return EngineParts(
         target, draft, max_len, backend, cache, draft_cache, prefix_cache, draft_prefix_cache, ledger, policy,

@@ -8,15 +8,20 @@ mode (``verify.py``), which keeps sampling lossless.
 
 Matching: for n from ``max_n`` down to ``min_n``, the last n committed tokens are looked up among
 the earlier n-grams of the request's own context (prompt and output so far); the first n with a
-match wins (longer matches predict better). Each earlier occurrence, most recent first, offers the
-``max_tokens`` tokens that followed it; up to ``branches`` distinct continuations are merged into a
-trie below the root (a chain when ``branches`` is 1). No match: no proposal, the step decodes
-plainly at no extra cost.
+match wins (longer matches predict better). Each earlier occurrence offers the tokens that followed
+it: as many as the occurrence's *match length* m (how many tokens before it equal the context's last
+ones, n or more) plus ``extend``, at most ``max_tokens`` (``extend`` None: always ``max_tokens``).
+A copied span matches on for about as long as it already has: offline, on the built-in model's
+greedy Spec-Bench replies (48, 256 tokens), drafting up to m + 1 tokens instead of 8 verified 28%
+fewer rows per step for 3% fewer tokens per step. Occurrences are taken longest match first, then
+most recent; up to ``branches`` distinct continuations are merged into a trie below the root (a
+chain when ``branches`` is 1). No match: no proposal, the step decodes plainly at no extra cost.
 
-Worked example (``max_n`` 2, ``min_n`` 1, ``max_tokens`` 3, ``branches`` 2): context
-``a b c d a b x a b`` ends with the bigram ``a b``, seen ending at positions 1 and 5 (0-based);
-the most recent, at 5, was followed by ``x a b``, the earlier one by ``c d a``. The tree is
-``root -> x -> a -> b`` and ``root -> c -> d -> a`` (the root is the last ``b``).
+Worked example (``max_n`` 2, ``min_n`` 1, ``max_tokens`` 3, ``extend`` 1, ``branches`` 2): context
+``a b c d a b x a b`` ends with the bigram ``a b``, seen ending at positions 1 and 5 (0-based),
+each with match length 2; the most recent, at 5, was followed by ``x a b``, the earlier one by
+``c d a`` (3 = 2 + 1 tokens each). The tree is ``root -> x -> a -> b`` and ``root -> c -> d -> a``
+(the root is the last ``b``).
 
 The index of a request (``NgramIndex``) lives on its ``Sequence`` and grows with it: O(new tokens
 x n sizes) per step, memory O(context x n sizes) per request, freed with the request.
@@ -31,6 +36,7 @@ from specd.speculation.suffix import SuffixStore
 from specd.speculation.tree import DraftTree
 
 MAX_OCCURRENCES = 64  # most recent occurrences of an n-gram scanned for distinct continuations
+MATCH_SCAN = 16  # most recent occurrences whose match length is measured (the rest count as n)
 
 
 @dataclass(frozen=True)
@@ -39,12 +45,15 @@ class NgramConfig:
     min_n: int = 2  # shortest n-gram matched
     max_tokens: int = 8  # draft tokens per continuation (the tree's depth)
     branches: int = 1  # distinct continuations merged into the tree (1 = a chain)
+    extend: int | None = 1  # draft at most the match length + this many tokens (None: max_tokens)
 
     def __post_init__(self):
         if not 1 <= self.min_n <= self.max_n <= 16:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n <= 16, got {self.min_n}..{self.max_n}")
         if not 1 <= self.max_tokens <= 256 or not 1 <= self.branches <= 8:
             raise ValueError("n-gram max_tokens must be in 1..256 and branches in 1..8")
+        if self.extend is not None and self.extend < 0:
+            raise ValueError(f"n-gram extend must be >= 0 or None, got {self.extend}")
 
 
 class NgramIndex:
@@ -65,9 +74,10 @@ class NgramIndex:
                     self.table[n].setdefault(tuple(tokens[end - n : end]), []).append(end)
         self.indexed = max(self.indexed, upto + 1)
 
-    def continuations(self, tokens: list, max_tokens: int, branches: int) -> list[list[int]]:
-        """Up to ``branches`` distinct continuations (most recent occurrence first) of the longest
-        matching n-gram that ends the context."""
+    def continuations(self, tokens: list, max_tokens: int, branches: int, extend: int | None = None) -> list:
+        """Up to ``branches`` distinct continuations of the longest matching n-gram that ends the
+        context, each at most ``max_tokens`` long; ``extend`` None: most recent occurrence first;
+        else longest match first (then most recent), each cut to its match length + ``extend``."""
         self.update(tokens)
         L = len(tokens)
         for n in reversed(self.sizes):
@@ -76,9 +86,17 @@ class NgramIndex:
             ends = self.table[n].get(tuple(tokens[L - n :]))
             if not ends:
                 continue
+            recent = ends[: -MAX_OCCURRENCES - 1 : -1]
+            if extend is None:
+                lengths = [max_tokens] * len(recent)
+            else:  # (sorted is stable: among equal matches the most recent stays first)
+                cap = max_tokens - extend
+                m = [match_length(tokens, e, n, cap) if i < MATCH_SCAN else n for i, e in enumerate(recent)]
+                order = sorted(range(len(recent)), key=lambda i: -m[i])
+                recent, lengths = [recent[i] for i in order], [min(max_tokens, m[i] + extend) for i in order]
             out: list[list[int]] = []
-            for end in reversed(ends[-MAX_OCCURRENCES:]):
-                cont = tokens[end : min(end + max_tokens, L)]
+            for end, k in zip(recent, lengths):
+                cont = tokens[end : min(end + k, L)]
                 if cont and cont not in out:
                     out.append(cont)
                     if len(out) == branches:
@@ -86,6 +104,15 @@ class NgramIndex:
             if out:
                 return out
         return []
+
+
+def match_length(tokens: list, end: int, n: int, cap: int) -> int:
+    """How many tokens before ``end`` equal the last ones of ``tokens`` (at least ``n``: the matched
+    n-gram), counted up to ``cap`` (or ``n`` if that is more)."""
+    L, m = len(tokens), n
+    while m < cap and end - 1 - m >= 0 and tokens[end - 1 - m] == tokens[L - 1 - m]:
+        m += 1
+    return m
 
 
 def trie(root: int, continuations: list, budget: int) -> DraftTree:
@@ -125,7 +152,7 @@ class NgramProposer:
         if index is None:
             index = seq.ngram_index = NgramIndex(range(self.cfg.min_n, self.cfg.max_n + 1))
         k = min(self.cfg.max_tokens, budget)
-        conts, name = index.continuations(seq.tokens, k, self.cfg.branches), "ngram"
+        conts, name = index.continuations(seq.tokens, k, self.cfg.branches, self.cfg.extend), "ngram"
         if not conts and self.store is not None:
             cont = self.store.continuation(seq.tenant, seq.tokens, k)
             conts, name = ([cont] if cont else []), "suffix"
