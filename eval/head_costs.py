@@ -70,12 +70,12 @@ class _Prefix:
         return build_metadata([w], [s], [self.seq.blocks], self.seq.slots(s, s + w), 16, self.dev)
 
 
-def target_costs(target, head, rows: list, ctx: int, reps: int, cold=None) -> dict:
+def target_costs(target, head, rows: list, ctx: int, reps: int, cold=None, kv_dtype=None) -> dict:
     from specd.model.attention import get_backend
 
     c, dev = target.config, target.device
     backend, g, V = get_backend("auto", dev), torch.Generator().manual_seed(0), c.vocab_size
-    pre = _Prefix(c.num_layers, c.num_kv_heads, c.head_dim, ctx, max(rows), target.dtype, dev)
+    pre = _Prefix(c.num_layers, c.num_kv_heads, c.head_dim, ctx, max(rows), kv_dtype or target.dtype, dev)
     target.model(torch.randint(0, V, (ctx,), generator=g), torch.arange(ctx), pre.cache.kv, pre.meta(ctx, 0), backend)
     out = {}
     for w in rows:
@@ -93,12 +93,12 @@ def target_costs(target, head, rows: list, ctx: int, reps: int, cold=None) -> di
     return out
 
 
-def head_costs(target, head, ctx: int, reps: int, cold=None) -> dict:
+def head_costs(target, head, ctx: int, reps: int, cold=None, kv_dtype=None) -> dict:
     from specd.model.attention import get_backend
 
     hc, dev = head.cfg, target.device
     backend = get_backend("auto", dev)
-    pre = _Prefix(1, hc.num_kv_heads, hc.head_dim, ctx, 1, target.dtype, dev)
+    pre = _Prefix(1, hc.num_kv_heads, hc.head_dim, ctx, 1, kv_dtype or target.dtype, dev)
     feats = torch.randn((ctx + 1, len(head.layers) * head.target_hidden), generator=torch.Generator().manual_seed(0))
     ids, x = torch.randint(0, target.config.vocab_size, (ctx + 1,)), head.fuse(feats * 0.1)
     head(ids[:ctx], torch.arange(ctx), x[:ctx], pre.cache.kv, pre.meta(ctx, 0), backend)
@@ -115,8 +115,9 @@ def head_costs(target, head, ctx: int, reps: int, cold=None) -> dict:
 
 def main(argv=None) -> int:
     from specd.config import EngineConfig
-    from specd.engine.builder import load_head_for, load_models
+    from specd.engine.builder import kv_dtype, load_head_for, load_models
     from specd.model import builtin
+    from specd.model.attention import get_backend
 
     args = parse_args(argv)
     H.set_threads(args.threads)
@@ -126,8 +127,10 @@ def main(argv=None) -> int:
     head = load_head_for(cfg, target, None)  # as the engine loads it (drafting through the kernel there)
     rows = [int(r) for r in args.rows.split(",")]
     cold = torch.zeros(args.cold_mb << 18) if args.cold_mb else None  # fp32: 2^18 per MB
-    res = {"target": target_costs(target, head, rows, args.context, args.reps, cold)}
-    res["head"] = head_costs(target, head, args.context, args.reps, cold)
+    kvd = kv_dtype(cfg, target, get_backend("auto", target.device))  # the engine's cache (fp16 on the CPU kernel)
+    res = {"target": target_costs(target, head, rows, args.context, args.reps, cold, kvd)}
+    res["head"] = head_costs(target, head, args.context, args.reps, cold, kvd)
+    res["kv_dtype"] = str(kvd).removeprefix("torch.")
     for w, r in res["target"].items():
         print(f"target, {w} row(s): layers {r['layers_ms']} ms (capturing features {r['layers_capture_ms']}), "
               f"LM head {r['lm_head_ms']} ms", flush=True)  # fmt: skip
