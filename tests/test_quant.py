@@ -235,3 +235,18 @@ def test_half_scales_give_the_fp32_scales_bits(fmt, monkeypatch):
     finally:
         x8_isa(-1)
         op.act_int8 = False
+
+
+@pytest.mark.skipif(kernel() is None, reason="no CPU kernel (or compiler) here")
+def test_the_gemm_timing_driver_still_compiles_against_the_kernel():
+    """``eval/qgemm_rows.cpp`` (docs/benchmarks.md's GEMM-only timings) includes qgemm.cpp and calls
+    ``specd_qgemm_x8``: a signature change there must not leave it silently broken."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    src = Path(__file__).resolve().parents[1] / "eval" / "qgemm_rows.cpp"
+    flags = ["-fsyntax-only", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17"]
+    r = subprocess.run([cxx, *flags, str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
