@@ -245,7 +245,7 @@ static void quantize_q8(const float* x, int64_t M, int64_t K, int8_t* qx, float*
 //   int4: per (tile, block) 128 bytes, vector v (0..3) byte 4c + i: low nibble code[8t + c][32b + 4v + i],
 //         high nibble code[8t + c][32b + 16 + 4v + i]
 //   int8: per (tile, block) 256 bytes, vector s (0..7) byte 4c + i: q[8t + c][32b + 4s + i]
-//   scale, min: fp32 [tiles, K/32, 8] (a group of G > 32 repeated per block)
+//   scale, min: [tiles, K/32, 8] (a group of G > 32 repeated per block), fp32 or fp16 (S: half_t)
 // A row's outputs: per block in order, acc = fma(float(isum), dw * dx, acc) then (int4 with mins)
 // acc = fma(min, xsum_block, acc), xsum_block the fp32 sum of the row's 32 activations: the same ops
 // for every row whatever M is, so a row's result depends on that row alone.
