@@ -60,7 +60,7 @@ def target_replies(args) -> tuple:
 
 def agreement_table(target, heads: dict, cats: list, data: list, steps: int) -> dict:
     """{head: {category: {"masked": [by step], "unmasked": [by step], "positions": n}}}."""
-    from specd.training.head import head_agreement, target_features
+    from specd.training.head import head_agreements, target_features
 
     layers = {h.layers for h in heads.values()}
     feats = {ls: target_features(target, data, ls) for ls in layers}
@@ -73,9 +73,10 @@ def agreement_table(target, heads: dict, cats: list, data: list, steps: int) -> 
         out[name] = {}
         for cat in dict.fromkeys(cats):
             rows = [f for f, c in zip(feats[head.layers], cats) if c == cat]
+            masked, unmasked = head_agreements(head, rows, t2d, steps)
             out[name][cat] = {
-                "masked": [round(a, 4) for a in head_agreement(head, rows, t2d, steps)],
-                "unmasked": [round(a, 4) for a in head_agreement(head, rows, t2d, steps, oov_miss=True)],
+                "masked": [round(a, 4) for a in masked],
+                "unmasked": [round(a, 4) for a in unmasked],
                 "positions": sum(len(t) - max(p, 2) for t, p, _ in rows),
             }
     return out

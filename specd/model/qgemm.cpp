@@ -337,9 +337,8 @@ X512 static inline __m512 cat256ps(const float* a, const float* b) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1);
 }
 
-// two tiles' 8 block scales (or mins) side by side, widened from halves where they are stored so
-X512 static inline __m512 cat256s(const float* a, const float* b) { return cat256ps(a, b); }
-X512 static inline __m512 cat256s(const half_t* a, const half_t* b) {
+// the same from halves (block scales or mins stored as fp16), widened exactly
+X512 static inline __m512 cat256ps(const half_t* a, const half_t* b) {
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
                                                    _mm_loadu_si128((const __m128i*)b), 1));
 }
@@ -388,8 +387,8 @@ X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float*
                 }
             }
         }
-        const __m512 dw = cat256s(sa + 8 * b, sb + 8 * b);
-        const __m512 mv = INT4 && ma ? cat256s(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
+        const __m512 dw = cat256ps(sa + 8 * b, sb + 8 * b);
+        const __m512 mv = INT4 && ma ? cat256ps(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nbk + b])),
                                      acc[r]);
@@ -598,8 +597,8 @@ XAMX static void amx_tile2(const int8_t* qx, const float* dx, const float* xs, i
         amx_blocks<INT4>(qx, K, wa, wb, b0, nb, bb, cs, R);
         for (int i = 0; i < nb; i++) {
             const int64_t b = b0 + i;
-            const __m512 dw = cat256s(sa + 8 * b, sb + 8 * b);
-            const __m512 mv = INT4 && ma ? cat256s(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
+            const __m512 dw = cat256ps(sa + 8 * b, sb + 8 * b);
+            const __m512 mv = INT4 && ma ? cat256ps(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
             const int32_t* c = cs + 16 * R * i;
             for (int r = 0; r < R; r++) {
                 const __m512 is = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i*)(c + 16 * r)));
@@ -674,8 +673,8 @@ XAMX static void amx_tile2_halves(int64_t r0, int64_t r1, const int8_t* qx, cons
         }
         for (int i = 0; i < nb; i++) {
             const int64_t b = b0 + i;
-            const __m512 dw = cat256s(sa + 8 * b, sb + 8 * b);
-            const __m512 mv = INT4 && ma ? cat256s(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
+            const __m512 dw = cat256ps(sa + 8 * b, sb + 8 * b);
+            const __m512 mv = INT4 && ma ? cat256ps(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
             const int32_t* c = cs + 16 * R * i;
             for (int64_t r = 0; r < R; r++) {
                 const __m512 is = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i*)(c + 16 * r)));

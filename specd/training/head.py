@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from specd.model.head import EagleHead, default_layers, head_config
 
-__all__ = ["run", "new_head", "target_features", "train_head", "head_agreement"]
+__all__ = ["run", "new_head", "target_features", "train_head", "head_agreement", "head_agreements"]
 
 TTT_DECAY = 0.8  # weight of unrolled step j's loss: 0.8^j (EAGLE's)
 
@@ -162,25 +162,30 @@ def train_head(
 
 
 @torch.no_grad()
-def head_agreement(head: EagleHead, data: list, t2d: torch.Tensor, steps: int = 1, oov_miss: bool = False) -> list:
-    """Per unrolled step j: the share of held-out reply positions where the head's top token is the
-    target's token p + 2 + j (step 0: the first draft token; later steps feed the head's own
-    hidden states, as deeper tree levels do). Positions whose token is outside the draft vocabulary
-    (``t2d`` -100) are left out, or with ``oov_miss`` counted as misses: what the engine sees, since
-    it never drafts such a token."""
+def head_agreements(head: EagleHead, data: list, t2d: torch.Tensor, steps: int = 1) -> tuple[list, list]:
+    """(masked, unmasked), each per unrolled step j: the share of held-out reply positions where the
+    head's top token is the target's token p + 2 + j (step 0: the first draft token; later steps
+    feed the head's own hidden states, as deeper tree levels do). Masked leaves out positions whose
+    token is outside the draft vocabulary (``t2d`` -100); unmasked counts them as misses: what the
+    engine sees, since it never drafts such a token. One pass of the head serves both."""
     assert head.d2t is not None
     every, d2t = torch.arange(t2d.numel()), head.d2t.cpu()  # labels and predictions as target ids
-    hit, tot = [0] * steps, [0] * steps
+    hit, tot = [[0] * steps, [0] * steps], [[0] * steps, [0] * steps]  # [masked, unmasked][step]
     for row in data:
         feats, toks, lab = _batch([row], every, steps)
         for j, x in enumerate(head.unroll(feats, toks, steps)):
             m = lab[j] != -100
-            if not oov_miss:
-                m &= t2d[lab[j].clamp(min=0)] != -100
-            pred = d2t[head.logits(x[m]).argmax(-1).cpu()]
-            hit[j] += int((pred == lab[j][m]).sum())
-            tot[j] += int(m.sum())
-    return [h / max(t, 1) for h, t in zip(hit, tot)]
+            ok = d2t[head.logits(x[m]).argmax(-1).cpu()] == lab[j][m]
+            inv = t2d[lab[j][m]] != -100  # the target's token is in the draft vocabulary
+            hit[0][j], tot[0][j] = hit[0][j] + int((ok & inv).sum()), tot[0][j] + int(inv.sum())
+            hit[1][j], tot[1][j] = hit[1][j] + int(ok.sum()), tot[1][j] + int(m.sum())
+    masked, unmasked = ([h / max(t, 1) for h, t in zip(hs, ts)] for hs, ts in zip(hit, tot))
+    return masked, unmasked
+
+
+def head_agreement(head: EagleHead, data: list, t2d: torch.Tensor, steps: int = 1, oov_miss: bool = False) -> list:
+    """``head_agreements``' masked figures, or with ``oov_miss`` its unmasked ones."""
+    return head_agreements(head, data, t2d, steps)[int(oov_miss)]
 
 
 def _replies(args) -> tuple:
@@ -256,8 +261,7 @@ def run(args) -> int:
     print(f"held-out top-1 agreement before training, by step: {[round(a, 4) for a in before]}", flush=True)
     bf16 = getattr(args, "train_dtype", "float32") == "bfloat16"
     res = train_head(head, train_f, t2d, args.steps, args.batch_size, args.lr, args.ttt_steps, args.seed, bf16)
-    after = head_agreement(head, held_f, t2d, args.ttt_steps)
-    after_all = head_agreement(head, held_f, t2d, args.ttt_steps, oov_miss=True)
+    after, after_all = head_agreements(head, held_f, t2d, args.ttt_steps)
     meta = {
         **res,
         "replies": len(train_data),
