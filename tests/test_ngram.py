@@ -207,6 +207,49 @@ def test_adaptive_requests_keep_prompt_lookup_while_the_model_does_not_pay(share
         assert eng.generate([p], GREEDY, SpecParams(mode="auto"))[0].output_ids == want
     assert set(eng.stats.by_proposer) == {"ngram"} and eng.stats.by_proposer["ngram"][2] > 0
     assert eng.kv_blocks_used() == (0, 0)
+    by_len = eng.policy.lookup_by_len  # outcomes kept by how long each match let the draft be
+    assert by_len and all(1 <= v <= 8 and all(0 <= a <= n <= v for a, n in obs) for v, obs in by_len.items())
+
+
+def test_a_lookups_length_is_chosen_once_its_match_is_known(shared_pair):
+    """An ``auto`` request's lookup-only step reserves the full lookup budget; the draft length is
+    chosen once the match is known (``SpecPolicy.lookup_len``), from the outcomes of lookups whose
+    match allowed as many tokens: long matches accepted in full are drafted in full, short ones that
+    were rejected are not drafted (a staggered probe at most), and a length with few outcomes is
+    priced from all of the request's lookups. The proposer hands over the match's length and keeps
+    it on the proposal."""
+    from types import SimpleNamespace
+
+    from specd.speculation.ngram import NgramProposer
+    from specd.speculation.policy import LOOKUP_BY_LEN_MIN, LOOKUP_ONLY, LOOKUP_PROBE, StepPlan, _offset
+
+    t, d = shared_pair
+    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
+    pol = eng.policy
+    pol.t_target, pol.t_per_token, pol.t_plain = 0.004, 0.0005, {1: 0.004}
+    pol.note_width(1, 16)
+    seq = eng.add_request([5, 6, 7, 8], GREEDY, SpecParams(mode="auto"))
+    assert pol.budget(seq, StepPlan(0, None, 1 << 30, 1)) == (8, LOOKUP_ONLY)  # reserved in full
+    for _ in range(LOOKUP_BY_LEN_MIN):
+        pol.note_lookup(seq, 8, 8, available=8)  # matches allowing 8 tokens: accepted in full
+        pol.note_lookup(seq, 0, 3, available=3)  # matches allowing 3: rejected
+    every = pol.lookup_probe_every(1)
+    pol.step = next(k for k in range(every) if (k + _offset(seq)) % every)  # not this request's probe step
+    assert pol.lookup_len(seq, 8, 1) == 8
+    assert pol.lookup_len(seq, 3, 1) == 0
+    pol.step = next(k for k in range(every) if (k + _offset(seq)) % every == 0)
+    assert pol.lookup_len(seq, 3, 1) == LOOKUP_PROBE
+    # no outcomes of 5-token matches: all the request's lookups (half accepted in full) price it
+    assert pol.lookup_len(seq, 5, 1) == 5
+
+    a, b, c, dd, e = 11, 12, 13, 14, 15
+    ctx = SimpleNamespace(tokens=[a, b, c, dd, e, a, b], ngram_index=None, tenant=None)
+    prop, seen = NgramProposer(), []
+    full = prop.propose(ctx, 8)
+    assert full.available == 3 and full.tree.num_nodes - 1 == 3  # "a b" matched 2 long: 2 + extend 1
+    cut = prop.propose(ctx, 8, lambda v: seen.append(v) or 2)
+    assert seen == [3] and cut.available == 3 and cut.tree.num_nodes - 1 == 2
+    assert prop.propose(ctx, 8, lambda v: 0) is None
 
 
 def test_the_policy_prefers_the_proposal_with_more_tokens_per_second(shared_pair):

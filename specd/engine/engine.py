@@ -291,7 +291,7 @@ class Engine:
         a hybrid tree, the lookup taking up to ``SpecConfig.ngram_tokens`` of the budget."""
         seq = sc.seq
         if sc.spec_depth == LOOKUP_ONLY:  # an adaptive request while the model does not pay
-            return None, self.ngram.propose(seq, budget)
+            return None, self.ngram.propose(seq, budget, lambda v: self.policy.lookup_len(seq, v, batch))
         if mode == "ngram" or self.drafter is None:
             return None, self.ngram.propose(seq, budget) if mode == "ngram" else None
         auto = seq.spec.mode == "auto" and self.policy.spec.adaptive
@@ -378,7 +378,8 @@ class Engine:
             if name in CHOSEN:  # prompt lookup or earlier requests
                 seq.ngram_accept = 0.7 * seq.ngram_accept + 0.3 * (acc / deepest)
                 self.policy.note_accept(acc / deepest, lookup=True)
-                self.policy.note_lookup(seq, acc, deepest)
+                avail = prop.available if prop is not None and prop.proposer == name else None  # (not a hybrid's)
+                self.policy.note_lookup(seq, acc, deepest, avail)
             else:
                 seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (acc / deepest)
                 self.policy.note_accept(acc / deepest)

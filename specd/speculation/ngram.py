@@ -144,8 +144,10 @@ class NgramProposer:
         self.cfg = cfg or NgramConfig()
         self.store = store
 
-    def propose(self, seq, budget: int) -> Proposal | None:
-        """A proposal of at most ``budget`` draft tokens for ``seq``, or None without a match."""
+    def propose(self, seq, budget: int, choose=None) -> Proposal | None:
+        """A proposal of at most ``budget`` draft tokens for ``seq``, or None without a match;
+        ``choose(available)`` (the longest continuation's length): how many tokens of it to draft
+        (0: none), once the match is known (``SpecPolicy.lookup_len``)."""
         if budget <= 0:
             return None
         index = seq.ngram_index
@@ -158,8 +160,14 @@ class NgramProposer:
             conts, name = ([cont] if cont else []), "suffix"
         if not conts:
             return None
+        available = max(map(len, conts))
+        if choose is not None:
+            d = min(choose(available), available)
+            if d <= 0:
+                return None
+            conts = [list(c) for c in dict.fromkeys(tuple(c[:d]) for c in conts)]
         tree = trie(seq.tokens[-1], conts, budget)
-        return Proposal(tree, None, tree.max_depth, proposer=name)
+        return Proposal(tree, None, tree.max_depth, proposer=name, available=available)
 
     def finished(self, seq) -> None:
         """A request completed: its tokens join its tenant's store."""

@@ -36,13 +36,15 @@ child: what a chain of the same depth would have had accepted, measured from eve
 Where each verification row costs compute (a CPU: 5 rows ~2x one row) the narrow draft wins; where
 rows are nearly free (a GPU) the wide tree does.
 
-Prompt lookup alone (an adaptive request's step while the model does not pay): each request's
-length maximises expected tokens per second as if every request drafted as much
-(``ngram_budget``); at a batch size (>= 2; judged per power-of-two bucket of sizes) where such
-steps have delivered fewer tokens per second than plain steps (``lookups_lose``: an EMA of the
-realized ratio over 8+ of them), lookups are a
-staggered 2-token probe only until the ratio recovers: at 16 requests on a CPU only a few requests
-match, and the few rows they add cost ~1 ms each against ~1.5 ms per plain token.
+Prompt lookup alone (an adaptive request's step while the model does not pay): the full lookup
+budget is reserved and each request's length is chosen once its match is known (``lookup_len``:
+the length maximising expected tokens per second as if every request drafted as much, from the
+outcomes of lookups whose match allowed as many tokens; ``ngram_budget`` prices ``ngram`` mode's
+lengths, and lookup-only steps before the costs at a batch size are measured); at a batch size
+(>= 2; judged per power-of-two bucket of sizes) where such steps have delivered fewer tokens per
+second than plain steps (``lookups_lose``: an EMA of the realized ratio over 8+ of them), lookups
+are a staggered 2-token probe only until the ratio recovers: at 16 requests on a CPU only a few
+requests match, and the few rows they add cost ~1 ms each against ~1.5 ms per plain token.
 
 D = 0 turns speculation off: at high batch the target step grows and D shrinks; when the batch
 drains it grows back. While D = 0, a probe step drafts one token for ONE request (the least
@@ -79,6 +81,8 @@ LOOKUP_WINDOW = 256  # prompt-lookup outcomes kept engine-wide (per request: Seq
 LOOKUP_MIN_OWN = 4  # a request's own outcomes used once it has this many (else the engine's)
 MARGIN = 1.02  # a draft must promise this much more than plain decoding (a clear win only)
 LOOKUP_GUARD_MIN = 8  # lookup-only steps measured at a batch size before their realized rate is trusted
+LOOKUP_BY_LEN_WINDOW = 64  # outcomes kept per length a match allows (SpecPolicy.lookup_len)
+LOOKUP_BY_LEN_MIN = 8  # outcomes of a match length before its own figures are used
 
 
 @dataclass
@@ -179,6 +183,9 @@ class SpecPolicy:
         self.chain_ema: float | None = None  # the same for the model's top-1 chain (the narrow shape)
         self.lookup_outcomes: collections.deque = collections.deque(maxlen=LOOKUP_WINDOW)  # (accepted, drafted)
         self._lookup_cache: dict = {}  # "E": lookup_expected by d from the engine's outcomes
+        # length a match allowed -> its lookups' outcomes (accepted, drafted), and their cache
+        self.lookup_by_len: dict = {}
+        self._by_len_cache: dict = {}
         self.last_nodes: int | None = None  # draft nodes of the last adaptive decision (None: the mode's)
         self.probe_every = 16  # current probe interval (steps) while speculation is off
         self.probe_min, self.probe_max = 16, 256
@@ -361,12 +368,43 @@ class SpecPolicy:
             return
         self.accept_ema = rate if self.accept_ema is None else 0.9 * self.accept_ema + 0.1 * rate
 
-    def note_lookup(self, seq: Sequence, accepted: int, drafted: int) -> None:
-        """One prompt-lookup draft of ``drafted`` tokens had ``accepted`` of them accepted."""
+    def note_lookup(self, seq: Sequence, accepted: int, drafted: int, available: int | None = None) -> None:
+        """One prompt-lookup draft of ``drafted`` tokens had ``accepted`` of them accepted;
+        ``available``: how long its match allowed it to be (``Proposal.available``; None: not known)."""
         seq.lookup_outcomes.append((accepted, drafted))
         seq.lookup_cache.clear()
         self.lookup_outcomes.append((accepted, drafted))
         self._lookup_cache.clear()
+        if available is not None:
+            obs = self.lookup_by_len.setdefault(available, collections.deque(maxlen=LOOKUP_BY_LEN_WINDOW))
+            obs.append((accepted, drafted))
+            self._by_len_cache.pop(available, None)
+
+    def lookup_len(self, seq: Sequence, available: int, batch: int) -> int:
+        """Draft tokens (0..``available``) for an adaptive request's lookup-only step, once its
+        match is known: ``available`` is how long the match lets the draft be (its match length +
+        ``NgramConfig.extend``). The length that maximises expected tokens per second, from the
+        outcomes of lookups whose match allowed as much (a long match predicts a long accepted run:
+        priced from all lookups alike, the budget cut copied spans into pieces, and skipped matches
+        that paid, and `auto` trailed `--spec ngram` by 3-5% at batch 1); from all lookups while a
+        length has few outcomes."""
+        t_plain = self.plain_cost(batch)
+        if not self.spec.adaptive or available <= 0:
+            return max(available, 0)
+        if t_plain is None or self.t_target is None:
+            return min(available, LOOKUP_PROBE)
+        obs = self.lookup_by_len.get(available)
+        if obs is not None and len(obs) >= LOOKUP_BY_LEN_MIN:
+            cache = self._by_len_cache.setdefault(available, {})
+            expected = lambda d: _cached_cut(cache, obs, d)  # noqa: E731
+        else:
+            expected = lambda d: self.lookup_expected(seq, d)  # noqa: E731
+        best, best_d = 1.0 / t_plain, 0
+        for d in range(1, available + 1):
+            rate = expected(d) / self._verify_cost(d, batch, t_plain)
+            if rate > best * MARGIN:
+                best, best_d = rate, d
+        return best_d or self._lookup_probe(seq, available, batch)
 
     def lookup_expected(self, seq: Sequence, d: int) -> float:
         """Expected tokens of a step whose prompt-lookup draft is cut to ``d`` tokens: 1 + the mean
@@ -424,10 +462,14 @@ class SpecPolicy:
             return self.ngram_budget(seq, plan.batch), 0
         auto = seq.spec.mode == "auto"
         if plan.depth == 0 and not self.probing and auto:  # the model does not pay this step: free lookup only
+            full = self.spec.ngram_tokens * self.spec.ngram_branches
             if self.lookups_lose(plan.batch):  # what they delivered says no: a staggered probe only
                 n = self._lookup_probe(seq, LOOKUP_PROBE, plan.batch)
+            elif self.plain_cost(plan.batch) is not None and self.t_target is not None:
+                n = min(full, seq.spec.max_draft_tokens if seq.spec.max_draft_tokens is not None else full)
+                # (reserved in full: ``lookup_len`` cuts it once the match is known)
             else:
-                n = self.ngram_budget(seq, plan.batch, self.spec.ngram_tokens * self.spec.ngram_branches)
+                n = self.ngram_budget(seq, plan.batch, full)
             return (n, LOOKUP_ONLY) if n > 0 else (0, 0)
         want = self.desired_budget(seq)
         if plan.depth is None or not auto or want <= 0:
