@@ -381,30 +381,32 @@ class SpecPolicy:
             self._by_len_cache.pop(available, None)
 
     def lookup_len(self, seq: Sequence, available: int, batch: int) -> int:
-        """Draft tokens (0..``available``) for an adaptive request's lookup-only step, once its
+        """Draft tokens (0..``available``) for an adaptive request's lookup-only step, asked once its
         match is known: ``available`` is how long the match lets the draft be (its match length +
-        ``NgramConfig.extend``). The length that maximises expected tokens per second, from the
-        outcomes of lookups whose match allowed as much (a long match predicts a long accepted run:
-        priced from all lookups alike, the budget cut copied spans into pieces, and skipped matches
-        that paid, and `auto` trailed `--spec ngram` by 3-5% at batch 1); from all lookups while a
-        length has few outcomes."""
+        ``NgramConfig.extend``, within the step's budget). The length that maximises expected
+        tokens per second, from the outcomes of earlier lookups whose match allowed as many tokens
+        (``_by_len_expected``): a long match predicts a long accepted run. (Priced before the match
+        was known, from all lookups alike, ``auto`` cut copied spans into pieces and skipped
+        matches that paid: 5% more steps than ``--spec ngram`` at batch 1.)"""
         t_plain = self.plain_cost(batch)
         if not self.spec.adaptive or available <= 0:
             return max(available, 0)
         if t_plain is None or self.t_target is None:
             return min(available, LOOKUP_PROBE)
-        obs = self.lookup_by_len.get(available)
-        if obs is not None and len(obs) >= LOOKUP_BY_LEN_MIN:
-            cache = self._by_len_cache.setdefault(available, {})
-            expected = lambda d: _cached_cut(cache, obs, d)  # noqa: E731
-        else:
-            expected = lambda d: self.lookup_expected(seq, d)  # noqa: E731
         best, best_d = 1.0 / t_plain, 0
         for d in range(1, available + 1):
-            rate = expected(d) / self._verify_cost(d, batch, t_plain)
+            rate = self._by_len_expected(seq, available, d) / self._verify_cost(d, batch, t_plain)
             if rate > best * MARGIN:
                 best, best_d = rate, d
         return best_d or self._lookup_probe(seq, available, batch)
+
+    def _by_len_expected(self, seq: Sequence, available: int, d: int) -> float:
+        """``lookup_expected`` from the outcomes of lookups whose match allowed ``available``
+        tokens once there are ``LOOKUP_BY_LEN_MIN`` of them, else from all the request's lookups."""
+        obs = self.lookup_by_len.get(available)
+        if obs is None or len(obs) < LOOKUP_BY_LEN_MIN:
+            return self.lookup_expected(seq, d)
+        return _cached_cut(self._by_len_cache.setdefault(available, {}), obs, d)
 
     def lookup_expected(self, seq: Sequence, d: int) -> float:
         """Expected tokens of a step whose prompt-lookup draft is cut to ``d`` tokens: 1 + the mean
@@ -466,8 +468,8 @@ class SpecPolicy:
             if self.lookups_lose(plan.batch):  # what they delivered says no: a staggered probe only
                 n = self._lookup_probe(seq, LOOKUP_PROBE, plan.batch)
             elif self.plain_cost(plan.batch) is not None and self.t_target is not None:
+                # reserved in full: ``lookup_len`` cuts it once the match is known
                 n = min(full, seq.spec.max_draft_tokens if seq.spec.max_draft_tokens is not None else full)
-                # (reserved in full: ``lookup_len`` cuts it once the match is known)
             else:
                 n = self.ngram_budget(seq, plan.batch, full)
             return (n, LOOKUP_ONLY) if n > 0 else (0, 0)

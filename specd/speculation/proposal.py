@@ -27,7 +27,8 @@ class Proposal:
     # | hybrid (several of them in one tree: ``node_proposers`` says who proposed each node)
     proposer: str = "draft"
     node_proposers: list | None = None
-    # prompt lookup: how long its match let the draft be before ``choose`` cut it (None: not known)
+    # prompt lookup: how long its match (within the step's budget) let the draft be before the
+    # policy's ``choose`` cut it (None: not known)
     available: int | None = None
 
     @property
