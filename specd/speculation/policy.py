@@ -393,12 +393,7 @@ class SpecPolicy:
             return max(available, 0)
         if t_plain is None or self.t_target is None:
             return min(available, LOOKUP_PROBE)
-        best, best_d = 1.0 / t_plain, 0
-        for d in range(1, available + 1):
-            rate = self._by_len_expected(seq, available, d) / self._verify_cost(d, batch, t_plain)
-            if rate > best * MARGIN:
-                best, best_d = rate, d
-        return best_d or self._lookup_probe(seq, available, batch)
+        return self._best_lookup(seq, available, batch, t_plain, by_len=available)
 
     def _by_len_expected(self, seq: Sequence, available: int, d: int) -> float:
         """``lookup_expected`` from the outcomes of lookups whose match allowed ``available``
@@ -515,12 +510,20 @@ class SpecPolicy:
             return 0
         if self.t_target is None:  # no speculative step measured yet: a short draft measures one
             return min(want, LOOKUP_PROBE)
+        return self._best_lookup(seq, want, batch, t_plain)
+
+    def _best_lookup(self, seq: Sequence, limit: int, batch: int, t_plain: float, by_len: int | None = None) -> int:
+        """The lookup length (1..``limit``) that maximises expected tokens per second, by a clear
+        margin over plain decoding, else a staggered probe at most (``_lookup_probe``); expected
+        tokens from the request's lookups, or (``by_len``) from lookups whose match allowed that
+        many tokens (``_by_len_expected``)."""
         best, best_d = 1.0 / t_plain, 0
-        for d in range(1, want + 1):
-            rate = self.lookup_expected(seq, d) / self._verify_cost(d, batch, t_plain)
+        for d in range(1, limit + 1):
+            e = self.lookup_expected(seq, d) if by_len is None else self._by_len_expected(seq, by_len, d)
+            rate = e / self._verify_cost(d, batch, t_plain)
             if rate > best * MARGIN:
                 best, best_d = rate, d
-        return best_d or self._lookup_probe(seq, want, batch)
+        return best_d or self._lookup_probe(seq, limit, batch)
 
     def lookup_probe_every(self, batch: int) -> int:
         """Steps between one request's lookup probes at ``batch`` requests: ``probe_min`` up to 4
