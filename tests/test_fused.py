@@ -117,6 +117,31 @@ def test_a_fused_row_does_not_depend_on_the_batch(lm, act, monkeypatch):
         set_act_int8(lm.model, False)
 
 
+@pytest.mark.parametrize("act", [False, True], ids=["fp32", "a8"])
+def test_a_wide_prefill_equals_the_same_prompt_in_narrow_chunks(lm, act, monkeypatch):
+    """From 32 rows a layer's row-wise steps (norms, RoPE, SiLU, KV writes, group sums) run on every
+    thread: a 45-token prompt in one call and in chunks of 5 (one thread for them) give the same last
+    hidden state and the same K/V, bit for bit (fp16 cache: partial blocks of 4 too)."""
+    monkeypatch.setenv("SPECD_FUSED", "1")
+    set_act_int8(lm.model, act)
+    try:
+        c, m, be = lm.config, lm.model, get_backend("auto", CPU)
+        ids = torch.randint(3, c.vocab_size, (45,), generator=torch.Generator().manual_seed(5))
+        out = []
+        for chunk in (45, 5):
+            cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 16, 4, torch.float16, CPU)
+            s = cache.new_seq()
+            s.reserve(45)
+            for a in range(0, 45, chunk):
+                meta = build_metadata([chunk], [a], [s.blocks], s.slots(a, a + chunk), 4, CPU)
+                h = m(ids[a : a + chunk], torch.arange(a, a + chunk), cache.kv, meta, be)
+            assert fused_layers(m, be, cache.kv, h) is not None
+            out.append((h[-1].clone(), cache.kv.clone()))
+        assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    finally:
+        set_act_int8(lm.model, False)
+
+
 @pytest.mark.parametrize("kvd", [torch.float32, torch.float16], ids=["kv32", "kv16"])
 def test_two_phase_attention_equals_the_one_phase_kernel(lm, kvd, monkeypatch):
     """Decode and verification widths run the paged attention in two phases (scores by key chunk,
