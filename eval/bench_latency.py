@@ -389,9 +389,9 @@ def step_figures(steps: list, policy) -> dict:
         "drafting_steps_pct": 100 * sum(1 for x in steps if x.depth > 0) / len(steps) if steps else None,
         "by_depth": depth_rows(steps, policy),
         "cost_model_end": {
-            "t_target_ms": 1000 * (policy.t_target or 0),
-            "t_per_token_ms": 1000 * policy.t_per_token,
-            "t_draft_level_ms": 1000 * (policy.t_draft or 0),
+            "t_target_ms": 1000 * (policy.costs.t_target or 0),
+            "t_per_token_ms": 1000 * policy.costs.t_per_token,
+            "t_draft_level_ms": 1000 * (policy.costs.t_draft or 0),
         },
     }
 
@@ -408,9 +408,9 @@ def depth_rows(steps: list, policy) -> list:
         xs = by_depth[d]
         b = median([n for _, n in xs])
         pred = None
-        if policy.t_target is not None:
+        if policy.costs.t_target is not None:
             nodes = policy.nodes_for_depth(d) if d else 0
-            pred = policy.t_target + policy.t_per_token * b * (1 + nodes) + d * (policy.t_draft or 0)
+            pred = policy.costs.t_target + policy.costs.t_per_token * b * (1 + nodes) + d * (policy.costs.t_draft or 0)
         rows.append(
             {
                 "depth": d,
@@ -673,9 +673,9 @@ def part3(a, pair: Pair) -> dict:
             "flags": [],
             "tokens": a.p3_tokens,
             "repeats": a.p3_repeats,
-            "t_draft_level_ms": (eng.policy.t_draft or 0) * 1000,
-            "t_target_fixed_ms": (eng.policy.t_target or 0) * 1000,
-            "t_per_token_ms": eng.policy.t_per_token * 1000,
+            "t_draft_level_ms": (eng.policy.costs.t_draft or 0) * 1000,
+            "t_target_fixed_ms": (eng.policy.costs.t_target or 0) * 1000,
+            "t_per_token_ms": eng.policy.costs.t_per_token * 1000,
             "rows": rows,
         }
     finally:

@@ -102,7 +102,7 @@ def test_the_policy_adds_a_lookup_branch_only_when_it_pays(shared_pair):
     eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
     pol, seq = eng.policy, eng.add_request([5, 6, 7], GREEDY)
     assert not pol.hybrid_pays(seq, 4, 3, 1)  # nothing measured yet
-    pol.t_target, pol.t_per_token, pol.t_draft, pol.t_plain = 0.010, 0.0005, 0.002, {1: 0.010}
+    pol.costs.t_target, pol.costs.t_per_token, pol.costs.t_draft, pol.costs.t_plain = 0.010, 0.0005, 0.002, {1: 0.010}
     seq.recent_accept, seq.ngram_accept = 0.4, 0.9
     assert pol.hybrid_pays(seq, 4, 3, 1)  # the model often misses, the lookup rarely does
     seq.ngram_accept = 0.02

@@ -226,8 +226,8 @@ def test_a_lookups_length_is_chosen_once_its_match_is_known(shared_pair):
     t, d = shared_pair
     eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
     pol = eng.policy
-    pol.t_target, pol.t_per_token, pol.t_plain = 0.004, 0.0005, {1: 0.004}
-    pol.note_width(1, 16)
+    pol.costs.t_target, pol.costs.t_per_token, pol.costs.t_plain = 0.004, 0.0005, {1: 0.004}
+    pol.costs.note_width(1, 16)
     seq = eng.add_request([5, 6, 7, 8], GREEDY, SpecParams(mode="auto"))
     assert pol.budget(seq, StepPlan(0, None, 1 << 30, 1)) == (8, LOOKUP_ONLY)  # reserved in full
     for _ in range(LOOKUP_BY_LEN_MIN):
@@ -257,7 +257,7 @@ def test_the_policy_prefers_the_proposal_with_more_tokens_per_second(shared_pair
     eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
     pol, seq = eng.policy, eng.add_request([5, 6, 7], GREEDY)
     assert pol.prefer_ngram(seq, 4, 3, 1)  # nothing measured yet: the free proposal
-    pol.t_target, pol.t_per_token, pol.t_draft, pol.t_plain = 0.010, 0.001, 0.004, {1: 0.010}
+    pol.costs.t_target, pol.costs.t_per_token, pol.costs.t_draft, pol.costs.t_plain = 0.010, 0.001, 0.004, {1: 0.010}
     seq.ngram_accept, seq.recent_accept = 0.9, 0.3
     assert pol.prefer_ngram(seq, 4, 3, 1)  # lookup accepted far more often than the model
     seq.ngram_accept, seq.recent_accept = 0.05, 0.9
@@ -317,8 +317,8 @@ def test_lookup_probes_are_short_and_staggered_while_lookup_does_not_pay(shared_
     t, d = shared_pair
     eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
     pol = eng.policy
-    pol.t_target, pol.t_per_token, pol.t_plain = 0.010, 0.0002, {16: 0.010}
-    pol.note_width(16, 16 * 1000)  # (the fit measured out to wide steps)
+    pol.costs.t_target, pol.costs.t_per_token, pol.costs.t_plain = 0.010, 0.0002, {16: 0.010}
+    pol.costs.note_width(16, 16 * 1000)  # (the fit measured out to wide steps)
     seqs = [eng.add_request([5, 6, 7, i], GREEDY, SpecParams(mode="ngram")) for i in range(16)]
     for s in seqs:
         s.ngram_accept = 0.02
@@ -345,14 +345,15 @@ def test_lookups_stop_at_a_batch_size_where_they_delivered_less_than_plain(share
     them), a request's lookup
     budget is a staggered ``LOOKUP_PROBE`` only, whatever its priced length; once they deliver more,
     the priced length is back. Batch 1 is never guarded."""
-    from specd.speculation.policy import LOOKUP_GUARD_MIN, LOOKUP_ONLY, LOOKUP_PROBE, StepPlan
+    from specd.speculation.costs import LOOKUP_GUARD_MIN
+    from specd.speculation.policy import LOOKUP_ONLY, LOOKUP_PROBE, StepPlan
 
     t, d = shared_pair
     eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
     pol = eng.policy
-    pol.t_target, pol.t_per_token = 0.010, 0.0001
-    pol.t_plain = {1: 0.010, 16: 0.016, **{b: 0.001 * b for b in range(12, 16)}}  # 1000 tokens/s plain
-    pol.note_width(16, 16 * 1000)
+    pol.costs.t_target, pol.costs.t_per_token = 0.010, 0.0001
+    pol.costs.t_plain = {1: 0.010, 16: 0.016, **{b: 0.001 * b for b in range(12, 16)}}  # 1000 tokens/s plain
+    pol.costs.note_width(16, 16 * 1000)
     seqs = [eng.add_request([5, 6, 7, i], GREEDY, SpecParams(mode="auto")) for i in range(16)]
     for s in seqs:
         for _ in range(8):
@@ -368,21 +369,21 @@ def test_lookups_stop_at_a_batch_size_where_they_delivered_less_than_plain(share
 
     assert all(n > LOOKUP_PROBE and depth == LOOKUP_ONLY for row in budgets() for n, depth in row)
     for _ in range(LOOKUP_GUARD_MIN):
-        pol.note_lookup_step(16, 17, 0.020)  # 850 tokens/s against plain's 16 / 0.016 = 1000
-    assert pol.lookups_lose(16) and not pol.lookups_lose(4) and not pol.lookups_lose(15)
+        pol.costs.note_lookup_step(16, 17, 0.020)  # 850 tokens/s against plain's 16 / 0.016 = 1000
+    assert pol.costs.lookups_lose(16) and not pol.costs.lookups_lose(4) and not pol.costs.lookups_lose(15)
     for _ in range(LOOKUP_GUARD_MIN):  # sizes 8-15 are judged together (a draining group's steps)
-        pol.note_lookup_step(12 + _ % 4, 12, 0.020)  # 600 tokens/s against ~1000
-    assert pol.lookups_lose(8) and pol.lookups_lose(15) and not pol.lookups_lose(7)
+        pol.costs.note_lookup_step(12 + _ % 4, 12, 0.020)  # 600 tokens/s against ~1000
+    assert pol.costs.lookups_lose(8) and pol.costs.lookups_lose(15) and not pol.costs.lookups_lose(7)
     rows = budgets()
     assert all(b in ((0, 0), (LOOKUP_PROBE, LOOKUP_ONLY)) for row in rows for b in row)
     probes = [step for step, row in enumerate(rows) for b in row if b[0]]
     assert len(probes) == len(seqs) and len(set(probes)) > 1  # each probes once, not all at once
     for _ in range(30):
-        pol.note_lookup_step(16, 30, 0.020)  # 1500 tokens/s: lookups pay again
-    assert not pol.lookups_lose(16)
+        pol.costs.note_lookup_step(16, 30, 0.020)  # 1500 tokens/s: lookups pay again
+    assert not pol.costs.lookups_lose(16)
     assert all(n > LOOKUP_PROBE for row in budgets() for n, _ in row)
-    pol.note_lookup_step(1, 1, 1.0)  # (batch 1 is not recorded)
-    assert not pol.lookups_lose(1) and (1).bit_length() not in pol._lookup_gain
+    pol.costs.note_lookup_step(1, 1, 1.0)  # (batch 1 is not recorded)
+    assert not pol.costs.lookups_lose(1) and (1).bit_length() not in pol.costs._lookup_gain
 
 
 def test_new_requests_start_from_the_engines_lookup_acceptance(shared_pair):
@@ -409,8 +410,8 @@ def test_the_policy_prices_the_tokens_verified_not_the_tokens_reserved(shared_pa
     spec = SpecConfig(mode="ngram", ngram_tokens=6, ngram_branches=2, adaptive=False)
     eng = Engine(EngineConfig(target=str(TARGET), spec=spec, scheduler=SchedulerConfig(max_num_seqs=4)), t)
     seen = []
-    real = eng.policy.observe
-    monkeypatch.setattr(eng.policy, "observe", lambda *a, **k: (seen.append(a[2:4]), real(*a, **k)))
+    real = eng.policy.costs.observe
+    monkeypatch.setattr(eng.policy.costs, "observe", lambda *a, **k: (seen.append(a[2:4]), real(*a, **k)))
     prompts = _ids(eng, REPETITIVE[:2] + ["Sam was sad because", "The sun"])
     seqs = [eng.add_request(p, GREEDY, SpecParams(mode="ngram")) for p in prompts]
     short_of_reserved = 0

@@ -133,9 +133,9 @@ def test_budget_counts_verification_tokens():
 def _plain_costs(s, sizes=(1, 2, 64, 256)):
     """Plain (no-draft) step costs consistent with the fitted model at these batch sizes, and the
     fit measured out to steps wider than any draft there (so it prices every width)."""
-    s.policy.t_plain = {b: s.policy.t_target + s.policy.t_per_token * b for b in sizes}
+    s.policy.costs.t_plain = {b: s.policy.costs.t_target + s.policy.costs.t_per_token * b for b in sizes}
     for b in sizes:
-        s.policy.note_width(b, 1000 * b)
+        s.policy.costs.note_width(b, 1000 * b)
 
 
 def test_adaptive_start_is_a_plain_step_then_a_short_narrow_draft():
@@ -145,7 +145,7 @@ def test_adaptive_start_is_a_plain_step_then_a_short_narrow_draft():
     s, _ = _sched(spec=SpecConfig(mode="head", tree_depth=6, tree_budget=16, adaptive=True))
     pol = s.policy
     assert pol.choose_depth([0.8] * 4, narrow=[0.8] * 4) == 0
-    pol.observe_plain(4, 0.010)
+    pol.costs.observe_plain(4, 0.010)
     assert pol.choose_depth([0.8] * 4, narrow=[0.8] * 4) == 2 and pol.last_nodes == 2
     assert pol.choose_depth([0.8] * 4) == 2 and pol.last_nodes is None  # (no narrow estimates given)
     assert pol.choose_depth([0.8] * 5, narrow=[0.8] * 5) == 0  # another batch size: measured first
@@ -153,21 +153,21 @@ def test_adaptive_start_is_a_plain_step_then_a_short_narrow_draft():
 
 def test_adaptive_depth_follows_acceptance_and_step_costs():
     s, _ = _sched(spec=SpecConfig(mode="tree", tree_depth=6, adaptive=True))
-    s.policy.observe(t_target=0.010, t_draft_level=0.001)  # a cheap draft
+    s.policy.costs.observe(t_target=0.010, t_draft_level=0.001)  # a cheap draft
     s.policy.step = 1
     assert s.policy.choose_depth([0.8]) == 0  # batch size never measured without drafts: measure depth 0 first
     _plain_costs(s)
     hi = s.policy.choose_depth([0.8])
     lo = s.policy.choose_depth([0.2])
     assert hi > lo >= 0 and hi >= 4
-    s.policy.t_target, s.policy.t_draft = 0.010, 0.009  # draft nearly as expensive as the target
+    s.policy.costs.t_target, s.policy.costs.t_draft = 0.010, 0.009  # draft nearly as expensive as the target
     _plain_costs(s)
     s.policy.step = 1
     assert s.policy.choose_depth([0.3]) == 0  # speculation would cost throughput: off
     s.policy.step = s.policy.probe_every
     assert s.policy.choose_depth([0.3]) == 1  # ...but it keeps probing
     s.policy.step = 1
-    s.policy.t_target, s.policy.t_draft, s.policy.t_per_token = (
+    s.policy.costs.t_target, s.policy.costs.t_draft, s.policy.costs.t_per_token = (
         0.002,
         0.0005,
         0.00002,
@@ -180,10 +180,10 @@ def test_adaptive_depth_follows_acceptance_and_step_costs():
     # the fit: step times that grow with tokens give a positive marginal cost
     s2, _ = _sched(spec=SpecConfig(adaptive=True))
     for k in range(16):
-        s2.policy.observe(0.001 + 0.0001 * (10 + k), 0.0005, tokens=10 + k)
-    assert abs(s2.policy.t_per_token - 0.0001) < 1e-9 and abs(s2.policy.t_target - 0.001) < 1e-9
+        s2.policy.costs.observe(0.001 + 0.0001 * (10 + k), 0.0005, tokens=10 + k)
+    assert abs(s2.policy.costs.t_per_token - 0.0001) < 1e-9 and abs(s2.policy.costs.t_target - 0.001) < 1e-9
     assert (
-        s2.policy.t_draft is not None and abs(s2.policy.t_draft - 0.0005) < 1e-12
+        s2.policy.costs.t_draft is not None and abs(s2.policy.costs.t_draft - 0.0005) < 1e-12
     )  # draft cost recorded on the fit path too
 
 
@@ -223,7 +223,7 @@ def test_batch_work_rotates_in_small_groups_while_interactive_runs():
 
 def test_probes_draft_one_token_and_back_off():
     s, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
-    s.policy.t_target, s.policy.t_draft = 0.010, 0.009  # speculation does not pay
+    s.policy.costs.t_target, s.policy.costs.t_draft = 0.010, 0.009  # speculation does not pay
     _plain_costs(s)
     picks = []
     for step in range(1, 200):
@@ -243,7 +243,7 @@ def test_probe_steps_draft_for_one_request_in_rotation():
     for q in seqs:
         s.add(q)
     _run(s, s.schedule())  # prefill
-    s.policy.t_target, s.policy.t_draft, s.policy.t_per_token = (
+    s.policy.costs.t_target, s.policy.costs.t_draft, s.policy.costs.t_per_token = (
         0.010,
         0.009,
         0.0,
@@ -280,17 +280,17 @@ def test_plain_decoding_is_measured_not_extrapolated():
     """Depth 0 is priced by measured draft-free steps at that batch size: when plain decoding is
     cheaper than the speculative-step fit suggests, speculation stays off."""
     s, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
-    s.policy.t_target, s.policy.t_draft, s.policy.t_per_token = (
+    s.policy.costs.t_target, s.policy.costs.t_draft, s.policy.costs.t_per_token = (
         0.010,
         0.001,
         0.0,
     )  # speculative steps: 10 ms + 1 ms / level
-    s.policy.note_width(4, 4000)  # (measured out to wide steps)
-    s.policy.observe_plain(4, 0.010)
+    s.policy.costs.note_width(4, 4000)  # (measured out to wide steps)
+    s.policy.costs.observe_plain(4, 0.010)
     assert s.policy.choose_depth([0.7] * 4) >= 2  # plain steps cost as much as speculative ones: speculate
     s.policy.forget()
     for _ in range(30):
-        s.policy.observe_plain(4, 0.003)  # plain decoding turns out to be far cheaper (a lighter code path)
+        s.policy.costs.observe_plain(4, 0.003)  # plain decoding turns out to be far cheaper (a lighter code path)
     s.policy.step = 1
     assert s.policy.choose_depth([0.7] * 4) == 0
 
@@ -299,7 +299,7 @@ def test_probe_state_does_not_outlive_the_adaptive_requests():
     """Regression: a probe decided on one step must not be applied on a later step whose batch
     has no adaptive request (the scheduler crashed choosing a probe among none)."""
     s, clock = _sched(num_blocks=256, spec=SpecConfig(mode="tree", adaptive=True))
-    s.policy.t_target, s.policy.t_draft, s.policy.t_per_token = 0.010, 0.009, 0.0
+    s.policy.costs.t_target, s.policy.costs.t_draft, s.policy.costs.t_per_token = 0.010, 0.009, 0.0
     _plain_costs(s, (1,))
     a = _seq(clock, "a", n=3, mode="auto")
     s.add(a)
@@ -319,7 +319,8 @@ def test_no_acceptance_probes_when_even_perfect_acceptance_would_not_pay():
     drop to one per ``probe_hopeless`` steps (which still refreshes the costs). When perfect
     acceptance would pay, probes keep their 16 -> 256 back-off."""
     s, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
-    s.policy.t_target, s.policy.t_draft, s.policy.t_per_token = 0.010, 0.030, 0.0  # a draft level costs 3 plain steps
+    c = s.policy.costs
+    c.t_target, c.t_draft, c.t_per_token = 0.010, 0.030, 0.0  # a draft level costs 3 plain steps
     _plain_costs(s)
     picks = []
     for step in range(1, 3000):
@@ -331,7 +332,7 @@ def test_no_acceptance_probes_when_even_perfect_acceptance_would_not_pay():
     assert s.policy.choose_depth([0.6]) == 1 and s.policy.probing  # the rare cost-refreshing probe
 
     s2, _ = _sched(spec=SpecConfig(mode="tree", adaptive=True))
-    s2.policy.t_target, s2.policy.t_draft, s2.policy.t_per_token = (
+    s2.policy.costs.t_target, s2.policy.costs.t_draft, s2.policy.costs.t_per_token = (
         0.010,
         0.004,
         0.0,
@@ -348,15 +349,16 @@ def test_verification_never_priced_below_a_plain_step():
     """A speculative step's target cost is at least the measured plain step plus its extra tokens:
     a fit with a fixed part near 0 (from a few probe steps) must not make drafting look cheap."""
     s, _ = _sched(spec=SpecConfig(mode="chain", num_draft_tokens=4, adaptive=True))
-    s.policy.t_target, s.policy.t_per_token, s.policy.t_draft = 1e-6, 0.0001, 0.001  # fitted: almost free verification
-    s.policy.t_plain = {1: 0.001}  # a plain step measured 1 ms
+    c = s.policy.costs
+    c.t_target, c.t_per_token, c.t_draft = 1e-6, 0.0001, 0.001  # fitted: almost free verification
+    s.policy.costs.t_plain = {1: 0.001}  # a plain step measured 1 ms
     by_fit = 1.9 / (
-        s.policy.t_target + s.policy.t_per_token * 2 + s.policy.t_draft
+        s.policy.costs.t_target + s.policy.costs.t_per_token * 2 + s.policy.costs.t_draft
     )  # depth 1 at acceptance 0.9, fit alone
-    assert by_fit > 1.02 / s.policy.t_plain[1]  # ... would speculate
+    assert by_fit > 1.02 / s.policy.costs.t_plain[1]  # ... would speculate
     s.policy.step = 1
     assert s.policy.choose_depth([0.9]) == 0  # >= 1.1 ms per verification + 1 ms per draft level: not worth it
-    s.policy.t_draft = 0.0001  # a much cheaper draft level does pay
+    s.policy.costs.t_draft = 0.0001  # a much cheaper draft level does pay
     s.policy.forget()
     s.policy.step = 2
     assert s.policy.choose_depth([0.9]) > 0
@@ -367,18 +369,19 @@ def test_a_measured_narrow_verification_beats_the_linear_fit():
     which a line fitted over wider steps cannot see: once steps of exactly that width are measured,
     the policy prices them as measured, and a short chain that pays is taken."""
     s, _ = _sched(spec=SpecConfig(mode="chain", num_draft_tokens=4, adaptive=True))
-    s.policy.t_target, s.policy.t_per_token, s.policy.t_draft = 0.002, 0.0025, 0.0005  # fitted over wide steps
-    s.policy.t_plain = {1: 0.010}
+    c = s.policy.costs
+    c.t_target, c.t_per_token, c.t_draft = 0.002, 0.0025, 0.0005  # fitted over wide steps
+    s.policy.costs.t_plain = {1: 0.010}
     s.policy.step = 1
     assert s.policy.choose_depth([0.3]) == 0  # by the fit: 1.3 tokens per >= 13 ms
     for _ in range(2):
-        s.policy.t_width.setdefault((1, 2), [0.0114, 0])[1] += 1  # two steps of 2 tokens measured 11.4 ms
+        s.policy.costs.t_width.setdefault((1, 2), [0.0114, 0])[1] += 1  # two steps of 2 tokens measured 11.4 ms
     s.policy.forget()
     s.policy.step = 2
     assert s.policy.choose_depth([0.3]) == 1  # 1.3 tokens per 11.9 ms beats 1 per 10 ms
     assert s.policy.choose_depth([0.05]) == 0  # ... at this acceptance, not at a poor one
-    s.policy.observe(0.011, 0.0005, tokens=3, batch=1)
-    assert s.policy.t_width[(1, 3)] == [0.011, 1]  # observe() records each width's step cost, per batch size
+    s.policy.costs.observe(0.011, 0.0005, tokens=3, batch=1)
+    assert s.policy.costs.t_width[(1, 3)] == [0.011, 1]  # observe() records each width's step cost, per batch size
 
 
 def test_the_narrow_shape_wins_where_verification_rows_cost_compute():
@@ -387,23 +390,23 @@ def test_the_narrow_shape_wins_where_verification_rows_cost_compute():
     free rows the wide tree; the plan's budget follows the shape."""
     s, clock = _sched(spec=SpecConfig(mode="tree", tree_topk=4, tree_budget=16, tree_depth=6, adaptive=True))
     pol = s.policy
-    pol.t_target, pol.t_per_token, pol.t_draft = 0.008, 0.002, 0.0005  # CPU: each row 25% of a step
-    pol.t_plain = {1: 0.010}
-    pol.note_width(1, 1000)  # (measured out to wide steps)
+    pol.costs.t_target, pol.costs.t_per_token, pol.costs.t_draft = 0.008, 0.002, 0.0005  # CPU: each row 25% of a step
+    pol.costs.t_plain = {1: 0.010}
+    pol.costs.note_width(1, 1000)  # (measured out to wide steps)
     pol.step = 1
     d = pol.choose_depth([0.6], narrow=[0.45])
     assert d >= 1 and pol.last_nodes == d  # the narrow draft
     assert pol.choose_depth([0.6]) >= 0 and pol.last_nodes is None  # (without chain estimates: the mode's width)
     pol.forget()
-    pol.t_target, pol.t_per_token = 0.010, 0.0  # GPU-like: rows nearly free
-    pol.t_plain = {1: 0.010}
+    pol.costs.t_target, pol.costs.t_per_token = 0.010, 0.0  # GPU-like: rows nearly free
+    pol.costs.t_plain = {1: 0.010}
     d = pol.choose_depth([0.6], narrow=[0.45])
     assert d >= 2 and pol.last_nodes is None  # the wide tree
     seq = _seq(clock, "a", n=3, mode="auto")
     seq.recent_accept, seq.chain_accept = 0.6, 0.45
     seq.stats.by_proposer["draft"] = [1, 2, 1]  # (its own acceptance measured: not a first draft)
     pol.forget()
-    pol.t_target, pol.t_per_token = 0.008, 0.002
+    pol.costs.t_target, pol.costs.t_per_token = 0.008, 0.002
     plan = pol.plan([seq], 1)
     assert plan.depth and plan.nodes == plan.depth and pol.budget(seq, plan) == (plan.depth, plan.depth)
 
@@ -417,7 +420,8 @@ def test_a_hopeless_decision_is_reused_briefly_then_revisited():
     for q in seqs:
         s.add(q)
     _run(s, s.schedule())  # prefill
-    s.policy.t_target, s.policy.t_draft, s.policy.t_per_token = 0.010, 0.030, 0.0  # a draft level costs 3 plain steps
+    c = s.policy.costs
+    c.t_target, c.t_draft, c.t_per_token = 0.010, 0.030, 0.0  # a draft level costs 3 plain steps
     _plain_costs(s, (4,))
     for q in seqs:
         q.recent_accept = 0.9
@@ -426,7 +430,7 @@ def test_a_hopeless_decision_is_reused_briefly_then_revisited():
         assert not any(sc.spec_budget for sc in out.scheduled if sc.spec_depth != LOOKUP_ONLY)  # (lookup is free)
         _run(s, out)
     assert s.policy.hopeless_batch is not None
-    s.policy.t_draft = 0.0005  # the draft became cheap (e.g. the machine got quieter)
+    s.policy.costs.t_draft = 0.0005  # the draft became cheap (e.g. the machine got quieter)
     drafted_at = None
     for k in range(70):
         out = s.schedule()
@@ -450,10 +454,10 @@ def test_lookup_waits_for_a_measured_plain_step_at_each_batch_size():
     for _ in range(8):
         pol.note_lookup(seq, 8, 8)  # every lookup fully accepted: long drafts pay once costs are known
     assert pol.ngram_budget(seq, 16) == 0  # no plain step at 16 requests yet
-    pol.observe_plain(16, 0.030)
+    pol.costs.observe_plain(16, 0.030)
     assert pol.ngram_budget(seq, 16) == LOOKUP_PROBE  # no speculative step measured yet
     assert pol.ngram_budget(seq, 12) == 0  # another batch size: its own plain step first
-    pol.observe(0.032, None, tokens=16 * 9, batch=16)  # a step as wide as every request's full draft
+    pol.costs.observe(0.032, None, tokens=16 * 9, batch=16)  # a step as wide as every request's full draft
     assert pol.ngram_budget(seq, 16) == 8
     fixed, _ = _sched(spec=SpecConfig(mode="ngram", ngram_tokens=8, adaptive=False))
     assert fixed.policy.ngram_budget(seq, 16) == 8  # a fixed lookup length is kept as configured
@@ -464,7 +468,7 @@ def test_costs_are_kept_per_context_bucket():
     per doubling from 512 tokens): costs measured on short prompts do not price a 2k-token one's
     verification rows (each row attends over the whole context); a new bucket falls back to the
     nearest shorter one's plain step until its own is measured."""
-    from specd.speculation.policy import ctx_bucket
+    from specd.speculation.costs import ctx_bucket
 
     assert [ctx_bucket(n) for n in (0, 511, 512, 1023, 1024, 2048, 5000)] == [0, 0, 1, 1, 2, 3, 4]
     s, clock = _sched(spec=SpecConfig(mode="ngram", ngram_tokens=8, adaptive=True))
@@ -474,21 +478,21 @@ def test_costs_are_kept_per_context_bucket():
         pol.note_lookup(seq, k % 2, 2)  # every other lookup's first token accepted: 1.5 tokens per step
     seq.num_computed = 100
     pol.plan([seq], 1)
-    pol.observe_plain(1, 0.005)
-    pol.observe(0.0055, None, tokens=2, batch=1)
-    pol.observe(0.0055, None, tokens=2, batch=1)  # short context: a 2-row step costs 1.1x a plain one
+    pol.costs.observe_plain(1, 0.005)
+    pol.costs.observe(0.0055, None, tokens=2, batch=1)
+    pol.costs.observe(0.0055, None, tokens=2, batch=1)  # short context: a 2-row step costs 1.1x a plain one
     assert pol.ngram_budget(seq, 1, want=1) == 1
     seq.num_computed = 2100
     pol.plan([seq], 1)
-    assert pol.ctx_bucket == 3 and pol.plain_cost(1) == 0.005  # (the shorter bucket's, until measured)
-    assert (1, 2) not in pol.t_width  # the short context's verification costs are not this one's
-    pol.observe_plain(1, 0.014)
-    pol.observe(0.022, None, tokens=2, batch=1)
-    pol.observe(0.022, None, tokens=2, batch=1)  # 2k tokens: the extra row costs half a step
-    assert pol.plain_cost(1) == 0.014 and pol.ngram_budget(seq, 1, want=1) == 0
+    assert pol.costs.ctx_bucket == 3 and pol.costs.plain_cost(1) == 0.005  # (the shorter bucket's, until measured)
+    assert (1, 2) not in pol.costs.t_width  # the short context's verification costs are not this one's
+    pol.costs.observe_plain(1, 0.014)
+    pol.costs.observe(0.022, None, tokens=2, batch=1)
+    pol.costs.observe(0.022, None, tokens=2, batch=1)  # 2k tokens: the extra row costs half a step
+    assert pol.costs.plain_cost(1) == 0.014 and pol.ngram_budget(seq, 1, want=1) == 0
     seq.num_computed = 100
     pol.plan([seq], 1)
-    assert pol.plain_cost(1) == 0.005 and pol.ngram_budget(seq, 1, want=1) == 1
+    assert pol.costs.plain_cost(1) == 0.005 and pol.ngram_budget(seq, 1, want=1) == 1
 
 
 def test_lookup_length_follows_the_outcomes_not_one_lucky_match():
@@ -503,8 +507,8 @@ def test_lookup_length_follows_the_outcomes_not_one_lucky_match():
     assert pol.lookup_expected(seq, 1) == 1 + 3 / 6 and pol.lookup_expected(seq, 8) == 1 + 10 / 6
     assert len(pol.lookup_outcomes) == 6 and list(seq.lookup_outcomes)[3] == (8, 8)
     seq.ngram_accept = 0.7  # the per-position EMA right after the full match
-    pol.t_target, pol.t_per_token, pol.t_draft = 0.028, 0.0007, 0.0
-    pol.t_plain = {16: 0.039}  # 16 rows: each extra row ~0.7 ms, a plain token 2.4 ms
+    pol.costs.t_target, pol.costs.t_per_token, pol.costs.t_draft = 0.028, 0.0007, 0.0
+    pol.costs.t_plain = {16: 0.039}  # 16 rows: each extra row ~0.7 ms, a plain token 2.4 ms
     d = pol.ngram_budget(seq, 16)
     assert d == 1  # the geometric E(0.7, d) of the EMA would take 2 (and 8 at 1 row per 0.2 ms)
     fresh = _seq(clock, "b", n=3, mode="ngram")  # no outcomes of its own: the engine's
@@ -526,16 +530,16 @@ def test_widths_beyond_twice_the_widest_measured_step_are_priced_as_plain_rows()
     16 requests' 16-node trees at a third of their cost: ~150 ms steps at 0.5 acceptance)."""
     s, _ = _sched(spec=SpecConfig(mode="tree", tree_topk=4, tree_budget=16, tree_depth=6, adaptive=True))
     pol = s.policy
-    pol.t_target, pol.t_per_token, pol.t_draft = 0.020, 0.0001, 0.001  # a fit: rows look nearly free
-    pol.t_plain = {16: 0.025}
-    pol.note_width(16, 48)  # the widest step measured at 16 requests: 2 draft tokens each
-    assert pol._verify_cost(5, 16, 0.025) == pytest.approx(0.025 + 0.0001 * 80)  # 96 tokens: the fit
+    pol.costs.t_target, pol.costs.t_per_token, pol.costs.t_draft = 0.020, 0.0001, 0.001  # a fit: rows look nearly free
+    pol.costs.t_plain = {16: 0.025}
+    pol.costs.note_width(16, 48)  # the widest step measured at 16 requests: 2 draft tokens each
+    assert pol.costs.verify_cost(5, 16, 0.025) == pytest.approx(0.025 + 0.0001 * 80)  # 96 tokens: the fit
     wide = 0.025 + 0.0001 * 80 + 80 * 0.025 / 16  # 176 tokens: 80 of them at a plain row's average cost
-    assert pol._verify_cost(10, 16, 0.025) == pytest.approx(wide)
+    assert pol.costs.verify_cost(10, 16, 0.025) == pytest.approx(wide)
     pol.step = 1
     assert pol.choose_depth([0.5] * 16) <= 5  # a 16-node tree per request is not bet on unmeasured
-    pol.note_width(16, 16 * 17)  # once measured, the fit is trusted there
-    assert pol._verify_cost(16, 16, 0.025) == pytest.approx(0.025 + 0.0001 * 256)
+    pol.costs.note_width(16, 16 * 17)  # once measured, the fit is trusted there
+    assert pol.costs.verify_cost(16, 16, 0.025) == pytest.approx(0.025 + 0.0001 * 256)
 
 
 def test_a_requests_first_model_draft_is_a_short_chain():
@@ -546,7 +550,8 @@ def test_a_requests_first_model_draft_is_a_short_chain():
 
     s, clock = _sched(spec=SpecConfig(mode="tree", tree_topk=4, tree_budget=16, tree_depth=6, adaptive=True))
     pol = s.policy
-    pol.t_target, pol.t_per_token, pol.t_draft = 0.010, 0.0, 0.0005  # rows free: a deep wide tree pays
+    c = pol.costs
+    c.t_target, c.t_per_token, c.t_draft = 0.010, 0.0, 0.0005  # rows free: a deep wide tree pays
     _plain_costs(s)
     seq = _seq(clock, "a", n=3, mode="auto")
     seq.recent_accept = seq.chain_accept = 0.9
@@ -564,11 +569,11 @@ def test_before_the_fit_the_marginal_cost_is_anchored_at_the_plain_step():
     fresh engine's first wide drafts look free (16 requests x 6 nodes priced at ~60% of their cost)."""
     s, _ = _sched(spec=SpecConfig(mode="tree", tree_depth=6, adaptive=True))
     pol = s.policy
-    pol.observe_plain(16, 0.025)
-    pol.observe(0.049, 0.005, tokens=48, batch=16)  # 32 draft tokens cost 24 ms more than plain
-    assert pol.t_per_token == pytest.approx(0.00075)
-    assert pol._verify_cost(2, 16, 0.025) == pytest.approx(0.049)  # the measured step, on the line
-    assert pol._verify_cost(4, 16, 0.025) == pytest.approx(0.025 + 0.00075 * 64)
+    pol.costs.observe_plain(16, 0.025)
+    pol.costs.observe(0.049, 0.005, tokens=48, batch=16)  # 32 draft tokens cost 24 ms more than plain
+    assert pol.costs.t_per_token == pytest.approx(0.00075)
+    assert pol.costs.verify_cost(2, 16, 0.025) == pytest.approx(0.049)  # the measured step, on the line
+    assert pol.costs.verify_cost(4, 16, 0.025) == pytest.approx(0.025 + 0.00075 * 64)
 
 
 def test_the_cost_line_is_kept_per_context_bucket():
@@ -580,15 +585,15 @@ def test_the_cost_line_is_kept_per_context_bucket():
     s, _ = _sched(spec=SpecConfig(mode="ngram", adaptive=True))
     pol = s.policy
     for bucket, per_row in ((0, 0.0007), (5, 0.003)):
-        pol.ctx_bucket = bucket
-        pol.observe_plain(16, 0.025)
+        pol.costs.ctx_bucket = bucket
+        pol.costs.observe_plain(16, 0.025)
         for k in range(12):  # varied widths: the least-squares fit
-            pol.observe(0.025 + per_row * (k % 4 + 1), None, tokens=16 + k % 4 + 1, batch=16)
-    pol.ctx_bucket = 0
-    assert pol.t_per_token == pytest.approx(0.0007)
-    pol.ctx_bucket = 5
-    assert pol.t_per_token == pytest.approx(0.003)
-    pol.ctx_bucket = 4
-    assert pol.t_per_token == pytest.approx(0.003)  # nearest measured bucket (shorter first on a tie)
-    pol.ctx_bucket = 2
-    assert pol.t_per_token == pytest.approx(0.0007)
+            pol.costs.observe(0.025 + per_row * (k % 4 + 1), None, tokens=16 + k % 4 + 1, batch=16)
+    pol.costs.ctx_bucket = 0
+    assert pol.costs.t_per_token == pytest.approx(0.0007)
+    pol.costs.ctx_bucket = 5
+    assert pol.costs.t_per_token == pytest.approx(0.003)
+    pol.costs.ctx_bucket = 4
+    assert pol.costs.t_per_token == pytest.approx(0.003)  # nearest measured bucket (shorter first on a tie)
+    pol.costs.ctx_bucket = 2
+    assert pol.costs.t_per_token == pytest.approx(0.0007)

@@ -408,12 +408,12 @@ class Engine:
                 # lookup that found no match reserves its tokens and verifies none: priced by the
                 # reservation, 16 requests' rows looked ~5x cheaper than they are)
                 verified = len(sched.scheduled) + sum(p.tree.num_nodes - 1 for p in proposals.values())
-                self.policy.observe(t2 - t0 - self._model_draft_s, level, verified, len(sched.scheduled))
+                self.policy.costs.observe(t2 - t0 - self._model_draft_s, level, verified, len(sched.scheduled))
                 if all(sc.spec_depth == LOOKUP_ONLY for sc in sched.scheduled if sc.seq.request_id in proposals):
                     n = len(sched.scheduled)
-                    self.policy.note_lookup_step(n, n + timing.get("accepted", 0), t2 - t0)
+                    self.policy.costs.note_lookup_step(n, n + timing.get("accepted", 0), t2 - t0)
             else:
-                self.policy.observe_plain(len(sched.scheduled), t2 - t0)
+                self.policy.costs.observe_plain(len(sched.scheduled), t2 - t0)
         except Exception as e:  # noqa: BLE001 - the policy's inputs are the policy's problem
             self.health.stage_failed("policy")
             name = type(e).__name__

@@ -5,27 +5,9 @@ Adaptive requests (``speculation: auto``): each step picks the draft depth D (0.
 maximises the expected tokens per second of the whole step, ``sum_i E(a_i, D) / T(D)`` with
 ``E(a, D) = (1 - a^(D+1)) / (1 - a)`` (Leviathan et al. 2023) and a_i each request's per-position
 acceptance (EMA of accepted / drafted depth; new requests start from the engine-wide EMA). Costs
-are measured by the engine in its thread's CPU time on a CPU (waits for the GIL or other load do
-not distort them; wall time on a GPU):
-
-- T(0) = the measured cost of a draft-free decode step at this batch size (a batch size not yet
-  seen gets one plain step first, prompt lookup included);
-- T(D>0) = V(B * (1 + nodes(D))) + D * t_draft, t_draft = one draft level after the first (which
-  also catches the draft cache up), V(n) = a speculative step of n tokens but its model-proposer
-  forwards (so prompt lookup's matching and the per-request work of speculating are priced, as
-  they are in T(0)): the measured EMA at exactly n tokens over B requests once seen twice (the
-  cost of a forward is not linear in its rows on a CPU: one row reads the weights, memory-bound;
-  a few more ride on the same reads, then each
-  costs compute: SmolLM2 on AVX2 with int8 activations, 2 rows 1.14x one row, 3 rows 1.35x, 5 rows
-  1.95x), else ``max(t_fixed + t_per_token * n, T(0) + t_per_token * (n - B))`` with t_fixed and
-  t_per_token fitted (least squares over the last 64 speculative decode steps; the floor: a fit
-  from far wider steps must not make a narrow verification look cheaper than a plain step plus its
-  extra tokens; before the fit exists, the line through each measured step and the plain step at
-  its batch size). n is always the tokens the target verified, never the budget reserved (a lookup
-  without a match verifies none of it). The fit is trusted up to twice the widest step measured at
-  this batch size; rows beyond cost a plain step's average row until measured (widths are explored
-  by doubling), and a request's first model draft is a ``FIRST_MODEL_DRAFT``-node chain (the
-  engine-wide acceptance it was priced at came from other requests).
+are measured by the engine and kept by ``specd.speculation.costs.CostModel`` (``SpecPolicy.costs``):
+T(0), a plain step at the batch size, and T(D>0) = V(B * (1 + nodes(D))) + D * t_draft, the
+verification of the step's tokens plus the draft levels (see there).
 
 Shape: a tree-drafting mode (``tree``, ``head``, ``hybrid``) also weighs, per depth D, a *narrow*
 draft of D nodes (a dynamic tree whose budget equals its depth: in practice the draft's top-1
@@ -68,6 +50,7 @@ from dataclasses import dataclass
 
 from specd.config import SpecConfig
 from specd.engine.sequence import Sequence
+from specd.speculation.costs import CostModel
 
 MODEL_MODES = ("chain", "tree", "static", "head", "hybrid")  # modes that draft with the draft model or feature head
 LOOKUP_ONLY = -1  # a budget's depth: this step, prompt lookup only (the model proposer does not pay now)
@@ -76,11 +59,9 @@ HOPELESS_REUSE_STEPS = 64  # "drafting cannot pay at this batch size" is trusted
 LOOKUP_PROBE = 2  # draft tokens of a prompt-lookup probe while lookup does not pay for a request
 FIRST_MODEL_DRAFT = 2  # nodes (a top-1 chain) of a request's first model draft: its own acceptance is unknown
 MODEL_PROPOSERS = ("draft", "head")  # SpecStats.by_proposer names of the model proposers
-FIT_WINDOW = 64  # speculative steps in the least-squares cost fit
 LOOKUP_WINDOW = 256  # prompt-lookup outcomes kept engine-wide (per request: Sequence.lookup_outcomes)
 LOOKUP_MIN_OWN = 4  # a request's own outcomes used once it has this many (else the engine's)
 MARGIN = 1.02  # a draft must promise this much more than plain decoding (a clear win only)
-LOOKUP_GUARD_MIN = 8  # lookup-only steps measured at a batch size before their realized rate is trusted
 LOOKUP_BY_LEN_WINDOW = 64  # outcomes kept per length a match allows (SpecPolicy.lookup_len)
 LOOKUP_BY_LEN_MIN = 8  # outcomes of a match length before its own figures are used
 
@@ -95,42 +76,6 @@ class StepPlan:
     cap: int
     batch: int = 1  # requests expected in the step
     nodes: int | None = None  # draft nodes per adaptive request at ``depth`` (None: the mode's width)
-
-
-class CostFit:
-    """Least squares ``seconds = fixed + per_token * tokens`` over a sliding window, from running
-    sums (O(1) per step; re-summed exactly every window so float drift never accumulates)."""
-
-    def __init__(self, window: int = FIT_WINDOW):
-        self.window = window
-        self.obs: collections.deque = collections.deque()  # recent (tokens, seconds)
-        self.sums = [0, 0.0, 0, 0.0]  # sum x, sum y, sum x^2, sum x*y over obs
-        self.count = 0
-
-    def add(self, tokens: int, seconds: float) -> tuple[float, float] | None:
-        """Record one step; the fitted (fixed, per_token) once at least 8 steps with varying token
-        counts are in the window, else None."""
-        obs = self.obs
-        obs.append((tokens, seconds))
-        self.sums = [s + d for s, d in zip(self.sums, (tokens, seconds, tokens * tokens, tokens * seconds))]
-        if len(obs) > self.window:
-            x0, y0 = obs.popleft()
-            self.sums = [s - d for s, d in zip(self.sums, (x0, y0, x0 * x0, x0 * y0))]
-        self.count += 1
-        if self.count % self.window == 0:
-            self.sums = [
-                sum(x for x, _ in obs),
-                sum(y for _, y in obs),
-                sum(x * x for x, _ in obs),
-                sum(x * y for x, y in obs),
-            ]
-        n = len(obs)
-        sx, sy, sxx, sxy = self.sums
-        nvx = n * sxx - sx * sx  # n * variance of x: exact for integer token counts
-        if n < 8 or nvx <= 0:
-            return None
-        b = max(0.0, (n * sxy - sx * sy) / nvx)
-        return max(sy / n - b * sx / n, 1e-6), b
 
 
 def _expected(a: float, d: int) -> float:
@@ -162,22 +107,7 @@ class SpecPolicy:
         self.has_head = has_head
         self.max_verify_tokens = max_verify_tokens
         self.step = 0
-        # per context bucket (``t_target`` / ``t_per_token``, see below): [fixed seconds of a target
-        # step (forward + verify + commit) or None, marginal seconds per target token, anchored]
-        # (anchored: the marginal cost came from steps anchored at plain ones, no fit yet)
-        self._line_by_ctx: dict = {}
-        self._fit_by_ctx: dict = {}  # bucket -> CostFit
-        self.t_draft: float | None = None  # EMA seconds of one draft forward (one tree level)
-        # costs are kept per context bucket (the batch's total context: <512, <1k, <2k, ... tokens):
-        # at 2k tokens of context a row costs ~2.7x what it does at 32 (attention over the context),
-        # so costs measured on short prompts must not price a long one's steps
-        self.ctx_bucket = 0  # of the step being planned (set by ``plan``)
-        self._plain_by_ctx: dict = {}  # bucket -> {batch size -> EMA seconds of a step without drafts}
-        self._width_by_ctx: dict = {}  # bucket -> t_width
-        self._widest_by_ctx: dict = {}  # bucket -> {batch size -> most target tokens a measured step verified}
-        # batch size -> [EMA of a lookup-only step's realized tokens/s over a plain step's, steps]
-        self._lookup_gain: dict = {}
-        self._vcost: dict = {}  # _verify_cost's answers since the last measurement or plan
+        self.costs = CostModel()  # what steps cost on this device (measured by the engine)
         self.accept_ema: float | None = None  # engine-wide per-position acceptance (prior for new requests)
         self.ngram_ema: float | None = None  # the same for prompt lookup's drafts
         self.chain_ema: float | None = None  # the same for the model's top-1 chain (the narrow shape)
@@ -194,74 +124,6 @@ class SpecPolicy:
         self.last_depth = 0
         self._decision: tuple | None = None  # (alphas, step, config, depth, hopeless) of the last decision
         self.hopeless_batch: tuple | None = None  # (batch, step, mode) of the last "drafting cannot pay"
-
-    def _line(self) -> list | None:
-        """This context bucket's cost line, else the nearest measured bucket's (shorter first)."""
-        own = self._line_by_ctx.get(self.ctx_bucket)
-        if own is not None and own[0] is not None:
-            return own
-        near = [b for b, ln in self._line_by_ctx.items() if ln[0] is not None]
-        if not near:
-            return own
-        return self._line_by_ctx[min(near, key=lambda b: (abs(b - self.ctx_bucket), b > self.ctx_bucket))]
-
-    @property
-    def t_target(self) -> float | None:
-        """Seconds of a speculative step's fixed part in this context bucket (the fitted line's
-        intercept; a bucket not measured yet borrows the nearest one's line); None: no speculative
-        step measured anywhere."""
-        line = self._line()
-        return None if line is None else line[0]
-
-    @t_target.setter
-    def t_target(self, v: float | None) -> None:
-        self._line_by_ctx.setdefault(self.ctx_bucket, [None, 0.0, False])[0] = v
-        self._vcost.clear()
-
-    @property
-    def t_per_token(self) -> float:
-        """Marginal seconds per verified token in this context bucket (each row attends over the
-        context: at 16 x 1.5k tokens a row costs ~4x one at 150)."""
-        line = self._line()
-        return 0.0 if line is None else line[1]
-
-    @t_per_token.setter
-    def t_per_token(self, v: float) -> None:
-        self._line_by_ctx.setdefault(self.ctx_bucket, [None, 0.0, False])[1] = v
-        self._vcost.clear()
-
-    @property
-    def t_plain(self) -> dict:
-        """batch size -> EMA seconds of a decode step without drafts, in this step's context bucket."""
-        return self._plain_by_ctx.setdefault(self.ctx_bucket, {})
-
-    @t_plain.setter
-    def t_plain(self, v: dict) -> None:
-        self._plain_by_ctx[self.ctx_bucket] = v
-        self._vcost.clear()
-
-    def plain_cost(self, batch: int) -> float | None:
-        """T(0) at ``batch``: measured in this context bucket, else in the nearest shorter one (a
-        context that just crossed a bucket keeps its last measurement until a plain step updates
-        it; it can only underprice T(0), which turns speculation off and so measures it); None when
-        this batch size never ran a plain step."""
-        for b in range(self.ctx_bucket, -1, -1):
-            t = self._plain_by_ctx.get(b, {}).get(batch)
-            if t is not None:
-                return t
-        return None
-
-    @property
-    def t_width(self) -> dict:
-        """(requests, target tokens) of a speculative step -> [EMA seconds, observations], in this
-        step's context bucket: the same tokens cost more over more requests (attention contexts,
-        per-request work) and over longer contexts."""
-        return self._width_by_ctx.setdefault(self.ctx_bucket, {})
-
-    @t_width.setter
-    def t_width(self, v: dict) -> None:
-        self._width_by_ctx[self.ctx_bucket] = v
-        self._vcost.clear()
 
     # per request --------------------------------------------------------------------------------
     def mode_of(self, seq: Sequence) -> str:
@@ -310,53 +172,6 @@ class SpecPolicy:
             return 0
         return max(0, (self.max_verify_tokens - batch) // batch)
 
-    # measurements -------------------------------------------------------------------------------
-    def observe(self, t_target: float, t_draft_level: float | None, tokens: int = 0, batch: int = 0) -> None:
-        """Measured costs of a speculative decode step: its target part (forward + verify + commit)
-        with ``tokens`` target tokens over ``batch`` requests, and one draft level (None: not
-        measured this step)."""
-        a = 0.2
-        self._vcost.clear()
-        if t_draft_level is not None:
-            self.t_draft = t_draft_level if self.t_draft is None else (1 - a) * self.t_draft + a * t_draft_level
-        if tokens > 0:
-            self.note_width(batch, tokens)
-            w = self.t_width.get((batch, tokens))
-            if w is None:
-                self.t_width[(batch, tokens)] = [t_target, 1]
-            else:
-                w[0] = (1 - a) * w[0] + a * t_target
-                w[1] += 1
-        fit = self._fit_by_ctx.setdefault(self.ctx_bucket, CostFit()).add(tokens, t_target)
-        if fit is not None:
-            self.t_target, self.t_per_token = fit
-            return
-        line = self._line_by_ctx.setdefault(self.ctx_bucket, [None, 0.0, False])
-        t0 = self.plain_cost(batch) if tokens > batch else None
-        if t0 is not None:  # no fit yet (8 steps of varied widths): the line through this step and
-            # the plain step at its batch size gives the marginal cost (a flat 0 priced a fresh
-            # engine's 16 x 6-node drafts at ~60% of their cost)
-            m = max(0.0, (t_target - t0) / (tokens - batch))
-            line[1] = (1 - a) * line[1] + a * m if line[2] else m
-            line[2] = True
-            t_target = max(1e-6, t_target - line[1] * tokens)  # the line's intercept
-        line[0] = t_target if line[0] is None else (1 - a) * line[0] + a * t_target
-
-    def note_width(self, batch: int, tokens: int) -> None:
-        """A step verifying ``tokens`` target tokens over ``batch`` requests was measured (in this
-        context bucket): the cost fit is trusted up to twice the widest such step (``_verify_cost``)."""
-        widest = self._widest_by_ctx.setdefault(self.ctx_bucket, {})
-        widest[batch] = max(widest.get(batch, 0), tokens)
-        self._vcost.clear()
-
-    def observe_plain(self, batch: int, seconds: float) -> None:
-        """A decode step with no drafts at all, ``batch`` requests, took ``seconds``: the cost of
-        depth 0 at this batch size, measured rather than extrapolated from speculative steps (plain
-        decoding takes a cheaper attention path)."""
-        old = self.t_plain.get(batch)
-        self.t_plain[batch] = seconds if old is None else 0.8 * old + 0.2 * seconds
-        self._vcost.clear()
-
     def note_accept(self, rate: float, lookup: bool = False, chain: bool = False) -> None:
         """Per-position acceptance of a speculating step (``lookup``: of prompt lookup's draft;
         ``chain``: of the model draft's top-1 chain); new requests start from its EMA."""
@@ -388,10 +203,10 @@ class SpecPolicy:
         (``_by_len_expected``): a long match predicts a long accepted run. (Priced before the match
         was known, from all lookups alike, ``auto`` cut copied spans into pieces and skipped
         matches that paid: 5% more steps than ``--spec ngram`` at batch 1.)"""
-        t_plain = self.plain_cost(batch)
+        t_plain = self.costs.plain_cost(batch)
         if not self.spec.adaptive or available <= 0:
             return max(available, 0)
-        if t_plain is None or self.t_target is None:
+        if t_plain is None or self.costs.t_target is None:
             return min(available, LOOKUP_PROBE)
         return self._best_lookup(seq, available, batch, t_plain, by_len=available)
 
@@ -422,7 +237,7 @@ class SpecPolicy:
         """Drop the cached decision and priced widths: the next ``choose_depth`` recomputes from the
         current costs."""
         self._decision = None
-        self._vcost.clear()
+        self.costs.forget()
 
     # the decision -------------------------------------------------------------------------------
     def plan(self, candidates: list, batch: int) -> StepPlan:
@@ -430,8 +245,7 @@ class SpecPolicy:
         ``candidates`` (the requests that may run this step, in rank order)."""
         cap = self.step_spec_cap(batch) if self.spec.adaptive else 1 << 30
         self.step += 1
-        self._vcost.clear()
-        self.ctx_bucket = ctx_bucket(sum(s.num_computed for s in candidates[:batch]))
+        self.costs.at_context(sum(s.num_computed for s in candidates[:batch]))
         if not (self.spec.adaptive and self.has_draft) or self.spec.mode not in MODEL_MODES:
             return StepPlan(None, None, cap, batch)
         autos = [s for s in candidates if s.spec.mode == "auto"]
@@ -460,9 +274,9 @@ class SpecPolicy:
         auto = seq.spec.mode == "auto"
         if plan.depth == 0 and not self.probing and auto:  # the model does not pay this step: free lookup only
             full = self.spec.ngram_tokens * self.spec.ngram_branches
-            if self.lookups_lose(plan.batch):  # what they delivered says no: a staggered probe only
+            if self.costs.lookups_lose(plan.batch):  # what they delivered says no: a staggered probe only
                 n = self._lookup_probe(seq, LOOKUP_PROBE, plan.batch)
-            elif self.plain_cost(plan.batch) is not None and self.t_target is not None:
+            elif self.costs.plain_cost(plan.batch) is not None and self.costs.t_target is not None:
                 # reserved in full: ``lookup_len`` cuts it once the match is known
                 n = min(full, seq.spec.max_draft_tokens if seq.spec.max_draft_tokens is not None else full)
             else:
@@ -503,12 +317,12 @@ class SpecPolicy:
             want = self.desired_budget(seq)
         elif seq.spec.max_draft_tokens is not None:
             want = min(want, seq.spec.max_draft_tokens)
-        t_plain = self.plain_cost(batch)
+        t_plain = self.costs.plain_cost(batch)
         if not self.spec.adaptive or want <= 0:
             return want
         if t_plain is None:  # a batch size not seen yet: one plain step first measures it
             return 0
-        if self.t_target is None:  # no speculative step measured yet: a short draft measures one
+        if self.costs.t_target is None:  # no speculative step measured yet: a short draft measures one
             return min(want, LOOKUP_PROBE)
         return self._best_lookup(seq, want, batch, t_plain)
 
@@ -520,7 +334,7 @@ class SpecPolicy:
         best, best_d = 1.0 / t_plain, 0
         for d in range(1, limit + 1):
             e = self.lookup_expected(seq, d) if by_len is None else self._by_len_expected(seq, by_len, d)
-            rate = e / self._verify_cost(d, batch, t_plain)
+            rate = e / self.costs.verify_cost(d, batch, t_plain)
             if rate > best * MARGIN:
                 best, best_d = rate, d
         return best_d or self._lookup_probe(seq, limit, batch)
@@ -539,57 +353,6 @@ class SpecPolicy:
         every = self.lookup_probe_every(batch)
         return min(want, LOOKUP_PROBE) if (self.step + _offset(seq)) % every == 0 else 0
 
-    def note_lookup_step(self, batch: int, tokens: int, seconds: float) -> None:
-        """A decode step of ``batch`` (>= 2) requests whose drafts were all prompt lookups emitted
-        ``tokens`` in ``seconds``: its realized rate against a plain step's at that batch size,
-        pooled per power-of-two bucket of batch sizes (a group draining from 16 requests spends
-        only a few steps at each size, too few to judge one size alone)."""
-        t0 = self.plain_cost(batch)
-        if batch < 2 or t0 is None or seconds <= 0:
-            return
-        g = tokens / seconds / (batch / t0)
-        k = batch.bit_length()
-        e = self._lookup_gain.get(k)
-        self._lookup_gain[k] = [g, 1] if e is None else [0.9 * e[0] + 0.1 * g, e[1] + 1]
-
-    def lookups_lose(self, batch: int) -> bool:
-        """Whether adaptive requests' lookup-only steps at ``batch`` (its power-of-two bucket of
-        batch sizes) have delivered fewer tokens per second than plain steps (an EMA over at least
-        ``LOOKUP_GUARD_MIN`` of them). The per-request
-        pricing (``ngram_budget``) assumes every request drafts as much, while at 16 requests on a
-        CPU a few matches verify a few rows at ~1 ms each (the target's rows and the step's own
-        work) against ~1.5 ms per plain token, so sparse lookups accepted ~60% of the time lose;
-        what they delivered is the check."""
-        e = self._lookup_gain.get(batch.bit_length()) if batch >= 2 else None
-        return e is not None and e[1] >= LOOKUP_GUARD_MIN and e[0] < 1.0
-
-    def _verify_cost(self, nodes: int, batch: int, t_plain: float) -> float:
-        """Seconds of a target step verifying ``nodes`` draft tokens per request at ``batch``: what
-        steps of exactly that many tokens measured (seen at least twice; never below a plain step),
-        else the cost fit, never below the measured plain step plus the extra tokens."""
-        key = (nodes, batch, t_plain, self.ctx_bucket)  # (cleared whenever a cost changes)
-        c = self._vcost.get(key)
-        if c is None:  # (asked per request and draft length every step: once per step and shape)
-            c = self._vcost[key] = self._verify_cost_now(batch * (1 + nodes), batch, t_plain)
-        return c
-
-    def _verify_cost_now(self, n: int, batch: int, t_plain: float) -> float:
-        assert self.t_target is not None
-        w = self.t_width.get((batch, n))
-        if w is not None and w[1] >= 2:
-            return max(w[0], t_plain)
-        tpt = self.t_per_token
-        fit = max(self.t_target + tpt * n, t_plain + tpt * (n - batch))
-        # trusted up to twice the widest step measured at this batch size (in this context bucket);
-        # rows beyond it cost what a plain step's rows do on average until a step that wide is
-        # measured: a fit from narrow steps priced a fresh engine's 16 x 16-node trees at a third
-        # of their ~150 ms, and the width to explore grows by doubling as it is measured instead
-        lim = 2 * max(self._widest_by_ctx.get(self.ctx_bucket, {}).get(batch, batch), batch)
-        if n <= lim:
-            return fit
-        at_lim = max(self.t_target + tpt * lim, t_plain + tpt * (lim - batch))
-        return max(fit, at_lim + (n - lim) * t_plain / batch)
-
     def _model_accept(self, seq: Sequence, nodes: int, depth: int) -> float:
         """The request's acceptance for a model draft of ``nodes`` nodes up to ``depth``: its chain
         acceptance for a narrow draft (nodes == depth), else its tree acceptance."""
@@ -602,12 +365,12 @@ class SpecPolicy:
         lookup match (``ngram_tokens`` long) worth more tokens per second than the draft model at
         ``model_depth``? Expected tokens from each one's own acceptance of this request; costs:
         verification of the proposal's tokens (measured), plus the draft levels for the model."""
-        if self.t_target is None or self.t_draft is None or model_depth <= 0:
+        if self.costs.t_target is None or self.costs.t_draft is None or model_depth <= 0:
             return True  # nothing measured yet (or the model would not draft): the free proposal
-        t_plain = self.plain_cost(batch) or self.t_target
-        ngram_rate = self.lookup_expected(seq, ngram_tokens) / self._verify_cost(ngram_tokens, batch, t_plain)
+        t_plain = self.costs.plain_cost(batch) or self.costs.t_target
+        ngram_rate = self.lookup_expected(seq, ngram_tokens) / self.costs.verify_cost(ngram_tokens, batch, t_plain)
         nodes = self.nodes_for_depth(model_depth) if nodes is None else nodes
-        model_cost = self._verify_cost(nodes, batch, t_plain) + model_depth * self.t_draft
+        model_cost = self.costs.verify_cost(nodes, batch, t_plain) + model_depth * self.costs.t_draft
         return ngram_rate >= _expected(self._model_accept(seq, nodes, model_depth), model_depth) / model_cost
 
     def hybrid_pays(
@@ -617,14 +380,14 @@ class SpecPolicy:
         branch (``lookup_tokens`` long) over the model's tree worth its verification? Expected
         extra tokens assume the two are independent: the lookup branch adds what it would accept
         alone whenever the model's first token is rejected."""
-        if self.t_target is None or self.t_draft is None or model_depth <= 0:
+        if self.costs.t_target is None or self.costs.t_draft is None or model_depth <= 0:
             return False
         nodes = self.nodes_for_depth(model_depth) if nodes is None else nodes
-        t_plain = self.plain_cost(batch) or self.t_target
-        t_levels = model_depth * self.t_draft
+        t_plain = self.costs.plain_cost(batch) or self.costs.t_target
+        t_levels = model_depth * self.costs.t_draft
 
         def cost(n: int) -> float:
-            return self._verify_cost(n, batch, t_plain) + t_levels
+            return self.costs.verify_cost(n, batch, t_plain) + t_levels
 
         a_m = min(max(self._model_accept(seq, nodes, model_depth), 0.0), 0.999)
         e_model = _expected(a_m, model_depth)
@@ -641,9 +404,9 @@ class SpecPolicy:
         self.last_nodes = None
         if not alphas:
             return 0
-        if self.plain_cost(len(alphas)) is None:
+        if self.costs.plain_cost(len(alphas)) is None:
             return 0  # first time at this batch size: one plain step measures the cost of depth 0
-        if self.t_target is None or self.t_draft is None:
+        if self.costs.t_target is None or self.costs.t_draft is None:
             # no speculative step measured yet: a short draft measures one (narrow where shapes are
             # weighed: a 16-request batch's first tree of 4 levels verified 68 rows on 4 requests)
             self.last_nodes = 2 if narrow is not None else None
@@ -665,7 +428,7 @@ class SpecPolicy:
         slowly); sets ``last_nodes``. Hopeless: not even perfect acceptance would make drafting pay
         at this batch size."""
         c = self._decision
-        key = (self.spec.mode, dmax, self.ctx_bucket)
+        key = (self.spec.mode, dmax, self.costs.ctx_bucket)
         ests = (list(alphas), None if narrow is None else list(narrow))
         if c is not None and c[0] == ests and self.step - c[1] < DECISION_REUSE_STEPS and c[2] == key:
             self.last_nodes = c[5]
@@ -673,7 +436,7 @@ class SpecPolicy:
         best_d, self.last_nodes = self._best_depth(alphas, dmax, narrow)
         perfect = [0.999] * len(alphas)
         hopeless = best_d == 0 and self._best_depth(perfect, dmax, None if narrow is None else perfect)[0] == 0
-        if self.plain_cost(len(alphas)) is not None:  # (an unmeasured batch size is re-asked next step)
+        if self.costs.plain_cost(len(alphas)) is not None:  # (an unmeasured batch size is re-asked next step)
             self._decision = (ests, self.step, key, best_d, hopeless, self.last_nodes)
             self.hopeless_batch = (len(alphas), self.step, self.spec.mode) if hopeless else None
         return best_d, hopeless
@@ -688,7 +451,7 @@ class SpecPolicy:
             or self.step - h[1] >= HOPELESS_REUSE_STEPS
             or h[2] != self.spec.mode
             or self.step % self.probe_hopeless == 0
-            or self.t_target is None
+            or self.costs.t_target is None
         ):
             return False
         self.probing = False
@@ -698,11 +461,11 @@ class SpecPolicy:
         """(depth, nodes: the narrow shape's count, or None for the mode's width) of the best
         expected tokens per second; the narrow shape is weighed when ``narrow`` acceptances are given."""
         B = len(alphas)
-        t_plain = self.plain_cost(B)
+        t_plain = self.costs.plain_cost(B)
         if t_plain is None:
             return 0, None  # first time at this batch size: one plain step measures the cost of depth 0
-        td = self.t_draft
-        assert self.t_target is not None and td is not None
+        td = self.costs.t_draft
+        assert self.costs.t_target is not None and td is not None
         shapes = [(expected_tokens(_groups(alphas), B, dmax), self.nodes_for_depth, False)]
         if narrow is not None:
             shapes.append((expected_tokens(_groups(narrow), B, dmax), lambda d: d, True))
@@ -710,16 +473,10 @@ class SpecPolicy:
         for d in range(1, dmax + 1):
             for tot, nodes_of, is_narrow in shapes:
                 nodes = nodes_of(d)
-                rate = tot[d] / (self._verify_cost(nodes, B, t_plain) + d * td)
+                rate = tot[d] / (self.costs.verify_cost(nodes, B, t_plain) + d * td)
                 if rate > best * MARGIN:  # a clear win only
                     best, best_d, best_nodes = rate, d, nodes if is_narrow else None
         return best_d, best_nodes
-
-
-def ctx_bucket(tokens: int) -> int:
-    """The cost model's context bucket of a batch holding ``tokens`` tokens of context in all:
-    0 below 512, then one per doubling (512-1023: 1, 1024-2047: 2, ...)."""
-    return max(0, int(tokens).bit_length() - 9)
 
 
 def _cut_expected(obs, dmax: int) -> list:
