@@ -289,3 +289,18 @@ def test_in_process_daemon_serves_and_logs_its_steps(target_lm):
         srv.stop()
     with pytest.raises(OSError):
         asyncio.run(asyncio.open_connection("127.0.0.1", srv.port))
+
+
+def test_step_costs_times_prefill_chunks_and_decode_widths(tmp_path):
+    from eval import step_costs as S
+
+    out = tmp_path / "out"
+    args = ["--target", str(TARGET), "--quantization", "int4", "--prefill", "20:8", "--decode", "10:1,10:3"]
+    assert S.main([*args, "--reps", "1", "--steps", "3", "--threads", "1", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    pre = res["prefill"]["20:8"]
+    assert len(pre["chunk_ms"]) == 3 and all(v > 0 for v in pre["chunk_ms"])  # chunks of 8, 8, 4
+    assert pre["tokens_per_s"] == pytest.approx(20 / pre["total_ms"] * 1e3, rel=1e-2)
+    assert set(res["decode"]) == {"10:1", "10:3"} and all(v > 0 for v in res["decode"].values())
+    with pytest.raises(SystemExit, match="positive integers"):
+        S.main([*args[:4], "--prefill", "20:0"])
