@@ -1489,6 +1489,7 @@ static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t
                             int64_t nslots, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
                             int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, float* o) {
     const int64_t G = H / KVH, L8 = (Lp + 7) / 8 * 8;
+    const int64_t nrg = (G * Qm + ATT_ROWS - 1) / ATT_ROWS;  // row groups per (sequence, KV head), at most
     const E* vbase = kv + nslots * KVH * D;
 #pragma omp parallel
     {
@@ -1497,25 +1498,30 @@ static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t
         static thread_local std::vector<const E*> KP, VP;
         grow(S, ATT_ROWS * L8), grow(QG, G * Qm * D), grow(OUT, G * Qm * D);
         if ((int64_t)KP.size() < Lp) KP.resize(Lp), VP.resize(Lp);
-#pragma omp for schedule(static) collapse(2)
+        int64_t have = -1;  // the (sequence, KV head) whose key and value rows KP / VP hold in this call
+        // one task per group of ATT_ROWS rows of a (sequence, KV head): a prefill chunk of one
+        // sequence has 3 KV heads for 2 threads, so one task per head left a thread idle a third of
+        // the time; row r of (b, h) is query r % q of head h * G + r / q
+#pragma omp for schedule(dynamic) collapse(3)
         for (int64_t b = 0; b < B; b++)
-            for (int64_t h = 0; h < KVH; h++) {
-                const int64_t t0 = qsl[b], q = qsl[b + 1] - qsl[b], R = G * q;
-                kv_rows(kv, vbase, b, h, KVH, D, bt, maxb, BS, Lp, KP.data(), VP.data());
-                const E* const* vp = VP.data();
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t i = 0; i < q; i++)
-                        memcpy(QG.data() + (g * q + i) * D, qkv + (t0 + i) * stride + (h * G + g) * D, D * sizeof(float));
-                for (int64_t r0 = 0; r0 < R; r0 += ATT_ROWS) {
+            for (int64_t h = 0; h < KVH; h++)
+                for (int64_t k = 0; k < nrg; k++) {
+                    const int64_t t0 = qsl[b], q = qsl[b + 1] - qsl[b], R = G * q, r0 = k * ATT_ROWS;
+                    if (r0 >= R) continue;
                     const int64_t nr = R - r0 < ATT_ROWS ? R - r0 : ATT_ROWS;
-                    (att_avx512() ? score_keys_512<E> : score_keys<E>)(QG.data(), r0, nr, KP.data(), 0, L8, bias + b * Qm * Lp,
-                                                                 q, Lp, D, scale, S.data());
+                    if (have != b * KVH + h) {
+                        kv_rows(kv, vbase, b, h, KVH, D, bt, maxb, BS, Lp, KP.data(), VP.data());
+                        have = b * KVH + h;
+                    }
+                    const E* const* vp = VP.data();
+                    for (int64_t r = r0; r < r0 + nr; r++)
+                        memcpy(QG.data() + r * D, qkv + (t0 + r % q) * stride + (h * G + r / q) * D, D * sizeof(float));
+                    (att_avx512() ? score_keys_512<E> : score_keys<E>)(QG.data(), r0, nr, KP.data(), 0, L8,
+                                                                     bias + b * Qm * Lp, q, Lp, D, scale, S.data());
                     attn_finish(r0, nr, [vp](int64_t j) { return vp[j]; }, Lp, D, S.data(), OUT.data());
+                    for (int64_t r = r0; r < r0 + nr; r++)
+                        memcpy(o + (t0 + r % q) * H * D + (h * G + r / q) * D, OUT.data() + r * D, D * sizeof(float));
                 }
-                for (int64_t g = 0; g < G; g++)
-                    for (int64_t i = 0; i < q; i++)
-                        memcpy(o + (t0 + i) * H * D + (h * G + g) * D, OUT.data() + (g * q + i) * D, D * sizeof(float));
-            }
     }
 }
 
