@@ -7,7 +7,9 @@ maximises the expected tokens per second of the whole step, ``sum_i E(a_i, D) / 
 acceptance (EMA of accepted / drafted depth; new requests start from the engine-wide EMA). Costs
 are measured by the engine and kept by ``specd.speculation.costs.CostModel`` (``SpecPolicy.costs``):
 T(0), a plain step at the batch size, and T(D>0) = V(B * (1 + nodes(D))) + D * t_draft, the
-verification of the step's tokens plus the draft levels (see there).
+verification of the step's tokens plus the draft levels (see there). A request's first model draft
+is a ``FIRST_MODEL_DRAFT``-node chain whatever D is (the engine-wide acceptance it was priced at
+came from other requests).
 
 Shape: a tree-drafting mode (``tree``, ``head``, ``hybrid``) also weighs, per depth D, a *narrow*
 draft of D nodes (a dynamic tree whose budget equals its depth: in practice the draft's top-1
