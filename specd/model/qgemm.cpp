@@ -1141,6 +1141,34 @@ static void wsum_rows(int64_t n, const float* p, int64_t L8, int64_t L, VRow vro
 #undef WS_CASE
 }
 
+// exp_nonpos on 16 lanes (AVX512: the same operations lane by lane, so the same bits), over
+// si[j] - m for j in 0 .. 16 * (L8 / 16) - 1; returns where it stopped (the rest: 8 lanes)
+X512 static inline __m512 exp_nonpos16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    const __m512 xc = _mm512_max_ps(x, lo);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    const __m512 v = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), v, _mm512_setzero_ps());
+}
+
+X512 static int64_t exps_512(float* si, int64_t L8, float m) {
+    const __m512 m16 = _mm512_set1_ps(m);
+    int64_t j = 0;
+    for (; j + 16 <= L8; j += 16) _mm512_storeu_ps(si + j, exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(si + j), m16)));
+    return j;
+}
+
 // Each of n rows' softmax in place over its L keys (rows L8 apart; keys L .. L8-1 hold -inf), 1 / its
 // sum into inv: the max (exact, so taken 8 lanes at a time), the exps (exp_nonpos), then the sum in
 // key order, each row its own scalar chain (4 rows' chains interleaved): a row's bits never depend on
@@ -1164,9 +1192,10 @@ static void softmax_rows(float* S, int64_t n, int64_t L, float* inv) {
         _mm256_store_ps(t, m);
         float mx = -INFINITY;
         for (int k = 0; k < 8; k++) mx = t[k] > mx ? t[k] : mx;
-        const __m256 m8 = _mm256_set1_ps(mx == -INFINITY ? 0.f : mx);
-        for (int64_t j = 0; j < L8; j += 8)
-            _mm256_storeu_ps(si + j, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(si + j), m8)));
+        const float m0 = mx == -INFINITY ? 0.f : mx;
+        int64_t j = att_avx512() ? exps_512(si, L8, m0) : 0;
+        const __m256 m8 = _mm256_set1_ps(m0);
+        for (; j < L8; j += 8) _mm256_storeu_ps(si + j, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(si + j), m8)));
     }
     for (int64_t i = 0; i < n; i += 4) {
         float l[4] = {0.f, 0.f, 0.f, 0.f};
