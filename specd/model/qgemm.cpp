@@ -442,13 +442,13 @@ static int x8_isa() {
     return g_x8_isa;
 }
 
-// y's rows m0 .. m0+r-1, columns n0 .. n0+nc-1 from acc [r, stride] (+ bias, + add)
-static inline void x8_store(const float* acc, int64_t stride, int64_t r, int64_t m0, int64_t n0, int64_t nc,
-                            int64_t N, const float* add, const float* bias, float* y) {
+// y's rows m0 .. m0+r-1, columns n0 .. n0+nc-1 from acc [r, 8] (+ bias, + add)
+static inline void x8_store(const float* acc, int64_t r, int64_t m0, int64_t n0, int64_t nc, int64_t N,
+                            const float* add, const float* bias, float* y) {
     for (int64_t i = 0; i < r; i++) {
         const int64_t m = m0 + i;
         for (int64_t j = 0; j < nc; j++) {
-            float v = acc[stride * i + j];
+            float v = acc[8 * i + j];
             if (bias) v += bias[n0 + j];
             if (add) v += add[m * N + n0 + j];
             y[m * N + n0 + j] = v;
@@ -530,6 +530,13 @@ struct TileCfg {
     uint8_t rows[16];
 };
 
+// ldtilecfg of c. GCC 12 drops the stores into c where the caller is not inlined (the instruction's
+// read of c is invisible to it: the tiles then fault), so a barrier makes them happen first.
+XAMX static inline void load_tile_config(const TileCfg& c) {
+    __asm__ __volatile__("" : : "r"(&c) : "memory");
+    _tile_loadconfig(&c);
+}
+
 // tiles 0-3: C of up to 4 blocks [m, 16] int32; 4, 5: A [m, 32] int8; 6, 7: B [8, 64]
 XAMX static void amx_config(int64_t m) {
     TileCfg c;
@@ -538,10 +545,7 @@ XAMX static void amx_config(int64_t m) {
     for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)m, c.colsb[t] = 64;
     for (int t = 4; t < 6; t++) c.rows[t] = (uint8_t)m, c.colsb[t] = 32;
     for (int t = 6; t < 8; t++) c.rows[t] = 8, c.colsb[t] = 64;
-    // GCC 12 drops the stores into c where it does not inline this function (ldtilecfg's read of c is
-    // invisible to it: the tiles then fault): make them happen
-    __asm__ __volatile__("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    load_tile_config(c);
 }
 
 // block b's weights of tiles a and b as a B tile [8, 64] in bb
@@ -652,10 +656,7 @@ XAMX static void amx_config2(int64_t r0, int64_t r1) {
     for (int t = 0; t < 4; t++) c.rows[t] = (uint8_t)(t % 2 ? r1 : r0), c.colsb[t] = 64;
     c.rows[4] = (uint8_t)r0, c.rows[5] = (uint8_t)r1, c.colsb[4] = c.colsb[5] = 32;
     for (int t = 6; t < 8; t++) c.rows[t] = 8, c.colsb[t] = 64;
-    // GCC 12 drops the stores into c where it does not inline this function (ldtilecfg's read of c is
-    // invisible to it: the tiles then fault): make them happen
-    __asm__ __volatile__("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
+    load_tile_config(c);
 }
 
 template <bool INT4, class S>
@@ -777,7 +778,7 @@ static void gemm_x8(const int8_t* qx, const float* dx, const float* xs, int64_t 
         for (int64_t m0 = 0; m0 < M; m0 += rp) {
             const int64_t r = M - m0 < rp ? M - m0 : rp;
             x8_pass<INT4, S>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wt, st, mt, acc);
-            x8_store(acc, 8, r, m0, n0, nc, N, add, bias, y);
+            x8_store(acc, r, m0, n0, nc, N, add, bias, y);
         }
     }
 }
@@ -835,19 +836,20 @@ static inline float dot_d(const float* a, const float* b, int64_t D) {
 // exp of x <= 0 (a score minus its row's max), 8 lanes, Cephes' expf polynomial (about 1 ulp);
 // below -87.3 (and -inf, a masked key) exactly 0. Every key goes through this one function, so a
 // key's weight never depends on where it falls in a vector.
+// its constants, shared with the 16-lane version (exp_nonpos16) so the two cannot drift apart
+static constexpr float EXP_LO = -87.3f, EXP_LOG2E = 1.44269504088896341f, EXP_LN2_HI = 0.693359375f,
+                       EXP_LN2_LO = -2.12194440e-4f;
+static constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                   4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 static inline __m256 exp_nonpos(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f);
+    const __m256 lo = _mm256_set1_ps(EXP_LO);
     const __m256 xc = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), xc);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), xc);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 y = _mm256_set1_ps(EXP_P[0]);
+    for (int k = 1; k < 6; k++) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P[k]));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     const __m256 v = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
@@ -1141,27 +1143,24 @@ static void wsum_rows(int64_t n, const float* p, int64_t L8, int64_t L, VRow vro
 #undef WS_CASE
 }
 
-// exp_nonpos on 16 lanes (AVX512: the same operations lane by lane, so the same bits), over
-// si[j] - m for j in 0 .. 16 * (L8 / 16) - 1; returns where it stopped (the rest: 8 lanes)
+// exp_nonpos on 16 lanes (AVX512: the same operations lane by lane, so the same bits)
 X512 static inline __m512 exp_nonpos16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.3f);
+    const __m512 lo = _mm512_set1_ps(EXP_LO);
     const __m512 xc = _mm512_max_ps(x, lo);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), xc);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 y = _mm512_set1_ps(EXP_P[0]);
+    for (int k = 1; k < 6; k++) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P[k]));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     const __m512 v = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), v, _mm512_setzero_ps());
 }
 
+// si[j] = exp_nonpos(si[j] - m) 16 lanes at a time for j in 0 .. 16 * (L8 / 16) - 1; returns where
+// it stopped (the caller takes the rest 8 lanes at a time)
 X512 static int64_t exps_512(float* si, int64_t L8, float m) {
     const __m512 m16 = _mm512_set1_ps(m);
     int64_t j = 0;
