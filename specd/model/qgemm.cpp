@@ -1097,24 +1097,52 @@ X512 static void score_keys_512(const float* q, int64_t r0, int64_t nr, const T*
     if (j < j1) score_keys(q, r0, nr, kptr, j, j1, mask, Q, L, D, scale, S);
 }
 
-// wsum32 (the same bits) on AVX512: up to 8 rows x 2 accumulators in registers
+// wsum32 (the same bits) on AVX512: up to 8 rows x 2 accumulators in registers. Keys go 16 at a
+// time: where none of the block's weights is 0 in any row (a decode row's keys, nearly always), the
+// block runs without the per-key zero tests (each weight broadcast straight into its fma); a block
+// with a zero weight, and the last keys, take them key by key. Either way every accumulator gets the
+// same fmas in the same key order, so the same bits.
 #define WS_MAX_ROWS_512 8
+template <int NR, class VRow>
+X512 static inline void wsum_key_512(const float* p, int64_t L8, int64_t j, VRow vrow, int64_t c0, __m512 (*acc)[2]) {
+    const auto* vj = vrow(j) + c0;
+    const __m512 v0 = ld16(vj), v1 = ld16(vj + 16);
+    for (int i = 0; i < NR; i++) {
+        const float w = p[i * L8 + j];
+        if (w == 0.f) continue;
+        const __m512 wv = _mm512_set1_ps(w);
+        acc[i][0] = _mm512_fmadd_ps(wv, v0, acc[i][0]), acc[i][1] = _mm512_fmadd_ps(wv, v1, acc[i][1]);
+    }
+}
+
 template <int NR, class VRow>
 X512 static void wsum32_512(const float* p, int64_t L8, int64_t L, VRow vrow, int64_t c0, const float* inv,
                             float* const* out) {
     __m512 acc[NR][2];
     for (int i = 0; i < NR; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < L; j++) {
-        if (j + KV_PREFETCH < L) prefetch_slice(vrow(j + KV_PREFETCH) + c0);
-        const auto* vj = vrow(j) + c0;
-        const __m512 v0 = ld16(vj), v1 = ld16(vj + 16);
-        for (int i = 0; i < NR; i++) {
-            const float w = p[i * L8 + j];
-            if (w == 0.f) continue;
-            const __m512 wv = _mm512_set1_ps(w);
-            acc[i][0] = _mm512_fmadd_ps(wv, v0, acc[i][0]), acc[i][1] = _mm512_fmadd_ps(wv, v1, acc[i][1]);
+    const __m512 zero = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= L; j += 16) {
+        __mmask16 z = 0;
+        for (int i = 0; i < NR; i++) z |= _mm512_cmp_ps_mask(_mm512_loadu_ps(p + i * L8 + j), zero, _CMP_EQ_OQ);
+        if (z) {
+            for (int64_t t = j; t < j + 16; t++) {
+                if (t + KV_PREFETCH < L) prefetch_slice(vrow(t + KV_PREFETCH) + c0);
+                wsum_key_512<NR>(p, L8, t, vrow, c0, acc);
+            }
+            continue;
+        }
+        for (int64_t t = j; t < j + 16; t++) {
+            if (t + KV_PREFETCH < L) prefetch_slice(vrow(t + KV_PREFETCH) + c0);
+            const auto* vt = vrow(t) + c0;
+            const __m512 v0 = ld16(vt), v1 = ld16(vt + 16);
+            for (int i = 0; i < NR; i++) {
+                const __m512 wv = _mm512_set1_ps(p[i * L8 + t]);
+                acc[i][0] = _mm512_fmadd_ps(wv, v0, acc[i][0]), acc[i][1] = _mm512_fmadd_ps(wv, v1, acc[i][1]);
+            }
         }
     }
+    for (; j < L; j++) wsum_key_512<NR>(p, L8, j, vrow, c0, acc);
     for (int i = 0; i < NR; i++) {
         const __m512 s = _mm512_set1_ps(inv[i]);
         _mm512_storeu_ps(out[i] + c0, _mm512_mul_ps(acc[i][0], s));
@@ -1169,9 +1197,11 @@ X512 static int64_t exps_512(float* si, int64_t L8, float m) {
 }
 
 // Each of n rows' softmax in place over its L keys (rows L8 apart; keys L .. L8-1 hold -inf), 1 / its
-// sum into inv: the max (exact, so taken 8 lanes at a time), the exps (exp_nonpos), then the sum in
-// key order, each row its own scalar chain (4 rows' chains interleaved): a row's bits never depend on
-// which rows share the call, and a tree node's sum equals the same token's decoded one by one.
+// sum into inv: the max (exact: row_max), the exps (exp_nonpos), then the sum in
+// key order, each row its own scalar chain (up to SUM_ROWS rows' chains interleaved: one chain waits
+// an add's latency per key): a row's bits never depend on which rows share the call, and a tree
+// node's sum equals the same token's decoded one by one.
+#define SUM_ROWS 8
 template <int NR>
 static void row_sums(const float* S, int64_t L8, int64_t L, float* l) {
     float a[NR];
@@ -1181,30 +1211,43 @@ static void row_sums(const float* S, int64_t L8, int64_t L, float* l) {
     for (int i = 0; i < NR; i++) l[i] = a[i];
 }
 
+// The largest of si[0 .. L8-1] (L8 a multiple of 8): four independent max chains (a max waits on
+// the last one's latency), any order giving the same value (max is exact; -0 or +0 for a zero max
+// makes no difference to the exps)
+static inline float row_max(const float* si, int64_t L8) {
+    __m256 m[4];
+    for (int k = 0; k < 4; k++) m[k] = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 32 <= L8; j += 32)
+        for (int k = 0; k < 4; k++) m[k] = _mm256_max_ps(m[k], _mm256_loadu_ps(si + j + 8 * k));
+    for (; j < L8; j += 8) m[0] = _mm256_max_ps(m[0], _mm256_loadu_ps(si + j));
+    alignas(32) float t[8];
+    _mm256_store_ps(t, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+    float mx = -INFINITY;
+    for (int k = 0; k < 8; k++) mx = t[k] > mx ? t[k] : mx;
+    return mx;
+}
+
 static void softmax_rows(float* S, int64_t n, int64_t L, float* inv) {
     const int64_t L8 = (L + 7) / 8 * 8;
     for (int64_t i = 0; i < n; i++) {
         float* si = S + i * L8;
-        __m256 m = _mm256_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < L8; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(si + j));
-        alignas(32) float t[8];
-        _mm256_store_ps(t, m);
-        float mx = -INFINITY;
-        for (int k = 0; k < 8; k++) mx = t[k] > mx ? t[k] : mx;
+        const float mx = row_max(si, L8);
         const float m0 = mx == -INFINITY ? 0.f : mx;
         int64_t j = att_avx512() ? exps_512(si, L8, m0) : 0;
         const __m256 m8 = _mm256_set1_ps(m0);
         for (; j < L8; j += 8) _mm256_storeu_ps(si + j, exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(si + j), m8)));
     }
-    for (int64_t i = 0; i < n; i += 4) {
-        float l[4] = {0.f, 0.f, 0.f, 0.f};
-        switch (n - i < 4 ? n - i : 4) {
-            case 4: row_sums<4>(S + i * L8, L8, L, l); break;
-            case 3: row_sums<3>(S + i * L8, L8, L, l); break;
-            case 2: row_sums<2>(S + i * L8, L8, L, l); break;
+    for (int64_t i = 0; i < n; i += SUM_ROWS) {
+        float l[SUM_ROWS];
+#define SUM_CASE(k) \
+    case k: row_sums<k>(S + i * L8, L8, L, l); break;
+        switch (n - i < SUM_ROWS ? n - i : SUM_ROWS) {
+            SUM_CASE(8) SUM_CASE(7) SUM_CASE(6) SUM_CASE(5) SUM_CASE(4) SUM_CASE(3) SUM_CASE(2)
             default: row_sums<1>(S + i * L8, L8, L, l);
         }
-        for (int64_t k = 0; k < 4 && i + k < n; k++) inv[i + k] = l[k] > 0.f ? 1.f / l[k] : 0.f;
+#undef SUM_CASE
+        for (int64_t k = 0; k < SUM_ROWS && i + k < n; k++) inv[i + k] = l[k] > 0.f ? 1.f / l[k] : 0.f;
     }
 }
 
@@ -1419,7 +1462,7 @@ static inline void grow(std::vector<float>& v, size_t n) {
 // The same attention in two parallel phases, for decode and verification widths (all scores fit in
 // ATT2_MAX_BYTES): (1) scores of every row of a (sequence, KV head) for one chunk of ATT2_CHUNK keys
 // per task (each score is its own lane's sum, so who computes which keys changes no bit), (2) the
-// rows' softmax, 4 rows per task, (3) the weighted sums per 32-column slice of the values and group
+// rows' softmax, SUM_ROWS rows per task, (3) the weighted sums per 32-column slice of the values and group
 // of rows (each element its own chain over keys in order), as attn_finish computes them. Balances the
 // work over threads where one task per (sequence, KV head) could not (batch 1: 3 KV heads for 2
 // threads), and a decode row's 3 query heads read each value slice once. Head sizes that are not a
@@ -1479,10 +1522,10 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
 #pragma omp for schedule(dynamic) collapse(3)
         for (int64_t b = 0; b < B; b++)
             for (int64_t h = 0; h < KVH; h++)
-                for (int64_t r0 = 0; r0 < G * Qm; r0 += 4) {
+                for (int64_t r0 = 0; r0 < G * Qm; r0 += SUM_ROWS) {
                     const int64_t R = G * (qsl[b + 1] - qsl[b]);
                     if (r0 < R)
-                        softmax_rows(S + (base(b, h) + r0) * L8, R - r0 < 4 ? R - r0 : 4, Lp,
+                        softmax_rows(S + (base(b, h) + r0) * L8, R - r0 < SUM_ROWS ? R - r0 : SUM_ROWS, Lp,
                                      INV + base(b, h) + r0);
                 }
 #pragma omp for schedule(dynamic) collapse(4)
