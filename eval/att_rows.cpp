@@ -6,7 +6,7 @@
 // without Python or the GEMMs (docs/benchmarks.md, session 21).
 //
 //   g++ -O3 -mavx2 -mfma -mf16c -fopenmp -std=c++17 -o /tmp/att_rows eval/att_rows.cpp
-//   OMP_NUM_THREADS=2 /tmp/att_rows ISA C:W...        (e.g. 2 900:1 900:4 900:8)
+//   OMP_NUM_THREADS=2 [COLD=1] [REPS=N] /tmp/att_rows ISA C:W...        (e.g. 2 900:1 900:4 900:8)
 //
 // ISA: as specd_x8_isa (1 or 2: the AVX512 attention, 0: AVX2). REPS (default 60) passes per shape.
 #include "../specd/model/qgemm.cpp"
@@ -19,6 +19,11 @@
 int main(int argc, char** argv) {
   const int64_t NL = 30, H = 9, KVH = 3, D = 64, BS = 16, stride = (H + 2 * KVH) * D;
   const int reps = getenv("REPS") ? atoi(getenv("REPS")) : 60;
+  // COLD=1: 16 MiB of other data touched (on every thread) before each layer, not timed, so the
+  // layer's keys and values come from L3 / memory as in a step (where ~3 MB of weights stream
+  // between two layers' attention); else a short context's cache stays in L2 from pass to pass
+  const bool cold = getenv("COLD") && atoi(getenv("COLD"));
+  std::vector<float> junk(cold ? (16 << 20) / 4 : 0, 1.f);
   specd_x8_isa(atoi(argv[1]));
   std::mt19937 g(1);
   for (int ai = 2; ai < argc; ai++) {
@@ -43,11 +48,18 @@ int main(int argc, char** argv) {
     const int32_t qsl[2] = {0, (int32_t)W};
     std::vector<double> ts;
     for (int rep = 0; rep < reps; rep++) {
-      auto t0 = std::chrono::steady_clock::now();
-      for (int64_t l = 0; l < NL; l++)
+      double ms = 0;
+      for (int64_t l = 0; l < NL; l++) {
+        if (cold) {  // what a step's weight stream does between layers: this layer's cache out of L1 / L2
+#pragma omp parallel for schedule(static)
+          for (int64_t i = 0; i < (int64_t)junk.size(); i += 16) junk[i] += 1;
+        }
+        auto t0 = std::chrono::steady_clock::now();
         write_and_attend(kv[l], qkv.data(), W, stride, H, KVH, D, nslots, slots.data(), qsl, 1, bt.data(),
                          maxb, BS, bias.data(), W, Lp, 0.125f, out.data());
-      ts.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+        ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      }
+      ts.push_back(ms);
     }
     std::sort(ts.begin(), ts.end());
     double sum = 0;

@@ -1475,6 +1475,23 @@ static double att2_max_bytes() {
     return e ? atof(e) : (double)ATT2_MAX_BYTES;
 }
 
+// Whether a call's attention is worth a second thread: its work, keys x (rows + 8) per sequence and
+// KV head (the 8: a key's fixed cost, its fetch and pack, in rows' worth), against ATT_PAR_WORK.
+// Below it one thread runs the same tasks: on a 2-core Xeon (eval/att_rows.cpp with COLD=1, the
+// cache out of L2 as in a step; 30 layers) one thread saved the phases' barriers at 8 cached tokens
+// (1 row 0.28-0.32 -> 0.18-0.21 ms per step, 4 rows 0.39-0.43 -> 0.28-0.30) and at 64 tokens and
+// one row (0.42-0.45 -> 0.38-0.40), and lost from 128 tokens (two threads fetch the keys faster).
+// Who runs a task changes no bit.
+#define ATT_PAR_WORK 3000  // SPECD_ATT_PAR_WORK overrides (0: always parallel)
+
+static bool att_parallel(const int32_t* qsl, int64_t B, int64_t G, int64_t KVH, int64_t Lp) {
+    const char* e = getenv("SPECD_ATT_PAR_WORK");
+    const double limit = e ? atof(e) : (double)ATT_PAR_WORK;
+    double work = 0;
+    for (int64_t b = 0; b < B; b++) work += (double)KVH * Lp * (G * (qsl[b + 1] - qsl[b]) + 8);
+    return work >= limit;
+}
+
 template <class E>
 static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int64_t KVH, int64_t D, const E* kv,
                                int64_t nslots, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
@@ -1496,7 +1513,7 @@ static bool paged_attention_2p(const float* qkv, int64_t stride, int64_t H, int6
     const E** const VP = vp_buf.data();
     const int64_t nch = (L8 + ATT2_CHUNK - 1) / ATT2_CHUNK;
     auto base = [&](int64_t b, int64_t h) { return (h * T + (qsl[b] - qsl[0])) * G; };
-#pragma omp parallel
+#pragma omp parallel if (att_parallel(qsl, B, G, KVH, Lp))
     {
 #pragma omp for schedule(static) collapse(2)
         for (int64_t b = 0; b < B; b++)
@@ -1562,7 +1579,7 @@ static void paged_attention(const float* qkv, int64_t stride, int64_t H, int64_t
     const int64_t G = H / KVH, L8 = (Lp + 7) / 8 * 8;
     const int64_t nrg = (G * Qm + ATT_ROWS - 1) / ATT_ROWS;  // row groups per (sequence, KV head), at most
     const E* vbase = kv + nslots * KVH * D;
-#pragma omp parallel
+#pragma omp parallel if (att_parallel(qsl, B, G, KVH, Lp))
     {
         // per-thread scratch kept between calls (grown, never cleared: every element read is written first)
         static thread_local std::vector<float> S, QG, OUT;
