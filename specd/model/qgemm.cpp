@@ -1104,7 +1104,8 @@ X512 static void score_keys_512(const float* q, int64_t r0, int64_t nr, const T*
 // same fmas in the same key order, so the same bits.
 #define WS_MAX_ROWS_512 8
 template <int NR, class VRow>
-X512 static inline void wsum_key_512(const float* p, int64_t L8, int64_t j, VRow vrow, int64_t c0, __m512 (*acc)[2]) {
+X512 static inline void wsum_key_512(const float* p, int64_t L8, int64_t j, VRow vrow, int64_t c0,
+                                     __m512 (*acc)[2]) {
     const auto* vj = vrow(j) + c0;
     const __m512 v0 = ld16(vj), v1 = ld16(vj + 16);
     for (int i = 0; i < NR; i++) {
@@ -1197,10 +1198,10 @@ X512 static int64_t exps_512(float* si, int64_t L8, float m) {
 }
 
 // Each of n rows' softmax in place over its L keys (rows L8 apart; keys L .. L8-1 hold -inf), 1 / its
-// sum into inv: the max (exact: row_max), the exps (exp_nonpos), then the sum in
-// key order, each row its own scalar chain (up to SUM_ROWS rows' chains interleaved: one chain waits
-// an add's latency per key): a row's bits never depend on which rows share the call, and a tree
-// node's sum equals the same token's decoded one by one.
+// sum into inv: the max (exact: row_max), the exps (exp_nonpos), then the sum in key order, each row
+// its own scalar chain (up to SUM_ROWS rows' chains interleaved: one chain waits an add's latency per
+// key): a row's bits never depend on which rows share the call, and a tree node's sum equals the same
+// token's decoded one by one.
 #define SUM_ROWS 8
 template <int NR>
 static void row_sums(const float* S, int64_t L8, int64_t L, float* l) {
@@ -1462,8 +1463,8 @@ static inline void grow(std::vector<float>& v, size_t n) {
 // The same attention in two parallel phases, for decode and verification widths (all scores fit in
 // ATT2_MAX_BYTES): (1) scores of every row of a (sequence, KV head) for one chunk of ATT2_CHUNK keys
 // per task (each score is its own lane's sum, so who computes which keys changes no bit), (2) the
-// rows' softmax, SUM_ROWS rows per task, (3) the weighted sums per 32-column slice of the values and group
-// of rows (each element its own chain over keys in order), as attn_finish computes them. Balances the
+// rows' softmax, SUM_ROWS rows per task, (3) the weighted sums per 32-column slice of the values and
+// group of rows (each element its own chain over keys in order), as attn_finish computes them. Balances the
 // work over threads where one task per (sequence, KV head) could not (batch 1: 3 KV heads for 2
 // threads), and a decode row's 3 query heads read each value slice once. Head sizes that are not a
 // multiple of 32 take the one-phase kernel.
