@@ -106,6 +106,28 @@ def test_random_draft_accepts_almost_nothing(target_lm, tmp_path):
     assert _overall(res, 0.0, "chain:4")["greedy_match"]["equal"] == len(PROMPTS)
 
 
+def _check_mode_totals(rep: dict, run: dict, e: dict) -> None:
+    """One mode's overall figures in an acceptance report equal the sums of its requests' and the
+    engine's own counters."""
+    name = e["mode"]["name"]
+    rows = [r for r in rep["requests"] if r["mode"] == name and r["temperature"] == run["temperature"]]
+    assert len(rows) == len(PROMPTS)
+    o = e["overall"]
+    for key in ("steps", "draft_tokens", "accepted_tokens"):
+        assert o[key] == sum(r["stats"][key] for r in rows) == e["engine_stats"][key], (name, key)
+    assert o["output_tokens"] == sum(r["output_tokens"] for r in rows)
+    assert o["accept_len_hist"] == e["engine_stats"]["accept_len_hist"]
+    assert sum(o["accept_len_hist"]) == o["steps"]
+    if o["steps"]:
+        assert o["mean_accepted_length"] == pytest.approx(1 + o["accepted_tokens"] / o["steps"], abs=1e-4)
+    assert sum(c["steps"] for c in e["per_category"].values()) == o["steps"]
+    assert e["timing"]["steps"] == o["steps"]  # one engine step per verification step at batch 1
+    if name == "off":
+        assert o["speedup"] == 1.0 and o["draft_tokens"] == 0
+    else:
+        assert e["theory"]["predicted_speedup"] > 0
+
+
 def test_report_totals_and_plots(tmp_path):
     pf = tmp_path / "prompts.txt"
     pf.write_text("\n".join(PROMPTS) + "\n")
@@ -139,23 +161,7 @@ def test_report_totals_and_plots(tmp_path):
     assert rep["prompts"]["count"] == len(PROMPTS)
     for run in rep["runs"]:
         for e in run["modes"]:
-            name = e["mode"]["name"]
-            rows = [r for r in rep["requests"] if r["mode"] == name and r["temperature"] == run["temperature"]]
-            assert len(rows) == len(PROMPTS)
-            o = e["overall"]
-            for key in ("steps", "draft_tokens", "accepted_tokens"):
-                assert o[key] == sum(r["stats"][key] for r in rows) == e["engine_stats"][key], (name, key)
-            assert o["output_tokens"] == sum(r["output_tokens"] for r in rows)
-            assert o["accept_len_hist"] == e["engine_stats"]["accept_len_hist"]
-            assert sum(o["accept_len_hist"]) == o["steps"]
-            if o["steps"]:
-                assert o["mean_accepted_length"] == pytest.approx(1 + o["accepted_tokens"] / o["steps"], abs=1e-4)
-            assert sum(c["steps"] for c in e["per_category"].values()) == o["steps"]
-            assert e["timing"]["steps"] == o["steps"]  # one engine step per verification step at batch 1
-            if name == "off":
-                assert o["speedup"] == 1.0 and o["draft_tokens"] == 0
-            else:
-                assert e["theory"]["predicted_speedup"] > 0
+            _check_mode_totals(rep, run, e)
     md = (out / "summary.md").read_text()
     assert "chain:3" in md and "tree:8" in md and "static:6" in md
     pngs = sorted(out.glob("*.png"))

@@ -1103,14 +1103,17 @@ X512 static void score_keys_512(const float* q, int64_t r0, int64_t nr, const T*
 // with a zero weight, and the last keys, take them key by key. Either way every accumulator gets the
 // same fmas in the same key order, so the same bits.
 #define WS_MAX_ROWS_512 8
-template <int NR, class VRow>
-X512 static inline void wsum_key_512(const float* p, int64_t L8, int64_t j, VRow vrow, int64_t c0,
+// key j's value slice into NR rows' accumulators; ZEROS: skip a row whose weight is 0 (its value is
+// then never read for it), else every weight is known non-zero
+template <int NR, bool ZEROS, class VRow>
+X512 static inline void wsum_key_512(const float* p, int64_t L8, int64_t L, int64_t j, VRow vrow, int64_t c0,
                                      __m512 (*acc)[2]) {
+    if (j + KV_PREFETCH < L) prefetch_slice(vrow(j + KV_PREFETCH) + c0);
     const auto* vj = vrow(j) + c0;
     const __m512 v0 = ld16(vj), v1 = ld16(vj + 16);
     for (int i = 0; i < NR; i++) {
         const float w = p[i * L8 + j];
-        if (w == 0.f) continue;
+        if (ZEROS && w == 0.f) continue;
         const __m512 wv = _mm512_set1_ps(w);
         acc[i][0] = _mm512_fmadd_ps(wv, v0, acc[i][0]), acc[i][1] = _mm512_fmadd_ps(wv, v1, acc[i][1]);
     }
@@ -1126,24 +1129,12 @@ X512 static void wsum32_512(const float* p, int64_t L8, int64_t L, VRow vrow, in
     for (; j + 16 <= L; j += 16) {
         __mmask16 z = 0;
         for (int i = 0; i < NR; i++) z |= _mm512_cmp_ps_mask(_mm512_loadu_ps(p + i * L8 + j), zero, _CMP_EQ_OQ);
-        if (z) {
-            for (int64_t t = j; t < j + 16; t++) {
-                if (t + KV_PREFETCH < L) prefetch_slice(vrow(t + KV_PREFETCH) + c0);
-                wsum_key_512<NR>(p, L8, t, vrow, c0, acc);
-            }
-            continue;
-        }
-        for (int64_t t = j; t < j + 16; t++) {
-            if (t + KV_PREFETCH < L) prefetch_slice(vrow(t + KV_PREFETCH) + c0);
-            const auto* vt = vrow(t) + c0;
-            const __m512 v0 = ld16(vt), v1 = ld16(vt + 16);
-            for (int i = 0; i < NR; i++) {
-                const __m512 wv = _mm512_set1_ps(p[i * L8 + t]);
-                acc[i][0] = _mm512_fmadd_ps(wv, v0, acc[i][0]), acc[i][1] = _mm512_fmadd_ps(wv, v1, acc[i][1]);
-            }
-        }
+        if (z)
+            for (int64_t t = j; t < j + 16; t++) wsum_key_512<NR, true>(p, L8, L, t, vrow, c0, acc);
+        else
+            for (int64_t t = j; t < j + 16; t++) wsum_key_512<NR, false>(p, L8, L, t, vrow, c0, acc);
     }
-    for (; j < L; j++) wsum_key_512<NR>(p, L8, j, vrow, c0, acc);
+    for (; j < L; j++) wsum_key_512<NR, true>(p, L8, L, j, vrow, c0, acc);
     for (int i = 0; i < NR; i++) {
         const __m512 s = _mm512_set1_ps(inv[i]);
         _mm512_storeu_ps(out[i] + c0, _mm512_mul_ps(acc[i][0], s));
