@@ -161,7 +161,7 @@ def prompt_budget(engines: dict, modes: list, max_tokens: int, max_prompt_tokens
 
 def warm_up(engines: dict, modes: list, tok) -> None:
     """A short greedy generation per engine: first-call costs are not measured."""
-    from specd.engine.sampling import SamplingParams
+    from specd.sampling.params import SamplingParams
 
     w = list(tok("Once upon a time")["input_ids"])
     for m in modes:
@@ -191,7 +191,7 @@ def run_temperature(run: Run, prompts: list, modes: list, logs: dict, progress: 
 
 def conversation(run: Run, p, qi: int, m, steplog) -> list:
     """One prompt's turns under mode ``m``, each turn seeing the model's own earlier answers."""
-    from specd.engine.sampling import SamplingParams
+    from specd.sampling.params import SamplingParams
 
     answers, rows = [], []
     for ti in range(len(p.turns)):

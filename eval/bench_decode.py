@@ -23,8 +23,8 @@ import torch
 from eval.harness import ROOT, command_line, median
 from specd.config import EngineConfig, SpecConfig
 from specd.engine.engine import Engine
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
+from specd.sampling.params import SamplingParams
 
 STORY_PROMPTS = [
     "Once upon a time, there was a little",

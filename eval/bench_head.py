@@ -108,7 +108,7 @@ def _one(eng, ids: list, mode: str, params) -> tuple:
 
 def run(engines: dict, by: dict, methods: list, max_tokens: int) -> dict:
     """{category: {method: [tokens, s, steps, accepted, draft CPU s, forward CPU s, step CPU s]}}"""
-    from specd.engine.sampling import SamplingParams
+    from specd.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     res: dict = collections.defaultdict(lambda: {m: [0, 0.0, 0, 0, 0.0, 0.0, 0.0] for m in methods})

@@ -55,8 +55,8 @@ def build(quantization: str):
 
 
 def run(eng, by: dict, modes: list, max_tokens: int) -> dict:
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     res: dict = collections.defaultdict(lambda: {m: [0, 0.0, 0, 0] for m in modes})  # tokens, s, steps, accepted

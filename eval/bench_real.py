@@ -304,7 +304,7 @@ def profile_step(system, ids: list, tokens: int) -> dict:
     (acceptance, KV compaction, emitting and detokenizing); other = the rest of the step
     (scheduling, the drafter's tree bookkeeping and draft logits). The prompt's step(s) and the next
     two (the draft catching up on the prompt) are left out."""
-    from specd.engine.sampling import SamplingParams
+    from specd.sampling.params import SamplingParams
 
     eng = system.engine
     seq = eng.add_request(

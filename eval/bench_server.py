@@ -69,8 +69,8 @@ def engine_args(a) -> list:
 
 
 def in_process(engine, prompts, max_tokens, spec_mode):
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     c0 = time.process_time()

@@ -75,8 +75,8 @@ def build(a) -> tuple:
 def decode_pass(eng, prompts: list, max_tokens: int) -> tuple:
     """One batch to completion: (decode tokens/s, collective seconds per decode step or None, steps,
     output token lists)."""
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     seqs = [eng.add_request(p, sp, SpecParams(mode="off")) for p in prompts]

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     H.set_threads(a.threads)
     from eval.common import write_json
-    from specd.engine.sampling import SamplingParams
+    from specd.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens)
     res = {"meta": H.run_meta("bf16_agreement", argv), "dtypes": {}}

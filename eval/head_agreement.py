@@ -44,9 +44,9 @@ def target_replies(args) -> tuple:
     """(engine, [category], [(tokens, prompt length)]): the target's greedy replies, first turns."""
     from specd.config import CacheConfig, EngineConfig
     from specd.engine.engine import Engine
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
     from specd.model import builtin
+    from specd.sampling.params import SamplingParams
 
     target = args.target or str(builtin.builtin_gguf())
     cfg = EngineConfig(target=target, act_quant=args.act_quant, dtype=args.dtype, cache=CacheConfig(num_blocks=4096))

@@ -62,8 +62,8 @@ def random_cases(engine, n: int, seed: int, canary_prompt, canary_ref) -> dict:
 def stage_faults(engine, prompts: dict) -> dict:
     """A fault in each stage for one request of a fixed mix: the others' tokens vs their clean run."""
     from specd.engine.chaos import STEP_STAGES, FaultInjector, Req, check_clean, run_case, with_hook
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     sampled = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=12, ignore_eos=True)

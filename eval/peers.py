@@ -60,7 +60,7 @@ class Accepted:
 
 class Specd:
     def __init__(self, mode, target, draft, device, max_tokens, **engine_kw):
-        from specd.engine.sampling import SamplingParams
+        from specd.sampling.params import SamplingParams
 
         self.name = f"specd:{mode.name}"
         self.mode = mode

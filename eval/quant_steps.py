@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     a = parse(argv)
     H.set_threads(a.threads)
     H.quiet_transformers()
-    from specd.engine.sampling import SamplingParams
+    from specd.sampling.params import SamplingParams
 
     engines, models = {}, {}
     for v in a.variants.split(","):

@@ -129,8 +129,8 @@ class References:
     def precompute(self, prompts, max_tokens_set) -> None:
         if self.engine is None:
             return
-        from specd.engine.sampling import SamplingParams
         from specd.engine.sequence import SpecParams
+        from specd.sampling.params import SamplingParams
 
         for p in prompts:
             ids = self.engine.tokenizer(p)["input_ids"]

@@ -59,9 +59,9 @@ def cmd_generate(a) -> int:
 def _generate_setup(a) -> tuple:
     """(engine, SamplingParams) from ``specd generate``'s flags; _CliError when they are unusable."""
     from specd.engine.engine import Engine
-    from specd.engine.sampling import SamplingParams
     from specd.model.cpu import set_threads
     from specd.model.loader import LoadError
+    from specd.sampling.params import SamplingParams
 
     fill_default_models(a)
     set_threads(a.threads)

@@ -15,11 +15,11 @@ import torch
 from specd.config import CacheConfig, EngineConfig, SpecConfig
 from specd.engine.engine import Engine
 from specd.engine.kv_cache import KVCache
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
 from specd.model.attention import CpuAttention, TorchAttention, build_metadata, get_backend
 from specd.model.loader import load_model
 from specd.model.qkernel import kernel
+from specd.sampling.params import SamplingParams
 from tests.conftest import TARGET
 
 CPU = torch.device("cpu")

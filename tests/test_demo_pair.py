@@ -4,8 +4,8 @@ import torch
 
 from specd.config import EngineConfig, SpecConfig
 from specd.engine.engine import Engine
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
+from specd.sampling.params import SamplingParams
 from tests.conftest import ROOT
 
 DEMO = ROOT / "models" / "demo"

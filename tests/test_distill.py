@@ -237,8 +237,8 @@ def test_specd_serves_the_distilled_draft_losslessly(distilled):
     """The distilled draft plugs into specd: greedy speculative output == target-only output."""
     from specd.config import EngineConfig, SpecConfig
     from specd.engine.engine import Engine
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     out, _ = distilled
     eng = Engine(EngineConfig(target=str(STORIES), draft=str(out), spec=SpecConfig(adaptive=False)))

@@ -9,8 +9,8 @@ import torch
 
 from specd.config import CacheConfig, EngineConfig, SchedulerConfig
 from specd.engine.engine import Engine, RequestError
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
+from specd.sampling.params import SamplingParams
 from tests.conftest import ROOT, TARGET
 
 PROMPTS = [

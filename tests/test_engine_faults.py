@@ -24,8 +24,8 @@ from websockets.sync.client import connect
 from specd.engine.chaos import STEP_STAGES, FaultInjector, InjectedFault, Req, canary, check_clean, run_case, with_hook
 from specd.engine.engine import FAIL_ALL_AFTER, RequestError
 from specd.engine.health import RateLimitedLog, backoff_s, unhealthy_reason
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
+from specd.sampling.params import SamplingParams
 from tests.conftest import http_status, metrics_text, serve_args, serve_engine, ws_collect
 
 pytestmark = pytest.mark.timeout(300)

@@ -44,8 +44,8 @@ def server():
 def reference(shared_pair):
     from specd.cli import engine_config
     from specd.engine.engine import Engine
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     t, d = shared_pair
     eng = Engine(engine_config(serve_args(num_blocks=256)), target=t, draft=d)
@@ -111,8 +111,8 @@ def test_logprobs_cross_from_the_engine_process(server, shared_pair):
 
     from specd.cli import engine_config
     from specd.engine.engine import Engine
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     t, d = shared_pair
     eng = Engine(engine_config(serve_args(num_blocks=256)), target=t, draft=d)
@@ -173,8 +173,8 @@ def test_a_request_the_child_cannot_run_fails_alone(server, reference):
     import asyncio
 
     from specd.engine.engine import RequestError
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     ae = server.app.ae
     ids = ae.tokenizer(PROMPTS[0])["input_ids"]
@@ -300,8 +300,8 @@ def _drive(link, prompts_ids, max_tokens, tag):
     """Run requests on a ProcessLink by hand: (pipe messages, step records per request, tokens)."""
     import select
 
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     msgs, steps, toks, done = [], {}, {}, set()
     for i, ids in enumerate(prompts_ids):

@@ -221,8 +221,8 @@ def test_percentile_is_linear_interpolation_between_ranks():
 def test_step_timer_stages_are_measured_and_fit_in_the_step(target_lm):
     """A real engine run: every stage took time, on both clocks, and the stages add up to no more
     than the step; the draft model's forwards are part of the draft stage."""
-    from specd.engine.sampling import SamplingParams
     from specd.model.loader import load_model
+    from specd.sampling.params import SamplingParams
 
     draft = load_model(DRAFT, "cpu", "float32", progress=False, target=target_lm)
     mode = C.Mode.parse("chain:3")
@@ -246,7 +246,7 @@ def test_step_timer_stages_are_measured_and_fit_in_the_step(target_lm):
 def test_step_log_pairs_and_engine_totals(target_lm):
     """StepLog: with the target as its own draft every chain step verifies (k, k); the pairs, the
     request's own stats and the engine totals since the log began agree."""
-    from specd.engine.sampling import SamplingParams
+    from specd.sampling.params import SamplingParams
 
     k = 4
     mode = C.Mode.parse(f"chain:{k}")

@@ -614,8 +614,8 @@ def test_smollm2_gguf_answers_paris(tmp_path):
     """The real SmolLM2 GGUF: $SPECD_SMOLLM2_GGUF, else the built-in copy `specd setup` cached."""
     from specd.config import EngineConfig
     from specd.engine.engine import Engine
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     src = os.environ.get("SPECD_SMOLLM2_GGUF") or str(BUILTIN_GGUF)
     assert Path(src).is_file(), f"{src} missing: `make install` (specd setup) fetches it"

@@ -19,7 +19,6 @@ import torch
 from specd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specd.engine.engine import Engine
 from specd.engine.kv_cache import KVCache
-from specd.engine.sampling import SamplingParams, logits_to_probs
 from specd.engine.sequence import SpecParams
 from specd.model import builtin
 from specd.model.attention import CpuAttention, TorchAttention, build_metadata
@@ -27,6 +26,8 @@ from specd.model.eagle3 import save_eagle3
 from specd.model.head_files import load_head, save_head
 from specd.model.qkernel import kernel
 from specd.model.quant import QuantLinear
+from specd.sampling.params import SamplingParams
+from specd.sampling.probs import logits_to_probs
 from specd.training.data import pick_vocab
 from specd.training.head import head_agreement, new_head, target_features, train_head
 from tests.conftest import TARGET

@@ -8,11 +8,11 @@ import pytest
 
 from specd.config import EngineConfig, SchedulerConfig, SpecConfig
 from specd.engine.engine import Engine
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
+from specd.sampling.params import SamplingParams
+from specd.sampling.tree import DraftTree
 from specd.speculation.hybrid import credit, merge
 from specd.speculation.proposal import Proposal
-from specd.speculation.tree import DraftTree
 from tests.conftest import DRAFT, TARGET
 from tests.test_ngram import GREEDY, REPETITIVE
 from tests.test_spec_sampling import TEMP, TOPK, assert_follows, two_token_joint

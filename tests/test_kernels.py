@@ -20,7 +20,7 @@ import random
 import pytest
 
 import specd_kernels as sk
-from specd.speculation.tree import DraftTree
+from specd.sampling.tree import DraftTree
 from specd_kernels import (
     copy_slots,
     copy_slots_ref,

@@ -13,8 +13,8 @@ import torch
 from conftest import serve_args, serve_engine
 from test_openai import MODEL, post
 
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
+from specd.sampling.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
 

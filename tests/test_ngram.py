@@ -9,8 +9,8 @@ import pytest
 
 from specd.config import EngineConfig, SchedulerConfig, SpecConfig
 from specd.engine.engine import Engine
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
+from specd.sampling.params import SamplingParams
 from specd.speculation.ngram import NgramConfig, NgramIndex, trie
 from specd.speculation.suffix import SuffixConfig, SuffixStore
 from tests.conftest import DRAFT, TARGET

@@ -2,8 +2,8 @@
 
 from specd.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from specd.engine.engine import Engine
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
+from specd.sampling.params import SamplingParams
 from tests.conftest import DRAFT, TARGET
 
 G = SamplingParams(temperature=0, max_tokens=40)

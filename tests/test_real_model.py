@@ -18,10 +18,10 @@ import torch
 
 from specd.config import CacheConfig, EngineConfig, SpecConfig
 from specd.engine.engine import Engine
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
 from specd.model import builtin
 from specd.model.loader import checkpoint_folder
+from specd.sampling.params import SamplingParams
 from tests.conftest import SHARED
 
 pytestmark = pytest.mark.timeout(3600)

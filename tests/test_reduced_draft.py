@@ -18,9 +18,9 @@ from safetensors import safe_open
 
 from specd.config import CacheConfig, EngineConfig, SpecConfig
 from specd.engine.engine import Engine
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
 from specd.model.loader import LoadError, load_model
+from specd.sampling.params import SamplingParams
 from specd.training.data import pick_vocab
 from specd.training.draft import DraftNet, init_from_target, reduced_config
 from specd.training.export import export_reduced

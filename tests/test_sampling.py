@@ -1,4 +1,4 @@
-"""Tests for specd.engine.sampling: params validation, logits -> probs, per-request sampling."""
+"""Tests for specd.sampling: params validation, logits -> probs, per-request sampling."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import scipy.stats
 import torch
 
-from specd.engine.sampling import (
-    SamplingParams,
+from specd.sampling.params import SamplingParams
+from specd.sampling.probs import (
     draw_uniforms,
     logits_to_probs,
     make_generator,

@@ -6,9 +6,9 @@ import torch
 from specd.config import SchedulerConfig, SpecConfig
 from specd.engine.kv_cache import KVCache
 from specd.engine.ledger import KVLedger
-from specd.engine.sampling import SamplingParams
 from specd.engine.scheduler import Scheduler
 from specd.engine.sequence import Sequence, SpecParams, Status
+from specd.sampling.params import SamplingParams
 from specd.speculation.policy import LOOKUP_ONLY, SpecPolicy
 
 

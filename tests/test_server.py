@@ -38,8 +38,8 @@ def engine(shared_pair):
 @pytest.fixture(scope="module")
 def reference(engine):
     """(prompt, mode) -> (output ids, text) from in-process Engine.generate (greedy)."""
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     ref = {}
     for p in PROMPTS:

@@ -587,8 +587,8 @@ def test_done_frame_names_each_proposer_when_several():
     """``done.spec.by_proposer`` on the websocket, as ``usage.speculation.by_proposer`` over HTTP."""
     import orjson
 
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import Sequence, SpecParams
+    from specd.sampling.params import SamplingParams
     from specd.serving import protocol as P
 
     seq = Sequence("r", [1, 2, 3], SamplingParams(), SpecParams())

@@ -11,11 +11,11 @@ import specd.engine.stages as stages_mod
 from specd.config import CacheConfig, EngineConfig, SpecConfig
 from specd.engine.engine import Engine
 from specd.engine.kv_cache import KVCache
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
 from specd.model.attention import build_metadata
 from specd.model.loader import LoadError, load_model
-from specd.speculation.verify import AcceptResult
+from specd.sampling.params import SamplingParams
+from specd.sampling.verify import AcceptResult
 from tests.conftest import DRAFT, SHARED, TARGET
 
 GREEDY = SamplingParams(temperature=0, max_tokens=128)

@@ -7,9 +7,10 @@ from scipy.stats import chisquare
 from specd.config import EngineConfig, SchedulerConfig, SpecConfig
 from specd.engine.engine import Engine
 from specd.engine.kv_cache import KVCache
-from specd.engine.sampling import SamplingParams, logits_to_probs
 from specd.engine.sequence import SpecParams
 from specd.model.attention import build_metadata
+from specd.sampling.params import SamplingParams
+from specd.sampling.probs import logits_to_probs
 from tests.conftest import DRAFT, TARGET
 
 TEMP, TOPK = 1.0, 8

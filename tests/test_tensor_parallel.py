@@ -31,8 +31,8 @@ def _cfg(tp: int, draft: bool = True, **kw):
 
 
 def _run(engine, mode: str, prompts=PROMPTS, max_tokens: int = 32) -> list:
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [s.tokens[len(p) :] for s, p in zip(engine.generate(prompts, sp, SpecParams(mode=mode)), prompts)]

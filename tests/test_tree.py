@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specd.speculation.tree import DraftTree, TreeChoices, static_tree_choices
+from specd.sampling.tree import DraftTree
+from specd.speculation.tree import TreeChoices, static_tree_choices
 
 # 5 (0) -> 7 (1) -> 3 (3)
 #       -> 9 (2)

@@ -1,4 +1,4 @@
-"""Tests for specd.speculation.verify: the greedy walk and lossless tree rejection sampling.
+"""Tests for specd.sampling.verify: the greedy walk and lossless tree rejection sampling.
 
 The sampling tests run the real verifier (``verify_batch``) over 1e5 independent trials at once
 (one tree per trial) on a toy Markov "language model" with a 6-token vocabulary:
@@ -28,10 +28,10 @@ import pytest
 import scipy.stats
 import torch
 
-import specd.speculation.verify as verify_mod
-from specd.engine.sampling import logits_to_probs, make_generator
-from specd.speculation.tree import DraftTree
-from specd.speculation.verify import AcceptResult, greedy_verify, sample_verify, verify_batch
+import specd.sampling.verify as verify_mod
+from specd.sampling.probs import logits_to_probs, make_generator
+from specd.sampling.tree import DraftTree
+from specd.sampling.verify import AcceptResult, greedy_verify, sample_verify, verify_batch
 
 # ------------------------------------------------------------------------------------ toy model
 V = 6

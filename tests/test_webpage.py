@@ -147,7 +147,7 @@ def page_server(engine):  # noqa: F811
 
 
 def _reference(engine, text, n):  # noqa: F811
-    from specd.engine.sampling import SamplingParams
+    from specd.sampling.params import SamplingParams
 
     ids = engine.tokenizer(text)["input_ids"]
     seq = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=n))[0]

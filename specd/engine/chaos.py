@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specd.engine.engine import Engine, RequestError
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams
+from specd.sampling.params import SamplingParams
 
 STEP_STAGES = ("draft", "forward", "verify", "commit", "emit")  # the stages a request runs through
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from specd.engine.engine import RequestError, RequestOutput, validate_request
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import SpecParams, SpecStats
+from specd.sampling.params import SamplingParams
 
 __all__ = [
     "Batch",

@@ -29,12 +29,13 @@ from specd.engine.health import EngineHealth, RateLimitedLog
 from specd.engine.ledger import Checkpoint
 from specd.engine.output import RequestOutput, emit, token_logprobs
 from specd.engine.requests import RequestError, normalize_params, validate_request
-from specd.engine.sampling import SamplingParams, make_generator
 from specd.engine.scheduler import SchedulerOutput
 from specd.engine.sequence import Sequence, SpecParams, SpecStats, Status
 from specd.engine.stages import TargetPass, WorkItem, kept_hidden, target_pass, verify
 from specd.engine.timings import StageTimings
 from specd.model.loader import LoadedModel
+from specd.sampling.params import SamplingParams
+from specd.sampling.probs import make_generator
 from specd.speculation.hybrid import credit, merge
 from specd.speculation.policy import LOOKUP_ONLY, MODEL_MODES
 from specd.speculation.proposal import CHOSEN

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specd.engine.sampling import SamplingParams
+from specd.sampling.params import SamplingParams
 
 
 class RequestError(ValueError):

@@ -11,7 +11,7 @@ import torch
 
 from specd.engine.detokenizer import IncrementalDetokenizer
 from specd.engine.kv_cache import SeqBlocks
-from specd.engine.sampling import SamplingParams
+from specd.sampling.params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specd.engine.sampling import logits_to_probs
 from specd.engine.scheduler import Scheduled
 from specd.model.attention import build_metadata
+from specd.sampling.probs import logits_to_probs
+from specd.sampling.tree import DraftTree
+from specd.sampling.verify import AcceptResult, greedy_verify, verify_batch
 from specd.speculation.proposal import Proposal
-from specd.speculation.tree import DraftTree
-from specd.speculation.verify import AcceptResult, greedy_verify, verify_batch
 
 
 @dataclass

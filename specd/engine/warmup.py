@@ -6,8 +6,8 @@ from __future__ import annotations
 def warm_up(engine) -> None:
     """A short greedy and a sampled generation: first-call costs (allocations, kernel compilation)
     are paid before the server reports ready. Speculation totals are reset afterwards."""
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecStats
+    from specd.sampling.params import SamplingParams
 
     tok = engine.tokenizer
     ids = list(tok("Hello")["input_ids"]) if tok is not None else [0]

@@ -44,8 +44,8 @@ from specd.engine.client import Batch, EngineLimits, EngineLink, EngineSnapshot,
 from specd.engine.engine import RequestError, RequestOutput
 from specd.engine.health import DEFAULT_MAX_FAILED_STEPS, unhealthy_reason
 from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S, ThreadLink
-from specd.engine.sampling import SamplingParams
 from specd.engine.sequence import PRIORITIES, SpecParams
+from specd.sampling.params import SamplingParams
 
 log = logging.getLogger("specd.engine_client")
 

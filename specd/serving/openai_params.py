@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from specd.engine.sampling import MAX_LOGPROBS
+from specd.sampling.params import MAX_LOGPROBS
 from specd.serving.openai_errors import APIError
 
 __all__ = ["ParsedRequest", "check_model", "parse_chat", "parse_completion", "parse_response"]

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specd.engine.engine import RequestError
-from specd.engine.sampling import MAX_STOP, SamplingParams
 from specd.engine.sequence import PRIORITIES, SpecParams
+from specd.sampling.params import MAX_STOP, SamplingParams
 
 __all__ = [
     "MAX_ID_CHARS",

@@ -34,11 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from specd.engine.kv_cache import KVCache
-from specd.engine.sampling import logits_to_probs
 from specd.engine.sequence import Sequence
 from specd.model.attention import build_metadata
+from specd.sampling.probs import logits_to_probs
+from specd.sampling.tree import DraftTree
 from specd.speculation.proposal import Proposal
-from specd.speculation.tree import DraftTree, TreeChoices, static_tree_choices
+from specd.speculation.tree import TreeChoices, static_tree_choices
 
 SAMPLED_WIDTH = 2  # children per expanded node in sampled dynamic trees (see _num_children)
 

@@ -10,8 +10,8 @@ exact for any fixed set of children whoever proposed them. A greedy request veri
 
 from __future__ import annotations
 
+from specd.sampling.tree import DraftTree
 from specd.speculation.proposal import Proposal
-from specd.speculation.tree import DraftTree
 
 
 def merge(first: Proposal, second: Proposal, budget: int) -> Proposal:

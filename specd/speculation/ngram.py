@@ -31,9 +31,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specd.sampling.tree import DraftTree
 from specd.speculation.proposal import Proposal
 from specd.speculation.suffix import SuffixStore
-from specd.speculation.tree import DraftTree
 
 MAX_OCCURRENCES = 64  # most recent occurrences of an n-gram scanned for distinct continuations
 MATCH_SCAN = 16  # most recent occurrences whose match length is measured (the rest count as n)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.speculation.tree import DraftTree
+from specd.sampling.tree import DraftTree
 
 CHOSEN = ("ngram", "suffix")  # model-free proposers: their children are chosen (a point mass), not drawn
 

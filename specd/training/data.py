@@ -309,8 +309,8 @@ CODE_TASKS = (
 
 def self_prompts(engine, n: int, seed: int) -> list:
     """Questions the target writes itself, one per sampled reply (first line, stripped)."""
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     rng = random.Random(seed)
     asks = [
@@ -421,8 +421,8 @@ def parse_counts(spec: str | None) -> dict:
 def _greedy_replies(eng, questions: list, max_new: int, t0: float) -> list:
     """[(token ids, prompt length)]: ``eng``'s greedy replies to chat requests ``questions``, in
     waves of 32 with progress."""
-    from specd.engine.sampling import SamplingParams
     from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
 
     prompts, data = [chat_ids(eng.tokenizer, q) for q in questions], []
     for i in range(0, len(prompts), 32):

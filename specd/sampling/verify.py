@@ -2,7 +2,7 @@
 
 Vocabulary (one decode step of one request; see also ``docs/architecture.md``)
 -------------------------------------------------------------------------------
-- **root**: node 0 of the :class:`~specd.speculation.tree.DraftTree`, the request's pending token.
+- **root**: node 0 of the :class:`~specd.sampling.tree.DraftTree`, the request's pending token.
 - **draft tokens**: every other node, proposed by the drafter.
 - **accepted tokens**: the draft tokens the verifier keeps; always a root-to-node path.
 - **correction (recovered) token**: the token the target emits where the walk stops at a node that
@@ -107,8 +107,8 @@ from itertools import chain
 
 import torch
 
-from specd.engine.sampling import draw_uniforms, sample_from_uniform
-from specd.speculation.tree import DraftTree
+from specd.sampling.probs import draw_uniforms, sample_from_uniform
+from specd.sampling.tree import DraftTree
 
 __all__ = ["AcceptResult", "greedy_verify", "sample_verify", "verify_batch", "DRAFT_MODES"]
 
@@ -263,7 +263,7 @@ def sample_verify(
 
     tree          n nodes; children in the order they were drawn
     target_probs  [n, V] target distribution of the token after each node (processed by
-                  temperature/top-k/top-p, e.g. by :func:`specd.engine.sampling.logits_to_probs`)
+                  temperature/top-k/top-p, e.g. by :func:`specd.sampling.logits_to_probs`)
     draft_probs   [n, V] distribution node i's children were drawn from (row i); may be None in
                   "deterministic" mode, where it is not used
     generator     the request's generator (None = the global CPU RNG); n uniforms are drawn from it

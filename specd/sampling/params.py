@@ -1,0 +1,125 @@
+"""Sampling parameters: the one validation of every sampling field a request carries.
+
+``SamplingParams`` is built by every front end (OpenAI HTTP, our websocket, gRPC) and by the engine's
+own callers; its ``__post_init__`` is the only place a field is checked, so a bad value gets the same
+error message whichever door it came through.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["SamplingParams"]
+
+
+INT64_MAX = (1 << 63) - 1
+MAX_TEMPERATURE = 100.0
+MIN_TEMPERATURE = 1e-5  # a positive temperature below this samples as greedy (argmax)
+MIN_TOP_P = 1e-6  # top_p below this keeps the top token alone, exactly like 1e-6 (1/V > 1e-6)
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20  # alternatives per token with ``logprobs`` (OpenAI's top_logprobs bound)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (validated; immutable), bounded by what the engine represents.
+
+    temperature     0 <= t <= 100; 0 means greedy (argmax, ties to the lowest token id); a positive
+                    t below 1e-5 also samples greedily (dividing logits by it would overflow float32)
+    top_p           nucleus mass, 0 < top_p <= 1 (1 = off); values below 1e-6 act as 1e-6 (the top
+                    token alone, as they would mathematically)
+    top_k           keep the k most likely tokens; 0 or -1 = off; at most 2**63-1 (int64); the engine
+                    treats a value at or above its vocabulary as off
+    seed            any integer, reduced to 64 bits (``seed mod 2**64``); None = nondeterministic
+    max_tokens      1 .. 2**63-1 generated tokens at most (the context bounds it further: too_long)
+    stop            at most 16 stop strings of 1..256 characters; lists are stored as tuples
+    stop_token_ids  at most 256 token ids (0 .. 2**63-1; the engine checks them against its
+                    vocabulary) that end generation (besides EOS unless ignore_eos)
+    ignore_eos      keep generating after EOS
+    logprobs        None = off; 0..20 = return each emitted token's log-probability under the target
+                    (log-softmax of its logits, before temperature / top-k / top-p) and that many of
+                    the likeliest tokens with theirs
+    Every refusal is a ValueError naming the field.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self):
+        t = _real("temperature", self.temperature)
+        if not 0 <= t <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature}")
+        p = _real("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _int("top_k", self.top_k, -1, INT64_MAX, "0 / -1 = off")
+        seed = self.seed
+        if seed is not None:
+            seed = _int("seed", seed) & 0xFFFF_FFFF_FFFF_FFFF
+        _int("max_tokens", self.max_tokens, 1, INT64_MAX)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, MAX_LOGPROBS, "None = off")
+        object.__setattr__(self, "temperature", t if t >= MIN_TEMPERATURE else 0.0)
+        object.__setattr__(self, "top_p", max(p, MIN_TOP_P))
+        object.__setattr__(self, "seed", seed)
+        object.__setattr__(self, "stop", _stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _real(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {v!r}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return v
+
+
+def _int(name: str, v, lo: int | None = None, hi: int | None = None, off: str = "") -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an int, got {v!r}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name} must be in [{lo}, {hi}]{f' ({off})' if off else ''}, got {v}")
+    return v
+
+
+def _bounded_tuple(name: str, items, limit: int, what: str) -> tuple:
+    """``items`` as a tuple of at most ``limit`` entries (ValueError naming ``name`` otherwise)."""
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise ValueError(f"{name} must be a sequence of {what}, got {items!r:.80}") from None
+    if len(items) > limit:
+        raise ValueError(f"{name}: at most {limit} {what}, got {len(items)}")
+    return items
+
+
+def _stop_strings(stop) -> tuple:
+    stop = _bounded_tuple("stop", (stop,) if isinstance(stop, str) else stop, MAX_STOP, "strings")
+    for s in stop:
+        if not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop strings must be non-empty strings of at most {MAX_STOP_CHARS} characters, got {s!r:.80}"
+            )
+    return stop
+
+
+def _stop_ids(ids) -> tuple:
+    ids = _bounded_tuple("stop_token_ids", ids, MAX_STOP_TOKEN_IDS, "ints")
+    return tuple(_int("stop_token_ids entry", i, 0, INT64_MAX) for i in ids)
