@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_FIXED_BIAS = {"Qwen2ForCausalLM": True, "MistralForCausalLM": False}  # q/k/v biases whatever attention_bias says
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,8 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool = False  # Qwen2: q/k/v carry a bias
+    attention_bias: bool = False  # q/k/v carry a bias (Qwen2 always; Llama's attention_bias)
+    o_bias: bool = False  # the output projection carries a bias (Llama's attention_bias)
     rope_scaling: dict | None = None  # llama3-style {"rope_type": "llama3", "factor": ...}
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -76,6 +78,9 @@ class ModelConfig:
             scaling = None
             if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
                 scaling = dict(rope)
+            # transformers' Qwen2 always has q/k/v biases and Mistral never: an attention_bias key in their
+            # config.json (it may say false for Qwen2) is not read by transformers, so not by us either
+            bias = _FIXED_BIAS.get(arch, bool(cfg.get("attention_bias", False)))
             eos = []
             for src in (generation_config or {}, cfg):
                 e = src.get("eos_token_id")
@@ -96,7 +101,8 @@ class ModelConfig:
                 rope_theta=theta,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                attention_bias=bias,
+                o_bias=bias and arch == "LlamaForCausalLM",
                 rope_scaling=scaling,
                 sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
                 bos_token_id=cfg.get("bos_token_id"),

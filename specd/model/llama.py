@@ -76,7 +76,7 @@ class Attention(nn.Module):
         super().__init__()
         self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, (self.H + 2 * self.KVH) * self.D, bias=cfg.attention_bias)
-        self.o = nn.Linear(self.H * self.D, cfg.hidden_size, bias=False)
+        self.o = nn.Linear(self.H * self.D, cfg.hidden_size, bias=cfg.o_bias)
         self.scale = self.D**-0.5
 
 
@@ -141,7 +141,7 @@ class LlamaModel(nn.Module):
         # fp32 RMSNorm as mean(x^2) + eps = addmm(eps, x*x, 1/d): one GEMV instead of a reduction chain
         mean_col = torch.full((d, 1), 1.0 / d, dtype=wt.dtype, device=wt.device)
         eps_col = torch.full((1, 1), cfg.rms_norm_eps, dtype=wt.dtype, device=wt.device)
-        folded = wt.dtype == torch.float32 and d <= self.FOLD_MAX_HIDDEN and not self.quantized()
+        folded = wt.dtype == torch.float32 and d <= self.FOLD_MAX_HIDDEN and not self.quantized() and not cfg.o_bias
         layers = []
         with torch.no_grad():
             for blk in self.layers:
@@ -238,6 +238,7 @@ class LlamaModel(nn.Module):
         if fused is not None:  # a quantized model on a CPU: every layer in one C call (specd.model.fused)
             fused.run(x, positions, kv, meta, backend, capture)
             return norm(x, norm_w)
+        o_bias = [blk.attn.o.bias if isinstance(blk.attn.o, nn.Linear) else None for blk in self.layers]
         for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
             qkv = linear(norm(_capture(capture, i, x), w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
             qk = qkv[:, :nqk].reshape(T, H + KVH, D)
@@ -247,6 +248,8 @@ class LlamaModel(nn.Module):
             backend.write_kv(kvl, qk[:, H:], v, meta.slot_mapping)
             o = backend.attention(qk[:, :H], kvl, meta, D**-0.5)  # [T, H, D]
             x = addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
+            if o_bias[i] is not None:  # (a QuantLinear adds its own)
+                x = x + o_bias[i]
             gu = linear(norm(x, w_post), w_gu)
             x = addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
         return norm(x, norm_w)

@@ -122,9 +122,12 @@ def _read_safetensors(path: Path, progress: bool) -> dict:
 def _our_names(tensors: dict, cfg: ModelConfig, path: Path, shared_embeddings: bool) -> dict:
     """HF tensor names -> ours, q/k/v and gate/up fused; LoadError naming a missing weight."""
 
+    used: set[str] = set()
+
     def take(name: str) -> torch.Tensor:
         if name not in tensors:
             raise LoadError(f"{path}: weight {name!r} missing from the checkpoint")
+        used.add(name)
         return tensors[name]
 
     ours: dict[str, torch.Tensor] = {"norm.weight": take("model.norm.weight")}
@@ -139,10 +142,25 @@ def _our_names(tensors: dict, cfg: ModelConfig, path: Path, shared_embeddings: b
         ours[f"layers.{i}.attn.qkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
         if cfg.attention_bias:
             ours[f"layers.{i}.attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
+        if cfg.o_bias:
+            ours[f"layers.{i}.attn.o.bias"] = take(p + "self_attn.o_proj.bias")
         ours[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
             [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0
         )
+    _check_all_used(tensors, used, cfg, path)
     return ours
+
+
+def _check_all_used(tensors: dict, used: set, cfg: ModelConfig, path: Path) -> None:
+    """A decoder weight the checkpoint has and specd would not read (a bias its config does not
+    announce, an MLP bias, a layer past ``num_hidden_layers``) is a LoadError: dropping it silently
+    gives wrong logits."""
+    for name in tensors:
+        if name.startswith("model.layers.") and name not in used and not name.endswith("rotary_emb.inv_freq"):
+            raise LoadError(
+                f"{path}: weight {name!r} is not used by specd's {cfg.architecture} (its config.json does not "
+                f"call for it); this checkpoint is unsupported"
+            )
 
 
 def load_weights(
