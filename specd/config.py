@@ -28,7 +28,9 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v carry a bias (Qwen2 always; Llama's attention_bias)
     o_bias: bool = False  # the output projection carries a bias (Llama's attention_bias)
     rope_scaling: dict | None = None  # llama3-style {"rope_type": "llama3", "factor": ...}
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # keys this many positions behind a query or more are masked
+    # per layer "sliding_attention" | "full_attention" (empty: every layer slides when sliding_window is set)
+    layer_types: tuple = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
 
@@ -49,11 +51,32 @@ class ModelConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ValueError(f"config.json: sliding_window must be a positive integer, got {self.sliding_window!r}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"config.json: layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+
+    def beyond_llama(self) -> list:
+        """What this architecture's layers add to Llama's (the layer tensor-parallel ranks compute)."""
+        out = []
+        if self.sliding_window is not None:
+            out.append(f"a sliding window ({self.sliding_window})")
+        if self.o_bias:
+            out.append("an output-projection bias")
+        return out
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None: it attends to the whole context)."""
+        if self.sliding_window is None or self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, cfg: dict, generation_config: dict | None = None) -> ModelConfig:
@@ -81,6 +104,7 @@ class ModelConfig:
             # transformers' Qwen2 always has q/k/v biases and Mistral never: an attention_bias key in their
             # config.json (it may say false for Qwen2) is not read by transformers, so not by us either
             bias = _FIXED_BIAS.get(arch, bool(cfg.get("attention_bias", False)))
+            window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
             eos = []
             for src in (generation_config or {}, cfg):
                 e = src.get("eos_token_id")
@@ -104,12 +128,27 @@ class ModelConfig:
                 attention_bias=bias,
                 o_bias=bias and arch == "LlamaForCausalLM",
                 rope_scaling=scaling,
-                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+                sliding_window=window,
+                layer_types=_layer_types(cfg, arch, window),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=tuple(dict.fromkeys(int(x) for x in eos)),
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
+
+
+def _layer_types(cfg: dict, arch: str, window: int | None) -> tuple:
+    """Which layers slide (transformers' ``layer_types``): as config.json lists them, else Qwen2's rule
+    (layers from ``max_window_layers`` on slide), else every layer (Mistral) when there is a window."""
+    if window is None:
+        return ()
+    if cfg.get("layer_types"):
+        return tuple(str(t) for t in cfg["layer_types"])
+    if arch == "Qwen2ForCausalLM" and cfg.get("max_window_layers") is not None:
+        first = int(cfg["max_window_layers"])
+        n = int(cfg["num_hidden_layers"])
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+    return ()
 
 
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16")

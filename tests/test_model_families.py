@@ -18,10 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from specd.config import CacheConfig, EngineConfig, SpecConfig
+from specd.engine.engine import Engine
 from specd.engine.kv_cache import KVCache
+from specd.engine.sequence import SpecParams
 from specd.model import gguf as sg
 from specd.model.attention import build_metadata, get_backend
 from specd.model.loader import LoadError, load_model
+from specd.sampling.params import SamplingParams
 from tests.test_cpu_attention import _tree_mask
 from tests.test_gguf import MERGES, TOKEN_TYPES, TOKENS
 
@@ -171,3 +175,97 @@ def test_a_checkpoint_weight_specd_would_not_use_is_a_load_error(tmp_path):
     folder, _ = hf_folder(tmp_path, "llama", mlp_bias=True)
     with pytest.raises(LoadError, match=r"mlp\.\w+_proj\.bias. is not used by specd's LlamaForCausalLM"):
         load_model(folder, "cpu", "float32", with_tokenizer=False)
+
+
+def engine(folder: Path, draft: bool = True, **kw) -> Engine:
+    """An fp32 CPU engine on ``folder`` (draft: the same folder, so drafts are mostly accepted)."""
+    cfg = EngineConfig(
+        target=str(folder),
+        draft=str(folder) if draft else None,
+        device="cpu",
+        dtype="float32",
+        cache=CacheConfig(num_blocks=96),
+        spec=SpecConfig(adaptive=False),
+        **kw,
+    )
+    return Engine(cfg)
+
+
+def assert_speculation_lossless(eng: Engine, prompts: list, max_tokens: int = 24) -> list:
+    """Greedy output of every speculation mode == plain greedy output, token for token; the plain output."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    plain = [s.output_ids for s in eng.generate(prompts, params, SpecParams("off"))]
+    assert all(len(p) == max_tokens for p in plain)
+    modes = ("ngram", "chain", "tree") if eng.draft is not None else ("ngram",)
+    for mode in modes:
+        got = [s.output_ids for s in eng.generate(prompts, params, SpecParams(mode))]
+        assert got == plain, mode
+    return plain
+
+
+def prompts(n: int = 3, length: int = 7) -> list:
+    g = torch.Generator().manual_seed(7)
+    # a repeated span, so prompt lookup has something to draft
+    return [(lambda p: p + p[:4])(torch.randint(0, V, (length,), generator=g).tolist()) for _ in range(n)]
+
+
+# sliding windows -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("window", [16, 3])
+def test_mistral_sliding_window_masks_keys_and_does_not_bound_the_context(tmp_path, window):
+    """Mistral's ``sliding_window`` (16) was taken as the context length (``too_long: prompt (7) +
+    max_tokens (24) > context 16``): the context is ``max_position_embeddings``, and keys ``window``
+    or more positions behind a query are masked on prefill, decode and tree rows (window 3: inside
+    the tree too), as transformers does."""
+    folder, model = hf_folder(tmp_path, "mistral", sliding_window=window)
+    lm = load_model(folder, "cpu", "float32", with_tokenizer=False)
+    assert lm.config.window(0) == window and lm.config.max_position_embeddings == BASE["max_position_embeddings"]
+    assert_rows_match(lm, model)
+    eng = engine(folder)
+    assert eng.max_model_len == BASE["max_position_embeddings"]
+    ps = prompts()
+    plain = assert_speculation_lossless(eng, ps)
+    with torch.no_grad():  # transformers' greedy continuation of the first prompt
+        ref = model.generate(torch.tensor([ps[0]]), max_new_tokens=24, do_sample=False)[0, len(ps[0]) :]
+    assert plain[0] == ref.tolist()
+
+
+def test_qwen2_windowed_layers_from_max_window_layers(tmp_path):
+    """Qwen2 slides only in layers >= ``max_window_layers`` (transformers' ``layer_types``)."""
+    folder, model = hf_folder(tmp_path, "qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    lm = load_model(folder, "cpu", "float32", with_tokenizer=False)
+    assert [lm.config.window(i) for i in range(3)] == [None, 5, 5]
+    assert_rows_match(lm, model)
+
+
+@pytest.mark.parametrize("act", ["none", "int8"])
+def test_a_quantized_windowed_model_runs_its_window_in_the_fused_layers(tmp_path, act):
+    """The CPU kernel's fused layers read the window in their attention mask: with fp32 activations
+    they equal the op-by-op path (whose torch attention matches transformers above) within 1e-4, and
+    with either activations greedy speculation stays lossless."""
+    from specd.model.fused import fused_layers
+
+    folder, _ = hf_folder(tmp_path, "mistral", sliding_window=6)
+    lm = load_model(folder, "cpu", "float32", with_tokenizer=False, quantization="int8")
+    ids = torch.randint(0, V, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    tree, tree_ids = the_tree()
+    ref = specd_rows(lm, ids, 20, tree, tree_ids, "torch")
+    kv, x = torch.zeros(1, 2, 1, 4, 2, 16), torch.zeros(1, 64)
+    assert fused_layers(lm.model, get_backend("cpu", CPU), kv, x) is not None
+    got = specd_rows(lm, ids, 20, tree, tree_ids, "cpu")
+    for a, b in zip(got, ref):
+        assert (a - b).abs().max().item() < TOL
+    lm.model.windows, lm.model._fused = (None,) * 3, None  # the same layers without the window differ
+    unwindowed = specd_rows(lm, ids, 20, tree, tree_ids, "cpu")
+    assert all((a - b).abs().max().item() > 0.1 for a, b in zip(unwindowed, got))
+    assert_speculation_lossless(engine(folder, quantization="int8", act_quant=act), prompts())
+
+
+def test_tensor_parallelism_refuses_layers_beyond_llama(tmp_path):
+    """Tensor-parallel ranks compute Llama layers: a windowed model is refused in one line."""
+    from specd.model.tp_shard import check_shardable
+
+    folder, _ = hf_folder(tmp_path, "mistral", sliding_window=8)
+    cfg = load_model(folder, "cpu", "float32", with_tokenizer=False).config
+    check_shardable(cfg, 1)
+    with pytest.raises(ValueError, match=r"sliding window \(8\): use --tensor-parallel-size 1"):
+        check_shardable(cfg, 2)

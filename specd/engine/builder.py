@@ -113,9 +113,7 @@ def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
 
 def max_model_len(target: LoadedModel, draft: LoadedModel | None) -> int:
     tc = target.config
-    n = tc.max_position_embeddings
-    if tc.sliding_window:
-        n = min(n, int(tc.sliding_window))
+    n = tc.max_position_embeddings  # (a sliding window masks keys in attention; it does not bound the context)
     if draft is not None:
         n = min(n, draft.config.max_position_embeddings)
     return n

@@ -7,6 +7,14 @@ draft trees). Backends:
 
 - ``torch``: the pure-torch reference, the CPU default and the oracle for the kernels.
 - ``triton``: ``specd_kernels`` tree attention over the paged cache, the CUDA default.
+
+Sliding windows (Mistral, Qwen2's windowed layers, Gemma): ``attention(..., window=W)`` masks the keys
+a query at position p may not see, those at positions <= p - W (transformers' rule: key k visible iff
+p - k < W), on prefill chunks, decode rows and tree rows alike. A query's position is its context
+plus the number of region columns it sees, minus one (a tree node sees its root path: its depth + 1
+columns), and a region key's position is its rank among the columns the query sees (a root path's
+nodes sit at depths 0, 1, ...), so no positions travel with the metadata. A window no query can
+reach past (``W >= max_seq_len``) is no mask at all: the plain plan is used.
 """
 
 from __future__ import annotations
@@ -133,33 +141,41 @@ class TorchAttention:
         flat[:, :, dst] = flat[:, :, src]  # advanced indexing reads all sources before writing
 
     @staticmethod
-    def _decode_plan(meta: AttentionMetadata, device: torch.device):
+    def _decode_plan(meta: AttentionMetadata, device: torch.device, window: int | None, key: str):
         """Decode-only steps (one causal query per sequence): whole blocks are gathered (one
-        index_select of contiguous block rows), keys past a sequence's length are masked."""
+        index_select of contiguous block rows), keys past a sequence's length (and with a window,
+        those ``window`` or more positions behind its query) are masked."""
         B, BS = meta.num_seqs, meta.block_size
         nb = -(-meta.max_seq_len // BS)
         blocks = meta.block_tables[:, :nb].reshape(-1).long()  # [B * nb]
         Lp = nb * BS
-        seen = torch.arange(Lp, device=device).unsqueeze(0) < meta.seq_lens.unsqueeze(1)  # [B, Lp]
+        pos = torch.arange(Lp, device=device).unsqueeze(0)  # [1, Lp]
+        seen = pos < meta.seq_lens.unsqueeze(1)  # [B, Lp]
+        if window is not None:  # the query sits at seq_len - 1
+            seen &= pos >= meta.seq_lens.unsqueeze(1) - window
         bias = torch.zeros((B, Lp), dtype=torch.float32, device=device).masked_fill_(~seen, float("-inf"))
         plan = ("decode", blocks, bias.view(B, 1, 1, Lp))
-        meta.cache["torch_plan"] = plan
+        meta.cache[key] = plan
         return plan
 
     @classmethod
-    def _plan(cls, meta: AttentionMetadata, device: torch.device):
-        """Per-step gather plan and additive mask, built once and shared by every layer.
+    def _plan(cls, meta: AttentionMetadata, device: torch.device, window: int | None = None):
+        """Per-step gather plan and additive mask, built once per window and shared by every layer.
 
         Keys are gathered as whole blocks (one index_select of contiguous rows, padded to a block
         multiple); the mask [B, Q, Lp] says which keys each query sees: its prefix, plus the region
-        columns allowed by causality or by the tree mask. When every sequence has the same number of
-        queries (decode, equal chains, one sequence) the flat batch is already [B, Q]: no padding.
+        columns allowed by causality or by the tree mask, minus (``window``) keys outside its sliding
+        window. When every sequence has the same number of queries (decode, equal chains, one
+        sequence) the flat batch is already [B, Q]: no padding.
         """
-        plan = meta.cache.get("torch_plan")
+        if window is not None and window >= meta.max_seq_len:
+            window = None  # no query reaches past it: the plain plan
+        key = "torch_plan" if window is None else f"torch_plan@{window}"
+        plan = meta.cache.get(key)
         if plan is not None:
             return plan
         if meta.max_query_len == 1 and meta.tree_mask is None:
-            return cls._decode_plan(meta, device)
+            return cls._decode_plan(meta, device, window, key)
         B, Q, BS = meta.num_seqs, meta.max_query_len, meta.block_size
         nb = -(-meta.max_seq_len // BS)
         Lp = nb * BS
@@ -180,6 +196,8 @@ class TorchAttention:
             # causal: query i of sequence b sits at position seq_len - q_b + i and sees keys up to it
             qlen = (qsl[1:] - qsl[:-1]).view(B, 1, 1)
             visible = pos <= seq_lens - qlen + qi  # [B, Q, Lp]
+            if window is not None:
+                visible &= pos > seq_lens - qlen + qi - window
         else:
             ctx = meta.context_lens.long().view(B, 1, 1)
             rel = pos - ctx  # key position relative to the region start
@@ -187,11 +205,13 @@ class TorchAttention:
             rows = meta.tree_mask[q_index] if q_index is not None else meta.tree_mask.view(B, Q, maxr)
             new_ok = rows.gather(2, rel.clamp(0, maxr - 1).expand(B, Q, Lp))
             visible = (rel < 0) | ((pos < seq_lens) & new_ok)
+            if window is not None:
+                visible &= _tree_window(rows, rel, pos, ctx, window)
         if not uniform:  # padding rows: never fully masked (NaN); their output is dropped
             visible[:, :, 0] |= ~q_valid
         bias = torch.zeros((B, Q, Lp), dtype=torch.float32, device=device).masked_fill_(~visible, float("-inf"))
         plan = ["general", blocks, q_index, flat_pos, bias, None]  # [5]: bias expanded over query groups
-        meta.cache["torch_plan"] = plan
+        meta.cache[key] = plan
         return plan
 
     @staticmethod
@@ -205,12 +225,14 @@ class TorchAttention:
         return k, v
 
     @classmethod
-    def attention(cls, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float):
-        # q [T, H, D] -> [T, H, D]
+    def attention(
+        cls, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None
+    ):
+        # q [T, H, D] -> [T, H, D]; window: a sliding window (keys >= window positions behind a query masked)
         T, H, D = q.shape
         KVH = kv_layer.shape[-2]
         G = H // KVH
-        plan = cls._plan(meta, q.device)
+        plan = cls._plan(meta, q.device, window)
         if plan[0] == "decode":  # T == B single queries: GQA grouping is a plain view of q
             _, blocks, bias = plan
             B, Lp = bias.shape[0], bias.shape[-1]
@@ -230,6 +252,21 @@ class TorchAttention:
         return o if flat_pos is None else o[flat_pos]
 
 
+def _tree_window(rows: torch.Tensor, rel: torch.Tensor, pos: torch.Tensor, ctx: torch.Tensor, window: int):
+    """[B, Q, Lp] bool: keys within ``window`` of each query under a tree (or explicit) mask.
+
+    ``rows`` [B, Q, max_region] the region columns each query sees, ``rel`` / ``pos`` [1, 1, Lp] key
+    positions (relative to the region start / absolute), ``ctx`` [B, 1, 1]. A query sees its root
+    path, so it sits at ctx + (columns seen) - 1 and the k-th column it sees at ctx + k - 1 (k from
+    1): a prefix key is ``q - pos`` behind it, a region key ``seen - k``.
+    """
+    maxr = rows.shape[-1]
+    seen = rows.sum(-1, keepdim=True)  # [B, Q, 1]
+    rank = rows.cumsum(-1).gather(2, rel.clamp(0, maxr - 1).expand(rows.shape[0], rows.shape[1], -1))
+    behind = torch.where(rel < 0, ctx + seen - 1 - pos, seen - rank)  # [B, Q, Lp]
+    return behind < window
+
+
 class CpuAttention(TorchAttention):
     """The torch backend's gather plans and masks, with the attention itself in specd's CPU kernel
     (``specd.model.qkernel.attention_rows``): each query row is computed alone, so a row's output
@@ -243,15 +280,17 @@ class CpuAttention(TorchAttention):
     def __init__(self, lib):
         self.lib = lib
 
-    def attention(self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float):
+    def attention(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None
+    ):
         if kv_layer.dtype not in (torch.float32, torch.float16) or q.device.type != "cpu":
-            return TorchAttention.attention(q, kv_layer, meta, scale)
+            return TorchAttention.attention(q, kv_layer, meta, scale, window)
         from specd.model.qkernel import attention_rows
 
         T, H, D = q.shape
         KVH = kv_layer.shape[-2]
         G = H // KVH
-        plan = self._plan(meta, q.device)
+        plan = self._plan(meta, q.device, window)
         if plan[0] == "decode":
             _, blocks, bias = plan
             B, Lp = bias.shape[0], bias.shape[-1]
@@ -292,7 +331,9 @@ class TritonAttention:
         if src.numel():
             self._k.copy_slots(kv, src, dst)
 
-    def attention(self, q, kv_layer, meta: AttentionMetadata, scale: float):
+    def attention(self, q, kv_layer, meta: AttentionMetadata, scale: float, window: int | None = None):
+        if window is not None and window < meta.max_seq_len:  # (the kernel has no window: the torch reference)
+            return TorchAttention.attention(q, kv_layer, meta, scale, window)
         return self._k.tree_attention(
             q,
             kv_layer,

@@ -84,12 +84,13 @@ class FusedLayers:
         self.cos = model.rotary.cos.float().contiguous()
         self.sin = model.rotary.sin.float().contiguous()
         self.no_caps = (ctypes.c_void_p * self.n)()
+        self.window = model.windows[0]  # every layer's (``kernel_arch``): the C attention reads it in its mask
 
     def run(self, x, positions, kv, meta, backend, capture: dict | None) -> None:
         """All layers on ``x`` [T, d] (fp32, contiguous; updated in place); K/V written to ``kv``
         (contiguous, [layers, ...]); ``capture`` (layer -> None) gets x as it enters those layers."""
         cfg = self.cfg
-        _keep, pos, *attn = _attention_args(positions, kv, meta, backend, cfg.head_dim**-0.5)
+        _keep, pos, *attn = _attention_args(positions, kv, meta, backend, cfg.head_dim**-0.5, self.window)
         T, d = x.shape
         caps = self.no_caps
         if capture:
@@ -104,12 +105,13 @@ class FusedLayers:
         )  # fmt: skip
 
 
-def _attention_args(positions, kv, meta, backend, scale: float) -> tuple:
+def _attention_args(positions, kv, meta, backend, scale: float, window: int | None = None) -> tuple:
     """(the tensors to keep alive during the call, the positions pointer, then ``specd_layers``'
-    attention arguments after its KV pointer) for a forward over ``meta``. Refuses a KV slot
+    attention arguments after its KV pointer) for a forward over ``meta`` (``window``: a sliding
+    window, masked out in the additive mask the C attention reads). Refuses a KV slot
     outside the cache: the C code does no bounds checks, and this is what the op-by-op path's
     index_copy_ would refuse (positions were checked by the caller's RoPE-table lookup)."""
-    plan = backend._plan(meta, positions.device)
+    plan = backend._plan(meta, positions.device, window)
     bias = plan[2] if plan[0] == "decode" else plan[4]
     B, Lp = bias.shape[0], bias.shape[-1]
     Qm = 1 if plan[0] == "decode" else bias.shape[1]
@@ -175,12 +177,20 @@ def takes(backend, kv: torch.Tensor, x: torch.Tensor) -> bool:
     )
 
 
+def kernel_arch(model) -> bool:
+    """Whether the C layer computes this model's layers: one attention mask for all of them (every
+    layer the same sliding window, or none). Layers with different windows (Qwen2's
+    ``max_window_layers``) take the op-by-op path, whatever the context: a token's path (and so its
+    bits) must not depend on the batch it is in."""
+    return len(set(model.windows)) == 1
+
+
 def fused_layers(model, backend, kv: torch.Tensor, x: torch.Tensor) -> FusedLayers | None:
     """The model's ``FusedLayers`` when this forward can take them (see the module doc), else None."""
     if not takes(backend, kv, x) or not x.is_contiguous():
         return None
     fused = getattr(model, "_fused", None)  # built once (``quant.set_act_int8`` drops it); False: not usable
     if fused is None:
-        usable = all(_usable(op) for blk in model.layers for op in _projections(blk))
+        usable = kernel_arch(model) and all(_usable(op) for blk in model.layers for op in _projections(blk))
         fused = model._fused = FusedLayers(backend.lib, model) if usable else False
     return fused or None

@@ -114,6 +114,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(cfg, max_positions or cfg.max_position_embeddings)
         self.backend = TorchAttention()  # default backend when forward() is not given one
+        self.windows = tuple(cfg.window(i) for i in range(cfg.num_layers))  # each layer's sliding window (or None)
 
     # Up to this width a forward is dominated by per-op dispatch, not arithmetic: the fp32 path then
     # uses private pre-folded weight copies (see _flat_weights), which cost memory on bigger models.
@@ -202,6 +203,7 @@ class LlamaModel(nn.Module):
         nqk = (H + KVH) * D
         nqkv = nqk + KVH * D
         scale = D**-0.5
+        windows = self.windows
         if folded:
             for i, (w_ext_t, b_ext, w_o_t, w_gu_t, w_down_t) in enumerate(layers):
                 _capture(capture, i, x)
@@ -210,7 +212,7 @@ class LlamaModel(nn.Module):
                 qk = torch.addcmul(qkv[:, :nqk].view(T, H + KVH, D) * cos, qkv[:, nqkv:].view(T, H + KVH, D), sin)
                 kvl = kv[i]
                 backend.write_kv(kvl, qk[:, H:], qkv[:, nqk:nqkv].view(T, KVH, D), meta.slot_mapping)
-                o = backend.attention(qk[:, :H], kvl, meta, scale)  # [T, H, D]
+                o = backend.attention(qk[:, :H], kvl, meta, scale, windows[i])  # [T, H, D]
                 x = torch.addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
                 h = x * torch.addmm(eps_col, x * x, mean_col).rsqrt_()
                 gu = torch.mm(h, w_gu_t)
@@ -246,7 +248,7 @@ class LlamaModel(nn.Module):
             v = qkv[:, nqk:].view(T, KVH, D)
             kvl = kv[i]
             backend.write_kv(kvl, qk[:, H:], v, meta.slot_mapping)
-            o = backend.attention(qk[:, :H], kvl, meta, D**-0.5)  # [T, H, D]
+            o = backend.attention(qk[:, :H], kvl, meta, D**-0.5, self.windows[i])  # [T, H, D]
             x = addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
             if o_bias[i] is not None:  # (a QuantLinear adds its own)
                 x = x + o_bias[i]

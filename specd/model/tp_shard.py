@@ -74,6 +74,11 @@ def check_shardable(cfg: ModelConfig, world: int) -> None:
         )
     if cfg.intermediate_size < world:
         raise ValueError(f"intermediate_size {cfg.intermediate_size} < tensor_parallel_size {world}")
+    if world > 1 and cfg.beyond_llama():
+        raise ValueError(
+            f"tensor parallelism runs Llama layers only; this {cfg.architecture} has "
+            f"{', '.join(cfg.beyond_llama())}: use --tensor-parallel-size 1"
+        )
 
 
 def plan(cfg: ModelConfig, rank: int, world: int) -> ShardPlan:
