@@ -1,15 +1,12 @@
-"""specd's evaluation scripts, one package: run them from the repository root as modules,
+"""specd's evaluation tools, one package: ``python -m eval COMMAND [TOOL] ARGS`` from the repository root
+(``eval/__main__.py`` lists the commands: bench, accept, load, costs, ...; eval/README.md explains them).
 
-    python -m eval.acceptance ...     python -m eval.bench_latency ...     python -m eval.soak ...
+``eval.harness`` is the one harness every tool is a thin command line over: engines and daemons,
+timing, percentiles, prompt loading and report writing live there and nowhere else.
 
-``eval.harness`` is the one place that starts a daemon (in process or as a child process), times an
-engine (from its public ``timings`` and drafter counters), logs its steps, computes percentiles and
-describes the machine; ``eval.common`` holds the workload (prompts, speculation modes) and the
-acceptance statistics, tables and plots. Each other module is an entry point over those two.
-
-Importing the package sets the defaults every script wants before torch or transformers load:
+Importing the package sets the defaults every tool wants before torch or transformers load:
 offline Hugging Face hub, no tokenizers fork warnings, one OpenMP thread unless ``OMP_NUM_THREADS``
-is set (scripts with ``--threads`` set their own count).
+is set (tools with ``--threads`` set their own count).
 """
 
 import os

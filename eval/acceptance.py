@@ -1,6 +1,6 @@
 """Acceptance-rate evaluation: how many tokens each target forward yields, and what that buys.
 
-    python -m eval.acceptance --target ../shared/models/stories260K \\
+    python -m eval accept --target ../shared/models/stories260K \\
         --draft ../shared/models/stories260K-draft-1L64 \\
         --prompts ../shared/data/mt_bench/question.jsonl --raw --max-tokens 128 \\
         --modes off,chain:4,tree:16 --temperature 0,1 --limit 16 --out eval/out/mt_bench
@@ -33,13 +33,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval import common as C
 from eval import harness as H
+
+COMMAND = "accept"  # python -m eval accept (this module's ``main``)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    C.add_model_prompt_args(ap, max_tokens=128)
+    H.add_model_prompt_args(ap, max_tokens=128)
     ap.add_argument("--temperature", default="0", help="comma list, e.g. 0,1 (0 = greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed base (same per prompt for every mode)")
@@ -64,20 +65,13 @@ def parse_args(argv=None):
     )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--out", default=None, help="output dir (default eval/out/acceptance-DATE)")
+    ap.add_argument("--out", default=None, help="output dir (default eval/out/accept-DATE)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--no-plots", action="store_true")
     return ap.parse_args(argv)
 
 
 # running ----------------------------------------------------------------------------------------
-def load_pair(target: str, draft: str, device: str = "cpu"):
-    from specd.model.loader import load_model
-
-    t = load_model(target, device, "float32", progress=False)
-    return t, load_model(draft, device, "float32", progress=False, target=t)  # (a draft may share t's embeddings)
-
-
 @dataclass
 class Run:
     """What every request of one evaluation shares: the tokenizer, the prompt budget, the sampling
@@ -115,10 +109,10 @@ def run_eval(
     """Run every prompt under every mode and temperature. Returns the report's ``runs``, ``requests``
     and ``prompts``.
 
-    ``target``/``draft`` are loaded models (``specd.model.loader.load_model``); ``modes`` are ``common.Mode``.
+    ``target``/``draft`` are loaded models (``harness.load_pair``); ``modes`` are ``harness.Mode``.
     """
     if not any(m.kind == "off" for m in modes):
-        modes = [C.Mode("off", "off")] + list(modes)
+        modes = [H.Mode("off", "off")] + list(modes)
     engines = {m.name: H.make_engine(m, target, draft, device) for m in modes}
     run = Run(
         target.tokenizer,
@@ -195,8 +189,8 @@ def conversation(run: Run, p, qi: int, m, steplog) -> list:
 
     answers, rows = [], []
     for ti in range(len(p.turns)):
-        ids = C.encode_conversation(run.tok, p.turns[: ti + 1], answers, run.chat_template)
-        ids, truncated = C.fit_prompt(ids, run.max_prompt, run.bos)
+        ids = H.encode_conversation(run.tok, p.turns[: ti + 1], answers, run.chat_template)
+        ids, truncated = H.fit_prompt(ids, run.max_prompt, run.bos)
         params = SamplingParams(
             temperature=run.temp,
             top_p=run.top_p,
@@ -225,7 +219,7 @@ def conversation(run: Run, p, qi: int, m, steplog) -> list:
                 "tokens_per_s": round(seq.num_output / dt, 3) if dt > 0 else 0.0,
                 "finish_reason": seq.finish_reason,
                 "output_ids": list(seq.output_ids),
-                "stats": C.stats_dict(seq.stats, C.tried_per_depth(steplog.take())),
+                "stats": H.stats_dict(seq.stats, H.tried_per_depth(steplog.take())),
             }
         )
     return rows
@@ -248,10 +242,10 @@ def prompts_summary(prompts: list, requests: list, run: Run, temperatures) -> di
 # summarising ------------------------------------------------------------------------------------
 def metrics(rows: list) -> dict:
     """Totals over request rows: merged SpecStats, tokens/s, medians."""
-    st = C.stats_from_dicts([r["stats"] for r in rows])
+    st = H.stats_from_dicts([r["stats"] for r in rows])
     tried = []
     for r in rows:
-        tried = C.add_lists(tried, r["stats"].get("tried_per_depth", []))
+        tried = H.add_lists(tried, r["stats"].get("tried_per_depth", []))
     wall = sum(r["wall_s"] for r in rows)
     cpu = sum(r["cpu_s"] for r in rows)
     out_tok = sum(r["output_tokens"] for r in rows)
@@ -265,7 +259,7 @@ def metrics(rows: list) -> dict:
         "tokens_per_cpu_s": round(out_tok / cpu, 2) if cpu > 0 else 0.0,
         "median_request_tokens_per_s": round(H.median([r["tokens_per_s"] for r in rows], empty=0.0), 2),
     }
-    d.update(C.stats_dict(st, tried))
+    d.update(H.stats_dict(st, tried))
     return d
 
 
@@ -310,7 +304,7 @@ def summarise(rows: list, modes: list, temp: float, timers: dict, logs: dict) ->
             "overall": ov,
             "per_category": per_cat,
             "timing": timing,
-            "engine_stats": C.stats_dict(logs[m.name].engine_stats()),
+            "engine_stats": H.stats_dict(logs[m.name].engine_stats()),
         }
         if temp == 0 and m.kind != "off":
             bo = {(r["prompt_id"], r["turn"]): r["output_ids"] for r in base}
@@ -339,8 +333,8 @@ def theory(m, ov: dict, timing: dict, off_timing: dict) -> dict:
     if m.kind == "chain":
         k = m.size
         a = ov.get("alpha_iid", 0.0)
-        e_iid = C.expected_tokens_iid(a, k)
-        e_prod = C.expected_tokens_product(ov.get("conditional_acceptance_per_depth", [])[:k])
+        e_iid = H.expected_tokens_iid(a, k)
+        e_prod = H.expected_tokens_product(ov.get("conditional_acceptance_per_depth", [])[:k])
         d.update(
             {
                 "model": "leviathan_chain",
@@ -361,8 +355,8 @@ def theory(m, ov: dict, timing: dict, off_timing: dict) -> dict:
             ratio(timing[f"{clock}target_forward_ms_per_step"], off_timing[f"{clock}target_forward_ms_per_step"]), 4
         )
         if m.kind == "chain":
-            pred = C.leviathan_speedup(e_iid, m.size, c)
-            d[f"predicted_speedup_product{sfx}"] = round(C.leviathan_speedup(e_prod, m.size, c), 4)
+            pred = H.leviathan_speedup(e_iid, m.size, c)
+            d[f"predicted_speedup_product{sfx}"] = round(H.leviathan_speedup(e_prod, m.size, c), 4)
         else:
             pred = e_meas / (f * c + 1)
         d[f"predicted_speedup{sfx}"] = round(pred, 4)
@@ -429,7 +423,7 @@ def md_modes(run: dict) -> list:
         "CPU-time speedup",
         "greedy == off",
     ]
-    return [C.md_table(headers, rows), ""]
+    return [H.md_table(headers, rows), ""]
 
 
 def md_categories(run: dict) -> list:
@@ -446,7 +440,7 @@ def md_categories(run: dict) -> list:
         + [e["per_category"][c]["speedup"] for e in spec]
         for c in cats
     ]
-    return ["Per category:", "", C.md_table(hdr, crow), ""]
+    return ["Per category:", "", H.md_table(hdr, crow), ""]
 
 
 THEORY_COLUMNS = (
@@ -476,7 +470,7 @@ def md_theory(run: dict) -> list:
         "E / (k c + 1), c = draft forward / target-only step; trees: E_measured / (forwards c + 1); "
         "efficiency = measured / predicted; wall clock, then CPU time):",
         "",
-        C.md_table(["mode"] + [h for h, _ in THEORY_COLUMNS], trows),
+        H.md_table(["mode"] + [h for h, _ in THEORY_COLUMNS], trows),
         "",
     ]
 
@@ -487,14 +481,14 @@ def plots(report: dict, out: Path) -> list:
         t = f"T{run['temperature']:g}"
         spec = [e for e in run["modes"] if e["mode"]["kind"] != "off"]
         files.append(
-            C.plot_acceptance_per_depth(
+            H.plot_acceptance_per_depth(
                 {e["mode"]["name"]: e["overall"]["acceptance_per_depth"] for e in spec},
                 out / f"acceptance_per_depth_{t}.png",
                 f"acceptance per depth (temperature {run['temperature']:g})",
             )
         )
         files.append(
-            C.plot_accept_hist(
+            H.plot_accept_hist(
                 {e["mode"]["name"]: e["overall"]["accept_len_dist"] for e in spec},
                 out / f"accept_len_hist_{t}.png",
                 f"accepted draft tokens per step (temperature {run['temperature']:g})",
@@ -510,7 +504,7 @@ def plots(report: dict, out: Path) -> list:
                 )
         if series:
             files.append(
-                C.plot_xy(
+                H.plot_xy(
                     series,
                     out / f"speedup_{t}.png",
                     "draft tokens per step (k or N)",
@@ -527,20 +521,20 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     H.set_threads(a.threads)
     temps = [float(x) for x in a.temperature.split(",") if x.strip()]
-    modes = C.parse_modes(a.modes, tree_topk=a.tree_topk, tree_depth=a.tree_depth)
+    modes = H.parse_modes(a.modes, tree_topk=a.tree_topk, tree_depth=a.tree_depth)
     if not any(m.kind == "off" for m in modes):
-        modes = [C.Mode("off", "off")] + modes
+        modes = [H.Mode("off", "off")] + modes
     cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
-    prompts = C.load_prompts(a.prompts, a.limit, cats, a.per_category, a.max_turns, start=a.start)
+    prompts = H.load_prompts(a.prompts, a.limit, cats, a.per_category, a.max_turns, start=a.start)
     if not prompts:
         print("acceptance: no prompts selected", file=sys.stderr)
         return 2
-    out = Path(a.out) if a.out else C.default_out("acceptance")
+    out = Path(a.out) if a.out else H.default_out("accept")
     t0 = time.perf_counter()
-    meta = H.run_meta("acceptance", argv, a.device)  # at the start: the code that runs
-    target, draft = load_pair(a.target, a.draft, a.device)
-    chat = a.chat_template if a.chat_template is not None else C.has_chat_template(target.tokenizer)
-    if chat and not C.has_chat_template(target.tokenizer):
+    meta = H.run_meta(COMMAND, argv, a.device)  # at the start: the code that runs
+    target, draft = H.load_pair(a.target, a.draft, a.device)
+    chat = a.chat_template if a.chat_template is not None else H.has_chat_template(target.tokenizer)
+    if chat and not H.has_chat_template(target.tokenizer):
         print("acceptance: the tokenizer has no chat template; use --raw", file=sys.stderr)
         return 2
     res = run_eval(
@@ -559,7 +553,7 @@ def main(argv=None) -> int:
         progress=not a.no_progress,
     )
     meta.update(run_settings(a, temps, modes, cats), elapsed_s=round(time.perf_counter() - t0, 2))
-    report = {"schema": C.SCHEMA, "kind": "acceptance", "meta": meta, **res}
+    report = {"schema": H.SCHEMA, "kind": "acceptance", "meta": meta, **res}
     write_report(report, out, plots_too=not a.no_plots)
     print(f"\nwrote {out}/report.json, summary.md and plots ({meta['elapsed_s']} s)")
     return 0
@@ -584,7 +578,7 @@ def run_settings(a, temps: list, modes: list, cats) -> dict:
 
 def write_report(report: dict, out: Path, plots_too: bool = True) -> None:
     """``report.json``, ``summary.md`` (also printed) and the plots under ``out``."""
-    C.write_json(out / "report.json", report)
+    H.write_json(out / "report.json", report)
     md = markdown(report)
     (out / "summary.md").write_text(md + "\n", encoding="utf-8")
     if plots_too:

@@ -1,10 +1,10 @@
 """Groups of B requests started together, specd modes against plain decoding: the group's time to
-its last request (what ``eval.bench_real`` reports at batch B > 1) and each request's own time to
+its last request (what ``python -m eval bench`` reports at batch B > 1) and each request's own time to
 completion (what each user waits), with the cost of the steps by batch size and draft tokens
 verified. The adaptive policy maximises each step's tokens per second, which is the same as the
 requests' mean completion time; a fixed group's makespan also follows its slowest request.
 
-    OMP_NUM_THREADS=2 python -m eval.bench_groups --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    OMP_NUM_THREADS=2 python -m eval bench groups --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --categories qa,math_reasoning --per-category 16 --batch 16 --max-tokens 64 --rounds 3
 
 Modes alternate group by group (first mode first in even groups, last in odd ones); every mode's
@@ -18,10 +18,10 @@ import collections
 import statistics
 import sys
 import time
-from types import SimpleNamespace
 
-from eval import common as C
 from eval import harness as H
+
+COMMAND = "bench groups"  # python -m eval bench groups (this module's ``main``)
 
 DRAFT_BINS = ((0, 0), (1, 8), (9, 24), (25, 1 << 30))
 
@@ -82,21 +82,16 @@ def parse(argv=None):
 
 
 def make_systems(a) -> tuple:
-    """(groups of prompt id lists, {mode: eval.peers.Specd}) for the arguments, engines warmed up."""
-    from eval import peers as P
-    from eval.bench_real import encode_prompts, groups_of
+    """(groups of prompt id lists, {mode: harness.Specd}) for the arguments, engines warmed up."""
     from specd.model import builtin
-    from specd.model.loader import load_model
 
-    target = C.load_variant(a.target, a.quantization, "cpu", "float32", progress=False)
-    draft = load_model(a.draft, "cpu", "float32", progress=False, target=target)
+    target, draft = H.load_pair(a.target, a.draft, quantization=a.quantization)
     head = None if a.head == "none" else (a.head or builtin.head_path())
-    pa = SimpleNamespace(categories=a.categories, prompts=a.prompts, limit=None, per_category=a.per_category,
-                         chat_template=None, max_tokens=a.max_tokens)  # fmt: skip
-    prompts, ids, _ = encode_prompts(pa, target)
-    groups = [idl for _, idl in groups_of(prompts, ids, a.batch)]
+    cats = H.split_list(a.categories)
+    prompts, ids, _ = H.first_turns(a.prompts, target, a.max_tokens, categories=cats, per_category=a.per_category)
+    groups = [idl for _, idl in H.groups_of(prompts, ids, a.batch)]
     kw = dict(prefix_cache=False, memory_bytes=1 << 30, max_num_seqs=a.batch, head=None if head is None else str(head))
-    systems = {m: P.Specd(C.Mode.parse(m), target, draft, "cpu", a.max_tokens, **kw) for m in a.modes.split(",")}
+    systems = {m: H.Specd(H.Mode.parse(m), target, draft, "cpu", a.max_tokens, **kw) for m in a.modes.split(",")}
     for s in systems.values():  # first calls allocate and pick kernels
         s.set_max_tokens(8)
         s.batch(groups[0])
@@ -140,11 +135,11 @@ def report(res: dict, systems: dict, meta: dict, cpu: dict, threads: int) -> Non
         for m, d in res.items()
     ]
     head_row = ["mode", "makespan s", "speed (makespan)", "mean completion s", "speed (mean completion)", "greedy =="]
-    print(C.md_table(head_row, rows))
+    print(H.md_table(head_row, rows))
     for m, d in res.items():
         print(f"\n{m}: steps by requests running and draft tokens verified (group prefills excluded)")
         cols = ["requests", "draft tokens", "steps", "ms/step", "tokens/step", "tokens/s"]
-        print(C.md_table(cols, step_table(d["steps"])))
+        print(H.md_table(cols, step_table(d["steps"])))
         print(f"{m}: by proposer (steps, drafted, accepted): {dict(systems[m].engine.stats.by_proposer)}")
 
 
@@ -152,7 +147,7 @@ def main(argv=None) -> int:
     a = parse(argv)
     H.set_threads(a.threads)
     H.quiet_transformers()
-    meta, cpu = H.run_meta("bench_groups", argv), H.cpu_info()
+    meta, cpu = H.run_meta(COMMAND, argv), H.cpu_info()
     groups, systems = make_systems(a)
     report(run_rounds(groups, systems, a.rounds), systems, meta, cpu, a.threads)
     return 0

@@ -4,7 +4,7 @@ category, greedy, one process (the target loaded once, two engines), methods int
 prompt, outputs checked identical to plain. Also where a step's time goes for each method: drafting
 vs the target's verification forward (the engine's stage timings, thread CPU seconds).
 
-    OMP_NUM_THREADS=2 python -m eval.bench_head --per-category 2 --max-tokens 128 --threads 2
+    OMP_NUM_THREADS=2 python -m eval accept methods --per-category 2 --max-tokens 128 --threads 2
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 from eval import harness as H
+
+COMMAND = "accept methods"  # python -m eval accept methods (this module's ``main``)
 
 CATEGORIES = "summarization,rag,qa,math_reasoning,translation,writing"
 # method -> (engine, speculation mode)
@@ -48,15 +50,6 @@ def parse_args(argv=None):
     ap.add_argument("--tree-depth", type=int, default=6)
     ap.add_argument("--out", default=None, help="folder for results.json and speedup.png")
     return ap.parse_args(argv)
-
-
-def questions(cats: list, per: int) -> dict:
-    by: dict = collections.defaultdict(list)
-    for line in (H.ROOT.parent / "shared/data/spec_bench/question.jsonl").open():
-        r = json.loads(line)
-        if r["category"] in cats and len(by[r["category"]]) < per:
-            by[r["category"]].append(r["turns"][0])
-    return by
 
 
 def build(a) -> dict:
@@ -115,10 +108,7 @@ def run(engines: dict, by: dict, methods: list, max_tokens: int) -> dict:
     tok = engines["head"].tokenizer
     for cat, qs in by.items():
         for q in qs:
-            ids = tok.apply_chat_template(
-                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)[-1800:]
+            ids = H.fit_prompt(H.encode_conversation(tok, [q], [], True), 1800, None)[0]
             ref = None
             for m in methods:
                 which, mode = METHODS[m]
@@ -166,24 +156,24 @@ def main(argv=None) -> int:
     engines = build(a)
     for e in engines.values():
         warm_up(e)
-    res = run(engines, questions(a.categories.split(","), a.per_category), methods, a.max_tokens)
-    meta = H.run_meta("bench_head", argv)
+    res = run(
+        engines, H.first_turns_by_category(H.SPEC_BENCH, a.categories.split(","), a.per_category), methods, a.max_tokens
+    )
+    meta = H.run_meta(COMMAND, argv)
     print(f"`{meta['command']}`; {meta['date']}; commit {meta['git_commit']}; CPU {meta['cpu']}; "
           f"{a.threads} thread(s); dtype {engines['head'].target.dtype}; {json.dumps(meta['versions'])}\n")  # fmt: skip
     print("\n".join(table(res, methods)))
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"meta": meta, "methods": methods, "results": res}, indent=1))
+        H.write_json(out / "results.json", {"meta": meta, "methods": methods, "results": res})
         print(f"wrote {plot(res, methods, out / 'speedup.png', meta)}")
     return 0
 
 
 def plot(res: dict, methods: list, path, meta: dict):
     """Per category: speedup over plain by CPU time (left) and mean accepted length (right), per method."""
-    from eval import common as C
-
-    plt = C._plt()
+    plt = H.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     cats = list(res)
     w = 0.8 / len(methods)
@@ -199,7 +189,7 @@ def plot(res: dict, methods: list, path, meta: dict):
         ax.set_ylabel(label)
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(f"built-in model, {meta['cpu']}, {meta['date']}", fontsize=9)
-    return C._save(fig, path)
+    return H.save_fig(fig, path)
 
 
 if __name__ == "__main__":

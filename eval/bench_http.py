@@ -1,13 +1,13 @@
 """Delivery over OpenAI's HTTP (SSE), specd's websocket and the Responses WebSocket vs in-process, and the
 second turn of a conversation via ``previous_response_id`` (issue 17).
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m eval.bench_http [--target GGUF|DIR --draft DIR] [--max-tokens 64]
+    OMP_NUM_THREADS=1 .venv/bin/python -m eval load http [--target GGUF|DIR --draft DIR] [--max-tokens 64]
         [--concurrency 1,8] [--repeats 3] [--mode off] [--history-tokens 1000] [--turns 3]
         [--out eval/out/bench_http]
 
 In one run, on the built-in pair by default (``make run``'s model): the same greedy chat requests
 (``ignore_eos``, so every path generates the same number of tokens) go (a) straight to an ``Engine`` in
-a process of its own (``bench_server.Baseline``: ``add_request`` + ``step()``, the engine's own clock)
+a process of its own (``eval.bench_server.Baseline``: ``add_request`` + ``step()``, the engine's own clock)
 and, to ``specd serve`` started as a subprocess with the same engine settings, (b) over
 ``POST /v1/chat/completions`` with server-sent events, (c) over ``/ws`` (specd's protocol, one
 connection carrying the concurrent requests) and (d) over the Responses WebSocket (``/v1/responses``,
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import os
 import statistics
 import sys
@@ -45,71 +44,11 @@ from eval import bench_server as B
 from eval import harness as H
 from eval.harness import ROOT
 
-SHARED = ROOT.parent / "shared"
-QUESTIONS = SHARED / "data" / "mt_bench" / "question.jsonl"
-PASSAGES = SHARED / "data" / "tinyshakespeare" / "input.txt"
+COMMAND = "load http"  # python -m eval load http (this module's ``main``)
 FINAL = (b'"type":"response.completed"', b'"type":"response.incomplete"', b'"type":"response.failed"')
 
 
-# lean clients -------------------------------------------------------------------------------------
-def _masked(payload: bytes) -> bytes:
-    mask = os.urandom(4)
-    n = len(payload)
-    hdr = bytes((0x81, 0x80 | n)) if n < 126 else (b"\x81\xfe" + n.to_bytes(2, "big") if n < 65536 else None)
-    if hdr is None:
-        hdr = b"\x81\xff" + n.to_bytes(8, "big")
-    return hdr + mask + bytes(b ^ mask[k % 4] for k, b in enumerate(payload))
-
-
-async def _ws_open(port: int, path: str):
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    key = base64.b64encode(os.urandom(16)).decode()
-    writer.write(
-        f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
-    )
-    head = await reader.readuntil(b"\r\n\r\n")
-    if b" 101 " not in head.split(b"\r\n", 1)[0]:
-        raise RuntimeError(f"websocket upgrade refused: {head[:200]!r}")
-    return reader, writer
-
-
-def _ws_frames(chunks: list) -> list:
-    """[(arrival time, message dict)] of the server's text frames in ``[(time, bytes)]`` reads."""
-    out, buf = [], bytearray()
-    for t, chunk in chunks:
-        buf += chunk
-        pos = 0
-        while len(buf) - pos >= 2:
-            ln = buf[pos + 1] & 0x7F
-            hl = 2 if ln < 126 else (4 if ln == 126 else 10)
-            if len(buf) - pos < hl:
-                break
-            if ln >= 126:
-                ln = int.from_bytes(buf[pos + 2 : pos + hl], "big")
-            if len(buf) - pos - hl < ln:
-                break
-            if buf[pos] & 0x0F == 1:
-                out.append((t, orjson.loads(bytes(buf[pos + hl : pos + hl + ln]))))
-            pos += hl + ln
-        del buf[:pos]
-    return out
-
-
-async def _read_until(reader, count_marks, n_ends: int) -> list:
-    """[(time, bytes)] reads until ``count_marks(all bytes so far)`` reaches ``n_ends``."""
-    chunks, seen, tail = [], 0, b""
-    while seen < n_ends:
-        chunk = await reader.read(1 << 16)
-        if not chunk:
-            raise RuntimeError("connection closed by the server")
-        chunks.append((time.monotonic(), chunk))
-        scan = tail + chunk
-        seen += count_marks(scan) - count_marks(tail)
-        tail = scan[-40:]
-    return chunks
-
-
+# results ------------------------------------------------------------------------------------------
 def _result(t0: float, first: list, done: list, texts: list, toks: list) -> dict:
     n = sum(len(t) if isinstance(t, list) else t for t in toks)
     return {
@@ -154,18 +93,18 @@ class Client:
 
     async def ws(self, convs: list) -> dict:
         """specd's websocket: one connection, every request at once."""
-        reader, writer = await _ws_open(self.port, "/ws")
+        reader, writer = await H.ws_open(self.port, "/ws")
         msgs = [
             {**self._common(), "type": "generate", "id": str(i), "messages": m, "max_tokens": self.max_tokens}
             for i, m in enumerate(convs)
         ]
         t0 = time.monotonic()
-        writer.write(b"".join(_masked(orjson.dumps(m)) for m in msgs))
+        writer.write(b"".join(H.masked_frame(orjson.dumps(m)) for m in msgs))
         marks = lambda b: b.count(b'"type":"done"') + b.count(b'"type":"error"')  # noqa: E731
-        chunks = await _read_until(reader, marks, len(convs))
+        chunks = await H.read_until(reader, marks, len(convs))
         writer.close()
         first, done, text, toks = {}, {}, {}, {}
-        for t, m in _ws_frames(chunks):
+        for t, m in H.ws_frames(chunks):
             rid = m.get("id")
             if m["type"] == "delta":
                 if m["text"]:
@@ -189,13 +128,13 @@ class Client:
     async def one_response(self, body: dict, conn=None) -> tuple:
         """(first text time, end time, text, usage, response id) of one response over a Responses
         websocket (``conn``: an open (reader, writer), else a new one)."""
-        reader, writer = conn or await _ws_open(self.port, "/v1/responses")
-        writer.write(_masked(orjson.dumps(body)))
-        chunks = await _read_until(reader, lambda b: sum(b.count(m) for m in FINAL), 1)
+        reader, writer = conn or await H.ws_open(self.port, "/v1/responses")
+        writer.write(H.masked_frame(orjson.dumps(body)))
+        chunks = await H.read_until(reader, lambda b: sum(b.count(m) for m in FINAL), 1)
         if conn is None:
             writer.close()
         first, parts, final = None, [], None
-        for t, m in _ws_frames(chunks):
+        for t, m in H.ws_frames(chunks):
             if m["type"] == "response.output_text.delta":
                 first = first or t
                 parts.append(m["delta"])
@@ -207,7 +146,7 @@ class Client:
 
     async def responses_ws(self, convs: list) -> dict:
         """The Responses WebSocket: one connection per concurrent response (one in flight each)."""
-        conns = [await _ws_open(self.port, "/v1/responses") for _ in convs]
+        conns = [await H.ws_open(self.port, "/v1/responses") for _ in convs]
         t0 = time.monotonic()
         got = await asyncio.gather(*(self.one_response(self.create(m), c) for m, c in zip(convs, conns)))
         for _, w in conns:
@@ -227,7 +166,7 @@ class Client:
             marks = lambda b: sum(b.count(m) for m in FINAL)  # noqa: E731
         else:
             marks = lambda b: b.count(b"data: [DONE]")  # noqa: E731
-        chunks = await _read_until(reader, marks, 1)
+        chunks = await H.read_until(reader, marks, 1)
         writer.close()
         return _dechunk(chunks)
 
@@ -263,7 +202,7 @@ class Client:
 # the second turn of a conversation --------------------------------------------------------------------
 def passages(tok, n: int, tokens: int) -> list:
     """``n`` distinct passages of ``tokens`` tokens (tinyshakespeare windows far apart)."""
-    text = PASSAGES.read_text()
+    text = H.PASSAGES.read_text()
     step = max(1, (len(text) - 8 * tokens) // max(1, n))
     out = []
     for k in range(n):
@@ -274,7 +213,7 @@ def passages(tok, n: int, tokens: int) -> list:
 
 async def second_turn_ws(cl: Client, passage: str) -> dict:
     """Turn 1 on a passage, turn 2 by ``previous_response_id``, over one Responses websocket."""
-    conn = await _ws_open(cl.port, "/v1/responses")
+    conn = await H.ws_open(cl.port, "/v1/responses")
     q1 = [{"role": "user", "content": passage + "\n\nWho speaks first in this scene?"}]
     t0 = time.monotonic()
     f1, _, _, u1, rid = await cl.one_response(cl.create(q1, max_tokens=16), conn)
@@ -314,15 +253,12 @@ def _turns(d1: float, d2: float, u1: dict, u2: dict) -> dict:
 
 # the run ------------------------------------------------------------------------------------------
 def conversations(n: int) -> list:
-    qs = [orjson.loads(line)["turns"][0] for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    qs = [orjson.loads(line)["turns"][0] for line in H.MT_BENCH.read_text().splitlines() if line.strip()]
     return [[{"role": "user", "content": qs[i % len(qs)]}] for i in range(n)]
 
 
 def _served_model(port: int) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as r:
-        return orjson.loads(r.read())["data"][0]["id"]
+    return orjson.loads(H.http_get(port, "/v1/models", timeout=30))["data"][0]["id"]
 
 
 PATHS = ("sse", "ws", "responses_ws")
@@ -359,7 +295,7 @@ async def _cells(cl: Client, base, a, tok, cells: dict, server_pid: int) -> None
 def run(a) -> dict:
     from specd.model.loader import load_tokenizer
 
-    layout = B.cpu_layout(a.pin)
+    layout = H.cpu_layout(a.pin)
     a.pin = layout is not None
     tok = load_tokenizer(Path(a.target))
     base = B.Baseline(a, layout[1] if layout else None)
@@ -480,7 +416,7 @@ def main(argv=None) -> int:
     if a.repeats < 1 or a.turns < 1:
         p.error("--repeats and --turns must be >= 1")
     res = run(a)
-    res["meta"] = H.run_meta("bench_http", argv)
+    res["meta"] = H.run_meta(COMMAND, argv)
     text = markdown(a, res)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

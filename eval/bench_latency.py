@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Latency benchmark of the latency-priority scheduler, over loopback websockets to in-process servers.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m eval.bench_latency [--json PATH] [--parts 1,2,3]
+    OMP_NUM_THREADS=1 .venv/bin/python -m eval load latency [--json PATH] [--parts 1,2,3]
         [--p1-requests 10] [--p1-tokens 128] [--p1-batch 8] [--p1-batch-tokens 768] [--p1-spec auto,off]
         [--p1-saturate 8] [--mt-questions 20] [--p3-pairs shared,demo] [--p3-concurrency 1,4,16]
         [--p3-repeats 7]                       # defaults: ~6-7 min on 2 shared CPU cores
@@ -47,47 +47,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import os
-import platform
 import statistics
 import sys
 import time
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import orjson
 
 from eval import harness as H
 from eval.harness import ROOT, log, median, percentile
 
+COMMAND = "load latency"  # python -m eval load latency (this module's ``main``)
 DEMO = (ROOT / "models" / "demo" / "target", ROOT / "models" / "demo" / "draft")
-SHARED = (
-    ROOT.parent / "shared" / "models" / "stories260K",
-    ROOT.parent / "shared" / "models" / "stories260K-draft-1L64",
-)
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
-MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
-STORY_PROMPTS = [
-    "Once upon a time",
-    "The little dog",
-    "Lily and Tom went to the park",
-    "One day, a big bird",
-    "There was a girl named Sue",
-    "The sun was hot and",
-    "Tim had a red ball",
-    "Mom said to Ben",
-    "The cat sat on the mat",
-    "Ben wanted to play",
-    "It was a rainy day",
-    "Sam found a box",
-    "The old tree was",
-    "Anna liked to draw",
-    "A small fish swam",
-    "The boy saw a big truck",
-]
+STORIES = (H.SHARED / "models" / "stories260K", H.SHARED / "models" / "stories260K-draft-1L64")
 
 
 # statistics: harness.percentile / harness.median (linear interpolation) --------------------------
@@ -106,23 +79,14 @@ class Pair:
     max_len: int = 0
 
     def short(self) -> str:
-        def rel(p):
-            p = Path(p).resolve()
-            for base in (ROOT, ROOT.parent):
-                if p.is_relative_to(base):
-                    return str(p.relative_to(base))
-            return str(p)
-
-        return f"`{rel(self.target)}` + `{rel(self.draft)}`"
+        return f"`{H.short_path(self.target)}` + `{H.short_path(self.draft)}`"
 
 
 def load_pair(name: str, paths: tuple, device: str, dtype: str) -> Pair:
-    from specd.model.loader import load_model
-
-    t = load_model(paths[0], device, dtype, progress=False)
-    d = load_model(paths[1], device, dtype, progress=False)
-    chat = bool(getattr(t.tokenizer, "chat_template", None))
-    return Pair(name, Path(paths[0]), Path(paths[1]), (t, d), chat, t.config.max_position_embeddings)
+    t, d = H.load_pair(paths[0], paths[1], device, dtype)
+    return Pair(
+        name, Path(paths[0]), Path(paths[1]), (t, d), H.has_chat_template(t.tokenizer), t.config.max_position_embeddings
+    )
 
 
 def start_server(pair: Pair, a, extra: list = ()) -> H.Daemon:
@@ -146,116 +110,22 @@ def start_server(pair: Pair, a, extra: list = ()) -> H.Daemon:
     return H.start_daemon(flags, target=pair.loaded[0], draft=pair.loaded[1])
 
 
-def http_get(port: int, path: str) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as r:
-        return r.read().decode()
-
-
-def metric_value(text: str, name: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
 # prompts ----------------------------------------------------------------------------------------
-def gsm8k_questions(n: int, offset: int = 0) -> list:
-    """Held-out GSM8K questions (the last 200 of train.jsonl, which the demo pair never trained on)."""
-    lines = [ln for ln in GSM8K.read_text(encoding="utf-8").splitlines() if ln.strip()][-200:]
-    qs = [json.loads(ln)["question"] for ln in lines]
-    return [qs[(offset + i) % len(qs)] for i in range(n)]
-
-
 def prompt_fields(pair: Pair, text: str) -> dict:
     return {"messages": [{"role": "user", "content": text}]} if pair.chat else {"prompt": text}
 
 
 def prompts_for(pair: Pair, n: int, offset: int = 0) -> list:
     if pair.name == "demo":
-        return [prompt_fields(pair, q) for q in gsm8k_questions(n, offset)]
-    return [{"prompt": STORY_PROMPTS[(offset + i) % len(STORY_PROMPTS)]} for i in range(n)]
+        return [prompt_fields(pair, q) for q in H.gsm8k_questions(n, offset)]
+    return [{"prompt": H.STORY_PROMPTS[(offset + i) % len(H.STORY_PROMPTS)]} for i in range(n)]
 
 
-# the client -------------------------------------------------------------------------------------
-@dataclass
-class Result:
-    t_send: float
-    arrivals: list = field(default_factory=list)  # (perf_counter, tokens in the delta)
-    token_ids: list = field(default_factory=list)
-    text: str = ""
-    done: dict | None = None
-
-    @property
-    def ttft_ms(self) -> float | None:
-        return (self.arrivals[0][0] - self.t_send) * 1000 if self.arrivals else None
-
-    @property
-    def t_end(self) -> float:
-        return self.arrivals[-1][0] if self.arrivals else self.t_send
-
-    def itl_token_ms(self) -> list:
-        """One sample per token after the first delta: gap to the previous delta / tokens in this delta."""
-        out = []
-        for (t0, _), (t1, n) in zip(self.arrivals, self.arrivals[1:]):
-            if n:
-                out += [(t1 - t0) * 1000 / n] * n
-        return out
-
-    def itl_delta_ms(self) -> list:
-        return [(t1 - t0) * 1000 for (t0, _), (t1, _) in zip(self.arrivals, self.arrivals[1:])]
-
-
-def connect(port: int):
-    from websockets.asyncio.client import connect as ws_connect
-
-    return ws_connect(f"ws://127.0.0.1:{port}/ws", compression=None, max_size=None, ping_interval=None)
-
-
-async def request(ws, rid: str, body: dict, on_first=None) -> Result:
-    """One request on a connection that runs nothing else; returns when its ``done`` arrives."""
-    msg = orjson.dumps({"type": "generate", "id": rid, "temperature": 0, **body}).decode()
-    r = Result(time.perf_counter())
-    await ws.send(msg)
-    while True:
-        m = orjson.loads(await ws.recv())
-        now = time.perf_counter()
-        if m.get("id") != rid:
-            continue
-        typ = m["type"]
-        if typ == "delta":
-            r.arrivals.append((now, len(m["token_ids"])))
-            r.token_ids += m["token_ids"]
-            r.text += m["text"]
-            if on_first is not None and len(r.arrivals) == 1:
-                on_first()
-        elif typ == "done":
-            r.done = m
-            return r
-        else:
-            raise RuntimeError(f"request {rid}: {m}")
-
-
+# the engine ---------------------------------------------------------------------------------------
 async def wait_idle(eng, timeout: float = 30.0) -> None:
     end = time.monotonic() + timeout
     while eng.has_work() and time.monotonic() < end:
         await asyncio.sleep(0.02)
-
-
-def new_loop():
-    try:
-        import uvloop
-
-        return uvloop.new_event_loop()
-    except ImportError:  # pragma: no cover
-        return asyncio.new_event_loop()
-
-
-def run_async(coro):
-    loop = new_loop()
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        loop.close()
 
 
 # part 1: interactive latency under batch load ---------------------------------------------------
@@ -270,13 +140,13 @@ class BatchLoad:
         self.tasks = [asyncio.ensure_future(self._worker(port, k, b, priority)) for k, b in enumerate(bodies)]
 
     async def _worker(self, port: int, k: int, body: dict, priority: str) -> None:
-        async with connect(port) as ws:
+        async with H.connect(port) as ws:
             i = 0
             first = asyncio.Event()
             self.started.append(first)
             while not self.stopping.is_set():
                 try:
-                    r = await request(ws, f"b{k}-{i}", {**body, "priority": priority}, on_first=first.set)
+                    r = await H.request(ws, f"b{k}-{i}", {**body, "priority": priority}, on_first=first.set)
                 except Exception:  # noqa: BLE001 - the connection closed under us at stop
                     if self.stopping.is_set():
                         return
@@ -317,10 +187,10 @@ async def p1_condition(
     tb0 = batch.tokens if batch is not None else 0
     results = []
     t0 = time.perf_counter()
-    async with connect(srv.port) as ws:
+    async with H.connect(srv.port) as ws:
         for i, body in enumerate(prompts_for(pair, n_req, offset=0)):
             extra = {"max_tokens": a.p1_tokens, "ignore_eos": True, "priority": "interactive"}
-            results.append(await request(ws, f"i{i}", {**body, **sp, **extra}))
+            results.append(await H.request(ws, f"i{i}", {**body, **sp, **extra}))
             await asyncio.sleep(0.05)
     wall = time.perf_counter() - t0
     engine = {
@@ -452,7 +322,7 @@ def part1(a, pair: Pair) -> dict:
                 conds = {}
                 for name, load in P1_CONDITIONS:
                     log(f"part 1 [{label}, spec {spec}]: {name}")
-                    conds[name] = run_async(p1_condition(srv, a, pair, load, spec, n_req, btok))
+                    conds[name] = H.run_async(p1_condition(srv, a, pair, load, spec, n_req, btok))
                     c = conds[name]
                     log(
                         f"  TTFT p50 {c['ttft_ms']['p50']:.1f} ms, ITL/token p50 {c['itl_token_ms']['p50']:.2f} "
@@ -476,7 +346,7 @@ def part1(a, pair: Pair) -> dict:
 
 # part 2: MT-bench turn-2 TTFT, prefix cache on vs off -------------------------------------------
 def mt_questions(n: int) -> list:
-    rows = [json.loads(ln) for ln in MT_BENCH.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    rows = [json.loads(ln) for ln in H.MT_BENCH.read_text(encoding="utf-8").splitlines() if ln.strip()]
     return [r for r in rows if len(r.get("turns", [])) >= 2][:n] if n else rows
 
 
@@ -505,7 +375,7 @@ async def p2_run(servers: dict, a, pair: Pair) -> dict:
     skipped = 0
     conns = {}
     for k, srv in servers.items():
-        conns[k] = await connect(srv.port).__aenter__()
+        conns[k] = await H.connect(srv.port).__aenter__()
     try:
         for qi, q in enumerate(qs):
             t1, t2 = q["turns"][0], q["turns"][1]
@@ -517,7 +387,7 @@ async def p2_run(servers: dict, a, pair: Pair) -> dict:
             for k in order:
                 eng = servers[k].engine
                 ws = conns[k]
-                r1 = await request(ws, f"q{qi}-1", {"messages": m1, "max_tokens": a.mt_max_tokens})
+                r1 = await H.request(ws, f"q{qi}-1", {"messages": m1, "max_tokens": a.mt_max_tokens})
                 m2 = m1 + [{"role": "assistant", "content": r1.text}, {"role": "user", "content": t2}]
                 n2 = chat_len(tok, m2)
                 if n2 + a.mt_turn2_tokens + 1 > pair.max_len:
@@ -525,7 +395,7 @@ async def p2_run(servers: dict, a, pair: Pair) -> dict:
                 await asyncio.sleep(0.02)
                 pc = eng.prefix_cache
                 q0, h0 = pc.queried_tokens, pc.hit_tokens
-                r2 = await request(ws, f"q{qi}-2", {"messages": m2, "max_tokens": a.mt_turn2_tokens})
+                r2 = await H.request(ws, f"q{qi}-2", {"messages": m2, "max_tokens": a.mt_turn2_tokens})
                 p = per[k]
                 p["t2_query"] += pc.queried_tokens - q0
                 p["t2_hit"] += pc.hit_tokens - h0
@@ -549,11 +419,11 @@ def part2(a, pair: Pair) -> dict:
         for k, extra in flags.items():
             servers[k] = start_server(pair, a, extra)
         log(f"part 2: {a.mt_questions} MT-bench questions, alternating servers")
-        res = run_async(p2_run(servers, a, pair))
+        res = H.run_async(p2_run(servers, a, pair))
         out = {"pair": pair.name, "questions": res["questions"], "skipped_too_long": res["skipped"], "servers": {}}
         for k, srv in servers.items():
             p = res["per"][k]
-            text = http_get(srv.port, "/metrics")
+            text = H.http_get(srv.port, "/metrics")
             out["servers"][k] = {
                 "flags": flags[k],
                 "n": len(p["turn2_ttft"]),
@@ -566,7 +436,7 @@ def part2(a, pair: Pair) -> dict:
                 },
                 "turn2_server_ttft_ms_p50": percentile(p["turn2_server_ttft"], 50),
                 "turn2_prompt_tokens_mean": statistics.mean(p["turn2_prompt"]) if p["turn2_prompt"] else None,
-                "metrics_prefix_cache_hit_rate": metric_value(text, "specd_prefix_cache_hit_rate"),
+                "metrics_prefix_cache_hit_rate": H.metric_value(text, "specd_prefix_cache_hit_rate"),
                 "turn2_hit_rate": p["t2_hit"] / p["t2_query"] if p["t2_query"] else 0.0,
                 "turn2_cached_tokens_mean": p["t2_hit"] / len(p["turn2_ttft"]) if p["turn2_ttft"] else None,
             }
@@ -584,7 +454,7 @@ async def p3_round(conns: list, bodies: list, mode: str, tag: str) -> dict:
     t0 = time.perf_counter()
     rs = await asyncio.gather(
         *(
-            request(ws, f"{tag}-{i}", {**b, "speculation": {"mode": mode}})
+            H.request(ws, f"{tag}-{i}", {**b, "speculation": {"mode": mode}})
             for i, (ws, b) in enumerate(zip(conns, bodies))
         )
     )
@@ -614,7 +484,7 @@ async def p3_run(srv, a, pair: Pair) -> dict:
     modes = ["auto", "tree", "off"]
     conc = [int(x) for x in a.p3_concurrency.split(",")]
     out = {}
-    conns = [await connect(srv.port).__aenter__() for _ in range(max(conc))]
+    conns = [await H.connect(srv.port).__aenter__() for _ in range(max(conc))]
     try:
         base = [{**b, "max_tokens": a.p3_tokens, "ignore_eos": True} for b in prompts_for(pair, max(conc), 200)]
         for c in conc:  # warm-up rounds (discarded) at every concurrency: first-call costs; the adaptive
@@ -667,7 +537,7 @@ def part3(a, pair: Pair) -> dict:
     eng = srv.engine
     try:
         log(f"part 3 [{pair.name}]: concurrency {a.p3_concurrency}, {a.p3_repeats} repeats")
-        rows = run_async(p3_run(srv, a, pair))
+        rows = H.run_async(p3_run(srv, a, pair))
         return {
             "pair": pair.name,
             "flags": [],
@@ -684,7 +554,8 @@ def part3(a, pair: Pair) -> dict:
 
 # environment ------------------------------------------------------------------------------------
 def environment(a) -> dict:
-    import torch
+    """``harness.run_meta`` plus what a latency figure also depends on: the load average, the client
+    and server libraries, whether specd/ had uncommitted changes."""
     import websockets
 
     def ver(mod):
@@ -693,24 +564,16 @@ def environment(a) -> dict:
         except Exception:  # noqa: BLE001
             return None
 
-    return {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "cpu": H.cpu_name(),
-        "cpus": os.cpu_count(),
-        "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "websockets": websockets.__version__,
-        "transformers": ver("transformers"),
-        "orjson": ver("orjson"),
-        "uvloop": ver("uvloop"),
-        "git_commit": H.git("rev-parse", "--short", "HEAD"),
-        "git_dirty_specd": bool(H.git("status", "--porcelain", "--", "specd")),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-    }
+    env = H.run_meta(COMMAND, None, a.device)
+    env.update(
+        loadavg_start=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        websockets=websockets.__version__,
+        orjson=ver("orjson"),
+        uvloop=ver("uvloop"),
+        git_dirty_specd=bool(H.git("status", "--porcelain", "--", "specd")),
+        omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+    )
+    return env
 
 
 # report -----------------------------------------------------------------------------------------
@@ -729,14 +592,15 @@ def markdown(rep: dict, pairs: dict, a) -> str:
 def md_header(rep: dict, a) -> list:
     L = []
     env = rep["env"]
-    L.append("### Latency benchmark (`eval/bench_latency.py`)\n")
+    v = env["versions"]
+    L.append("### Latency benchmark (`python -m eval load latency`)\n")
     L.append(f"`{rep['command']}`\n")
     L.append(
-        f"{env['date']} on `{env['host']}`: {env['cpu']}, {env['cpus']} CPUs, load average at start "
+        f"{env['date']} on `{env['host']}`: {env['cpu']}, {env['cpu_count']} CPUs, load average at start "
         f"{' '.join(f'{x:.1f}' for x in env['loadavg_start'] or [])} / end "
-        f"{' '.join(f'{x:.1f}' for x in rep.get('loadavg_end') or [])}; Python {env['python']}, torch "
-        f"{env['torch']} ({env['torch_threads']} thread), websockets {env['websockets']}, uvloop "
-        f"{env['uvloop']}, transformers {env['transformers']}; specd {env['git_commit']}"
+        f"{' '.join(f'{x:.1f}' for x in rep.get('loadavg_end') or [])}; Python {v['python']}, torch "
+        f"{v['torch']} ({env['torch_threads']} thread), websockets {env['websockets']}, uvloop "
+        f"{env['uvloop']}, transformers {v['transformers']}; specd {env['git_commit']}"
         f"{' (+ uncommitted specd/ changes)' if env['git_dirty_specd'] else ''}; total {rep['wall_s']:.0f} s. "
         f"Servers: `ServerThread` in this process, `specd serve` defaults (spec mode tree, adaptive), "
         f"`--num-blocks {a.num_blocks}`, device {a.device}, greedy.\n"
@@ -937,7 +801,7 @@ def parse_args(argv=None):
 
 def command(argv) -> str:
     """The command line that reproduces the run (with its thread count)."""
-    return f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " + H.command_line("bench_latency", argv)
+    return f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " + H.command_line(COMMAND, argv)
 
 
 def main(argv=None) -> int:
@@ -952,7 +816,7 @@ def main(argv=None) -> int:
     pairs = {}
     for name in sorted(need):
         log(f"loading {name} pair")
-        pairs[name] = load_pair(name, DEMO if name == "demo" else SHARED, a.device, a.dtype)
+        pairs[name] = load_pair(name, DEMO if name == "demo" else STORIES, a.device, a.dtype)
     if "1" in parts:
         rep["part1"] = part1(a, pairs["demo"])
     if "2" in parts:

@@ -1,7 +1,7 @@
 """The real-model benchmark (issue #16 item 6): specd against transformers and llama.cpp, Spec-Bench form.
 
     make bench          # the built-in pair: SmolLM2-135M-Instruct Q4_1 GGUF + models/smollm2-draft
-    python -m eval.bench_real --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    python -m eval bench --target ~/.cache/specd/models/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --draft models/smollm2-draft --prompts ../shared/data/spec_bench/question.jsonl \\
         --per-category 8 --max-tokens 256 --batch 1,4 --threads 2 --out eval/out/bench_real
 
@@ -20,11 +20,14 @@ the target's chat template, or ``--raw``; the same ``--threads`` for all):
 - ``llamacpp:plain``, ``llamacpp:pld[:K]``: llama.cpp (llama-cpp-python, ``make bench-deps``) on the
   target's GGUF file, plain and with its prompt-lookup drafting; skipped with a note when
   ``llama_cpp`` is not importable or the target is not a GGUF file
+- ``ct2:generate``: CTranslate2 (``pip install ctranslate2``) on the target converted from its HF
+  checkpoint with its own converter (target only: it has no draft-model speculation); skipped with
+  a note when ``ctranslate2`` is not importable
 
 Batch 1 runs every system; batch B > 1 (``--batch 1,4``) runs the systems with a batched generate
 (specd, ``hf:generate``, ``llamacpp:plain`` with parallel sequences) on groups of B prompts of one category;
 the others are n/a there. Per batch
-size one run, systems rotated from group to group (``peers.time_rotated``). Reported per system and
+size one run, systems rotated from group to group (``harness.time_rotated``). Reported per system and
 Spec-Bench category: tokens/s (output tokens / wall time, prefill included), speedup over specd:off
 on the same prompts, mean accepted length (tokens per target forward; pooled) and greedy agreement
 with specd:off. Then a profile of one decode step of each specd mode (``profile_step``) and the
@@ -41,9 +44,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from eval import common as C
 from eval import harness as H
-from eval import peers as P
+
+COMMAND = "bench"  # python -m eval bench (this module's ``main``)
 
 DEFAULT_SYSTEMS = (
     "specd:off,specd:chain:4,specd:tree:16,hf:generate,hf:assisted:k4,hf:pld:10,llamacpp:plain,llamacpp:pld:10"
@@ -70,7 +73,7 @@ class Skip(Exception):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    C.add_model_prompt_args(ap, max_tokens=256)
+    H.add_model_prompt_args(ap, max_tokens=256)
     ap.add_argument("--systems", default=DEFAULT_SYSTEMS)
     ap.add_argument("--head", default=None, help="feature head for specd+head systems (default: the built-in head)")
     ap.add_argument("--batch", default="1,4", help="batch sizes, one run each (comma list)")
@@ -100,29 +103,20 @@ def quantizations(a) -> list:
 def load_pair(a, quantization: str = "none"):
     """(target, draft, hf_draft_ok) with the target's weights in ``quantization`` (the draft float;
     a reduced-vocabulary draft uses the target's embeddings and head rows in the target's format)."""
-    from specd.model.loader import checkpoint_folder, draft_spec, load_model
+    from specd.model.loader import checkpoint_folder, draft_spec
 
     for what, path in (("target", a.target), ("draft", a.draft)):
         if not Path(path).exists():
-            raise SystemExit(f"bench_real: the {what} {path} does not exist (make: BENCH_DRAFT=DIR for another draft)")
-    target = C.load_variant(a.target, quantization, a.device, a.dtype, progress=False)
-    dtype = str(target.dtype).removeprefix("torch.")  # the draft computes in the target's dtype
-    draft = load_model(a.draft, a.device, dtype, progress=False, target=target)
-    hf_draft_ok = draft_spec(checkpoint_folder(a.draft)) is None
-    return target, draft, hf_draft_ok
+            raise SystemExit(f"bench: the {what} {path} does not exist (make: BENCH_DRAFT=DIR for another draft)")
+    target, draft = H.load_pair(a.target, a.draft, a.device, a.dtype, quantization)
+    return target, draft, draft_spec(checkpoint_folder(a.draft)) is None
 
 
 def encode_prompts(a, target):
-    cats = [c.strip() for c in a.categories.split(",")] if a.categories else None
-    prompts = C.load_prompts(a.prompts, a.limit, cats, a.per_category, max_turns=1)
-    tok = target.tokenizer
-    chat = a.chat_template if a.chat_template is not None else C.has_chat_template(tok)
-    max_prompt = target.config.max_position_embeddings - a.max_tokens - 1
-    ids = [
-        C.fit_prompt(C.encode_conversation(tok, p.turns[:1], [], chat), max_prompt, target.config.bos_token_id)[0]
-        for p in prompts
-    ]
-    return prompts, ids, chat
+    """(prompts, first-turn token ids, chat template used) for the arguments (``harness.first_turns``)."""
+    return H.first_turns(
+        a.prompts, target, a.max_tokens, a.chat_template, a.limit, H.split_list(a.categories), a.per_category
+    )
 
 
 def make_context(a, target, draft, hf_draft_ok, ids_list, batches, pairs=None):
@@ -156,60 +150,86 @@ def _hf_model(ctx, path):
 
 
 def make_system(name: str, ctx):
-    """One system by name (see the module doc); raises Skip with the reason when it cannot run."""
-    a = ctx.a
+    """One system by name (see the module doc), or a list of them (one specd system per weight
+    format); raises Skip with the reason when it cannot run."""
     kind, _, arg = name.partition(":")
-    if kind == "specd":
-        return _specd_systems(arg, ctx)
-    if kind == "specd+head":
-        from specd.model import builtin
-
-        head = a.head or builtin.head_path()
-        if head is None:
-            raise Skip("no feature head (--head DIR; the built-in one is missing): specd+head systems skipped")
-        return _specd_systems(arg, ctx, head=str(head))
-    if kind == "hf":
-        if ctx.hf is None:
-            ctx.hf = _hf_model(ctx, a.target)
-        how, _, k = arg.partition(":")
-        if how == "generate":
-            return P.HF(name, ctx.hf, a.max_tokens, ctx.eos, pad_id=ctx.pad)
-        if how == "pld":
-            return P.HF(name, ctx.hf, a.max_tokens, ctx.eos, prompt_lookup=int(k or PLD_K), pad_id=ctx.pad)
-        if how == "assisted":
-            if not ctx.hf_draft_ok:
-                raise Skip(HF_DRAFT_NOTE)
-            k_ = int(k.lstrip("k")) if k else None
-            return P.HF(
-                name, ctx.hf, a.max_tokens, ctx.eos, assistant=_hf_model(ctx, a.draft), assist_k=k_, pad_id=ctx.pad
-            )
-    if kind == "llamacpp":
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            raise Skip("llama-cpp-python is not installed (make bench-deps): llama.cpp systems skipped") from None
-        if not str(a.target).endswith(".gguf"):
-            raise Skip(f"llama.cpp needs a .gguf target, not {a.target}: skipped")
-        how, _, k = arg.partition(":")
-        if how in ("plain", "pld"):
-            return P.LlamaCpp(
-                name,
-                a.target,
-                a.threads,
-                ctx.n_ctx,
-                a.max_tokens,
-                ctx.eos,
-                pld=int(k or PLD_K) if how == "pld" else None,
-            )
-    raise ValueError(f"unknown system {name!r} (see --help)")
+    build = {"specd": _specd_systems, "specd+head": _head_systems, "hf": _hf_system, "llamacpp": _llamacpp_system}
+    build["ct2"] = _ct2_system
+    made = build[kind](name, arg, ctx) if kind in build else None
+    if made is None:
+        raise ValueError(f"unknown system {name!r} (see --help)")
+    return made
 
 
-def _specd_systems(arg: str, ctx, head: str | None = None) -> list:
+def _head_systems(name: str, arg: str, ctx) -> list:
+    from specd.model import builtin
+
+    head = ctx.a.head or builtin.head_path()
+    if head is None:
+        raise Skip("no feature head (--head DIR; the built-in one is missing): specd+head systems skipped")
+    return _specd_systems(name, arg, ctx, head=str(head))
+
+
+def _hf_system(name: str, arg: str, ctx):
+    a = ctx.a
+    if ctx.hf is None:
+        ctx.hf = _hf_model(ctx, a.target)
+    how, _, k = arg.partition(":")
+    if how == "generate":
+        return H.HF(name, ctx.hf, a.max_tokens, ctx.eos, pad_id=ctx.pad)
+    if how == "pld":
+        return H.HF(name, ctx.hf, a.max_tokens, ctx.eos, prompt_lookup=int(k or PLD_K), pad_id=ctx.pad)
+    if how == "assisted":
+        if not ctx.hf_draft_ok:
+            raise Skip(HF_DRAFT_NOTE)
+        k_ = int(k.lstrip("k")) if k else None
+        draft = _hf_model(ctx, a.draft)
+        return H.HF(name, ctx.hf, a.max_tokens, ctx.eos, assistant=draft, assist_k=k_, pad_id=ctx.pad)
+    return None
+
+
+def _llamacpp_system(name: str, arg: str, ctx):
+    a = ctx.a
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        raise Skip("llama-cpp-python is not installed (make bench-deps): llama.cpp systems skipped") from None
+    if not str(a.target).endswith(".gguf"):
+        raise Skip(f"llama.cpp needs a .gguf target, not {a.target}: skipped")
+    how, _, k = arg.partition(":")
+    if how not in ("plain", "pld"):
+        return None
+    pld = int(k or PLD_K) if how == "pld" else None
+    return H.LlamaCpp(name, a.target, a.threads, ctx.n_ctx, a.max_tokens, ctx.eos, pld=pld)
+
+
+def _ct2_system(name: str, arg: str, ctx):
+    """CTranslate2 on the target's HF folder (a GGUF file's converted folder), converted into a
+    temporary folder removed at exit."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from specd.model.loader import checkpoint_folder
+
+    if arg != "generate":
+        return None
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError:
+        raise Skip("ctranslate2 is not installed (pip install ctranslate2): skipped") from None
+    tmp = tempfile.mkdtemp(prefix="specd-ct2-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    a = ctx.a
+    return H.CT2(checkpoint_folder(a.target), tmp, ctx.target.tokenizer, a.max_tokens, ctx.eos, a.threads)
+
+
+def _specd_systems(name: str, arg: str, ctx, head: str | None = None) -> list:
     """One specd system per quantization of ``ctx.pairs`` (named ``specd[Q]:MODE`` when several);
     ``head``: the feature head as the model proposer (named ``specd+head...``)."""
     out = []
     for q, (target, draft) in ctx.pairs.items():
-        s = P.Specd(C.Mode.parse(arg or "off"), target, draft, str(target.device), ctx.a.max_tokens, prefix_cache=False,
+        s = H.Specd(H.Mode.parse(arg or "off"), target, draft, str(target.device), ctx.a.max_tokens, prefix_cache=False,
                     memory_bytes=ctx.memory, max_num_seqs=ctx.max_seqs, head=head)  # fmt: skip
         if head is not None:
             s.name = s.name.replace("specd:", "specd+head:", 1)
@@ -233,9 +253,9 @@ def build_systems(names: list, ctx) -> tuple:
 
 def batched(s) -> bool:
     """Systems with a batched generate: specd, transformers plain, llama.cpp plain (parallel sequences)."""
-    if isinstance(s, P.LlamaCpp):
+    if isinstance(s, H.LlamaCpp):
         return s.draft is None
-    return isinstance(s, P.Specd) or (isinstance(s, P.HF) and not s.speculative)
+    return isinstance(s, H.Specd) or (isinstance(s, H.HF) and not s.speculative)
 
 
 def warm_up(systems: list, ids: list, batch: int, max_tokens: int) -> None:
@@ -247,19 +267,6 @@ def warm_up(systems: list, ids: list, batch: int, max_tokens: int) -> None:
         else:
             s.batch([ids] * batch)
         s.set_max_tokens(max_tokens)
-
-
-def groups_of(prompts: list, ids_list: list, b: int) -> list:
-    """Consecutive groups of ``b`` prompts of one category (a category's last group may be smaller)."""
-    by: dict = {}
-    for p, ids in zip(prompts, ids_list):
-        by.setdefault(p.category, []).append((p, ids))
-    out = []
-    for items in by.values():
-        for i in range(0, len(items), b):
-            chunk = items[i : i + b]
-            out.append(([p for p, _ in chunk], [x for _, x in chunk]))
-    return out
 
 
 # figures ----------------------------------------------------------------------------------------
@@ -484,13 +491,13 @@ def batch_tables(b: int, res: dict, cats: list, na: list, ref: str, sizes: dict)
             "",
             f"Speedup over {ref} (tokens/s ratio on the same prompts), Spec-Bench form:",
             "",
-            C.md_table(
+            H.md_table(
                 ["system"] + titles + ["mean accepted length", "overall speedup", "tokens/s", f"greedy == {ref}"], lead
             ),
             "",
             "Tokens/s per category (output tokens / wall time, prefill included):",
             "",
-            C.md_table(["system"] + titles + ["overall"], tps),
+            H.md_table(["system"] + titles + ["overall"], tps),
             "",
         ]
         + [f"- {n}: n/a ({why})" for n, why in na]
@@ -549,7 +556,7 @@ def render_profile(profile: dict) -> list:
     return [
         "## One decode step (batch 1, mean over steady steps, ms)",
         "",
-        C.md_table(["system"] + [h for h, _ in PROFILE_COLUMNS], rows),
+        H.md_table(["system"] + [h for h, _ in PROFILE_COLUMNS], rows),
         "",
     ]
 
@@ -573,14 +580,14 @@ def floor_lines(f: dict) -> list:
         f"## Memory-bandwidth floor of one target step ({bw['read_GBps']} GB/s read; copy {bw['copy_GBps']} GB/s, "
         f"{bw['buffer_mib']} MiB, {bw['threads']} threads)",
         "",
-        C.md_table(head, rows),
+        H.md_table(head, rows),
         "",
     ]
 
 
 def plot(rep: dict, path) -> Path:
     """Left: overall tokens/s per system and batch size. Right: batch-1 speedup over the reference per category."""
-    plt = C._plt()
+    plt = H.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
     batches = list(rep["batches"])
     names = list(rep["batches"][batches[0]]["systems"])
@@ -611,7 +618,7 @@ def plot(rep: dict, path) -> Path:
     ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     m = rep["meta"]
     fig.suptitle(f"{Path(m['target']).name}, {m['threads']} threads, {m['cpu_info']['model']}", fontsize=9)
-    return C._save(fig, path)
+    return H.save_fig(fig, path)
 
 
 def plot_floor(rep: dict, path) -> Path | None:
@@ -620,7 +627,7 @@ def plot_floor(rep: dict, path) -> Path | None:
     f = rep.get("bandwidth_floor")
     if not f:
         return None
-    plt = C._plt()
+    plt = H.pyplot()
     res = rep["batches"][next(iter(rep["batches"]))]["systems"]
     names = list(res)
     fig, ax = plt.subplots(figsize=(11, 4.5))
@@ -637,13 +644,15 @@ def plot_floor(rep: dict, path) -> Path | None:
     ax.legend(fontsize=7)
     m = rep["meta"]
     ax.set_title(f"{Path(m['target']).name}, {m['threads']} threads, {m['cpu_info']['model']}", fontsize=9)
-    return C._save(fig, path)
+    return H.save_fig(fig, path)
 
 
 # run --------------------------------------------------------------------------------------------
 def na_reason(s) -> str:
-    if isinstance(s, P.LlamaCpp):
+    if isinstance(s, H.LlamaCpp):
         return "llama-cpp-python has no batched generate"
+    if isinstance(s, H.CT2):
+        return "the CTranslate2 system runs batch 1 only"
     return "transformers assisted generation and prompt lookup run batch 1 only"
 
 
@@ -652,11 +661,11 @@ def run_batches(systems: list, prompts: list, ids: list, batches: list, cats: li
     for b in batches:
         run = systems if b == 1 else [s for s in systems if batched(s)]
         warm_up(run, ids[0][:64], b, a.max_tokens)
-        rows = P.time_rotated(run, groups_of(prompts, ids, b), not a.no_progress, desc=f"batch {b}")
+        rows = H.time_rotated(run, H.groups_of(prompts, ids, b), not a.no_progress, desc=f"batch {b}")
         res = summarize(rows, [s.name for s in run], cats, ref)
         for r in rows:
             r.pop("output_ids")
-        sizes = [len(ps) for ps, _ in groups_of(prompts, ids, b)]
+        sizes = [len(ps) for ps, _ in H.groups_of(prompts, ids, b)]
         out[str(b)] = {
             "systems": res,
             "n/a": [(s.name, na_reason(s)) for s in systems if s not in run],
@@ -704,19 +713,19 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     names = [n.strip() for n in a.systems.split(",") if n.strip()]
     batches = [int(x) for x in a.batch.split(",") if x.strip()]
-    meta = H.run_meta("bench_real", argv, a.device)
+    meta = H.run_meta(COMMAND, argv, a.device)
     meta.update(threads=a.threads, cpu_info=H.cpu_info(), **library_info(names))
     print(header(meta), flush=True)
     pairs, prompts, ids, chat, ctx, systems, notes = setup(a, names, batches)
     target = next(iter(pairs.values()))[0]
-    offs = [s.name for s in systems if isinstance(s, P.Specd) and s.name.endswith(":off")]
+    offs = [s.name for s in systems if isinstance(s, H.Specd) and s.name.endswith(":off")]
     ref = offs[0] if offs else systems[0].name
     cats = list(dict.fromkeys(p.category for p in prompts))
     res = run_batches(systems, prompts, ids, batches, cats, ref, a)
     profile = {
         s.name: profile_step(s, ids[0], a.profile_tokens)
         for s in systems
-        if isinstance(s, P.Specd) and a.profile_tokens > 0
+        if isinstance(s, H.Specd) and a.profile_tokens > 0
     }
     floor = bandwidth_floor(pairs, a.target, profile)
     meta.update(
@@ -732,7 +741,7 @@ def main(argv=None) -> int:
         elapsed_s=round(time.perf_counter() - t_start, 1),
     )
     rep = {
-        "schema": C.SCHEMA,
+        "schema": H.SCHEMA,
         "kind": "bench_real",
         "meta": meta,
         "reference": ref,
@@ -743,9 +752,8 @@ def main(argv=None) -> int:
         "profile": profile,
         "bandwidth_floor": floor,
     }
-    out = Path(a.out) if a.out else C.default_out("bench_real")
-    out.mkdir(parents=True, exist_ok=True)
-    C.write_json(out / "report.json", rep)
+    out = H.out_dir(a.out, "bench")
+    H.write_json(out / "report.json", rep)
     md = render(rep)
     (out / "summary.md").write_text(md, encoding="utf-8")
     plot(rep, out / "bench_real.png")

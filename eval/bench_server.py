@@ -1,6 +1,6 @@
 """Websocket delivery vs in-process engine: tokens/s and time to first token for the same requests.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m eval.bench_server [--target DIR --draft DIR] [--max-tokens 128]
+    OMP_NUM_THREADS=1 .venv/bin/python -m eval load server [--target DIR --draft DIR] [--max-tokens 128]
         [--concurrency 1,8] [--spec tree] [--rounds 3] [--repeats 3] [--stream-interval-ms MS]
 
 In one run: the same greedy requests go (a) straight to an ``Engine`` (``add_request`` + ``step()``
@@ -42,16 +42,8 @@ import orjson
 from eval import harness as H
 from eval.harness import ROOT, median
 
-PROMPTS = [
-    "Once upon a time",
-    "The little dog",
-    "Lily and Tom went to the park",
-    "One day, a big bird",
-    "There was a girl named Sue",
-    "The sun was hot and",
-    "Tim had a red ball",
-    "Mom said to Ben",
-]
+COMMAND = "load server"  # python -m eval load server (this module's ``main``)
+PROMPTS = H.STORY_PROMPTS[:8]
 
 
 def engine_args(a) -> list:
@@ -96,19 +88,7 @@ async def over_ws(url, prompts_text, max_tokens, spec_mode, ws):
     t0 = time.monotonic()
     first, done, tokens = {}, {}, {}
     for i, p in enumerate(prompts_text):
-        await ws.send(
-            orjson.dumps(
-                {
-                    "type": "generate",
-                    "id": str(i),
-                    "prompt": p,
-                    "max_tokens": max_tokens,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "speculation": {"mode": spec_mode},
-                }
-            ).decode()
-        )
+        await ws.send(orjson.dumps(generate_msg(i, p, max_tokens, spec_mode)).decode())
     while len(done) < len(prompts_text):
         m = orjson.loads(await ws.recv())
         rid = m["id"]
@@ -125,103 +105,47 @@ async def over_ws(url, prompts_text, max_tokens, spec_mode, ws):
     return n / wall, statistics.mean(ttft), [tokens[str(i)] for i in range(len(prompts_text))]
 
 
-def generate_frame(i: int, prompt: str, max_tokens: int, spec_mode: str) -> bytes:
-    """One masked client text frame carrying a ``generate`` request."""
-    payload = orjson.dumps(
-        {
-            "type": "generate",
-            "id": str(i),
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "speculation": {"mode": spec_mode},
-        }
-    )
-    mask = os.urandom(4)
-    ln = len(payload)
-    hdr = bytes((0x81, 0x80 | ln)) if ln < 126 else b"\x81\xfe" + ln.to_bytes(2, "big")
-    return hdr + mask + bytes(b ^ mask[k % 4] for k, b in enumerate(payload))
+def generate_msg(i: int, prompt: str, max_tokens: int, spec_mode: str) -> dict:
+    """The greedy ``generate`` request ``i`` of a run (``ignore_eos``: every path makes the same tokens)."""
+    return {
+        "type": "generate",
+        "id": str(i),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "speculation": {"mode": spec_mode},
+    }
 
 
 async def over_raw_ws(port, prompts_text, max_tokens, spec_mode):
-    """Like ``over_ws`` with a lean client: a raw socket that only appends what arrives (and looks
-    for the ends of requests); frames are parsed after the run. On a 2-CPU box the client shares
-    the server's CPU and its per-message work (the websockets library, JSON per frame) competes with
-    the system under test; real clients run elsewhere. A fresh connection per run (no pings)."""
-    import base64
-
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    key = base64.b64encode(os.urandom(16)).decode()
-    writer.write(
-        f"GET /ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-        f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
-    )
-    head = await reader.readuntil(b"\r\n\r\n")
-    if b" 101 " not in head.split(b"\r\n", 1)[0]:
-        raise RuntimeError(f"websocket upgrade refused: {head[:200]!r}")
+    """Like ``over_ws`` with a lean client (``harness.ws_open``: a raw socket that only appends what
+    arrives and looks for the ends of requests; frames parsed after the run). On a 2-CPU box the
+    client shares the server's CPU and its per-message work (the websockets library, JSON per frame)
+    competes with the system under test; real clients run elsewhere. A fresh connection per run."""
+    reader, writer = await H.ws_open(port, "/ws")
     n = len(prompts_text)
     t0 = time.monotonic()
-    writer.write(b"".join(generate_frame(i, p, max_tokens, spec_mode) for i, p in enumerate(prompts_text)))
-    chunks = await read_until_ends(reader, n)
+    frames = (
+        H.masked_frame(orjson.dumps(generate_msg(i, p, max_tokens, spec_mode))) for i, p in enumerate(prompts_text)
+    )
+    writer.write(b"".join(frames))
+    ends = lambda b: b.count(b'"type":"done"') + b.count(b'"type":"error"')  # noqa: E731
+    chunks = await H.read_until(reader, ends, n)
     writer.close()
-    first, done, tokens = parse_frames(chunks)
-    wall = max(done.values()) - t0
-    ntok = sum(len(v) for v in tokens.values())
-    ttft = [(first[str(i)] - t0) * 1000 for i in range(n)]
-    return ntok / wall, statistics.mean(ttft), [tokens[str(i)] for i in range(n)]
-
-
-async def read_until_ends(reader, n: int) -> list:
-    """Raw chunks, each with its arrival time, until ``n`` requests have ended (done or error)."""
-    chunks, ends, tail = [], 0, b""
-    marks = (b'"type":"done"', b'"type":"error"')
-    while ends < n:
-        chunk = await reader.read(1 << 16)
-        if not chunk:
-            raise RuntimeError("connection closed by the server")
-        chunks.append((time.monotonic(), chunk))
-        scan = tail + chunk
-        ends += sum(scan.count(m) for m in marks) - sum(tail.count(m) for m in marks)
-        tail = scan[-16:]
-    return chunks
-
-
-def parse_frames(chunks: list) -> tuple:
-    """The server frames in ``chunks``, each stamped with its chunk's arrival time: per request id
-    the first delta's time, the done's time and the tokens."""
     first, done, tokens = {}, {}, {}
-    buf = bytearray()
-    for t, chunk in chunks:
-        buf += chunk
-        pos = 0
-        while len(buf) - pos >= 2:
-            ln = buf[pos + 1] & 0x7F
-            hl = 2 if ln < 126 else (4 if ln == 126 else 10)
-            if len(buf) - pos < hl:
-                break
-            if ln == 126:
-                ln = int.from_bytes(buf[pos + 2 : pos + 4], "big")
-            elif ln == 127:
-                ln = int.from_bytes(buf[pos + 2 : pos + 10], "big")
-            if len(buf) - pos - hl < ln:
-                break
-            op = buf[pos] & 0x0F
-            body = bytes(buf[pos + hl : pos + hl + ln])
-            pos += hl + ln
-            if op != 1:
-                continue
-            m = orjson.loads(body)
-            rid = m.get("id")
-            if m["type"] == "delta":
-                first.setdefault(rid, t)
-                tokens.setdefault(rid, []).extend(m["token_ids"])
-            elif m["type"] == "done":
-                done[rid] = t
-            else:
-                raise RuntimeError(m)
-        del buf[:pos]
-    return first, done, tokens
+    for t, m in H.ws_frames(chunks):
+        rid = m.get("id")
+        if m["type"] == "delta":
+            first.setdefault(rid, t)
+            tokens.setdefault(rid, []).extend(m["token_ids"])
+        elif m["type"] == "done":
+            done[rid] = t
+        else:
+            raise RuntimeError(m)
+    wall = max(done.values()) - t0
+    ttft = [(first[str(i)] - t0) * 1000 for i in range(n)]
+    return sum(len(v) for v in tokens.values()) / wall, statistics.mean(ttft), [tokens[str(i)] for i in range(n)]
 
 
 def start_server(a) -> H.Daemon:
@@ -236,16 +160,6 @@ def start_server(a) -> H.Daemon:
         ],
         child=True,
     )
-
-
-def cpu_layout(pin: bool):
-    """(server CPUs, engine CPUs) as ``specd serve --cpu-split`` assigns them, or None unpinned."""
-    if not pin or not hasattr(os, "sched_getaffinity"):
-        return None
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return None
-    return set(cpus[:1]), set(cpus[1:])
 
 
 class Baseline:
@@ -356,7 +270,7 @@ def main(argv=None) -> int:
         return baseline_worker(a)
     if a.rounds < 1 or a.repeats < 1:
         p.error("--rounds and --repeats must be >= 1")
-    layout = cpu_layout(a.pin)
+    layout = H.cpu_layout(a.pin)
     a.pin = layout is not None
     cells, device = measure(a, layout)
     print_report(a, table_rows(cells), layout, device)
@@ -434,23 +348,13 @@ def table_rows(cells: dict) -> list:
     return rows
 
 
-def short(x) -> str:
-    if not x:
-        return "-"
-    x = Path(x).resolve()
-    for base in (ROOT, ROOT.parent):
-        if x.is_relative_to(base):
-            return str(x.relative_to(base))
-    return str(x)
-
-
 def print_report(a, rows: list, layout, device: str) -> None:
-    print(f"\n`OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} {H.command_line('bench_server', None)}`\n")
+    print(f"\n`OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} {H.command_line(COMMAND, None)}`\n")
     load = " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     si = "serve's default" if a.stream_interval_ms is None else f"{a.stream_interval_ms:g} ms"
     place = f"pinned: engine CPU {sorted(layout[1])}, server + client CPU {sorted(layout[0])}" if layout else "unpinned"
     print(
-        f"target `{short(a.target)}`, draft `{short(a.draft)}`, device {device}, "
+        f"target `{H.short_path(a.target)}`, draft `{H.short_path(a.draft)}`, device {device}, "
         f"greedy, {a.max_tokens} tokens per request (ignore_eos), medians of {a.rounds} rounds x {a.repeats} runs, "
         f"{os.cpu_count()} CPUs ({place}), stream interval {si}, {a.client} client, load average {load}\n"
     )

@@ -11,7 +11,7 @@ steps after every request's first token / their wall time. Every configuration's
 checked identical to TP=1's. Prints the CPU (model, SIMD flags), versions and a Markdown table;
 ``--json`` writes everything.
 
-    OMP_NUM_THREADS=1 python -m eval.bench_tp --max-tokens 48 --repeats 5 --json eval/out/bench_tp.json
+    OMP_NUM_THREADS=1 python -m eval bench tp --max-tokens 48 --repeats 5 --json eval/out/bench_tp.json
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import time
 import torch
 
 from eval import harness as H
-from eval.common import md_table, write_json
+
+COMMAND = "bench tp"  # python -m eval bench tp (this module's ``main``)
 
 TEXTS = [
     "The capital of France is",
@@ -135,12 +136,12 @@ def report(a, samples: dict, engines: dict, argv) -> dict:
     for b, sec in probe.items():
         print(f"all-reduce of [{b}, hidden] fp32 with both ranks ready: {1e6 * sec:.0f} us")
     res["allreduce_probe_us"] = {str(b): 1e6 * sec for b, sec in probe.items()}
-    meta = H.run_meta("bench_tp", argv)
+    meta = H.run_meta(COMMAND, argv)
     cpu = H.cpu_info()
     print(f"\n{meta['date']}  `{meta['command']}`")
     print(f"CPU {cpu['model']} ({cpu['usable_cpus']} usable), SIMD {' '.join(cpu['simd_flags'])}; {meta['versions']}\n")
     heads = ["batch", "configuration", "decode tok/s", "vs TP=1 2 threads", "step ms", "all-reduce ms/step"]
-    print(md_table(heads + ["all-reduce share", "LM-head collectives ms/step", "same tokens"], rows))
+    print(H.md_table(heads + ["all-reduce share", "LM-head collectives ms/step", "same tokens"], rows))
     return {"meta": meta, "cpu": {k: v for k, v in cpu.items() if k != "flags"}, "flags": cpu["flags"], "results": res}
 
 
@@ -156,7 +157,7 @@ def main(argv=None) -> None:
         for e in engines.values():
             e.close()
     if a.json:
-        write_json(a.json, out)
+        H.write_json(a.json, out)
 
 
 if __name__ == "__main__":

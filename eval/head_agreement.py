@@ -9,7 +9,7 @@ head then predicts every reply position through EAGLE-3's training-time test
 step 0 unmasked is the first draft token's acceptance rate). Evaluation prompts are measured here,
 never trained on.
 
-    OMP_NUM_THREADS=2 python -m eval.head_agreement --per-category 8 --max-tokens 256 \\
+    OMP_NUM_THREADS=2 python -m eval accept heads --per-category 8 --max-tokens 256 \\
         --heads models/smollm2-head,/path/to/other/head --out eval/out/head_agreement
 """
 
@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
-from eval import common as C
 from eval import harness as H
+
+COMMAND = "accept heads"  # python -m eval accept heads (this module's ``main``)
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default=None, help="target (default: the built-in model)")
     ap.add_argument("--heads", default=None, help="comma list of head folders (default: the built-in head)")
-    ap.add_argument("--prompts", default=str(H.ROOT.parent / "shared/data/spec_bench/question.jsonl"))
+    ap.add_argument("--prompts", default=str(H.SPEC_BENCH))
     ap.add_argument("--per-category", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3, help="unrolled draft steps (tree depths) measured")
@@ -51,9 +51,9 @@ def target_replies(args) -> tuple:
     target = args.target or str(builtin.builtin_gguf())
     cfg = EngineConfig(target=target, act_quant=args.act_quant, dtype=args.dtype, cache=CacheConfig(num_blocks=4096))
     eng = Engine(cfg)
-    rows = C.load_prompts(args.prompts, per_category=args.per_category)
-    chat = C.has_chat_template(eng.tokenizer)
-    ids = [C.encode_conversation(eng.tokenizer, p.turns[:1], [], chat) for p in rows]
+    rows = H.load_prompts(args.prompts, per_category=args.per_category)
+    chat = H.has_chat_template(eng.tokenizer)
+    ids = [H.encode_conversation(eng.tokenizer, p.turns[:1], [], chat) for p in rows]
     seqs = eng.generate(ids, SamplingParams(temperature=0.0, max_tokens=args.max_tokens), SpecParams("off"))
     return eng, [p.category for p in rows], [(s.tokens[:], s.num_prompt) for s in seqs]
 
@@ -91,7 +91,7 @@ def summary(table: dict) -> str:
             " / ".join(f"{u:.1%} ({m:.1%})" for u, m in zip(by_cat[c]["unmasked"], by_cat[c]["masked"])) for c in cats
         ]
         rows.append([name, *cells])
-    lines.append(C.md_table(["head", *cats], rows))
+    lines.append(H.md_table(["head", *cats], rows))
     return "\n".join(lines)
 
 
@@ -109,10 +109,9 @@ def main(argv=None) -> int:
     table = agreement_table(eng.target, heads, cats, data, args.steps)
     text = summary(table)
     print(text)
-    out = Path(args.out) if args.out else C.default_out("head_agreement")
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = "python -m eval.head_agreement " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
-    C.write_json(out / "results.json", {"command": cmd, "replies": len(data), "agreement": table})
+    out = H.out_dir(args.out, "head_agreement")
+    cmd = H.command_line(COMMAND, argv)
+    H.write_json(out / "results.json", {"command": cmd, "replies": len(data), "agreement": table})
     (out / "summary.md").write_text(f"# Head agreement\n\n- command: `{cmd}`\n\n{text}\n")
     H.log(f"wrote {out} ({time.perf_counter() - t0:.0f} s)")
     return 0

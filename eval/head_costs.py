@@ -6,20 +6,19 @@ head over those rows; then the head's pieces for one draft row: ``fc`` (fusing t
 layer (through the CPU kernel where the engine drafts through it, else op by op), and its logits
 over the draft vocabulary. This is where a speculative step's time goes beyond a plain one.
 
-    OMP_NUM_THREADS=2 python -m eval.head_costs --rows 1,2,4,8 --context 200 --threads 2 [--cold-mb 256]
+    OMP_NUM_THREADS=2 python -m eval costs head --rows 1,2,4,8 --context 200 --threads 2 [--cold-mb 256]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from pathlib import Path
 
 import torch
 
-from eval import common as C
 from eval import harness as H
+from eval.harness.stats import median_ms  # (tests/test_head.py checks it through this module)
+
+COMMAND = "costs head"  # python -m eval costs head (this module's ``main``)
 
 
 def parse_args(argv=None):
@@ -36,46 +35,12 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def median_ms(f, reps: int, cold: torch.Tensor | None = None) -> float:
-    """Median ms of ``f()``; ``cold``: a buffer larger than the caches, read (untimed, so no dirty
-    lines are left to write back during ``f``) before each call, so that ``f``'s weights come from
-    memory, not from a cache the previous call warmed. (On a Xeon whose L3 holds the whole model, the
-    engine's steps find most weights in L3: the warm figures are the engine's there.)"""
-    for _ in range(max(2, reps // 20)):
-        f()
-    xs = []
-    for _ in range(reps):
-        if cold is not None:
-            cold.sum()
-        t = time.perf_counter()
-        f()
-        xs.append(time.perf_counter() - t)
-    return round(statistics.median(xs) * 1e3, 4)
-
-
-class _Prefix:
-    """A one-sequence paged cache of ``layers`` layers holding ``n`` rows; ``meta(w)``: W rows after them."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, n: int, extra: int, dtype, dev):
-        from specd.engine.kv_cache import KVCache
-
-        self.cache = KVCache(layers, kv_heads, head_dim, (n + extra) // 16 + 2, 16, dtype, dev)
-        self.seq, self.n, self.dev = self.cache.new_seq(), n, dev
-        self.seq.reserve(n + extra)
-
-    def meta(self, w: int, start: int | None = None):
-        from specd.model.attention import build_metadata
-
-        s = self.n if start is None else start
-        return build_metadata([w], [s], [self.seq.blocks], self.seq.slots(s, s + w), 16, self.dev)
-
-
 def target_costs(target, head, rows: list, ctx: int, reps: int, cold=None, kv_dtype=None) -> dict:
     from specd.model.attention import get_backend
 
     c, dev = target.config, target.device
     backend, g, V = get_backend("auto", dev), torch.Generator().manual_seed(0), c.vocab_size
-    pre = _Prefix(c.num_layers, c.num_kv_heads, c.head_dim, ctx, max(rows), kv_dtype or target.dtype, dev)
+    pre = H.PagedPrefix(c.num_layers, c.num_kv_heads, c.head_dim, ctx, max(rows), kv_dtype or target.dtype, dev)
     target.model(torch.randint(0, V, (ctx,), generator=g), torch.arange(ctx), pre.cache.kv, pre.meta(ctx, 0), backend)
     out = {}
     for w in rows:
@@ -98,7 +63,7 @@ def head_costs(target, head, ctx: int, reps: int, cold=None, kv_dtype=None) -> d
 
     hc, dev = head.cfg, target.device
     backend = get_backend("auto", dev)
-    pre = _Prefix(1, hc.num_kv_heads, hc.head_dim, ctx, 1, kv_dtype or target.dtype, dev)
+    pre = H.PagedPrefix(1, hc.num_kv_heads, hc.head_dim, ctx, 1, kv_dtype or target.dtype, dev)
     feats = torch.randn((ctx + 1, len(head.layers) * head.target_hidden), generator=torch.Generator().manual_seed(0))
     ids, x = torch.randint(0, target.config.vocab_size, (ctx + 1,)), head.fuse(feats * 0.1)
     head(ids[:ctx], torch.arange(ctx), x[:ctx], pre.cache.kv, pre.meta(ctx, 0), backend)
@@ -137,9 +102,7 @@ def main(argv=None) -> int:
     h = res["head"]
     print(f"head ({h['draft_vocab']} draft tokens, kernel {h['kernel']}), one row: fc {h['fc_ms']} ms, "
           f"layer {h['layer_ms']} ms, logits {h['logits_ms']} ms", flush=True)  # fmt: skip
-    out = Path(args.out) if args.out else C.default_out("head_costs")
-    out.mkdir(parents=True, exist_ok=True)
-    C.write_json(out / "results.json", {"args": vars(args), **res})
+    H.write_json(H.out_dir(args.out, "head_costs") / "results.json", {"args": vars(args), **res})
     return 0
 
 

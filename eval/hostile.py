@@ -1,6 +1,6 @@
 """Hostile request mixes and injected faults against the engine, in process: the robustness figure.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m eval.hostile --cases 2000 --seed 0 --json eval/out/hostile.json
+    OMP_NUM_THREADS=1 .venv/bin/python -m eval load hostile --cases 2000 --seed 0 --json eval/out/hostile.json
 
 Part 1 runs ``--cases`` random cases (``specd.engine.chaos.random_case``: 1-5 requests over the whole
 accepted parameter range, a quarter with a value validation refuses forced in past it, half the cases
@@ -24,17 +24,16 @@ from pathlib import Path
 
 from eval import harness as H
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("SPECD_SHARED", ROOT.parent / "shared"))
+COMMAND = "load hostile"  # python -m eval load hostile (this module's ``main``)
 
 
 def build_engine(num_blocks: int):
     return H.engine_from_flags(
         [
             "--target",
-            str(SHARED / "models" / "stories260K"),
+            str(H.SHARED / "models" / "stories260K"),
             "--draft",
-            str(SHARED / "models" / "stories260K-draft-1L64"),
+            str(H.SHARED / "models" / "stories260K-draft-1L64"),
             "--device",
             "cpu",
             "--dtype",
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
         "cpu": cpu_info()["model"],
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "command": H.command_line("hostile", argv),
+        "command": H.command_line(COMMAND, argv),
         "random": random_cases(engine, a.cases, a.seed, prompts[0], canary_ref),
         "stages": stage_faults(engine, prompts),
         "health": engine.health_snapshot(),

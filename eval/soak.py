@@ -1,7 +1,7 @@
 """Soak test: N concurrent streaming websocket clients for T minutes, checking every message.
 
-    OMP_NUM_THREADS=1 .venv/bin/python -m eval.soak --clients 8 --minutes 3
-    .venv/bin/python -m eval.soak --url ws://10.0.0.5:8765/ws --pid 4242 --clients 32 --minutes 60
+    OMP_NUM_THREADS=1 .venv/bin/python -m eval load soak --clients 8 --minutes 3
+    .venv/bin/python -m eval load soak --url ws://10.0.0.5:8765/ws --pid 4242 --clients 32 --minutes 60
 
 Without ``--url`` it starts its own ``specd serve`` (``--target/--draft``, default: the built-in pair)
 on a free loopback port and stops it with SIGTERM at the end (expecting exit status 0).
@@ -35,29 +35,17 @@ import asyncio
 import json
 import os
 import random
-import re
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import orjson
 
 from eval import harness as H
 
-PROMPTS = [
-    "Once upon a time",
-    "The little dog",
-    "Lily and Tom went to the park",
-    "One day, a big bird",
-    "There was a girl named Sue",
-    "The sun was hot and",
-    "Tim had a red ball",
-    "Mom said to Ben",
-]
+COMMAND = "load soak"  # python -m eval load soak (this module's ``main``)
+PROMPTS = H.STORY_PROMPTS[:8]
 MODES = ("off", "chain", "tree", "auto")
 MB = 1 << 20
 
@@ -81,27 +69,6 @@ def start_server(a) -> H.Daemon:
         ],
         child=True,
     )
-
-
-def http_base(ws_url: str) -> str:
-    u = urlsplit(ws_url)
-    return f"{'https' if u.scheme == 'wss' else 'http'}://{u.netloc}"
-
-
-def kv_blocks_used(ws_url: str, api_key):
-    """(target, draft) from /metrics' specd_kv_blocks_used, or None."""
-    req = urllib.request.Request(
-        http_base(ws_url) + "/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            text = r.read().decode()
-    except (OSError, urllib.error.HTTPError):
-        return None
-    got = dict(re.findall(r'^specd_kv_blocks_used\{[^}]*cache="(\w+)"[^}]*\}\s+(\S+)$', text, re.M))
-    if not got:
-        return None
-    return int(float(got.get("target", 0))), int(float(got.get("draft", 0)))
 
 
 # references --------------------------------------------------------------------------------------
@@ -299,11 +266,6 @@ async def run_clients(url, a, refs, stats, pid, rss: dict) -> float:
     return time.monotonic() - t0
 
 
-def p50_p99(xs: list) -> dict:
-    """``harness.percentile`` 50 and 99, rounded to 0.1 (None without samples)."""
-    return {f"p{q}": None if (v := H.percentile(xs, q)) is None else round(v, 1) for q in (50, 99)}
-
-
 def parse_args(argv=None):
     from specd.options import demo_pair
 
@@ -338,17 +300,6 @@ def parse_args(argv=None):
     return a
 
 
-def wait_kv_freed(url: str, api_key, timeout: float = 30.0):
-    """``specd_kv_blocks_used`` (target, draft) once it reads (0, 0), or its last value after ``timeout``."""
-    kv, end = None, time.monotonic() + timeout
-    while time.monotonic() < end:
-        kv = kv_blocks_used(url, api_key)
-        if kv == (0, 0):
-            break
-        time.sleep(0.2)
-    return kv
-
-
 def main(argv=None) -> int:
     a = parse_args(argv)
     srv = start_server(a) if a.url is None else None
@@ -361,7 +312,7 @@ def main(argv=None) -> int:
         refs.engine = None  # free it: the soak measures the server, not this process
         stats, rss = Stats(), {}
         duration = asyncio.run(run_clients(url, a, refs, stats, pid, rss))
-        kv = wait_kv_freed(url, a.api_key)  # every KV block free once idle
+        kv = H.wait_kv_freed(url, a.api_key)  # every KV block free once idle
     finally:
         exit_status = srv.stop() if srv is not None else None
     run = {"url": url, "duration": duration, "kv": kv, "exit_status": exit_status, "t_ref": t_ref}
@@ -410,8 +361,8 @@ def summarize(a, own_server: bool, run: dict, stats: Stats, rss: dict, refs: Ref
         "reference": refs.source,
         "reference_pairs": len(refs.table),
         "reference_s": round(run["t_ref"], 1),
-        "ttft_ms": p50_p99(stats.ttft_ms),
-        "latency_ms": p50_p99(stats.total_ms),
+        "ttft_ms": H.p50_p99(stats.ttft_ms),
+        "latency_ms": H.p50_p99(stats.total_ms),
         "rss_mb": {k: round(v / MB, 1) for k, v in rss.items()},
         "kv_blocks_used_after": kv,
         "server_exit_status": exit_status,

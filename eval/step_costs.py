@@ -4,7 +4,7 @@ after a C-token context (medians). The model is loaded as ``specd serve`` loads 
 model by default: its GGUF blocks, int8 activations where the CPU kernel takes them, the engine's
 KV cache dtype); token ids are random (the cost does not depend on them).
 
-    OMP_NUM_THREADS=2 python -m eval.step_costs --prefill 768:256,1152:128 --decode 8:1,900:1,900:4 --threads 2
+    OMP_NUM_THREADS=2 python -m eval costs --prefill 768:256,1152:128 --decode 8:1,900:1,900:4 --threads 2
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from eval import common as C
 from eval import harness as H
-from eval.head_costs import _Prefix, median_ms
+
+COMMAND = "costs"  # python -m eval costs (this module's ``main``)
 
 
 def parse_args(argv=None):
@@ -65,15 +64,15 @@ class _Target:
     def ids(self, n: int) -> torch.Tensor:
         return torch.randint(0, self.c.vocab_size, (n,), generator=self.gen)
 
-    def prefix(self, n: int, extra: int) -> _Prefix:
+    def prefix(self, n: int, extra: int) -> H.PagedPrefix:
         c = self.c
-        return _Prefix(c.num_layers, c.num_kv_heads, c.head_dim, n, extra, self.kvd, self.dev)
+        return H.PagedPrefix(c.num_layers, c.num_kv_heads, c.head_dim, n, extra, self.kvd, self.dev)
 
-    def forward(self, pre: _Prefix, ids: torch.Tensor, start: int) -> None:
+    def forward(self, pre: H.PagedPrefix, ids: torch.Tensor, start: int) -> None:
         w = len(ids)
         self.lm.model(ids, torch.arange(start, start + w), pre.cache.kv, pre.meta(w, start), self.backend)
 
-    def fill(self, pre: _Prefix, n: int, chunk: int) -> list:
+    def fill(self, pre: H.PagedPrefix, n: int, chunk: int) -> list:
         """Prefill ``n`` tokens into ``pre`` in chunks: seconds per chunk."""
         ids, ts = self.ids(n), []
         for s in range(0, n, chunk):
@@ -95,7 +94,7 @@ def decode_costs(t: _Target, ctx: int, rows: int, steps: int) -> float:
     pre = t.prefix(ctx, rows)
     t.fill(pre, ctx, 256)
     ids = t.ids(rows)
-    return median_ms(lambda: t.forward(pre, ids, ctx), steps)
+    return H.median_ms(lambda: t.forward(pre, ids, ctx), steps)
 
 
 def main(argv=None) -> int:
@@ -111,9 +110,7 @@ def main(argv=None) -> int:
     for ctx, rows in decodes:
         ms = res["decode"][f"{ctx}:{rows}"] = decode_costs(t, ctx, rows, args.steps)
         print(f"step of {rows} row(s) after {ctx} tokens: {ms} ms", flush=True)
-    out = Path(args.out) if args.out else C.default_out("step_costs")
-    out.mkdir(parents=True, exist_ok=True)
-    C.write_json(out / "results.json", {"args": vars(args), **res})
+    H.write_json(H.out_dir(args.out, "step_costs") / "results.json", {"args": vars(args), **res})
     return 0
 
 

@@ -3,8 +3,8 @@
 
 Seeded and reproducible (same seed, same thread count, same torch build -> same weights):
 
-    HF_HUB_OFFLINE=1 .venv/bin/python -m eval.train_demo_pair            # ~30 min on 1 CPU thread
-    HF_HUB_OFFLINE=1 .venv/bin/python -m eval.train_demo_pair --target-steps 5 --draft-steps 5 \
+    HF_HUB_OFFLINE=1 .venv/bin/python -m eval train-demo            # ~30 min on 1 CPU thread
+    HF_HUB_OFFLINE=1 .venv/bin/python -m eval train-demo --target-steps 5 --draft-steps 5 \
         --out /tmp/demo_smoke                                              # smoke run
 
 Steps:

@@ -1,15 +1,15 @@
-"""eval/bench_groups.py smoke test on the tiny stories260K pair: groups run under each mode, the
-makespan and mean-completion table is printed, and the speculative mode's greedy output equals
-plain decoding's in every group."""
+"""``python -m eval bench groups`` (eval/bench_groups.py) smoke test on the tiny stories260K pair:
+groups run under each mode, the makespan and mean-completion table is printed, and the speculative
+mode's greedy output equals plain decoding's in every group."""
 
 from conftest import DRAFT, SHARED, TARGET
 
-from eval import bench_groups
+from eval.__main__ import main as eval_main
 
 
 def test_bench_groups_smoke(capsys):
-    rc = bench_groups.main(
-        ["--target", str(TARGET), "--draft", str(DRAFT), "--head", "none", "--quantization", "none",
+    rc = eval_main(
+        ["bench", "groups", "--target", str(TARGET), "--draft", str(DRAFT), "--head", "none", "--quantization", "none",
          "--prompts", str(SHARED / "data" / "spec_bench" / "question.jsonl"), "--categories", "qa",
          "--per-category", "4", "--batch", "2", "--max-tokens", "8", "--rounds", "1", "--modes", "off,ngram",
          "--threads", "1"]

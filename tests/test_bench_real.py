@@ -1,14 +1,14 @@
-"""eval/bench_real.py smoke test on the tiny stories260K pair (~30 s): the report has every system
-with positive tokens/s, the specd systems' greedy outputs agree token for token, and the llama.cpp
-systems are skipped with a note when llama-cpp-python is not importable (made so here, whether or
-not it is installed)."""
+"""``python -m eval bench`` (eval/bench_real.py) smoke test on the tiny stories260K pair (~30 s): the
+report has every system with positive tokens/s, the specd systems' greedy outputs agree token for
+token, and the llama.cpp and CTranslate2 systems are skipped with a note when their libraries are
+not importable (made so here, whether or not they are installed)."""
 
 import json
 import sys
 
 from conftest import DRAFT, SHARED, TARGET
 
-from eval import bench_real
+from eval.__main__ import main as eval_main
 
 SYSTEMS = ["specd:off", "specd:chain", "hf:generate", "hf:pld"]
 # one specd system per quantization (--quantization none,int8)
@@ -17,9 +17,11 @@ NAMES = ["specd[none]:off", "specd[int8]:off", "specd[none]:chain", "specd[int8]
 
 def test_bench_real_smoke(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)
     out = tmp_path / "out"
-    rc = bench_real.main(
+    rc = eval_main(
         [
+            "bench",
             "--target",
             str(TARGET),
             "--draft",
@@ -36,7 +38,7 @@ def test_bench_real_smoke(tmp_path, monkeypatch):
             "--threads",
             "1",
             "--systems",
-            ",".join(SYSTEMS + ["llamacpp:plain", "llamacpp:pld:4"]),
+            ",".join(SYSTEMS + ["llamacpp:plain", "llamacpp:pld:4", "ct2:generate"]),
             "--quantization",
             "none,int8",
             "--profile-tokens",
@@ -50,8 +52,9 @@ def test_bench_real_smoke(tmp_path, monkeypatch):
     rep = json.loads((out / "report.json").read_text())
     assert rep["kind"] == "bench_real" and rep["systems"] == NAMES and rep["reference"] == "specd[none]:off"
     assert rep["meta"]["cpu_info"]["model"] and rep["meta"]["threads"] == 1
-    for name in ("llamacpp:plain", "llamacpp:pld:4"):
+    for name in ("llamacpp:plain", "llamacpp:pld:4", "ct2:generate"):
         assert "not installed" in rep["notes"][name]
+    assert rep["meta"]["command"].split()[1:4] == ["-m", "eval", "bench"]
     b1 = rep["batches"]["1"]
     assert set(b1["systems"]) == set(NAMES)
     for name, res in b1["systems"].items():
@@ -84,7 +87,7 @@ def test_bench_real_runs_specd_with_a_feature_head(tmp_path, monkeypatch, shared
     args = ["--target", str(TARGET), "--draft", str(DRAFT), "--prompts", str(SHARED / "data/mt_bench/question.jsonl")]
     args += ["--raw", "--limit", "2", "--max-tokens", "8", "--batch", "1", "--threads", "1", "--no-progress"]
     args += ["--systems", "specd:off,specd+head:chain:2", "--head", str(tmp_path / "head"), "--out", str(out)]
-    assert bench_real.main([*args, "--profile-tokens", "8"]) == 0
+    assert eval_main(["bench", "real", *args, "--profile-tokens", "8"]) == 0
     rep = json.loads((out / "report.json").read_text())
     assert rep["systems"] == ["specd:off", "specd+head:chain:2"]
     res = rep["batches"]["1"]["systems"]["specd+head:chain:2"]

@@ -1,10 +1,13 @@
-"""eval/: acceptance numbers at the two extremes, report totals, plots (fast: a few seconds each).
+"""eval/: the dispatcher (``python -m eval COMMAND [TOOL]``), acceptance numbers at the two extremes,
+report totals, plots and the harness (fast: a few seconds each).
 
 - the target as its own draft: every draft token is accepted, so a chain of k yields exactly k + 1
   tokens per step (max_tokens is a multiple of k + 1 and EOS is ignored, so no step is cut short);
 - a randomly initialised draft: acceptance near 0, about one token per step;
 - the JSON report's totals equal the sum of the per-request stats and the engine-wide stats;
-- the plots are written and non-empty.
+- the plots are written and non-empty;
+- every command and tool of ``python -m eval`` resolves to a module whose ``main`` runs it and whose
+  reports record that command.
 """
 
 import json
@@ -14,8 +17,9 @@ import pytest
 from conftest import DRAFT, ROOT, TARGET
 
 from eval import acceptance
-from eval import common as C
 from eval import harness as H
+from eval.__main__ import COMMANDS, resolve, usage
+from eval.__main__ import main as eval_main
 
 PROMPTS = ["Once upon a time, there was a little", "Tom and Lily went to the park", "The cat sat"]
 
@@ -33,7 +37,7 @@ def target_lm():
 
 
 def _prompts():
-    return [C.Prompt(str(i), "text", [p]) for i, p in enumerate(PROMPTS)]
+    return [H.Prompt(str(i), "text", [p]) for i, p in enumerate(PROMPTS)]
 
 
 def _overall(res, temp, name):
@@ -43,7 +47,7 @@ def _overall(res, temp, name):
 
 def test_self_draft_accepts_everything(target_lm):
     k = 4
-    modes = [C.Mode.parse(f"chain:{k}"), C.Mode.parse("tree:8:2:4")]
+    modes = [H.Mode.parse(f"chain:{k}"), H.Mode.parse("tree:8:2:4")]
     res = acceptance.run_eval(
         target_lm,
         target_lm,
@@ -91,7 +95,7 @@ def test_random_draft_accepts_almost_nothing(target_lm, tmp_path):
         target_lm,
         rnd,
         _prompts(),
-        [C.Mode.parse("chain:4")],
+        [H.Mode.parse("chain:4")],
         temperatures=(0.0, 1.0),
         max_tokens=40,
         ignore_eos=True,
@@ -132,8 +136,9 @@ def test_report_totals_and_plots(tmp_path):
     pf = tmp_path / "prompts.txt"
     pf.write_text("\n".join(PROMPTS) + "\n")
     out = tmp_path / "out"
-    rc = acceptance.main(
+    rc = eval_main(
         [
+            "accept",
             "--target",
             str(TARGET),
             "--draft",
@@ -154,7 +159,7 @@ def test_report_totals_and_plots(tmp_path):
     )
     assert rc == 0
     rep = json.loads((out / "report.json").read_text())
-    assert rep["schema"] == C.SCHEMA and rep["kind"] == "acceptance"
+    assert rep["schema"] == H.SCHEMA and rep["kind"] == "acceptance"
     for key in ("command", "date", "versions", "device"):
         assert rep["meta"][key]
     assert set(rep["meta"]["versions"]) >= {"torch", "transformers", "specd"}
@@ -179,20 +184,20 @@ def test_prompt_loading(tmp_path):
     mt = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
     sb = ROOT.parent / "shared" / "data" / "spec_bench" / "question.jsonl"
     if mt.exists():
-        ps = C.load_prompts(mt, limit=8)
+        ps = H.load_prompts(mt, limit=8)
         assert len({p.category for p in ps}) == 8 and all(len(p.turns) == 2 for p in ps)
     if sb.exists():
-        ps = C.load_prompts(sb, per_category=2)
-        assert {p.category for p in ps} == {"mt_bench", *C.SPEC_BENCH_TASKS}
+        ps = H.load_prompts(sb, per_category=2)
+        assert {p.category for p in ps} == {"mt_bench", *H.SPEC_BENCH_TASKS}
         assert all(p.subcategory for p in ps if p.category == "mt_bench")
     pf = tmp_path / "p.txt"
     pf.write_text("a\n\nb\n")
-    assert [p.turns for p in C.load_prompts(pf)] == [["a"], ["b"]]
-    assert C.fit_prompt([1, 5, 6, 7], 3, 1) == ([1, 6, 7], True)
-    ch = C.static_choices(10)
+    assert [p.turns for p in H.load_prompts(pf)] == [["a"], ["b"]]
+    assert H.fit_prompt([1, 5, 6, 7], 3, 1) == ([1, 6, 7], True)
+    ch = H.static_choices(10)
     assert len(ch) == 10 and all(c[:-1] in ch or len(c) == 1 for c in ch)
-    assert C.expected_tokens_iid(0.0, 4) == 1.0 and C.expected_tokens_iid(1.0, 4) == 5.0
-    assert C.tried_per_depth([(4, 0), (4, 4), (2, 1)]) == [3, 2, 1, 1]
+    assert H.expected_tokens_iid(0.0, 4) == 1.0 and H.expected_tokens_iid(1.0, 4) == 5.0
+    assert H.tried_per_depth([(4, 0), (4, 4), (2, 1)]) == [3, 2, 1, 1]
 
 
 # the harness ------------------------------------------------------------------------------------
@@ -225,7 +230,7 @@ def test_step_timer_stages_are_measured_and_fit_in_the_step(target_lm):
     from specd.sampling.params import SamplingParams
 
     draft = load_model(DRAFT, "cpu", "float32", progress=False, target=target_lm)
-    mode = C.Mode.parse("chain:3")
+    mode = H.Mode.parse("chain:3")
     eng = H.make_engine(mode, target_lm, draft)
     timer = H.StepTimer(eng)
     ids = list(target_lm.tokenizer(PROMPTS[0])["input_ids"])
@@ -249,7 +254,7 @@ def test_step_log_pairs_and_engine_totals(target_lm):
     from specd.sampling.params import SamplingParams
 
     k = 4
-    mode = C.Mode.parse(f"chain:{k}")
+    mode = H.Mode.parse(f"chain:{k}")
     eng = H.make_engine(mode, target_lm, target_lm)
     params = SamplingParams(temperature=0.0, max_tokens=5 * (k + 1), ignore_eos=True)
     ids = list(target_lm.tokenizer(PROMPTS[1])["input_ids"])
@@ -269,7 +274,6 @@ def test_in_process_daemon_serves_and_logs_its_steps(target_lm):
     verification step of it, and stop() shuts the server down."""
     import asyncio
 
-    from eval import bench_latency as BL
     from specd.model.loader import load_model
 
     draft = load_model(DRAFT, "cpu", "float32", progress=False, target=target_lm)
@@ -281,11 +285,11 @@ def test_in_process_daemon_serves_and_logs_its_steps(target_lm):
         k0 = srv.steplog.mark()
 
         async def one():
-            async with BL.connect(srv.port) as ws:
+            async with H.connect(srv.port) as ws:
                 body = {"prompt": PROMPTS[2], "max_tokens": 12, "ignore_eos": True, "speculation": {"mode": "chain"}}
-                return await BL.request(ws, "r1", body)
+                return await H.request(ws, "r1", body)
 
-        r = BL.run_async(one())
+        r = H.run_async(one())
         assert len(r.token_ids) == 12
         rows = srv.steplog.since(k0)
         pairs = [v for row in rows for v in row.verified]
@@ -298,15 +302,43 @@ def test_in_process_daemon_serves_and_logs_its_steps(target_lm):
 
 
 def test_step_costs_times_prefill_chunks_and_decode_widths(tmp_path):
-    from eval import step_costs as S
-
     out = tmp_path / "out"
-    args = ["--target", str(TARGET), "--quantization", "int4", "--prefill", "20:8", "--decode", "10:1,10:3"]
-    assert S.main([*args, "--reps", "1", "--steps", "3", "--threads", "1", "--out", str(out)]) == 0
+    args = ["costs", "--target", str(TARGET), "--quantization", "int4", "--prefill", "20:8", "--decode", "10:1,10:3"]
+    assert eval_main([*args, "--reps", "1", "--steps", "3", "--threads", "1", "--out", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
     pre = res["prefill"]["20:8"]
     assert len(pre["chunk_ms"]) == 3 and all(v > 0 for v in pre["chunk_ms"])  # chunks of 8, 8, 4
     assert pre["tokens_per_s"] == pytest.approx(20 / pre["total_ms"] * 1e3, rel=1e-2)
     assert set(res["decode"]) == {"10:1", "10:3"} and all(v > 0 for v in res["decode"].values())
     with pytest.raises(SystemExit, match="positive integers"):
-        S.main([*args[:4], "--prefill", "20:0"])
+        eval_main([*args[:5], "--prefill", "20:0"])
+
+
+# the dispatcher ---------------------------------------------------------------------------------
+def test_every_command_resolves_to_a_tool_that_records_it(capsys):
+    """Each COMMAND [TOOL] imports to a module with ``main``; a command alone is its first tool; a
+    tool that writes reports records the command it was reached by (``harness.run_meta``)."""
+    import importlib
+
+    assert set(COMMANDS) >= {"bench", "accept", "load", "costs"}
+    for cmd, tools in COMMANDS.items():
+        default = next(iter(tools.values()))[0]
+        assert resolve([cmd, "--x"]) == (cmd, default, ["--x"])
+        for tool, (module, what) in tools.items():
+            words = f"{cmd} {tool}".strip()
+            assert resolve(words.split() + ["-y"])[1:] == (module, ["-y"]) and what
+            if module == "eval.gpu_check":  # imports Triton; its dry run is tests/test_kernels.py's
+                continue
+            mod = importlib.import_module(module)
+            assert callable(mod.main), module
+            recorded = getattr(mod, "COMMAND", None)
+            if module not in ("eval.train_demo_pair",):
+                assert recorded in (words, cmd) and resolve(recorded.split())[1] == module, (module, recorded)
+    assert H.command_line("load soak", ["--clients", "2"]).endswith("-m eval load soak --clients 2")
+    assert H.command_line("eval.x", []).endswith("-m eval.x")
+    with pytest.raises(ValueError):
+        resolve(["nope"])
+    text = usage()
+    assert all(m in text for tools in COMMANDS.values() for m, _ in tools.values())
+    assert eval_main(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
+    assert eval_main(["--help"]) == 0 and "bench" in capsys.readouterr().out

@@ -1,6 +1,7 @@
-"""The soak (eval/soak.py) as a test: N concurrent streaming clients against `specd serve` started as a
-subprocess on the shared stories260K pair; zero lost/duplicated/reordered deltas, streamed text ==
-in-process greedy text, zero errors, flat server RSS after warm-up, every KV block freed, exit 0.
+"""The soak (``python -m eval load soak``, eval/soak.py) as a test: N concurrent streaming clients
+against `specd serve` started as a subprocess on the shared stories260K pair; zero lost/duplicated/
+reordered deltas, streamed text == in-process greedy text, zero errors, flat server RSS after
+warm-up, every KV block freed, exit 0.
 
 Default suite: 4 clients for 30 s (about a minute with start-up). `-m slow`: 8 clients for 5 minutes.
 """
@@ -27,7 +28,9 @@ def run_soak(tmp_path, clients: int, minutes: float) -> dict:
     cmd = [
         sys.executable,
         "-m",
-        "eval.soak",
+        "eval",
+        "load",
+        "soak",
         "--target",
         str(TARGET),
         "--draft",
