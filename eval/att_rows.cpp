@@ -9,7 +9,7 @@
 //   OMP_NUM_THREADS=2 [COLD=1] [REPS=N] /tmp/att_rows ISA C:W...        (e.g. 2 900:1 900:4 900:8)
 //
 // ISA: as specd_x8_isa (1 or 2: the AVX512 attention, 0: AVX2). REPS (default 60) passes per shape.
-#include "../specd/model/qgemm.cpp"
+#include "../specd/model/cpu_kernel/kernel.cpp"
 
 #include <algorithm>
 #include <chrono>

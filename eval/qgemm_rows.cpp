@@ -9,7 +9,7 @@
 // ISA: 2 AMX (from 7 rows; AVX512-VNNI below), 1 AVX512-VNNI, 0 AVX2 (specd_x8_isa). HALF=1: fp16
 // block scales and mins (as GGUF's), else fp32. NL=1: one layer's weights run 30 times (they stay in
 // L2) instead of 30 layers streamed from L3/memory.
-#include "../specd/model/qgemm.cpp"
+#include "../specd/model/cpu_kernel/kernel.cpp"
 
 #include <algorithm>
 #include <chrono>

@@ -67,6 +67,30 @@ def test_the_cpu_kernel_is_built_here():
     assert kernel() is not None
 
 
+def test_the_kernel_is_one_unit_of_every_file_and_its_cache_key_covers_them_all(tmp_path, monkeypatch):
+    """``cpu_kernel/kernel.cpp`` includes every header of its folder (one translation unit), and the
+    cached library's key hashes every file there, so editing any header rebuilds it, not only an
+    edit of kernel.cpp."""
+    import re
+    import shutil
+
+    from specd.model import qkernel
+
+    files = sorted(p.name for p in qkernel.KERNEL_DIR.iterdir() if p.suffix in (".h", ".cpp"))
+    assert qkernel.SOURCE.name == "kernel.cpp" and len(files) > 2
+    assert set(re.findall(r'#include "([^"]+)"', qkernel.SOURCE.read_text())) == set(files) - {"kernel.cpp"}
+    copy = tmp_path / "cpu_kernel"
+    shutil.copytree(qkernel.KERNEL_DIR, copy)
+    monkeypatch.setattr(qkernel, "KERNEL_DIR", copy)
+    key = qkernel._source_key()
+    for name in files:
+        text = (copy / name).read_bytes()
+        (copy / name).write_bytes(text + b"\n")
+        assert qkernel._source_key() != key, name
+        (copy / name).write_bytes(text)
+    assert qkernel._source_key() == key
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS)[:3] + ["int4/g32"])
 def test_a_row_does_not_depend_on_the_other_rows(fmt):
     """Bitwise: row i of an M-row call equals the same row alone (lossless verification)."""
@@ -239,8 +263,9 @@ def test_half_scales_give_the_fp32_scales_bits(fmt, monkeypatch):
 
 @pytest.mark.skipif(kernel() is None, reason="no CPU kernel (or compiler) here")
 def test_the_gemm_timing_driver_still_compiles_against_the_kernel():
-    """``eval/qgemm_rows.cpp`` (docs/benchmarks.md's GEMM-only timings) includes qgemm.cpp and calls
-    ``specd_qgemm_x8``: a signature change there must not leave it silently broken."""
+    """``eval/qgemm_rows.cpp`` (docs/benchmarks.md's GEMM-only timings) includes the kernel
+    (``cpu_kernel/kernel.cpp``) and calls ``specd_qgemm_x8``: a signature change there must not leave
+    it silently broken."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -254,7 +279,7 @@ def test_the_gemm_timing_driver_still_compiles_against_the_kernel():
 
 @pytest.mark.skipif(kernel() is None, reason="no CPU kernel (or compiler) here")
 def test_the_attention_timing_driver_runs_and_every_instruction_set_gives_its_checksum(tmp_path):
-    """``eval/att_rows.cpp`` (docs/benchmarks.md's attention-only timings) builds against qgemm.cpp
+    """``eval/att_rows.cpp`` (docs/benchmarks.md's attention-only timings) builds against the kernel
     and runs; its output checksums are the attention's bits, so the AVX2 and AVX512 paths (where
     the CPU has AVX512), on two threads or one (``SPECD_ATT_PAR_WORK``: the suite's own processes
     run the kernel on one thread), must print the same ones, masked verification rows included."""

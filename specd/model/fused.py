@@ -1,5 +1,5 @@
-"""A quantized model's decoder layers on a CPU in one C call (``specd_layers`` in qgemm.cpp, one
-``specd_head_layer`` per layer).
+"""A quantized model's decoder layers on a CPU in one C call (``specd_layers`` in the CPU kernel,
+``cpu_kernel/kernel.cpp``; the layer itself in ``cpu_kernel/layer.h``, one ``specd_head_layer`` per layer).
 
 At decode and verification widths a layer's ~60 small torch ops (norms, RoPE, KV writes, the
 attention gather, SiLU, reshapes, allocations) cost more than its quantized matmuls: on
@@ -27,7 +27,7 @@ from specd.model.quant import QuantLinear
 
 
 class Lin(ctypes.Structure):
-    """One projection as ``specd_layers`` reads it (see ``Lin`` in qgemm.cpp)."""
+    """One projection as ``specd_layers`` reads it (see ``Lin`` in cpu_kernel/layer.h)."""
 
     _fields_ = [
         ("kind", ctypes.c_int64),
@@ -157,7 +157,7 @@ class HeadLayer:
 
 
 KERNEL_KV_DTYPES = (torch.float32, torch.float16)  # the cache element types the C attention reads (fp16: F16C)
-MAX_HEAD_DIM = 256  # qgemm.cpp's score_keys: keys transposed 8 at a time into [D, 8] on the stack
+MAX_HEAD_DIM = 256  # cpu_kernel/attention_scores.h's score_keys: keys transposed 8 at a time on the stack
 
 
 def takes(backend, kv: torch.Tensor, x: torch.Tensor) -> bool:

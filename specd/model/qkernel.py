@@ -1,10 +1,12 @@
-"""The CPU weight-only matmul kernel (``qgemm.cpp``): built once per machine with the system C++
-compiler, loaded with ctypes, run on torch's own OpenMP threads.
+"""specd's CPU kernel (``cpu_kernel/``: headers split by job, one translation unit ``kernel.cpp``):
+built once per machine with the system C++ compiler, loaded with ctypes, run on torch's own OpenMP
+threads. It holds the weight-only matmuls, the paged attention and whole decoder layers
+(``specd.model.fused``); each header's first lines say what it does.
 
 Why not torch's kernels: on an AVX2-only CPU (measured on the AMD EPYC of docs/benchmarks.md)
 ``torch._weight_int8pack_mm`` and ``torch._weight_int4pack_mm_for_cpu`` with fp32 activations run
 their reference path (10-20x slower than an fp32 matmul); with bf16 activations they are fast at one
-row but change the numerics with the batch shape. ``qgemm.cpp`` computes in fp32 from the quantized
+row but change the numerics with the batch shape. The kernel computes in fp32 from the quantized
 weights, reads a weight once for all rows of a call, and gives a row the same bits whatever the
 other rows are, so speculative verification stays lossless.
 
@@ -17,7 +19,8 @@ target attribute.
 
 ``kernel()`` returns the loaded library or None (no x86-64 with AVX2 + FMA, no compiler, or
 ``SPECD_QGEMM=0``): callers then fall back to dequantize + ``torch`` matmul, with a warning logged
-once. The shared object is cached under ``$SPECD_CACHE_DIR/kernels`` keyed by the source's hash.
+once. The shared object is cached under ``$SPECD_CACHE_DIR/kernels`` keyed by a hash of every file
+in ``cpu_kernel/`` and the flags, so editing any header rebuilds it.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ import torch
 from specd.model.errors import cache_dir
 
 log = logging.getLogger("specd.quant")
-SOURCE = Path(__file__).with_name("qgemm.cpp")
+KERNEL_DIR = Path(__file__).with_name("cpu_kernel")
+SOURCE = KERNEL_DIR / "kernel.cpp"  # the one translation unit: it includes every header of KERNEL_DIR
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 
@@ -46,6 +50,15 @@ def _cpu_ok() -> bool:
     from specd.model.cpu import cpu_info
 
     return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma", "f16c"} <= cpu_info()["flags"]
+
+
+def _source_key() -> str:
+    """A hash of every kernel file (name and bytes, in name order) and the flags."""
+    h = hashlib.sha256(" ".join(FLAGS).encode())
+    for f in sorted(KERNEL_DIR.iterdir()):
+        if f.suffix in (".h", ".cpp"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def _build(out: Path) -> None:
@@ -63,11 +76,10 @@ def _build(out: Path) -> None:
 
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
-    """The loaded ``qgemm`` library, or None where it cannot run here (see the module doc)."""
+    """The loaded kernel library, or None where it cannot run here (see the module doc)."""
     if os.environ.get("SPECD_QGEMM", "1") == "0" or not _cpu_ok():
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
-    path = cache_dir() / "kernels" / f"qgemm-{key}.so"
+    path = cache_dir() / "kernels" / f"cpu_kernel-{_source_key()}.so"
     try:
         if not path.exists():
             _build(path)
@@ -149,7 +161,7 @@ def qgemm(
 
 
 def x8_fmt(int4: bool, scale: torch.Tensor) -> int:
-    """qgemm.cpp's X8_INT4 | X8_HALF bits for an x8-layout weight (its ``Lin`` kind less 2)."""
+    """The kernel's X8_INT4 | X8_HALF bits for an x8-layout weight (its ``Lin`` kind less 2: layer.h)."""
     return int(int4) | (2 if scale.dtype == torch.float16 else 0)
 
 
@@ -172,7 +184,7 @@ def attention_rows(
 ) -> torch.Tensor:
     """Attention of query rows ``qg`` fp32 [B, KVH, R, D] (row r takes mask row r % q_rows) over
     gathered keys and values ``kvg`` fp32 [2, B, L, KVH, D] with the additive ``mask`` fp32
-    [B, q_rows, L]: each row computed on its own (batch-invariant; see qgemm.cpp). -> [B, KVH, R, D]"""
+    [B, q_rows, L]: each row computed on its own (batch-invariant; cpu_kernel/attention.h). -> [B, KVH, R, D]"""
     B, KVH, R, D = qg.shape
     L = kvg.shape[2]
     out = torch.empty_like(qg)

@@ -43,7 +43,7 @@ class QuantLinear(nn.Module):
     # every width up to 256 rows (a --prefill-chunk), the dequantization alone costing more than it.
     KERNEL_MAX_ROWS = 1024
     # int8 activations in the CPU kernel (``LlamaModel.set_act_int8``): faster, row-independent, not
-    # equal to the fp32-activation result (see qgemm.cpp). A class default, set per layer.
+    # equal to the fp32-activation result (see cpu_kernel/gemm_x8_avx2.h). A class default, set per layer.
     act_int8 = False
 
     def __init__(self, fmt: str, qweight, scale, minv, group: int, in_features: int, bias=None):
@@ -106,8 +106,8 @@ class QuantLinear(nn.Module):
                            self.in_features, pick(self.bias))  # fmt: skip
 
     def x8_pack(self) -> tuple:
-        """The weight in the CPU kernel's interleaved layout for int8 activations (``gemm_x8`` in
-        qgemm.cpp): ``(w uint8, scale [tiles, K_pad/32, 8], min or None)``, scale and min in fp16
+        """The weight in the CPU kernel's interleaved layout for int8 activations (``gemm_x8``,
+        cpu_kernel/gemm_x8_avx2.h): ``(w uint8, scale [tiles, K_pad/32, 8], min or None)``, scale and min in fp16
         where every one of them is a half exactly (GGUF's Q4_0 / Q4_1 / Q8_0 blocks), else fp32; built
         on first use and kept (a second copy of the codes: same size as ``qweight``)."""
         if getattr(self, "_x8", None) is None:
@@ -198,8 +198,9 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
 
 
 def pack_x8(op: QuantLinear) -> tuple:
-    """``op``'s codes, scales and mins in the interleaved layout of qgemm.cpp's ``gemm_x8``: output
-    rows in tiles of 8 (zero rows pad the last), per 32-block of k 8 steps of 4 k for the 8 rows."""
+    """``op``'s codes, scales and mins in the interleaved layout of the CPU kernel's ``gemm_x8``
+    (cpu_kernel/gemm_x8_avx2.h): output rows in tiles of 8 (zero rows pad the last), per 32-block of
+    k 8 steps of 4 k for the 8 rows."""
     N, T, nbk = op.out_features, (op.out_features + 7) // 8, op.k_pad // BLOCK
     pad_n = lambda t: F.pad(t, (0, 0, 0, 8 * T - N))  # noqa: E731
     per_block = lambda t: pad_n(t.repeat_interleave(op.group // BLOCK, dim=1))  # noqa: E731

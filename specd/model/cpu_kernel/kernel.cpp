@@ -1,0 +1,100 @@
+// specd's CPU kernel for x86-64 with AVX2 + FMA + F16C (specd/model/qkernel.py compiles this file, the
+// one translation unit, with g++ -O3 -mavx2 -mfma -mf16c -fopenmp and loads it with ctypes; AVX512 and
+// AMX functions carry their own target attributes and run where the CPU has them). Its C API:
+//   specd_qgemm_i8 / specd_qgemm_i4  fp32-activation weight-only GEMMs (gemm_f32.h)
+//   specd_qgemm_x8                   int8-activation GEMM (quantize.h, gemm_x8*.h: AVX2, AVX512-VNNI, AMX)
+//   specd_x8_isa                     the instruction set those and the attention use (common.h)
+//   specd_attention                  attention over gathered keys (attention*.h, softmax.h, weighted_sums.h)
+//   specd_head_layer / specd_layers  whole decoder layers: norms, RoPE, SiLU, KV writes, paged attention
+//                                    (layer.h)
+// Every output row is computed by the same operations in the same order whatever the other rows of
+// the call are (and whichever instruction set runs), so a row's bits depend on that row alone:
+// speculative verification stays lossless. Each header says what it does and what it relies on.
+#include "common.h"
+#include "gemm_f32.h"
+#include "quantize.h"
+#include "gemm_x8_avx2.h"
+#include "gemm_x8_avx512.h"
+#include "gemm_x8_amx.h"
+#include "gemm_x8.h"
+#include "attention_scores.h"
+#include "softmax.h"
+#include "weighted_sums.h"
+#include "attention.h"
+#include "layer.h"
+
+extern "C" {
+// The int8-activation GEMM's instruction set: want 2 (AMX, where the CPU has it, else the best below),
+// 1 (AVX512-VNNI, where the CPU has it), 0 (AVX2), -1 (the CPU decides), 9 (no change); returns the
+// one in use (2, 1 or 0). All give bitwise-equal results.
+int specd_x8_isa(int want) {
+    if (want < 0) g_x8_isa = -1;
+    else if (want == 2) g_x8_isa = cpu_amx() ? 2 : cpu_avx512_vnni() ? 1 : 0;
+    else if (want == 1) g_x8_isa = cpu_avx512_vnni() ? 1 : 0;
+    else if (want == 0) g_x8_isa = 0;
+    return x8_isa();
+}
+
+// y = x @ W^T (+ add[M,N]) (+ bias[N]); add/bias may be NULL; add may alias y.
+void specd_qgemm_i8(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
+                    int64_t G, const float* add, const float* bias, float* y) {
+    gemm<false>(x, M, K, q, scale, nullptr, N, G, add, bias, y, nullptr);
+}
+
+// xsum [M, K/G]: per-group sums of x (the caller's scratch; filled here when mins is not NULL)
+void specd_qgemm_i4(const float* x, int64_t M, int64_t K, const uint8_t* q, const float* scale, const float* mins,
+                    int64_t N, int64_t G, const float* add, const float* bias, float* y, float* xsum) {
+    if (mins) group_sums(x, M, K, G, xsum);
+    gemm<true>(x, M, K, q, scale, mins, N, G, add, bias, y, xsum);
+}
+
+// The interleaved layout (see gemm_x8_avx2.h): w, scale [, mins] packed by the caller (quant.pack_x8); fmt:
+// X8_INT4 (int4 codes, else int8) | X8_HALF (scale and mins are halves, else fp32).
+void specd_qgemm_x8(const float* x, int64_t M, int64_t K, const uint8_t* w, const void* scale, const void* mins,
+                    int64_t N, int fmt, const float* add, const float* bias, float* y) {
+    const Lin L{2 + fmt, N, K, 32, K, w, scale, mins, bias};
+    std::vector<float> fs, xp;
+    std::vector<int8_t> qs;
+    lin(L, x, M, add, y, fs, qs, xp);
+}
+
+// One decoder layer (see Lin in layer.h), x [T, d] updated in place: x += o(attn(rope(qkv(norm(x)))));
+// x += down(silu(gate) * up(norm(x))). lins: qkv, o, gate_up, down. The new K, V go to slot_mapping.
+void specd_head_layer(float* x, const float* e, const float* w_e, int64_t T, int64_t d, const float* w_in,
+                      const float* w_post, float eps, const Lin* lins, int64_t H, int64_t KVH, int64_t D, int64_t inter,
+                      const float* cos, const float* sin, const int64_t* pos, void* kv, int64_t nslots,
+                      const int64_t* slot_mapping, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
+                      int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, int64_t kv16);
+
+// Every decoder layer of a model in one call (specd_head_layer without e, nl times; the per-layer
+// Python and ctypes calls cost ~0.2 ms of a 3-4 ms one-row forward): layer i's projections lins[4i .. 4i+3], norm
+// weights w_in[i] and w_post[i], cache kv + i * kv_layer bytes; caps[i], where not null, gets a copy
+// of x [T, d] as it enters layer i (a feature head's features).
+void specd_layers(float* x, int64_t nl, const Lin* lins, const float* const* w_in, const float* const* w_post,
+                  float* const* caps, int64_t T, int64_t d, float eps, int64_t H, int64_t KVH, int64_t D, int64_t inter,
+                  const float* cos, const float* sin, const int64_t* pos, char* kv, int64_t kv_layer, int64_t nslots,
+                  const int64_t* slot_mapping, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
+                  int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, int64_t kv16) {
+    for (int64_t i = 0; i < nl; i++) {
+        if (caps[i]) memcpy(caps[i], x, T * d * sizeof(float));
+        specd_head_layer(x, nullptr, nullptr, T, d, w_in[i], w_post[i], eps, lins + 4 * i, H, KVH, D, inter, cos, sin,
+                         pos, kv + i * kv_layer, nslots, slot_mapping, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale, kv16);
+    }
+}
+
+// One decoder layer (as above), or with e != nullptr a feature head's (specd/model/head.py): its
+// q/k/v projection reads [rms(e) * w_e, rms(x) * w_in] (2d wide per row) instead of rms(x) * w_in.
+void specd_head_layer(float* x, const float* e, const float* w_e, int64_t T, int64_t d, const float* w_in,
+                      const float* w_post, float eps, const Lin* lins, int64_t H, int64_t KVH, int64_t D, int64_t inter,
+                      const float* cos, const float* sin, const int64_t* pos, void* kv, int64_t nslots,
+                      const int64_t* slot_mapping, const int32_t* qsl, int64_t B, const int32_t* bt, int64_t maxb,
+                      int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, int64_t kv16) {
+    decoder_layer(x, e, w_e, T, d, w_in, w_post, eps, lins, H, KVH, D, inter, cos, sin, pos, kv, nslots,
+                  slot_mapping, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale, kv16);
+}
+
+void specd_attention(const float* q, const float* kv, const float* mask, int64_t B, int64_t KVH, int64_t R,
+                     int64_t Q, int64_t L, int64_t D, float scale, float* out) {
+    attention_gathered(q, kv, mask, B, KVH, R, Q, L, D, scale, out);
+}
+}
