@@ -1,0 +1,94 @@
+"""Token masks: the packed bitmask the grammar library fills, and applying it to logits in place.
+
+A *bitmask row* is ``ceil(V / 32)`` int32 words; bit ``j`` of word ``i`` (``(word >> j) & 1``) says
+whether token ``32 i + j`` is allowed. ``V`` is the target's vocabulary size (its logits' width);
+bits at ``V`` and above are never read. :func:`unpack` turns rows into bool ``[rows, V]`` masks and
+:func:`apply_bitmask_` writes ``-inf`` into the forbidden logits of a batch of rows, in place: any
+logit column the bitmask does not cover (a model whose logits are wider than the vocabulary the
+masks were made for) is forbidden too.
+
+    >>> bm = torch.tensor([[0b101]], dtype=torch.int32)  # tokens 0 and 2 of 4
+    >>> logits = torch.zeros(1, 4); _ = apply_bitmask_(logits, bm); logits
+    tensor([[0., -inf, 0., -inf]])
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["apply_bitmask_", "full_bitmask", "pack", "unpack", "words"]
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+_NEG_INF_BITS = int(torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32))
+
+
+def words(vocab_size: int) -> int:
+    """int32 words of one bitmask row."""
+    return (vocab_size + 31) // 32
+
+
+def full_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """``[rows, ceil(V/32)]`` int32, every token allowed."""
+    return torch.full((rows, words(vocab_size)), -1, dtype=torch.int32)
+
+
+def unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[rows, W]`` int32 (or ``[W]``) -> ``[rows, V]`` bool (or ``[V]``): which tokens are allowed."""
+    one = bitmask.dim() == 1
+    bm = bitmask.unsqueeze(0) if one else bitmask
+    if bm.dtype != torch.int32 or bm.shape[-1] * 32 < vocab_size:
+        raise ValueError(f"bitmask must be int32 [rows, >= {words(vocab_size)}], got {bm.dtype} {tuple(bm.shape)}")
+    allowed = _bits(bm, vocab_size).bool()  # [rows, V]
+    return allowed[0] if one else allowed
+
+
+def _bits(bitmask: torch.Tensor, width: int) -> torch.Tensor:
+    """``[rows, W]`` int32 -> ``[rows, width]`` int32 of 0 / 1 (``width <= 32 W``)."""
+    return ((bitmask.unsqueeze(-1) >> _SHIFTS) & 1).view(bitmask.shape[0], -1)[:, :width]
+
+
+def pack(allowed: torch.Tensor) -> torch.Tensor:
+    """``[rows, V]`` bool (or ``[V]``) -> ``[rows, ceil(V/32)]`` int32 (or ``[W]``); the inverse of unpack."""
+    one = allowed.dim() == 1
+    a = allowed.unsqueeze(0) if one else allowed
+    rows, v = a.shape
+    padded = torch.zeros((rows, words(v) * 32), dtype=torch.int64)
+    padded[:, :v] = a.to(torch.int64)
+    bits = (padded.view(rows, -1, 32) << torch.arange(32, dtype=torch.int64)).sum(-1)  # [rows, W] in [0, 2^32)
+    out = (bits - (bits >= 2**31).to(torch.int64) * 2**32).to(torch.int32)
+    return out[0] if one else out
+
+
+def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Forbidden logits := -inf, in place; returns ``logits``.
+
+    logits:  [N, V'] float (any V'; columns past the bitmask's 32 W are forbidden)
+    bitmask: [N, W] int32, or [len(rows), W] with ``rows`` [k] int64: only those rows of ``logits``
+
+    fp32 logits are masked with integer operations on their bits (0 for allowed, all ones for
+    forbidden: ``bits & ~f | (f & bits(-inf))``), ~5x faster on a CPU than ``masked_fill_``.
+    """
+    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
+        raise ValueError("logits must be 2-D and bitmask 2-D int32")
+    n = logits.shape[0] if rows is None else rows.numel()
+    if bitmask.shape[0] != n:
+        raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {n} logit rows")
+    if rows is None:
+        _apply(logits, bitmask)
+        return logits
+    sub = logits.index_select(0, rows)  # [k, V']
+    _apply(sub, bitmask)
+    logits.index_copy_(0, rows, sub)
+    return logits
+
+
+def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    covered = min(logits.shape[1], bitmask.shape[1] * 32)
+    forbid = _bits(bitmask, covered) - 1  # [n, covered] int32: 0 allowed, -1 (all bits set) forbidden
+    head = logits[:, :covered]
+    if logits.dtype == torch.float32 and logits.is_contiguous() and covered == logits.shape[1]:
+        raw = head.view(torch.int32)
+        raw.bitwise_and_(~forbid).bitwise_or_(forbid & _NEG_INF_BITS)
+    else:
+        head.masked_fill_(forbid.bool(), float("-inf"))
+    logits[:, covered:] = float("-inf")

@@ -1,0 +1,249 @@
+"""Reply text -> OpenAI ``tool_calls``: all at once (:func:`parse_tool_calls`) or as it streams
+(:class:`ToolCallParser`), for the format of :mod:`specd.structured.tools`.
+
+Both split a reply into ``content`` and calls the same way, so the streamed pieces joined equal the
+non-streamed parse:
+
+- a call is ``<tool_call>`` + ``{"name": "...", "arguments": {...}}`` + ``</tool_call>``; its
+  ``arguments`` string is the arguments object's text exactly as generated;
+- ``content`` is the text outside calls, without the whitespace at the reply's ends and around
+  calls (the newlines of the format); None when nothing is left;
+- text that only looks like a call (no closing tag, not JSON, no ``name`` / ``arguments``) stays
+  content in the non-streamed parse. A grammar-constrained reply never has one; a stream cut short
+  inside a call (``max_tokens``) has streamed that call's start: ``finish()`` then reports it in
+  ``incomplete``.
+
+Streaming, as OpenAI sends it: a call's first delta carries ``index``, ``id``, ``type`` and the
+function ``name`` with empty ``arguments``; later deltas carry ``index`` and argument fragments.
+Example::
+
+    >>> p = ToolCallParser(ids=lambda i: f"call_{i}")
+    >>> d = p.feed('Sure.\\n<tool_call>\\n{"name": "f", "argu')
+    >>> d.content, d.tool_calls
+    ('Sure.', [])
+    >>> d = p.feed('ments": {"x": 1}}\\n</tool_call>')
+    >>> [(c.index, c.id, c.name, c.arguments) for c in d.tool_calls]
+    [(0, 'call_0', 'f', ''), (0, None, None, '{"x": 1}')]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specd.structured.tools import TOOL_CLOSE, TOOL_OPEN
+
+__all__ = ["ParseDelta", "ToolCall", "ToolCallDelta", "ToolCallParser", "new_call_id", "parse_tool_calls"]
+
+HEADER_RE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+MAX_HEADER = 512  # characters after <tool_call> within which the name must have appeared
+CALL_RE = re.compile(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE), re.DOTALL)
+
+
+def new_call_id(index: int) -> str:
+    """An OpenAI-style call id: ``call_`` and 24 random alphanumerics."""
+    return "call_" + secrets.token_hex(12)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One complete call: ``arguments`` is JSON text (an object)."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a streamed call: the first has ``id`` and ``name``, the rest argument fragments."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def to_openai(self) -> dict:
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        fn = {"name": self.name, "arguments": self.arguments}
+        return {"index": self.index, "id": self.id, "type": "function", "function": fn}
+
+
+@dataclass
+class ParseDelta:
+    """What one ``feed`` / ``finish`` adds: content text and call pieces (in order of the text)."""
+
+    content: str = ""
+    tool_calls: list = field(default_factory=list)
+    incomplete: bool = False  # finish(): the stream ended inside a call
+
+
+# non-streaming -----------------------------------------------------------------------------------
+def _call(inner: str) -> tuple | None:
+    """``(name, arguments text)`` of one call's inner text, or None when it is no call."""
+    try:
+        obj = json.loads(inner)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
+        return None
+    m = HEADER_RE.match(inner)
+    if m is not None:
+        try:
+            _, end = json.JSONDecoder().raw_decode(inner, m.end())
+            return obj["name"], inner[m.end() : end]
+        except ValueError:
+            pass
+    return obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)
+
+
+def parse_tool_calls(text: str, ids: Callable[[int], str] = new_call_id) -> tuple:
+    """``(content or None, [ToolCall])`` of a whole reply (see the module docstring)."""
+    segments, calls, pos = [], [], 0
+    for m in CALL_RE.finditer(text):
+        parsed = _call(m.group(1))
+        if parsed is None:
+            continue
+        segments.append(text[pos : m.start()])
+        calls.append(ToolCall(len(calls), ids(len(calls)), parsed[0], parsed[1]))
+        pos = m.end()
+    segments.append(text[pos:])
+    content = "".join(s.strip() for s in segments)
+    return content or None, calls
+
+
+# streaming ---------------------------------------------------------------------------------------
+def _partial_open(buf: str) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of the opening tag."""
+    for k in range(min(len(buf), len(TOOL_OPEN) - 1), 0, -1):
+        if TOOL_OPEN.startswith(buf[-k:]):
+            return k
+    return 0
+
+
+def _object_end(text: str, state: list) -> int:
+    """Scan ``text`` as the continuation of one JSON object; ``state`` = [depth, in_string, escaped]
+    carries across calls. The index just past the object's closing brace, or -1 (not closed yet)."""
+    depth, in_str, esc = state
+    for i, ch in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                state[:] = [0, False, False]
+                return i + 1
+    state[:] = [depth, in_str, esc]
+    return -1
+
+
+class ToolCallParser:
+    """Incremental :func:`parse_tool_calls`: ``feed(text_delta)`` as the reply streams, ``finish()`` at
+    its end; each returns a :class:`ParseDelta`. ``calls`` holds the completed :class:`ToolCall` s."""
+
+    def __init__(self, ids: Callable[[int], str] = new_call_id):
+        self._ids = ids
+        self._buf = ""
+        self._state = "text"  # text | header | args | tail
+        self._skip_ws = True  # at the reply's start and after a call
+        self._ws = ""  # trailing whitespace held back (dropped if a call or the end follows)
+        self._scan = [0, False, False]
+        self._name, self._id = "", ""
+        self._args: list = []
+        self.calls: list = []
+
+    def feed(self, text: str) -> ParseDelta:
+        out = ParseDelta()
+        self._buf += text
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> ParseDelta:
+        out = ParseDelta()
+        if self._state == "text":
+            self._text(self._buf, out)
+        else:
+            out.incomplete = True
+        self._buf, self._ws = "", ""
+        return out
+
+    def _text(self, s: str, out: ParseDelta) -> None:
+        if self._skip_ws:
+            s = s.lstrip()
+            self._skip_ws = not s
+        if not s:
+            return
+        s = self._ws + s
+        body = s.rstrip()
+        self._ws = s[len(body) :]
+        out.content += body
+
+    def _step(self, out: ParseDelta) -> bool:
+        """Consume what the buffer allows in the current state; whether to go on."""
+        return getattr(self, "_in_" + self._state)(out)
+
+    def _in_text(self, out: ParseDelta) -> bool:
+        k = self._buf.find(TOOL_OPEN)
+        if k < 0:
+            keep = _partial_open(self._buf)
+            self._text(self._buf[: len(self._buf) - keep], out)
+            self._buf = self._buf[len(self._buf) - keep :]
+            return False
+        self._text(self._buf[:k], out)
+        self._ws = ""
+        self._buf = self._buf[k + len(TOOL_OPEN) :]
+        self._state = "header"
+        return True
+
+    def _in_header(self, out: ParseDelta) -> bool:
+        m = HEADER_RE.match(self._buf)
+        if m is None:
+            if len(self._buf) > MAX_HEADER or TOOL_CLOSE in self._buf:  # not a call after all
+                self._state, self._buf = "text", TOOL_OPEN + self._buf
+                self._text(self._buf, out)
+                self._buf = ""
+            return False
+        self._name = json.loads('"' + m.group(1) + '"')
+        index = len(self.calls)
+        self._id = self._ids(index)
+        out.tool_calls.append(ToolCallDelta(index, self._id, self._name, ""))
+        self._buf, self._state, self._args = self._buf[m.end() :], "args", []
+        return True
+
+    def _in_args(self, out: ParseDelta) -> bool:
+        end = _object_end(self._buf, self._scan)
+        piece = self._buf if end < 0 else self._buf[:end]
+        if piece:
+            self._args.append(piece)
+            out.tool_calls.append(ToolCallDelta(len(self.calls), arguments=piece))
+        self._buf = "" if end < 0 else self._buf[end:]
+        if end >= 0:
+            self._state = "tail"
+        return end >= 0
+
+    def _in_tail(self, out: ParseDelta) -> bool:
+        k = self._buf.find(TOOL_CLOSE)
+        if k < 0:
+            return False
+        index = len(self.calls)
+        self.calls.append(ToolCall(index, self._id, self._name, "".join(self._args)))
+        self._buf, self._state, self._skip_ws = self._buf[k + len(TOOL_CLOSE) :], "text", True
+        return True
