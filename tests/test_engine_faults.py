@@ -229,7 +229,7 @@ def test_schedule_failures_fail_everyone_after_three_then_recover(engine, prompt
 def test_failing_steps_back_off_instead_of_spinning(engine, prompts):
     """An exception escaping ``Engine.step()`` with work that cannot be failed: the loop backs off
     (a handful of steps a second, not thousands), turns unhealthy, and recovers when steps do."""
-    from specd.serving.engine_client import AsyncEngine
+    from specd.serving.async_engine import AsyncEngine
 
     assert [backoff_s(n) for n in (0, 1, 2, 20)] == [0.0, 0.02, 0.04, 1.0]
     calls = [0]
@@ -302,6 +302,7 @@ def test_health_endpoints_and_metrics_follow_failures(engine, prompts):
 def test_daemon_exits_nonzero_after_staying_unhealthy(engine, prompts):
     """``App.main`` (what ``specd serve`` runs) returns 1 once the engine has been unhealthy for
     ``--unhealthy-exit-s``: systemd's ``Restart=`` brings up a fresh process."""
+    from specd.engine.commands import Submit
     from specd.serving.app import App
 
     broken = _BrokenSchedule(engine.scheduler.schedule)
@@ -312,7 +313,7 @@ def test_daemon_exits_nonzero_after_staying_unhealthy(engine, prompts):
             while app.ae is None:
                 await asyncio.sleep(0.01)
             engine.scheduler.schedule = broken
-            app.ae.submit(prompts["short"], _greedy(), TREE, "interactive", "x", lambda item: None)
+            app.ae.submit(Submit("x", prompts["short"], _greedy(), TREE), lambda item: None)
 
         t = asyncio.ensure_future(poke())
         rc = await asyncio.wait_for(app.main(), 60)

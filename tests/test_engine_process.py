@@ -59,7 +59,7 @@ def reference(shared_pair):
 
 
 def test_streams_equal_the_in_process_engine(server, reference):
-    from specd.serving.engine_proc import ProcessLink
+    from specd.engine.links import ProcessLink
 
     remote = server.app.ae.link
     assert isinstance(remote, ProcessLink) and remote.pid != os.getpid() and remote.alive
@@ -172,6 +172,7 @@ def test_a_request_the_child_cannot_run_fails_alone(server, reference):
     child's KV is free afterwards and /metrics counts the failure by stage; health stays green."""
     import asyncio
 
+    from specd.engine.commands import Submit
     from specd.engine.engine import RequestError
     from specd.engine.sequence import SpecParams
     from specd.sampling.params import SamplingParams
@@ -187,9 +188,7 @@ def test_a_request_the_child_cannot_run_fails_alone(server, reference):
             try:
                 return [
                     t
-                    for o in [
-                        o async for o in server.app.ae.generate(ids, params, SpecParams("tree"), "interactive", rid)
-                    ]
+                    for o in [o async for o in server.app.ae.generate(Submit(rid, ids, params, SpecParams("tree")))]
                     for t in o.token_ids
                 ]
             except RequestError as e:
@@ -284,7 +283,7 @@ def test_cpu_split_pins_the_server_to_the_first_cpu_and_the_engine_to_the_rest()
         pytest.skip("needs 2+ CPUs")
     code = (
         "import os, subprocess, sys, threading\n"
-        "from specd.serving.engine_proc import _split_cpus\n"
+        "from specd.engine.links import _split_cpus\n"
         "t = threading.Thread(target=lambda: None); t.start(); t.join()\n"
         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
         "_split_cpus(p.pid)\n"
@@ -297,29 +296,30 @@ def test_cpu_split_pins_the_server_to_the_first_cpu_and_the_engine_to_the_rest()
 
 
 def _drive(link, prompts_ids, max_tokens, tag):
-    """Run requests on a ProcessLink by hand: (pipe messages, step records per request, tokens)."""
+    """Run requests on a ProcessLink by hand: (pipe messages with steps, step records per request, tokens)."""
     import select
 
+    from specd.engine.commands import Batch, Submit
     from specd.engine.sequence import SpecParams
     from specd.sampling.params import SamplingParams
 
     msgs, steps, toks, done = [], {}, {}, set()
     for i, ids in enumerate(prompts_ids):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        link.send(("add", f"{tag}{i}", ids, params, SpecParams(mode="off"), "interactive", None))
+        link.send(Submit(f"{tag}{i}", ids, params, SpecParams(mode="off")))
     end = time.monotonic() + 60
     while len(done) < len(prompts_ids) and time.monotonic() < end:
         select.select([link.fileno()], [], [], 1.0)
         for m in link.read_raw():
             msgs.append(m)
-            for outs, _dt in link.decode(m).steps:
-                for o in outs:
+            for st in link.decode(m).steps:
+                for o in st.outputs:
                     steps.setdefault(o.request_id, []).append(len(o.token_ids))
                     toks.setdefault(o.request_id, []).extend(o.token_ids)
                     if o.finished:
                         done.add(o.request_id)
     assert len(done) == len(prompts_ids)
-    return [m for m in msgs if m[0] == "outs"], steps, toks
+    return [m for m in msgs if isinstance(m, Batch) and m.steps], steps, toks
 
 
 def test_stream_interval_holds_short_steps_but_never_first_or_last_tokens(shared_pair, reference):
@@ -327,7 +327,7 @@ def test_stream_interval_holds_short_steps_but_never_first_or_last_tokens(shared
     message (each step still arrives as its own record, in order), but a request's first token and its
     finish go out at once; with 0 every step is its own message. Tokens equal the in-process engine's."""
     from specd.cli import engine_config
-    from specd.serving.engine_proc import ProcessLink
+    from specd.engine.links import ProcessLink
 
     tok = shared_pair[0].tokenizer
     ids = [tok(p)["input_ids"] for p in PROMPTS]
@@ -341,7 +341,7 @@ def test_stream_interval_holds_short_steps_but_never_first_or_last_tokens(shared
             ref = reference[p, "off"][0]
             assert toks[f"i{interval}-{i}"] == ref
             assert steps[f"i{interval}-{i}"] == [1] * len(ref)  # speculation off: one record per step, one token each
-        per_msg = [len(m[1]) for m in msgs]
+        per_msg = [len(m.steps) for m in msgs]
         assert sum(per_msg) >= max(len(reference[p, "off"][0]) for p in PROMPTS)
         if interval == 0.0:
             assert max(per_msg) == 1
@@ -351,13 +351,13 @@ def test_stream_interval_holds_short_steps_but_never_first_or_last_tokens(shared
             m
             for m in msgs
             if any(
-                st is not None and "first_token_time" in st and not fin
-                for step, _ in m[1]
-                for (_, _, _, fin, _, st, _) in step
+                r.state is not None and r.state.first_token_time and not r.finished
+                for st in m.steps
+                for r in st.outputs
             )
         ]
-        lasts = [m for m in msgs if any(fin for step, _ in m[1] for (_, _, _, fin, _, _, _) in step)]
+        lasts = [m for m in msgs if any(r.finished for st in m.steps for r in st.outputs)]
         assert firsts and lasts
         for m in firsts + lasts:  # urgent outputs end their message: nothing after them was held back
-            last_step = m[1][-1][0]
-            assert any(st is not None for (*_, st, _) in last_step)
+            last_step = m.steps[-1].outputs
+            assert any(r.state is not None for r in last_step)

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from specd.config import CacheConfig, EngineConfig
 from specd.engine.engine import Engine, RequestError
 from specd.sampling.params import SamplingParams
-from specd.serving.engine_client import AsyncEngine
+from specd.serving.async_engine import AsyncEngine
 from specd.serving.grpc_server import start_grpc_server
 from specd.serving.proto.specd.v1 import specd_pb2 as pb
 from specd.serving.proto.specd.v1 import specd_pb2_grpc

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from specd.engine.requests import SAMPLING_FIELDS
 from specd.serving import protocol as P
 from specd.serving import request_build as RB
 
@@ -22,7 +23,7 @@ def gen(**kw):
 def test_parse_generate_defaults_and_fields():
     r = P.parse_generate(gen())
     assert (r.id, r.prompt, r.messages, r.max_tokens, r.priority) == ("r", "hi", None, None, "interactive")
-    assert r.sampling["temperature"] == 1.0 and r.spec.mode == "auto"
+    assert r.params.temperature == 1.0 and r.spec.mode == "auto"
     r = P.parse_generate(
         {
             "type": "generate",
@@ -43,12 +44,14 @@ def test_parse_generate_defaults_and_fields():
         }
     )
     assert r.messages == [{"role": "user", "content": "a"}] and r.max_tokens == 5
-    assert r.sampling == dict(
+    assert {f: getattr(r.params, f) for f in SAMPLING_FIELDS if f != "max_tokens"} == dict(
         temperature=0.0, top_p=0.5, top_k=3, seed=9, stop=("\n",), stop_token_ids=(2,), ignore_eos=True, logprobs=2
     )
     assert (r.spec.mode, r.spec.max_draft_tokens, r.priority) == ("chain", 4, "batch")
-    p = RB.sampling_params(r.max_tokens, **r.sampling)
+    p = r.sampling(prompt_tokens=1, max_model_len=64)
     assert p.max_tokens == 5 and p.stop == ("\n",) and p.logprobs == 2
+    # no max_tokens: the default once the prompt's length is known (min(256, context - prompt))
+    assert P.parse_generate(gen()).sampling(prompt_tokens=10, max_model_len=64).max_tokens == 54
 
 
 @pytest.mark.parametrize(
@@ -160,10 +163,12 @@ class FakeOut:
 
 class FakeEngine:
     """Emits one token per step per request, ``n`` tokens each; abort -> a cancelled output. Has the
-    public surface the engine loop and ``snapshot_of`` read."""
+    public surface the engine loop, ``snapshot_of`` and ``limits_of`` read."""
 
     max_model_len = 64
     tokenizer = None
+    vocab_size = 100
+    drafter = draft_cache = None
 
     def __init__(self, n=5, fail_at=None):
         from types import SimpleNamespace
@@ -178,6 +183,7 @@ class FakeEngine:
         )
         self.scheduler.last_depth = 0
         self.health = SimpleNamespace(consecutive_failed=0)
+        self.cache = SimpleNamespace(block_size=16, pool=SimpleNamespace(num_blocks=64))
         self.stats, self.num_steps = SpecStats(), 0
 
     def kv_blocks_used(self):
@@ -188,12 +194,6 @@ class FakeEngine:
 
     def health_snapshot(self):
         return {"failed_steps": {}, "failed_requests": {}, "consecutive_failed": 0, "last_progress": time.monotonic()}
-
-    def validate(self, prompt, params):
-        from specd.engine.engine import RequestError
-
-        if not prompt:
-            raise RequestError("invalid_request", "prompt is empty")
 
     def add_request(self, prompt, params, spec, priority, rid, tenant=None):
         from specd.engine.engine import RequestError
@@ -252,30 +252,38 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+def req(rid: str, prompt_ids: list):
+    """A request for the fake engines (their outputs do not depend on its parameters)."""
+    from specd.engine.commands import Submit
+    from specd.sampling.params import SamplingParams
+
+    return Submit(rid, prompt_ids, SamplingParams(max_tokens=8))
+
+
 def test_async_engine_streams_overload_and_abort():
     from specd.engine.engine import RequestError
-    from specd.serving.engine_client import AsyncEngine
+    from specd.serving.async_engine import AsyncEngine
 
     async def main():
         fe = FakeEngine(n=5)
         ae = AsyncEngine(fe, max_queue=2)
         await ae.start()
         assert ae.ready and ae.watchdog_ok()
-        outs = [o async for o in ae.generate([1], None, None, "interactive", "a")]
+        outs = [o async for o in ae.generate(req("a", [1]))]
         assert sum(len(o.token_ids) for o in outs) == 5 and outs[-1].finished and ae.num_requests == 0
         assert all(o.token_ids for o in outs) and not any(o.finished for o in outs[:-1])
         # overloaded at once
         fe.n = 100_000
-        g1, g2 = ae.generate([1], None, None, "interactive", "b"), ae.generate([1], None, None, "interactive", "c")
+        g1, g2 = ae.generate(req("b", [1])), ae.generate(req("c", [1]))
         await g1.__anext__()
         await g2.__anext__()
         with pytest.raises(RequestError) as ei:
-            await ae.generate([1], None, None, "interactive", "d").__anext__()
+            await ae.generate(req("d", [1])).__anext__()
         assert ei.value.code == "overloaded"
         # engine validation error passes through
         await g1.aclose()  # consumer leaves: the request is aborted in the engine
         with pytest.raises(RequestError) as ei:
-            await ae.generate([], None, None, "interactive", "e").__anext__()
+            await ae.generate(req("e", [])).__anext__()
         assert ei.value.code == "invalid_request"
         await g2.aclose()
         fe.n = 5
@@ -287,7 +295,7 @@ def test_async_engine_streams_overload_and_abort():
 
         # cancellation of the consuming task aborts too
         async def consume():
-            async for _ in ae.generate([1], None, None, "interactive", "f"):
+            async for _ in ae.generate(req("f", [1])):
                 await asyncio.sleep(10)
 
         t = asyncio.ensure_future(consume())
@@ -302,7 +310,7 @@ def test_async_engine_streams_overload_and_abort():
         await ae.drain(1.0)
         assert not ae.ready
         with pytest.raises(RequestError) as ei:
-            await ae.generate([1], None, None, "interactive", "g").__anext__()
+            await ae.generate(req("g", [1])).__anext__()
         assert ei.value.code == "shutting_down"
         await ae.stop()
 
@@ -313,15 +321,15 @@ def test_a_request_the_engine_refuses_on_arrival_ends_with_its_error():
     """The engine loop's add may still refuse (validation raced): the stream ends with that error,
     not admitted, nothing is left behind, and the next request runs."""
     from specd.engine.engine import RequestError
-    from specd.serving.engine_client import AsyncEngine
+    from specd.serving.async_engine import AsyncEngine
 
     async def main():
         ae = AsyncEngine(FakeEngine(n=3), max_queue=4)
         await ae.start()
         with pytest.raises(RequestError) as ei:
-            [o async for o in ae.generate([13], None, None, "interactive", "r")]
+            [o async for o in ae.generate(req("r", [13]))]
         assert ei.value.code == "too_long" and not getattr(ei.value, "admitted", False) and ae.num_requests == 0
-        outs = [o async for o in ae.generate([1], None, None, "interactive", "r")]
+        outs = [o async for o in ae.generate(req("r", [1]))]
         assert outs[-1].finish_reason == "length"
         await ae.stop()
 
@@ -331,14 +339,14 @@ def test_a_request_the_engine_refuses_on_arrival_ends_with_its_error():
 def test_async_engine_merges_outputs_that_queued_behind_a_slow_consumer():
     """A consumer that falls behind gets everything queued meanwhile as one output (fewer messages
     exactly when sending is the bottleneck); nothing is lost, and an error still ends the stream."""
-    from specd.serving.engine_client import AsyncEngine
+    from specd.serving.async_engine import AsyncEngine
 
     async def main():
         fe = FakeEngine(n=40)
         ae = AsyncEngine(fe, max_queue=8)
         await ae.start()
         outs = []
-        async for o in ae.generate([1], None, None, "interactive", "slow"):
+        async for o in ae.generate(req("slow", [1])):
             outs.append(o)
             await asyncio.sleep(0.01)  # ~10 engine steps per message
         assert sum(len(o.token_ids) for o in outs) == 40 and "".join(o.text for o in outs) == "x" * 40
@@ -351,7 +359,7 @@ def test_async_engine_merges_outputs_that_queued_behind_a_slow_consumer():
 
 def test_async_engine_step_exception_fails_running_requests():
     from specd.engine.engine import RequestError
-    from specd.serving.engine_client import AsyncEngine
+    from specd.serving.async_engine import AsyncEngine
 
     async def main():
         fe = FakeEngine(n=50, fail_at=3)
@@ -359,11 +367,11 @@ def test_async_engine_step_exception_fails_running_requests():
         await ae.start()
         got = []
         with pytest.raises(RequestError) as ei:
-            async for o in ae.generate([1], None, None, "interactive", "a"):
+            async for o in ae.generate(req("a", [1])):
                 got.append(o)
         assert ei.value.code == "internal" and getattr(ei.value, "admitted", False) and "boom" in str(ei.value)
         assert len(got) == 2
-        outs = [o async for o in ae.generate([1], None, None, "interactive", "b")]
+        outs = [o async for o in ae.generate(req("b", [1]))]
         assert outs[-1].finish_reason == "length" and ae.num_step_errors == 1
         await ae.stop()
 
@@ -371,7 +379,7 @@ def test_async_engine_step_exception_fails_running_requests():
 
 
 def test_async_engine_drain_deadline_aborts_and_idle_thread_sleeps():
-    from specd.serving.engine_client import AsyncEngine
+    from specd.serving.async_engine import AsyncEngine
 
     async def main():
         fe = FakeEngine(n=10_000)
@@ -384,7 +392,7 @@ def test_async_engine_drain_deadline_aborts_and_idle_thread_sleeps():
         outs = []
 
         async def consume():
-            async for o in ae.generate([1], None, None, "interactive", "a"):
+            async for o in ae.generate(req("a", [1])):
                 outs.append(o)
 
         t = asyncio.ensure_future(consume())
@@ -397,6 +405,17 @@ def test_async_engine_drain_deadline_aborts_and_idle_thread_sleeps():
     run(main())
 
 
+def _limits():
+    from specd.engine.commands import EngineLimits
+
+    return EngineLimits(
+        max_model_len=64, block_size=16, num_blocks=64, draft_num_blocks=None, vocab_size=100, has_draft=False
+    )
+
+
+_LIMITS = _limits()
+
+
 class FakeRemote:
     """An ``EngineLink`` like ``ProcessLink``'s (the event loop reads a pipe; no engine thread), over a
     socketpair the test writes to: ``push`` queues outputs / a failed step / death and makes the pipe
@@ -405,7 +424,7 @@ class FakeRemote:
     relaying = True
     tokenizer = None
     max_model_len = 64
-    limits = None
+    limits = _LIMITS
     engine = None
 
     def __init__(self):
@@ -416,16 +435,13 @@ class FakeRemote:
         self.reader_attached = False
         self.aborted = []
 
-    def validate(self, prompt, params):
-        pass
-
     def start(self, loop, deliver, died):
         self.loop, self.deliver, self.died = loop, deliver, died
         loop.add_reader(self.r.fileno(), self._on_readable)
         self.reader_attached = True
 
     def _on_readable(self):
-        from specd.engine.client import Batch
+        from specd.engine.commands import Batch
 
         self.r.recv(4096)
         items, self.items = self.items, []
@@ -436,8 +452,10 @@ class FakeRemote:
             self.died("engine process died")
 
     def send(self, cmd):
-        if cmd[0] == "abort":
-            self.aborted.append(cmd[1])
+        from specd.engine.commands import Cancel
+
+        if isinstance(cmd, Cancel):
+            self.aborted.append(cmd.request_id)
 
     def wake(self):
         pass
@@ -451,7 +469,9 @@ class FakeRemote:
 
     def push(self, outs=None, err=None, dead=False):
         if outs is not None:
-            self.items.append((outs, 0.001))
+            from specd.engine.commands import Step
+
+            self.items.append(Step(outs, 0.001))
         self.err = err
         if dead:
             self.alive = False
@@ -463,7 +483,7 @@ def test_engine_process_mode_relays_on_the_loop_and_fails_cleanly():
     listeners; a failed request's error output ends its stream with `internal`; a dead engine fails the rest,
     turns health red, and nothing hangs."""
     from specd.engine.engine import RequestError
-    from specd.serving.engine_client import AsyncEngine
+    from specd.serving.async_engine import AsyncEngine
 
     async def main():
         fr = FakeRemote()
@@ -472,7 +492,7 @@ def test_engine_process_mode_relays_on_the_loop_and_fails_cleanly():
         ae.listeners.append(lambda outs, dt: seen.append((len(outs), dt)))
         await ae.start()
         assert ae.relaying and ae.engine is None and fr.reader_attached and ae.ready and ae.watchdog_ok()
-        ga, gb = ae.generate([1], None, None, "interactive", "a"), ae.generate([1], None, None, "interactive", "b")
+        ga, gb = ae.generate(req("a", [1])), ae.generate(req("b", [1]))
         fa = asyncio.ensure_future(ga.__anext__())
         fb = asyncio.ensure_future(gb.__anext__())
         await asyncio.sleep(0.01)
@@ -523,7 +543,7 @@ def test_handoff_holds_short_steps_within_the_interval_only():
 def test_engine_thread_mode_holds_outputs_but_streams_everything():
     """Engine-thread mode with a long interval: the loop is woken fewer times than there are steps,
     yet every request gets all its tokens in order and its end."""
-    from specd.serving.engine_client import AsyncEngine
+    from specd.serving.async_engine import AsyncEngine
 
     eng = FakeEngine(n=12)
 
@@ -534,7 +554,7 @@ def test_engine_thread_mode_holds_outputs_but_streams_everything():
 
         async def one(rid):
             toks = []
-            async for out in ae.generate([1], None, None, "interactive", rid):
+            async for out in ae.generate(req(rid, [1])):
                 toks += out.token_ids
             results[rid] = toks
 
@@ -548,11 +568,11 @@ def test_engine_thread_mode_holds_outputs_but_streams_everything():
 
 
 def test_pipe_frames_survive_partial_reads_and_close_is_idempotent():
-    """engine_proc.Pipe: messages larger than one read arrive whole and in order; a reader sees
+    """links.Pipe: messages larger than one read arrive whole and in order; a reader sees
     end of file after the writer closes; closing twice never closes a reused descriptor."""
     import os
 
-    from specd.serving.engine_proc import Pipe
+    from specd.engine.links import Pipe
 
     r, w = os.pipe()
     reader, writer = Pipe(r, reader=True), Pipe(w, reader=False)

@@ -2,13 +2,14 @@
 
 A front end never touches an ``Engine``: it holds an ``EngineClient`` and
 
-- validates a request against ``client.limits`` (the context, the KV cache, the vocabulary) and
-  tokenizes it with ``client.tokenizer`` (no compute, nothing queued);
-- ``submit(prompt_ids, params, spec, priority, request_id, sink, tenant)``: the request's stream is pushed to
-  ``sink`` on the event loop, one ``RequestOutput`` per engine step (tokens, text, the request's
-  running speculation stats in ``out.seq.stats``; ``finished`` on the last) or a ``RequestError`` that
-  ends it; ``generate(...)`` is the same stream pulled as an async iterator; ``tenant`` (a digest of
-  the caller's API key) scopes what the engine may draft from (``specd.speculation.suffix``);
+- validates a request (``specd.engine.requests``; ``client.limits``: the context, the KV cache, the
+  vocabulary) and tokenizes it with ``client.tokenizer`` (no compute, nothing queued);
+- ``submit(req, sink)`` with a ``Submit`` (``specd.engine.commands``: prompt ids, ``SamplingParams``,
+  ``SpecParams``, priority, request id, tenant): the request's stream is pushed to ``sink`` on the
+  event loop, one ``RequestOutput`` per engine step (tokens, text, the request's running speculation
+  stats in ``out.seq.stats``; ``finished`` on the last) or a ``RequestError`` that ends it;
+  ``generate(req)`` is the same stream pulled as an async iterator; ``tenant`` (a digest of the
+  caller's API key) scopes what the engine may draft from (``specd.speculation.suffix``);
 - ``abort(request_id)``: the stream ends with ``finish_reason: "cancelled"`` within one engine step,
   and the request's KV blocks are freed in that step;
 - ``snapshot()``: an ``EngineSnapshot`` (queues, KV blocks in use, speculation totals, health) as of
@@ -16,10 +17,11 @@ A front end never touches an ``Engine``: it holds an ``EngineClient`` and
   ``unhealthy_reason()`` None while the engine completes steps;
 - ``drain(deadline_s)`` then ``stop()`` at shutdown.
 
-One implementation, ``specd.serving.engine_client.AsyncEngine``, serves it over an ``EngineLink``:
-the engine stepping in a thread of this process (``specd.engine.loop.ThreadLink``) or in a child
-process (``specd.serving.engine_proc.ProcessLink``). Both run the same ``specd.engine.loop.EngineLoop``
-(one failure policy, one hand-off policy) and deliver the same ``Batch``es.
+One implementation, ``specd.serving.async_engine.AsyncEngine``, serves it over an ``EngineLink``
+(``specd.engine.links``): the engine stepping in a thread of this process (``ThreadLink``) or in a
+child process (``ProcessLink``). Both run the same ``specd.engine.loop.EngineLoop`` (one failure
+policy, one hand-off policy), take the same commands and deliver the same ``Batch``es
+(``specd.engine.commands``).
 
 ``snapshot_of`` and ``limits_of`` are the only readers of the engine's scheduler and caches outside
 ``Engine`` itself; they live here, in the engine package, so that nothing above it does.
@@ -29,44 +31,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from specd.engine.engine import RequestError, RequestOutput, validate_request
-from specd.engine.sequence import SpecParams, SpecStats
-from specd.sampling.params import SamplingParams
+from specd.engine.commands import Batch, Command, EngineLimits, EngineSnapshot, Submit
+from specd.engine.output import RequestOutput
+from specd.engine.sequence import SpecStats
 
-__all__ = [
-    "Batch",
-    "EngineClient",
-    "EngineLimits",
-    "EngineLink",
-    "EngineSnapshot",
-    "RequestError",
-    "RequestOutput",
-    "StreamSink",
-    "limits_of",
-    "snapshot_of",
-]
+__all__ = ["EngineClient", "EngineLink", "StreamSink", "limits_of", "snapshot_of"]
 
 StreamSink = Callable[[Any], None]  # called with a RequestOutput or a RequestError that ends the stream
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """What a front end needs to refuse a request before it reaches the engine (no compute)."""
-
-    max_model_len: int
-    block_size: int
-    num_blocks: int
-    draft_num_blocks: int | None
-    vocab_size: int
-    has_draft: bool
-    threads: int = 0
-
-    def validate(self, prompt_ids: list, params: SamplingParams) -> None:
-        """``RequestError`` (``too_long`` / ``invalid_request``) for a request that can never run."""
-        validate_request(prompt_ids, params, self.max_model_len, self.block_size, self.num_blocks, self.vocab_size)
 
 
 def limits_of(engine, threads: int = 0) -> EngineLimits:
@@ -81,30 +54,6 @@ def limits_of(engine, threads: int = 0) -> EngineLimits:
         has_draft=engine.drafter is not None,
         threads=threads,
     )
-
-
-def _empty_prefix() -> dict:
-    return {"query_tokens": 0, "hit_tokens": 0, "hit_rate": 0.0, "evictions": 0}
-
-
-@dataclass
-class EngineSnapshot:
-    """The engine's state at one moment (``time``, monotonic): running and waiting requests by
-    priority, KV blocks in use (target, draft), speculation totals, scheduler counters, prefix-cache
-    stats, engine steps, ``EngineHealth.snapshot()`` and the loop's escaped step failures in a row."""
-
-    running: dict = field(default_factory=lambda: {"interactive": 0, "batch": 0})
-    waiting: dict = field(default_factory=lambda: {"interactive": 0, "batch": 0})
-    kv_used: tuple = (0, 0)
-    stats: SpecStats = field(default_factory=SpecStats)
-    preemptions: int = 0
-    spec_budget: int = 0
-    depth: int = 0
-    prefix: dict = field(default_factory=_empty_prefix)
-    steps: int = 0
-    health: dict | None = None
-    loop_failures: int = 0
-    time: float = 0.0
 
 
 def snapshot_of(engine, loop_failures: int = 0) -> EngineSnapshot:
@@ -131,25 +80,10 @@ def snapshot_of(engine, loop_failures: int = 0) -> EngineSnapshot:
     )
 
 
-@dataclass
-class Batch:
-    """What the engine loop hands its client at once: the outputs of one or more steps, each with its
-    duration (``steps``: ``[(list[RequestOutput], seconds)]``, in order), a state snapshot or None,
-    the exceptions that escaped ``Engine.step()`` since the last batch (``"Type: message"``; each
-    failed every active request, whose error outputs are in ``steps``), and requests the engine
-    refused on arrival (``(request_id, code, message)``: races validation could not see)."""
-
-    steps: list = field(default_factory=list)
-    snapshot: EngineSnapshot | None = None
-    errors: list = field(default_factory=list)
-    refused: list = field(default_factory=list)
-
-
 @runtime_checkable
 class EngineLink(Protocol):
-    """Where the engine loop runs (a thread of this process, or a child process) and how commands
-    reach it and batches come back. Commands: ``("add", rid, prompt_ids, params, spec, priority,
-    tenant)``, ``("abort", rid)``, ``("snapshot",)``."""
+    """Where the engine loop runs (a thread of this process, or a child process: ``specd.engine.links``),
+    how commands (``Submit``, ``Cancel``, ``Snapshot``) reach it and ``Batch``es come back."""
 
     relaying: bool  # the event loop reads the engine's pipe (child process), no engine thread here
 
@@ -165,11 +99,9 @@ class EngineLink(Protocol):
     @property
     def alive(self) -> bool: ...
 
-    def validate(self, prompt_ids: list, params: SamplingParams) -> None: ...
-
     def start(self, loop, deliver: Callable[[Batch], None], died: Callable[[str], None]) -> None: ...
 
-    def send(self, cmd: tuple) -> None: ...
+    def send(self, cmd: Command) -> None: ...
 
     def wake(self) -> None: ...
 
@@ -202,28 +134,9 @@ class EngineClient(Protocol):
     @property
     def num_requests(self) -> int: ...
 
-    def validate(self, prompt_ids: list, params: SamplingParams) -> None: ...
+    def submit(self, req: Submit, sink: StreamSink) -> None: ...
 
-    def submit(
-        self,
-        prompt_ids: list,
-        params: SamplingParams,
-        spec: SpecParams,
-        priority: str,
-        request_id: str,
-        sink: StreamSink,
-        tenant: str | None = None,
-    ) -> None: ...
-
-    def generate(
-        self,
-        prompt_ids: list,
-        params: SamplingParams,
-        spec: SpecParams = SpecParams(),
-        priority: str = "interactive",
-        request_id: str | None = None,
-        tenant: str | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, req: Submit) -> AsyncIterator[RequestOutput]: ...
 
     def abort(self, request_id: str) -> None: ...
 

@@ -1,9 +1,9 @@
 """The one engine loop: steps an ``Engine`` and hands its outputs to the client, in a thread of the
-server process (``ThreadLink``) or in the engine's own process (``specd.serving.engine_proc``).
+server process or in the engine's own process (``specd.engine.links``: ``ThreadLink``, ``ProcessLink``).
 
-``EngineLoop.run()`` takes commands from an inlet (``add`` / ``abort`` / ``snapshot`` / ``stop``),
-steps the engine while it has work and hands ``Batch``es to an outlet. The same code in both places
-means one policy for both:
+``EngineLoop.run()`` takes commands from an inlet (``Submit`` / ``Cancel`` / ``Snapshot`` / ``Stop``,
+``specd.engine.commands``), steps the engine while it has work and hands ``Batch``es to an outlet.
+The same code in both places means one policy for both:
 
 - **failures**: a stage that fails inside ``Engine.step()`` fails only its request (the engine ends it
   with ``finish_reason: "error"``); an exception that escapes ``Engine.step()`` (a bug outside the
@@ -20,19 +20,18 @@ means one policy for both:
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 import time
 from collections.abc import Callable
 
-from specd.engine.client import Batch, EngineLimits, limits_of, snapshot_of
-from specd.engine.engine import RequestError
+from specd.engine.client import snapshot_of
+from specd.engine.commands import Batch, Cancel, Refused, Snapshot, Step, Stop, Submit
 from specd.engine.health import RateLimitedLog, backoff_s
+from specd.engine.requests import RequestError
 
 log = logging.getLogger("specd.engine_loop")
 
-__all__ = ["DEFAULT_STREAM_INTERVAL_S", "CommandQueue", "EngineLoop", "HandOff", "ThreadLink"]
+__all__ = ["DEFAULT_STREAM_INTERVAL_S", "EngineLoop", "HandOff"]
 
 DEFAULT_STREAM_INTERVAL_S = 0.002
 IDLE_WAIT_S = 0.5  # an idle loop wakes this often to check its inlet (no busy-wait)
@@ -71,37 +70,6 @@ class HandOff:
         return False
 
 
-class CommandQueue:
-    """The loop's inlet in a thread: ``put`` from any thread, ``take`` / ``wait`` on the loop's."""
-
-    def __init__(self):
-        self._items: list = []
-        self._lock = threading.Lock()
-        self._event = threading.Event()
-        self.closed = False
-
-    def put(self, cmd: tuple) -> None:
-        with self._lock:
-            self._items.append(cmd)
-        self._event.set()
-
-    def wake(self) -> None:
-        self._event.set()
-
-    def wait(self, timeout: float) -> None:
-        self._event.wait(timeout)
-
-    def take(self) -> list:
-        with self._lock:
-            items, self._items = self._items, []
-            self._event.clear()
-        return items
-
-    def close(self) -> None:
-        self.closed = True
-        self._event.set()
-
-
 def _urgent(outs: list) -> bool:
     """A first token or a finished request among a step's outputs (they never wait)."""
     return any(o.finished or (o.token_ids and o.seq.num_output == len(o.token_ids)) for o in outs)
@@ -112,7 +80,7 @@ class EngineLoop:
 
     ``inlet``: ``take()`` -> commands, ``wait(timeout)``, ``closed``. ``outlet(batch) -> bool``: False
     once the client is gone. ``pack(outputs)``: what a step's outputs travel as (identity in a thread;
-    picklable tuples to a parent process), called as the step ends. Only ``run()``'s thread touches
+    ``OutputRecord``s to a parent process), called as the step ends. Only ``run()``'s thread touches
     the engine."""
 
     def __init__(self, engine, inlet, outlet: Callable[[Batch], bool], interval_s: float, pack=None, snapshot=None):
@@ -123,7 +91,7 @@ class EngineLoop:
         self.pack = pack or (lambda outs: outs)
         self.snapshot = snapshot or snapshot_of
         self.failures = 0  # exceptions that escaped Engine.step() in a row
-        self._held: list = []  # [(packed outputs, step seconds)] not handed over yet
+        self._held: list = []  # [Step] (packed outputs) not handed over yet
         self._errors: list = []
         self._refused: list = []
         self._force = False  # a snapshot was asked for
@@ -150,22 +118,23 @@ class EngineLoop:
                 return
 
     def _apply(self, cmds: list) -> bool:
-        """Commands in arrival order; False on ``stop``."""
+        """Commands in arrival order; False on ``Stop``."""
         eng = self.engine
         for cmd in cmds:
-            op = cmd[0]
-            if op == "add":
-                _, rid, ids, params, spec, priority, tenant = cmd
+            if isinstance(cmd, Submit):
                 try:
-                    eng.add_request(ids, params, spec, priority, rid, tenant=tenant)
+                    ids = list(cmd.prompt_ids)
+                    eng.add_request(ids, cmd.params, cmd.spec, cmd.priority, cmd.request_id, tenant=cmd.tenant)
                 except (RequestError, ValueError) as e:  # the client validated: only races land here
-                    self._refused.append((rid, getattr(e, "code", "invalid_request"), str(e)))
-            elif op == "abort":
-                eng.abort(cmd[1])
-            elif op == "snapshot":
+                    self._refused.append(Refused(cmd.request_id, getattr(e, "code", "invalid_request"), str(e)))
+            elif isinstance(cmd, Cancel):
+                eng.abort(cmd.request_id)
+            elif isinstance(cmd, Snapshot):
                 self._force = True
-            elif op == "stop":
+            elif isinstance(cmd, Stop):
                 return False
+            else:  # a caller's bug: say so, keep serving everyone else
+                log.error("ignored a message that is not an engine command: %.200r", cmd)
         return True
 
     def _step(self) -> bool:
@@ -181,7 +150,7 @@ class EngineLoop:
             self.failures = 0
         now = time.monotonic()
         if outs:
-            self._held.append((self.pack(outs), now - t0))
+            self._held.append(Step(self.pack(outs), now - t0))
         wait = backoff_s(max(self.failures, eng.health.consecutive_failed))
         steady = eng.has_work() and not eng.num_waiting and not eng.has_new_requests()
         due = bool(outs) and self.handoff.now(now, now - t0, _urgent(outs), steady)
@@ -213,103 +182,3 @@ class EngineLoop:
         self._held, self._errors, self._refused = [], [], []
         self._last_sent = now
         return self.outlet(batch)
-
-
-class ThreadLink:
-    """The engine loop in a thread of this process (``specd serve --engine-thread``, tests).
-
-    Batches reach the event loop in ONE ``call_soon_threadsafe`` per hand-off; while the loop has
-    not taken the previous hand-off yet, the next batch simply joins it (no second wake-up)."""
-
-    relaying = False
-
-    def __init__(self, engine, stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S):
-        HandOff(stream_interval_s)  # (validates)
-        self.engine = engine
-        self.interval = stream_interval_s
-        self.inlet = CommandQueue()
-        self.thread: threading.Thread | None = None
-        self._outbox: list = []
-        self._lock = threading.Lock()
-        self._posted = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._deliver: Callable[[Batch], None] = lambda batch: None
-        self._died: Callable[[str], None] = lambda msg: None
-        self._limits: EngineLimits | None = None
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def limits(self) -> EngineLimits:
-        if self._limits is None:
-            self._limits = limits_of(self.engine)
-        return self._limits
-
-    @property
-    def alive(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
-
-    def validate(self, prompt_ids: list, params) -> None:
-        self.engine.validate(prompt_ids, params)
-
-    def start(
-        self, loop: asyncio.AbstractEventLoop, deliver: Callable[[Batch], None], died: Callable[[str], None]
-    ) -> None:
-        self._loop, self._deliver, self._died = loop, deliver, died
-        self.thread = threading.Thread(target=self._run, name="specd-engine", daemon=True)
-        self.thread.start()
-
-    def send(self, cmd: tuple) -> None:
-        self.inlet.put(cmd)
-
-    def wake(self) -> None:
-        self.inlet.wake()
-
-    def detach(self) -> None:
-        """Stop delivering batches (on the event loop, before ``close``)."""
-        self._deliver = lambda batch: None
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop and wait for the thread (blocking: call it off the event loop)."""
-        self.inlet.close()
-        t = self.thread
-        if t is not None and t.is_alive() and t is not threading.current_thread():
-            t.join(timeout_s)
-
-    def _run(self) -> None:
-        try:
-            EngineLoop(self.engine, self.inlet, self._outlet, self.interval).run()
-        except BaseException as e:  # noqa: BLE001 - the thread is dying: fail everyone, don't hang them
-            log.critical("engine thread died", exc_info=True)
-            self._post(self._died, f"engine thread died: {type(e).__name__}: {e}")
-            raise
-
-    def _outlet(self, batch: Batch) -> bool:
-        with self._lock:
-            self._outbox.append(batch)
-            wake = not self._posted
-            self._posted = True
-        if wake:
-            self._post(self._take, None)
-        return True
-
-    def _take(self, _) -> None:
-        with self._lock:
-            batches, self._outbox = self._outbox, []
-            self._posted = False
-        for b in batches:
-            self._deliver(b)
-
-    def _post(self, fn: Callable, arg) -> None:
-        if self._loop is None:
-            return
-        try:
-            self._loop.call_soon_threadsafe(fn, arg)
-        except RuntimeError:  # the loop is closed (shutdown)
-            pass

@@ -5,7 +5,7 @@ Order of events:
 1. listen on ``--host:--port`` (uvicorn + Starlette, ``specd.serving.http_server``): ``/healthz`` 200,
    ``/readyz`` 503 "loading", new requests get ``overloaded``;
 2. load target + draft and run a short warm-up generation (in a worker thread, or in the engine
-   process: ``specd.serving.engine_proc``);
+   process: ``specd.engine.links.ProcessLink``, ``specd.serving.engine_proc``);
 3. start the engine client (``AsyncEngine``) and gRPC (``--grpc-port``, when ``specd.serving.grpc_server``
    is importable); ``/readyz`` turns 200; systemd gets ``READY=1``;
 4. SIGTERM / SIGINT: ``STOPPING=1``, ``/readyz`` 503 at once, new requests get ``shutting_down``,
@@ -39,8 +39,8 @@ from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S
 from specd.engine.warmup import warm_up
 from specd.serving import notify
 from specd.serving.asgi import build_app
+from specd.serving.async_engine import AsyncEngine
 from specd.serving.auth import Auth
-from specd.serving.engine_client import AsyncEngine
 from specd.serving.frontend import Frontend
 from specd.serving.http_server import HttpServer
 from specd.serving.logs import log_request, setup_logging
@@ -217,10 +217,14 @@ class App:
             extra={"fields": {"target": a.target, "draft": a.draft, "engine": "thread" if in_thread else "process"}},
         )
         if not in_thread:  # the default for `specd serve`: the engine steps in its own process
-            from specd.serving.engine_proc import ProcessLink
+            from specd.engine.links import ProcessLink
+            from specd.serving.engine_proc import ENTRY
 
             self._link = ProcessLink(
-                engine_config(a), split_cpus=getattr(a, "cpu_split", False), stream_interval_s=stream_interval_s(a)
+                engine_config(a),
+                split_cpus=getattr(a, "cpu_split", False),
+                stream_interval_s=stream_interval_s(a),
+                entry=ENTRY,
             )
             return self._link
         from specd.model.cpu import set_threads

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specd.engine.engine import RequestError
+from specd.engine.requests import RequestError
+from specd.serving.async_engine import AsyncEngine
 from specd.serving.auth import Auth
-from specd.serving.engine_client import AsyncEngine
 from specd.serving.metrics import Metrics
 
 __all__ = ["Frontend"]

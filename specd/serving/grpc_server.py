@@ -35,7 +35,7 @@ from grpc_health.v1 import health as _health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specd.engine.engine import RequestError
+from specd.engine.requests import SAMPLING_FIELDS, RequestError
 from specd.serving.proto.specd.v1 import specd_pb2 as pb
 from specd.serving.request_build import build_request_async, check_id, summarize
 
@@ -70,36 +70,42 @@ _ids = itertools.count()
 _INSTANCE = uuid.uuid4().hex[:6]
 
 
-def _opt(msg, field: str):
-    return getattr(msg, field) if msg.HasField(field) else None
+_FIELDS = pb.GenerateRequest.DESCRIPTOR.fields_by_name
+
+
+def _sampling(req: pb.GenerateRequest) -> dict:
+    """The request's ``SamplingParams`` fields, read by name from the proto fields of the same names
+    (an unset optional or an empty repeated field: None, the default)."""
+    out = {}
+    for name in SAMPLING_FIELDS:
+        fd = _FIELDS.get(name)
+        if fd is None:  # (not on this wire)
+            continue
+        v = getattr(req, name)
+        if fd.is_repeated:
+            out[name] = list(v) if v else None
+        else:
+            out[name] = v if not fd.has_presence or req.HasField(name) else None
+    return out
 
 
 def _to_engine_args(req: pb.GenerateRequest) -> dict:
     """Proto request -> ``build_request`` keyword arguments (unset optional fields -> None)."""
     check_id(req.id)
     if req.priority not in _PRIORITY:
-        raise RequestError("invalid_request", f"unknown priority {req.priority}")
+        raise RequestError("invalid_request", f"unknown priority {req.priority}", "priority")
     sp = req.speculation
     if sp.mode not in _MODE:
-        raise RequestError("invalid_request", f"unknown speculation mode {sp.mode}")
-    speculation = {}
-    if _MODE[sp.mode] is not None:
-        speculation["mode"] = _MODE[sp.mode]
+        raise RequestError("invalid_request", f"unknown speculation mode {sp.mode}", "speculation")
+    speculation = {"mode": _MODE[sp.mode]}
     if sp.HasField("max_draft_tokens"):
         speculation["max_draft_tokens"] = sp.max_draft_tokens
     return dict(
         messages=[{"role": m.role, "content": m.content} for m in req.messages] if req.messages else None,
-        prompt=_opt(req, "prompt"),
-        max_tokens=_opt(req, "max_tokens"),
-        temperature=_opt(req, "temperature"),
-        top_p=_opt(req, "top_p"),
-        top_k=_opt(req, "top_k"),
-        seed=_opt(req, "seed"),
-        stop=list(req.stop) if req.stop else None,
-        stop_token_ids=list(req.stop_token_ids) if req.stop_token_ids else None,
-        ignore_eos=req.ignore_eos,
+        prompt=req.prompt if req.HasField("prompt") else None,
         priority=_PRIORITY[req.priority],
         speculation=speculation,
+        **_sampling(req),
     )
 
 
@@ -173,8 +179,7 @@ class SpecdServicer:
             built = await build_request_async(ae.tokenizer, max_model_len=ae.max_model_len, **_to_engine_args(req))
         except RequestError as e:
             await self._fail(context, e.code, str(e))
-        tenant = self._tenant(context)
-        stream = self.ae.generate(built.prompt_ids, built.params, built.spec, built.priority, rid, tenant)
+        stream = self.ae.generate(built.submit(rid, self._tenant(context)))
         n = 0
         try:
             async for out in stream:

@@ -16,7 +16,7 @@ Every refusal is ``{"error": {"message", "type", "param", "code"}}`` with the st
 
 from __future__ import annotations
 
-from specd.engine.engine import RequestError
+from specd.engine.requests import RequestError
 from specd.serving.routes import JSONResponse
 
 __all__ = ["APIError", "from_request_error", "error_response"]

@@ -1,7 +1,10 @@
 """OpenAI request bodies -> the shared request arguments (``specd.serving.request_build.build_request``).
 
-Only the JSON types are checked here, field by field, with OpenAI's error shape naming the field
-(``param``); ranges and limits are ``request_build``'s and the engine's, the same for every front end.
+The fields the engine takes are read by their names (every ``SamplingParams`` field, ``priority``,
+``speculation``; OpenAI's ``max_completion_tokens`` / ``max_output_tokens`` and chat's
+``top_logprobs`` are its names for ``max_tokens`` and ``logprobs``) and checked by the one request
+validation (``request_build.check_fields``) as the body is parsed, a refusal naming the body's field
+(``param``). Only OpenAI's own fields (``model``, ``stream``, messages' shapes, ...) are checked here.
 Supported: chat (``messages``), completions (``prompt``: a string, a list of one string, token ids),
 responses (``input``: a string or message items, ``instructions``, ``previous_response_id``). Sampling:
 ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``, ``temperature``, ``top_p``,
@@ -19,7 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from specd.sampling.params import MAX_LOGPROBS
+from specd.engine.requests import SAMPLING_FIELDS, RequestError
+from specd.serving import request_build as RB
 from specd.serving.openai_errors import APIError
 
 __all__ = ["ParsedRequest", "check_model", "parse_chat", "parse_completion", "parse_response"]
@@ -61,14 +65,16 @@ def _number(b: dict, key: str) -> float | None:
     return float(v)
 
 
-def _int(b: dict, key: str, minimum: int | None = None) -> int | None:
+def _float(v) -> float | None:
+    return None if v is None else float(v)
+
+
+def _int(b: dict, key: str) -> int | None:
     v = b.get(key)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(key, f"'{key}' must be an integer, got {v!r}"[:300])
-    if minimum is not None and v < minimum:
-        raise _bad(key, f"'{key}' must be >= {minimum}, got {v}")
     return v
 
 
@@ -102,24 +108,6 @@ def check_model(body: dict, served: str) -> None:
         )
 
 
-def _stop(b: dict):
-    v = b.get("stop")
-    if v is None or isinstance(v, str):
-        return v
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return v
-    raise _bad("stop", "'stop' must be a string or a list of strings")
-
-
-def _int_list(b: dict, key: str):
-    v = b.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-        raise _bad(key, f"'{key}' must be a list of integers")
-    return v
-
-
 def _refuse_unsupported(b: dict) -> None:
     """Fields whose effect the engine cannot honour: refused, not ignored."""
     for key in ("presence_penalty", "frequency_penalty"):
@@ -135,24 +123,15 @@ def _refuse_unsupported(b: dict) -> None:
         raise _unsupported("response_format", "only response_format {'type': 'text'} is supported")
 
 
-def _chat_logprobs(b: dict) -> int | None:
-    """Chat: ``logprobs`` (bool) and ``top_logprobs`` (0..20, only with ``logprobs: true``)."""
-    top = _int(b, "top_logprobs", 0)
-    if top is not None and top > MAX_LOGPROBS:
-        raise _bad("top_logprobs", f"'top_logprobs' must be <= {MAX_LOGPROBS}, got {top}")
+def _chat_logprobs(b: dict):
+    """Chat: ``logprobs`` (bool) and ``top_logprobs`` (the engine's ``logprobs``, only with
+    ``logprobs: true``)."""
+    top = b.get("top_logprobs")
     if not _bool(b, "logprobs", False):
         if top:
             raise _bad("top_logprobs", "'top_logprobs' requires 'logprobs': true")
         return None
-    return top or 0
-
-
-def _completion_logprobs(b: dict) -> int | None:
-    """Completions: ``logprobs`` = how many alternatives per token (0..20; null = off)."""
-    n = _int(b, "logprobs", 0)
-    if n is not None and n > MAX_LOGPROBS:
-        raise _bad("logprobs", f"'logprobs' must be <= {MAX_LOGPROBS}, got {n}")
-    return n
+    return 0 if top is None else top
 
 
 def _no_logprobs(b: dict) -> None:
@@ -161,26 +140,24 @@ def _no_logprobs(b: dict) -> None:
             raise _unsupported(key, f"'{key}' is not supported on /v1/responses (use /v1/chat/completions)")
 
 
-def _sampling(b: dict, max_key: str, alt_max_key: str | None = None) -> dict:
-    """Sampling and extension fields as ``build_request`` arguments."""
-    spec = b.get("speculation")
-    if spec is not None and not isinstance(spec, dict):
-        raise _bad("speculation", "'speculation' must be an object {mode, max_draft_tokens}")
-    max_tokens = _int(b, max_key, 1)
-    if max_tokens is None and alt_max_key is not None:
-        max_tokens = _int(b, alt_max_key, 1)
-    return dict(
-        max_tokens=max_tokens,
-        temperature=_number(b, "temperature"),
-        top_p=_number(b, "top_p"),
-        top_k=_int(b, "top_k"),
-        seed=_int(b, "seed"),
-        stop=_stop(b),
-        stop_token_ids=_int_list(b, "stop_token_ids"),
-        ignore_eos=_bool(b, "ignore_eos"),
-        priority=_str(b, "priority"),
-        speculation=spec,
-    )
+def _sampling(b: dict, max_key: str, alt_max_key: str | None = None) -> tuple:
+    """(``build_request`` arguments read by name, engine field -> the body's name where they differ)."""
+    if b.get(max_key) is None and alt_max_key is not None:
+        max_key = alt_max_key
+    engine = {f: b.get(f) for f in SAMPLING_FIELDS}
+    engine.update(max_tokens=b.get(max_key), logprobs=None, priority=b.get("priority"))
+    engine["speculation"] = b.get("speculation")
+    return engine, {"max_tokens": max_key}
+
+
+def _checked(engine: dict, names: dict) -> dict:
+    """``engine`` once the one request validation accepts its fields; else 400 naming the body's field."""
+    try:
+        RB.check_fields(**{k: engine[k] for k in (*SAMPLING_FIELDS, "priority", "speculation")})
+    except RequestError as e:
+        param = names.get(e.field, e.field)
+        raise _bad(param, str(e) if param == e.field else f"'{param}': {e}") from None
+    return engine
 
 
 def _stream_options(b: dict, stream: bool) -> bool:
@@ -235,8 +212,9 @@ def parse_chat(body: dict, served: str) -> ParsedRequest:
     check_model(body, served)
     _refuse_unsupported(body)
     stream = bool(_bool(body, "stream", False))
-    engine = _sampling(body, "max_completion_tokens", "max_tokens")
+    engine, names = _sampling(body, "max_completion_tokens", "max_tokens")
     engine["logprobs"] = _chat_logprobs(body)
+    _checked(engine, {**names, "logprobs": "top_logprobs"})
     engine["messages"] = _messages(body.get("messages"), "messages")
     return ParsedRequest(engine, stream, _stream_options(body, stream))
 
@@ -262,10 +240,11 @@ def parse_completion(body: dict, served: str) -> ParsedRequest:
     if _int(body, "best_of") not in (None, 1):
         raise _unsupported("best_of", "only best_of=1 is supported")
     stream = bool(_bool(body, "stream", False))
-    engine = _sampling(body, "max_tokens")
+    engine, names = _sampling(body, "max_tokens")
     if engine["max_tokens"] is None:
         engine["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
-    engine["logprobs"] = _completion_logprobs(body)
+    engine["logprobs"] = body.get("logprobs")  # how many alternatives per token (null = off)
+    _checked(engine, names)
     engine.update(_prompt(body.get("prompt")))
     return ParsedRequest(engine, stream, _stream_options(body, stream))
 
@@ -291,7 +270,8 @@ def parse_response(body: dict, served: str) -> ParsedRequest:
     meta = body.get("metadata")
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise _bad("metadata", "'metadata' must be an object of strings")
-    engine = _sampling(body, "max_output_tokens")
+    engine, names = _sampling(body, "max_output_tokens")
+    _checked(engine, names)
     engine["messages"] = _response_input(body.get("input"))
     p = ParsedRequest(engine, bool(_bool(body, "stream", False)))
     p.instructions = _str(body, "instructions")
@@ -301,8 +281,8 @@ def parse_response(body: dict, served: str) -> ParsedRequest:
     p.echo = {
         "instructions": p.instructions,
         "max_output_tokens": engine["max_tokens"],
-        "temperature": engine["temperature"],
-        "top_p": engine["top_p"],
+        "temperature": _float(engine["temperature"]),
+        "top_p": _float(engine["top_p"]),
         "store": p.store,
         "previous_response_id": p.previous_response_id,
         "metadata": p.metadata,

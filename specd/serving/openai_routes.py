@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from specd.engine.engine import RequestError
+from specd.engine.requests import RequestError
 from specd.serving import openai_format as F
-from specd.serving.engine_client import RequestStream
+from specd.serving.async_engine import RequestStream
 from specd.serving.frontend import Frontend
 from specd.serving.logprobs import LogprobRenderer, TokenText
 from specd.serving.openai_errors import APIError, error_response, from_request_error
@@ -124,8 +124,7 @@ class OpenAIFront:
                 built = build_request(ae.tokenizer, **kw)
             else:
                 built = await build_request_async(ae.tokenizer, **kw)
-            tenant = self.front.auth.tenant(key)
-            return ae.stream(built.prompt_ids, built.params, built.spec, built.priority, request_id, tenant)
+            return ae.stream(built.submit(request_id, self.front.auth.tenant(key)))
         except RequestError as e:
             raise self.refused(e) from None
 

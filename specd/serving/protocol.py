@@ -1,23 +1,23 @@
-"""The websocket protocol's messages: parsing/validation of client messages, building server frames.
+"""The websocket protocol's messages: parsing client messages, building server frames.
 
 Pure functions (no I/O) so they are easy to test; the full protocol is in ``docs/protocol.md``.
-Only the JSON side lives here (decoding frames, the JSON fields' types, the server frames); what a
-request means (sampling / speculation params, priority, limits, prompt encoding, the ``done``
-numbers) is ``specd.serving.request_build``'s, shared with the gRPC front end.
+Only the JSON side lives here (decoding frames, reading a ``generate``'s fields by name, the server
+frames); what a request's fields may be (prompt, sampling / speculation params, priority, limits) is
+checked in one place for every front end (``specd.serving.request_build``, ``specd.engine.requests``).
 Every refusal is a ``ProtocolError(code, message)``; ``code`` is one of ``ERROR_CODES``.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 
-from specd.engine.engine import RequestError
+from specd.engine.requests import SAMPLING_FIELDS, RequestError
 from specd.engine.sequence import SpecParams
+from specd.sampling.params import SamplingParams
 from specd.serving import request_build as RB
 
 ERROR_CODES = {
@@ -38,15 +38,21 @@ class ProtocolError(RequestError):
     """A refused client message; ``code`` is one of ``ERROR_CODES``."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerateRequest:
     id: str
     messages: list | None  # [{"role": str, "content": str}] or None
     prompt: str | None
     max_tokens: int | None  # None: RB.default_max_tokens, min(256, context - prompt)
-    sampling: dict  # RB.sampling_params kwargs except max_tokens
+    params: SamplingParams  # validated; max_tokens 1 while ``max_tokens`` is None
     spec: SpecParams
     priority: str
+
+    def sampling(self, prompt_tokens: int, max_model_len: int) -> SamplingParams:
+        """The request's ``SamplingParams`` once its prompt's length is known."""
+        if self.max_tokens is not None:
+            return self.params
+        return dataclasses.replace(self.params, max_tokens=RB.default_max_tokens(prompt_tokens, max_model_len))
 
 
 def _bad(msg: str) -> ProtocolError:
@@ -55,33 +61,11 @@ def _bad(msg: str) -> ProtocolError:
 
 @contextmanager
 def _refused():
-    """``request_build``'s refusals as ``ProtocolError`` (same code and message)."""
+    """``request_build``'s refusals as ``ProtocolError`` (same code, message and field)."""
     try:
         yield
     except RequestError as e:
-        raise ProtocolError(e.code, str(e)) from None
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(msg: dict, key: str, default: float) -> float:
-    v = msg.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _bad(f"{key} must be a finite number, got {v!r}")
-    return float(v)
-
-
-def _integer(msg: dict, key: str, default):
-    v = msg.get(key)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise _bad(f"{key} must be an integer, got {v!r}")
-    return v
+        raise ProtocolError(e.code, str(e), e.field) from None
 
 
 def decode(frame) -> dict:
@@ -115,62 +99,14 @@ def parse_id(msg: dict) -> str:
 
 
 def parse_generate(msg: dict) -> GenerateRequest:
+    """A ``generate`` message: every field read by its name (``SamplingParams``' fields included)
+    and checked by the one request validation; unknown fields are ignored."""
     rid = parse_id(msg)
-    messages, prompt = msg.get("messages"), msg.get("prompt")
-    if (messages is None) == (prompt is None):
-        raise _bad("exactly one of 'messages' or 'prompt' is required")
-    if prompt is not None:
-        if not isinstance(prompt, str) or not prompt:
-            raise _bad("prompt must be a non-empty string")
-    else:
-        if not isinstance(messages, list) or not messages:
-            raise _bad("messages must be a non-empty list of {role, content} objects")
-        clean = []
-        for k, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise _bad(f"messages[{k}] must be an object with string 'role' and 'content'")
-            clean.append({"role": m["role"], "content": m["content"]})
-        messages = clean
-    max_tokens = _integer(msg, "max_tokens", None)
-    if max_tokens is not None and max_tokens < 1:
-        raise _bad(f"max_tokens must be >= 1, got {max_tokens}")
-    stop = msg.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):
-        stop = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop = tuple(stop)
-    else:
-        raise _bad("stop must be a string or a list of strings")
-    stop_ids = msg.get("stop_token_ids")
-    if stop_ids is None:
-        stop_ids = ()
-    elif isinstance(stop_ids, list) and all(_is_int(t) for t in stop_ids):
-        stop_ids = tuple(stop_ids)
-    else:
-        raise _bad("stop_token_ids must be a list of integers")
-    ignore_eos = msg.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise _bad("ignore_eos must be a boolean")
-    seed = _integer(msg, "seed", None)
-    logprobs = _integer(msg, "logprobs", None)
-    sampling = dict(
-        temperature=_number(msg, "temperature", 1.0),
-        top_p=_number(msg, "top_p", 1.0),
-        top_k=_integer(msg, "top_k", 0),
-        seed=seed,
-        stop=stop,
-        stop_token_ids=stop_ids,
-        ignore_eos=ignore_eos,
-        logprobs=logprobs,
-    )
     with _refused():
-        priority = RB.check_priority(msg.get("priority", "interactive"))
-        spec = RB.speculation_params(msg.get("speculation"))
-        # validate the sampling fields now (max_tokens is settled once the prompt length is known)
-        RB.sampling_params(max_tokens or 1, **sampling)
-    return GenerateRequest(rid, messages, prompt, max_tokens, sampling, spec, priority)
+        messages, prompt = RB.check_prompt(msg.get("messages"), msg.get("prompt"))
+        sampling = {f: msg.get(f) for f in SAMPLING_FIELDS}
+        params, spec, priority = RB.check_fields(msg.get("priority"), msg.get("speculation"), **sampling)
+    return GenerateRequest(rid, messages, prompt, sampling["max_tokens"], params, spec, priority)
 
 
 def prompt_chars(req: GenerateRequest) -> int:

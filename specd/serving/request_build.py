@@ -1,16 +1,18 @@
 """Turn a client's generate request into engine inputs, and a finished sequence into its summary.
 
 The one owner of the transport-independent request logic, shared by the websocket
-(``specd.serving.protocol``) and gRPC front ends so that both validate the same way, render chat
-messages the same way and report the same numbers: prompt encoding, ``SamplingParams`` /
-``SpecParams`` construction, priority, the default ``max_tokens``, the id / stop limits and the
-``done`` summary. The front ends only check their own wire types first. Everything raises
-``RequestError("invalid_request", ...)`` (a ``ValueError``) for bad input; ``too_long`` and
-``overloaded`` come later, from the engine.
+(``specd.serving.protocol``), OpenAI (``specd.serving.openai_params``) and gRPC front ends so that
+all validate the same way, render chat messages the same way and report the same numbers: the
+prompt (``check_prompt``, ``encode_prompt``), the default ``max_tokens``, the id limit and the
+``done`` summary. The fields' own checks are ``specd.engine.requests`` (``sampling_params``: every
+``SamplingParams`` field by its name, ``spec_params``, ``check_priority``); the front ends only read
+their wire (names, JSON or proto types) into keyword arguments of the same names. Everything raises
+``RequestError("invalid_request", ...)`` (a ``ValueError``, with the refused ``field``) for bad
+input; ``too_long`` and ``overloaded`` come later, from the engine client.
 
     req = build_request(engine.tokenizer, messages=[{"role": "user", "content": "Hi"}],
                         max_tokens=64, temperature=0.7, speculation={"mode": "tree"})
-    async for out in async_engine.generate(req.prompt_ids, req.params, req.spec, req.priority, rid):
+    async for out in async_engine.generate(req.submit(request_id)):
         ...
     done = summarize(out.seq)  # {"usage": {...}, "spec": {...}, "timing": {...}}
 
@@ -31,10 +33,10 @@ import functools
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
-from specd.engine.engine import RequestError
-from specd.engine.sequence import PRIORITIES, SpecParams
+from specd.engine.commands import Submit
+from specd.engine.requests import RequestError, check_priority, sampling_params, spec_params
+from specd.engine.sequence import SpecParams
 from specd.sampling.params import MAX_STOP, SamplingParams
 
 __all__ = [
@@ -44,10 +46,11 @@ __all__ = [
     "BuiltRequest",
     "build_request",
     "build_request_async",
+    "check_fields",
+    "check_prompt",
     "prompt_ids_from",
     "encode_prompt",
     "sampling_params",
-    "spec_params",
     "speculation_params",
     "check_priority",
     "check_id",
@@ -59,11 +62,11 @@ __all__ = [
 MAX_MESSAGES = 1024
 MAX_ID_CHARS = 256
 DEFAULT_MAX_TOKENS = 256  # cap of the default max_tokens: min(256, context - prompt)
-SPECULATION_FIELDS = ("mode", "max_draft_tokens")
+speculation_params = spec_params  # (the name the front ends knew it by)
 
 
-def _bad(msg: str) -> RequestError:
-    return RequestError("invalid_request", msg)
+def _bad(msg: str, field: str | None = None) -> RequestError:
+    return RequestError("invalid_request", msg, field)
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,15 @@ class BuiltRequest:
     spec: SpecParams
     priority: str
 
+    def submit(self, request_id: str, tenant: str | None = None) -> Submit:
+        """The engine's ``Submit`` for this request."""
+        return Submit(request_id, self.prompt_ids, self.params, self.spec, self.priority, tenant)
+
 
 def check_id(rid: str) -> str:
     """A client request id within ``MAX_ID_CHARS`` (the front ends check its type)."""
     if len(rid) > MAX_ID_CHARS:
-        raise _bad(f"id is longer than {MAX_ID_CHARS} characters")
+        raise _bad(f"id is longer than {MAX_ID_CHARS} characters", "id")
     return rid
 
 
@@ -94,7 +101,7 @@ def encode_prompt(tokenizer, messages: list | None = None, prompt: str | None = 
         try:
             ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         except Exception as e:  # noqa: BLE001 - jinja errors: roles out of order, unsupported role, ...
-            raise _bad(f"chat template rejected the messages: {e}") from None
+            raise _bad(f"chat template rejected the messages: {e}", "messages") from None
         if hasattr(ids, "keys"):  # a dict / BatchEncoding
             ids = ids["input_ids"]
     else:
@@ -103,116 +110,58 @@ def encode_prompt(tokenizer, messages: list | None = None, prompt: str | None = 
     return [int(t) for t in ids]
 
 
-def prompt_ids_from(tokenizer, messages: Sequence[Mapping[str, Any]] | None = None, prompt: str | None = None) -> list:
-    """Token ids of exactly one of ``messages`` (chat template) or ``prompt`` (raw text)."""
+def check_prompt(messages=None, prompt=None) -> tuple:
+    """``(messages, prompt)``: exactly one of chat ``messages`` (``[{role, content}]``, returned with
+    only those keys) or a non-empty raw ``prompt`` string."""
     if (messages is None) == (prompt is None):
-        raise _bad("give exactly one of 'messages' and 'prompt'")
-    _require_tokenizer(tokenizer)
+        raise _bad("give exactly one of 'messages' and 'prompt'", "prompt")
     if prompt is not None:
         if not isinstance(prompt, str):
-            raise _bad(f"'prompt' must be a string, got {type(prompt).__name__}")
+            raise _bad(f"'prompt' must be a string, got {type(prompt).__name__}", "prompt")
         if not prompt:
-            raise _bad("prompt is empty")
-    else:
-        messages = _check_messages(messages)
+            raise _bad("prompt is empty", "prompt")
+        return None, prompt
+    return _check_messages(messages), None
+
+
+def prompt_ids_from(tokenizer, messages: Sequence[Mapping] | None = None, prompt: str | None = None) -> list:
+    """Token ids of exactly one of ``messages`` (chat template) or ``prompt`` (raw text)."""
+    messages, prompt = check_prompt(messages, prompt)
+    _require_tokenizer(tokenizer)
     ids = encode_prompt(tokenizer, messages, prompt)
     if not ids:
-        raise _bad("prompt is empty")
+        raise _bad("prompt is empty", "prompt")
     return ids
 
 
 def _check_ids(ids) -> list:
     if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Sequence):
-        raise _bad("prompt token ids must be a list of integers")
+        raise _bad("prompt token ids must be a list of integers", "prompt")
     if not ids:
-        raise _bad("prompt is empty")
+        raise _bad("prompt is empty", "prompt")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise _bad("prompt token ids must be integers")
+        raise _bad("prompt token ids must be integers", "prompt")
     return list(ids)
 
 
 def _check_messages(messages) -> list:
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-        raise _bad("'messages' must be a list of {role, content} objects")
+        raise _bad("'messages' must be a list of {role, content} objects", "messages")
     if not messages:
-        raise _bad("'messages' is empty")
+        raise _bad("'messages' is empty", "messages")
     if len(messages) > MAX_MESSAGES:
-        raise _bad(f"too many messages ({len(messages)} > {MAX_MESSAGES})")
+        raise _bad(f"too many messages ({len(messages)} > {MAX_MESSAGES})", "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping):
-            raise _bad(f"messages[{i}] must be an object with 'role' and 'content'")
+            raise _bad(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
         role, content = m.get("role"), m.get("content")
         if not isinstance(role, str) or not role:
-            raise _bad(f"messages[{i}].role must be a non-empty string")
+            raise _bad(f"messages[{i}].role must be a non-empty string", "messages")
         if not isinstance(content, str):
-            raise _bad(f"messages[{i}].content must be a string")
+            raise _bad(f"messages[{i}].content must be a string", "messages")
         out.append({"role": role, "content": content})
     return out
-
-
-def sampling_params(
-    max_tokens=None,
-    temperature=None,
-    top_p=None,
-    top_k=None,
-    seed=None,
-    stop=None,
-    stop_token_ids=None,
-    ignore_eos=None,
-    logprobs=None,
-) -> SamplingParams:
-    """``SamplingParams`` from optional fields (None = the default); ValueError -> invalid_request."""
-    kw = {
-        k: v
-        for k, v in (
-            ("max_tokens", max_tokens),
-            ("temperature", temperature),
-            ("top_p", top_p),
-            ("top_k", top_k),
-            ("seed", seed),
-            ("ignore_eos", ignore_eos),
-            ("logprobs", logprobs),
-        )
-        if v is not None
-    }
-    if stop is not None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, Sequence) or isinstance(stop, (bytes, Mapping)):
-            raise _bad("'stop' must be a string or a list of strings")
-        kw["stop"] = tuple(stop)
-    if stop_token_ids is not None:
-        if isinstance(stop_token_ids, (str, bytes, Mapping)) or not isinstance(stop_token_ids, Sequence):
-            raise _bad("'stop_token_ids' must be a list of integers")
-        kw["stop_token_ids"] = tuple(stop_token_ids)
-    try:
-        return SamplingParams(**kw)
-    except (TypeError, ValueError) as e:
-        raise _bad(str(e)) from None
-
-
-def spec_params(mode="auto", max_draft_tokens=None) -> SpecParams:
-    """``SpecParams``; ValueError (e.g. an unknown ``mode``) -> invalid_request."""
-    try:
-        return SpecParams(mode=mode, max_draft_tokens=max_draft_tokens)
-    except (TypeError, ValueError) as e:
-        raise _bad(str(e)) from None
-
-
-def speculation_params(speculation: Mapping[str, Any] | None = None) -> SpecParams:
-    """``SpecParams`` from a ``{mode, max_draft_tokens}`` object (None or a missing field = the default)."""
-    if speculation is None:
-        speculation = {}
-    if not isinstance(speculation, Mapping):
-        raise _bad("speculation must be an object {mode, max_draft_tokens}")
-    return spec_params(speculation.get("mode", "auto"), speculation.get("max_draft_tokens"))
-
-
-def check_priority(priority="interactive") -> str:
-    if not isinstance(priority, str) or priority not in PRIORITIES:  # unhashable values must not raise TypeError
-        raise _bad(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
-    return priority
 
 
 def default_max_tokens(prompt_tokens: int, max_model_len: int | None = None) -> int:
@@ -220,8 +169,19 @@ def default_max_tokens(prompt_tokens: int, max_model_len: int | None = None) -> 
     ``max_model_len``); ``too_long`` when the prompt leaves no room."""
     room = DEFAULT_MAX_TOKENS if max_model_len is None else max_model_len - prompt_tokens
     if room < 1:
-        raise RequestError("too_long", f"prompt ({prompt_tokens} tokens) fills the context ({max_model_len})")
+        raise RequestError(
+            "too_long", f"prompt ({prompt_tokens} tokens) fills the context ({max_model_len})", "max_tokens"
+        )
     return min(DEFAULT_MAX_TOKENS, room)
+
+
+def check_fields(priority=None, speculation=None, **sampling) -> tuple:
+    """``(SamplingParams, SpecParams, priority)`` of a request's fields (None = the default; a
+    missing ``max_tokens`` validates as 1 until the prompt's length settles it)."""
+    if sampling.get("max_tokens") is None:
+        sampling["max_tokens"] = 1
+    params = sampling_params(**sampling)
+    return params, spec_params(speculation), check_priority("interactive" if priority is None else priority)
 
 
 def build_request(
@@ -230,41 +190,27 @@ def build_request(
     messages=None,
     prompt=None,
     prompt_ids=None,
-    max_tokens=None,
-    temperature=None,
-    top_p=None,
-    top_k=None,
-    seed=None,
-    stop=None,
-    stop_token_ids=None,
-    ignore_eos=None,
-    logprobs=None,
     priority=None,
-    speculation: Mapping[str, Any] | None = None,
+    speculation: Mapping | None = None,
     max_model_len: int | None = None,
+    **sampling,
 ) -> BuiltRequest:
-    """Validate everything cheap first, then tokenize. ``speculation``: {mode, max_draft_tokens}.
-    ``prompt_ids`` (token ids, the OpenAI completions API's other prompt form) replaces
-    ``messages`` / ``prompt``; the engine limits check them against the vocabulary.
+    """Validate everything cheap first, then tokenize. ``sampling``: ``SamplingParams`` fields by
+    name (None = the default); ``speculation``: {mode, max_draft_tokens}. ``prompt_ids`` (token ids,
+    the OpenAI completions API's other prompt form) replaces ``messages`` / ``prompt``; the engine
+    limits check them against the vocabulary.
 
     ``max_tokens`` None: ``default_max_tokens(prompt tokens, max_model_len)``.
     """
-    first = max_tokens if max_tokens is not None else 1
-    params = sampling_params(first, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos, logprobs)
-    if isinstance(speculation, Mapping):
-        unknown = set(speculation) - set(SPECULATION_FIELDS)
-        if unknown:
-            raise _bad(f"unknown speculation field(s): {', '.join(sorted(unknown))}")
-        speculation = {k: v for k, v in speculation.items() if v is not None}  # None = the default
-    spec = speculation_params(speculation)
-    prio = check_priority("interactive" if priority is None else priority)
+    default_max = sampling.get("max_tokens") is None
+    params, spec, prio = check_fields(priority, speculation, **sampling)
     if prompt_ids is not None:
         if messages is not None or prompt is not None:
-            raise _bad("give exactly one of 'messages', 'prompt' and 'prompt_ids'")
+            raise _bad("give exactly one of 'messages', 'prompt' and 'prompt_ids'", "prompt")
         ids = _check_ids(prompt_ids)
     else:
         ids = prompt_ids_from(tokenizer, messages, prompt)
-    if max_tokens is None:
+    if default_max:
         params = dataclasses.replace(params, max_tokens=default_max_tokens(len(ids), max_model_len))
     return BuiltRequest(ids, params, spec, prio)
 

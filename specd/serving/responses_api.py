@@ -27,9 +27,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from specd.engine.engine import RequestError
+from specd.engine.requests import RequestError
 from specd.serving import openai_format as F
-from specd.serving.engine_client import RequestStream
+from specd.serving.async_engine import RequestStream
 from specd.serving.openai_errors import APIError, from_request_error
 from specd.serving.openai_params import ParsedRequest, parse_response
 from specd.serving.openai_routes import OpenAIFront, collect

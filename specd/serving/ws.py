@@ -18,10 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from starlette.datastructures import Headers
 
-from specd.engine.engine import RequestError
+from specd.engine.commands import Submit
+from specd.engine.requests import RequestError
 from specd.serving import protocol as P
 from specd.serving import request_build as RB
-from specd.serving.engine_client import AsyncEngine, merge_outputs
+from specd.serving.async_engine import AsyncEngine, merge_outputs
 from specd.serving.frontend import Frontend
 
 log = logging.getLogger("specd.ws")
@@ -307,13 +308,10 @@ class Conn:
             if r.cancelled:
                 await self.send(P.done_empty(r.id, "cancelled", len(ids)))
                 return
-            max_tokens = req.max_tokens
-            if max_tokens is None:
-                max_tokens = RB.default_max_tokens(len(ids), ae.max_model_len)
-            params = RB.sampling_params(max_tokens, **req.sampling)
+            params = req.sampling(len(ids), ae.max_model_len)
             r.done = asyncio.get_running_loop().create_future()
             sink = lambda item: self._deliver(r, item)  # noqa: E731
-            ae.submit(ids, params, req.spec, req.priority, r.engine_id, sink, self.tenant)
+            ae.submit(Submit(r.engine_id, ids, params, req.spec, req.priority, self.tenant), sink)
             submitted = True
             await r.done
         except RequestError as e:  # refused before admission (admitted errors arrive via _deliver)

@@ -3,17 +3,17 @@
 It owns the request bookkeeping that is the same wherever the engine runs: admission (``max_queue``,
 draining, duplicate ids, validation against the engine's limits), one stream per request (a pushed
 ``sink`` or a pulled async iterator), per-step listeners (metrics, request logs), drain and stop, and
-health. The engine itself runs behind an ``EngineLink``: ``specd.engine.loop.ThreadLink`` (a thread of
-this process; what ``AsyncEngine(engine)`` builds) or ``specd.serving.engine_proc.ProcessLink`` (a
-child process, the default of ``specd serve``). Either way the engine loop sends ``Batch``es, which
-are applied here in one place (``_on_batch``).
+health. The engine itself runs behind an ``EngineLink`` (``specd.engine.links``): ``ThreadLink`` (a
+thread of this process; what ``AsyncEngine(engine)`` builds) or ``ProcessLink`` (a child process, the
+default of ``specd serve``). Either way a request goes to the engine loop as a ``Submit`` and the loop
+sends ``Batch``es (``specd.engine.commands``), which are applied here in one place (``_on_batch``).
 
 Usage (inside the event loop that called ``start()``)::
 
     ae = AsyncEngine(engine, max_queue=256)
     await ae.start()
     try:
-        async for out in ae.generate(prompt_ids, SamplingParams(...), SpecParams(), "interactive", "r1"):
+        async for out in ae.generate(Submit("r1", prompt_ids, SamplingParams(...))):
             ...  # out: RequestOutput (token_ids / text of one engine step - or of every step that
                  # queued up while the consumer was busy, merged; out.finished on the last)
     except RequestError as e:  # raised on the first iteration, before any compute:
@@ -37,17 +37,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
-from specd.engine.client import Batch, EngineLimits, EngineLink, EngineSnapshot, StreamSink
-from specd.engine.engine import RequestError, RequestOutput
+from specd.engine.client import EngineLink, StreamSink
+from specd.engine.commands import Batch, Cancel, EngineLimits, EngineSnapshot, Snapshot, Submit
 from specd.engine.health import DEFAULT_MAX_FAILED_STEPS, unhealthy_reason
-from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S, ThreadLink
-from specd.engine.sequence import PRIORITIES, SpecParams
-from specd.sampling.params import SamplingParams
+from specd.engine.links import ThreadLink
+from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S
+from specd.engine.output import RequestOutput
+from specd.engine.requests import RequestError
 
-log = logging.getLogger("specd.engine_client")
+log = logging.getLogger("specd.async_engine")
 
 __all__ = ["AsyncEngine", "RequestError", "RequestOutput", "RequestStream", "merge_outputs"]
 
@@ -167,7 +167,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self.last_progress = time.monotonic()
         self.link.start(self._loop, self._on_batch, self._on_dead)
-        self.link.send(("snapshot",))
+        self.link.send(Snapshot())
 
     async def drain(self, deadline_s: float) -> None:
         """Refuse new requests (``shutting_down``); wait up to ``deadline_s`` for the admitted ones to
@@ -238,7 +238,7 @@ class AsyncEngine:
     async def refresh_snapshot(self, timeout_s: float = 5.0) -> EngineSnapshot:
         """Ask the engine loop for a snapshot now; returns it once it has arrived (or the last one)."""
         before = self._snap
-        self.link.send(("snapshot",))
+        self.link.send(Snapshot())
         end = time.monotonic() + timeout_s
         while self._snap is before and time.monotonic() < end and self._alive():
             await asyncio.sleep(0.005)
@@ -272,60 +272,32 @@ class AsyncEngine:
         self.link.wake()
 
     # requests ------------------------------------------------------------------------------------
-    def validate(self, prompt_ids: list, params: SamplingParams) -> None:
-        self.link.validate(prompt_ids, params)
-
-    async def generate(
-        self,
-        prompt_ids: list,
-        params: SamplingParams,
-        spec: SpecParams = SpecParams(),
-        priority: str = "interactive",
-        request_id: str | None = None,
-        tenant: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req: Submit) -> AsyncIterator[RequestOutput]:
         """Stream one request: one ``RequestOutput`` per engine step that emitted for it (outputs
         that queued up while the consumer was busy come merged); the last has ``finished`` set.
         Raises ``RequestError`` on the first iteration when the request is refused, or later
         (``internal`` if the engine failed, ``shutting_down`` on ``stop()``: ``admitted`` set)."""
-        stream = self.stream(prompt_ids, params, spec, priority, request_id, tenant)
+        stream = self.stream(req)
         try:
             async for out in stream:
                 yield out
         finally:
             stream.close()
 
-    def stream(
-        self,
-        prompt_ids: list,
-        params: SamplingParams,
-        spec: SpecParams = SpecParams(),
-        priority: str = "interactive",
-        request_id: str | None = None,
-        tenant: str | None = None,
-    ) -> RequestStream:
+    def stream(self, req: Submit) -> RequestStream:
         """Admit a request now (``RequestError`` at once when refused) and return its stream: an async
         iterator like ``generate()``'s; ``close()`` aborts the request unless it has finished."""
         q: asyncio.Queue = asyncio.Queue()
-        rid = self._admit(prompt_ids, params, spec, priority, request_id, q, tenant)
-        return RequestStream(self, rid, q)
+        self._admit(req, q)
+        return RequestStream(self, req.request_id, q)
 
-    def submit(
-        self,
-        prompt_ids: list,
-        params: SamplingParams,
-        spec: SpecParams,
-        priority: str,
-        request_id: str,
-        sink: StreamSink,
-        tenant: str | None = None,
-    ) -> None:
+    def submit(self, req: Submit, sink: StreamSink) -> None:
         """Admit a request whose outputs are pushed: ``sink(item)`` runs on the event loop with each
         ``RequestOutput`` (the last has ``finished`` set) or an admitted ``RequestError`` that ends the
         stream. Raises ``RequestError`` at once when refused. ``abort()`` ends it (``cancelled``)."""
-        self._admit(prompt_ids, params, spec, priority, request_id, _Sink(sink), tenant)
+        self._admit(req, _Sink(sink))
 
-    def _admit(self, prompt_ids, params, spec, priority, request_id, stream, tenant=None) -> str:
+    def _admit(self, req: Submit, stream) -> None:
         if self._stopping or self._draining:
             raise RequestError("shutting_down", "the server is shutting down")
         if not self._alive():
@@ -335,21 +307,16 @@ class AsyncEngine:
                 "overloaded",
                 f"server busy: {len(self._streams)} requests queued or running (max {self.max_queue}); retry later",
             )
-        if not isinstance(priority, str) or priority not in PRIORITIES:
-            raise RequestError("invalid_request", f"priority must be interactive|batch, got {priority!r}")
-        rid = request_id if request_id is not None else uuid.uuid4().hex
-        if rid in self._streams:
-            raise RequestError("duplicate_id", f"request id {rid!r} is already running")
-        ids = list(prompt_ids)
-        self.link.validate(ids, params)  # too_long / invalid_request, before anything is queued
-        self._streams[rid] = stream
+        if req.request_id in self._streams:
+            raise RequestError("duplicate_id", f"request id {req.request_id!r} is already running")
+        self.link.limits.validate(req)  # too_long / invalid_request, before anything is queued
+        self._streams[req.request_id] = stream
         self.last_progress = time.monotonic()
-        self.link.send(("add", rid, ids, params, spec, priority, tenant))
-        return rid
+        self.link.send(req)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (any thread); its stream ends with finish_reason ``cancelled``."""
-        self.link.send(("abort", request_id))
+        self.link.send(Cancel(request_id))
 
     # batches from the engine loop (event loop) ---------------------------------------------------
     def _on_batch(self, b: Batch) -> None:
@@ -358,14 +325,14 @@ class AsyncEngine:
         if b.snapshot is not None:
             self._snap = b.snapshot
         self.num_step_errors += len(b.errors)
-        for rid, code, msg in b.refused:
-            s = self._streams.pop(rid, None)
+        for r in b.refused:
+            s = self._streams.pop(r.request_id, None)
             if s is not None:
-                s.put_nowait(RequestError(code, msg))
-        for outs, dt in b.steps:
-            if outs:
-                self._notify(outs, dt)
-                self._dispatch(outs)
+                s.put_nowait(RequestError(r.code, r.message))
+        for st in b.steps:
+            if st.outputs:
+                self._notify(st.outputs, st.seconds)
+                self._dispatch(st.outputs)
 
     def _notify(self, outs: list, step_seconds: float) -> None:
         for f in self.listeners:

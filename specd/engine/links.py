@@ -1,0 +1,582 @@
+"""The two ``EngineLink``s: where the engine loop runs and how its commands and batches travel.
+
+Both run the one ``specd.engine.loop.EngineLoop`` and exchange the typed messages of
+``specd.engine.commands`` (``Submit`` / ``Cancel`` / ``Snapshot`` / ``Stop`` in, ``Batch``es out):
+
+- ``ThreadLink``: the engine steps in a thread of this process (``specd serve --engine-thread``,
+  tests). Commands go through a ``CommandQueue``; batches reach the event loop in ONE
+  ``call_soon_threadsafe`` per hand-off (while the loop has not taken the previous hand-off yet, the
+  next batch joins it: no second wake-up). Outputs are the engine's own ``RequestOutput``s.
+- ``ProcessLink``: the engine steps in its own process (the default of ``specd serve``). An
+  ``Engine`` stepping in a thread of the server process shares the GIL with the event loop that
+  streams its tokens; on a small model a step is mostly Python, so every frame the loop sends is
+  time the engine cannot step. In its own process the engine steps on its own core and the server
+  process only relays outputs.
+
+The process link's wire: two OS pipes (``Pipe``: pickled messages in length-prefixed frames). The
+parent sends ``Start`` (the ``EngineConfig``, log level, stream interval), waits for ``Ready`` (the
+child's ``EngineLimits``, after loading and warming up) or ``LoadFailed``, then sends commands as
+they are. The child sends each ``Batch`` with its steps' outputs as ``OutputRecord``s (the request's
+``SeqState``, timestamps, counters and speculation stats, on its first token and at its end);
+``ProcessLink.decode`` turns them back into ``RequestOutput``s whose ``seq`` is a ``RemoteSeq`` with
+those figures. The server validates requests itself (``EngineLimits.validate``) and tokenizes with
+its own tokenizer. The event loop reads the pipe (``loop.add_reader``): no relay thread. A child that
+dies fails every running request (``internal``) and turns ``alive`` false, which ``/healthz`` and the
+systemd watchdog report. The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process
+group; the parent drains first) and exits when told to or when the parent's end of the pipe closes.
+
+The child is ``python -m <entry> CMD_FD OUT_FD`` running ``serve_child``: ``specd.engine.links``
+itself (plain log lines) or a module that sets up its own logs (``specd.serving.engine_proc``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from specd.engine.client import limits_of
+from specd.engine.commands import (
+    SEQ_FIELDS,
+    Batch,
+    Command,
+    EngineLimits,
+    LoadFailed,
+    OutputRecord,
+    Ready,
+    SeqState,
+    Start,
+    Step,
+    Stop,
+    Submit,
+)
+from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S, EngineLoop, HandOff
+from specd.engine.output import RequestOutput
+from specd.engine.sequence import SpecStats
+from specd.model.loader import LoadError, load_tokenizer
+
+log = logging.getLogger("specd.engine_link")
+
+__all__ = [
+    "CommandQueue",
+    "Pipe",
+    "ProcessLink",
+    "RemoteSeq",
+    "ThreadLink",
+    "pack_outputs",
+    "serve_child",
+]
+
+CHILD_ENTRY = "specd.engine.links"  # ``python -m`` this: serve_child with plain log lines
+
+
+# a thread ------------------------------------------------------------------------------------------
+class CommandQueue:
+    """The loop's inlet in a thread: ``put`` from any thread, ``take`` / ``wait`` on the loop's."""
+
+    def __init__(self):
+        self._items: list = []
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self.closed = False
+
+    def put(self, cmd: Command) -> None:
+        with self._lock:
+            self._items.append(cmd)
+        self._event.set()
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def wait(self, timeout: float) -> None:
+        self._event.wait(timeout)
+
+    def take(self) -> list:
+        with self._lock:
+            items, self._items = self._items, []
+            self._event.clear()
+        return items
+
+    def close(self) -> None:
+        self.closed = True
+        self._event.set()
+
+
+class ThreadLink:
+    """``EngineLink`` to the engine loop in a thread of this process (see the module docstring)."""
+
+    relaying = False
+
+    def __init__(self, engine, stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S):
+        HandOff(stream_interval_s)  # (validates)
+        self.engine = engine
+        self.interval = stream_interval_s
+        self.inlet = CommandQueue()
+        self.thread: threading.Thread | None = None
+        self._outbox: list = []
+        self._lock = threading.Lock()
+        self._posted = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deliver: Callable[[Batch], None] = lambda batch: None
+        self._died: Callable[[str], None] = lambda msg: None
+        self._limits: EngineLimits | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def limits(self) -> EngineLimits:
+        if self._limits is None:
+            self._limits = limits_of(self.engine)
+        return self._limits
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def start(
+        self, loop: asyncio.AbstractEventLoop, deliver: Callable[[Batch], None], died: Callable[[str], None]
+    ) -> None:
+        self._loop, self._deliver, self._died = loop, deliver, died
+        self.thread = threading.Thread(target=self._run, name="specd-engine", daemon=True)
+        self.thread.start()
+
+    def send(self, cmd: Command) -> None:
+        self.inlet.put(cmd)
+
+    def wake(self) -> None:
+        self.inlet.wake()
+
+    def detach(self) -> None:
+        """Stop delivering batches (on the event loop, before ``close``)."""
+        self._deliver = lambda batch: None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop and wait for the thread (blocking: call it off the event loop)."""
+        self.inlet.close()
+        t = self.thread
+        if t is not None and t.is_alive() and t is not threading.current_thread():
+            t.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            EngineLoop(self.engine, self.inlet, self._outlet, self.interval).run()
+        except BaseException as e:  # noqa: BLE001 - the thread is dying: fail everyone, don't hang them
+            log.critical("engine thread died", exc_info=True)
+            self._post(self._died, f"engine thread died: {type(e).__name__}: {e}")
+            raise
+
+    def _outlet(self, batch: Batch) -> bool:
+        with self._lock:
+            self._outbox.append(batch)
+            wake = not self._posted
+            self._posted = True
+        if wake:
+            self._post(self._take, None)
+        return True
+
+    def _take(self, _) -> None:
+        with self._lock:
+            batches, self._outbox = self._outbox, []
+            self._posted = False
+        for b in batches:
+            self._deliver(b)
+
+    def _post(self, fn: Callable, arg) -> None:
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(fn, arg)
+        except RuntimeError:  # the loop is closed (shutdown)
+            pass
+
+
+# the pipe ------------------------------------------------------------------------------------------
+class Pipe:
+    """One direction of an OS pipe carrying pickled messages as length-prefixed frames.
+
+    Why not ``multiprocessing.connection``: its ``poll()`` builds a selector on every call (~10 us),
+    which sat on the engine's step path (checking for commands) and on the server's per-message path.
+    Here the reading end is non-blocking with one ``select.poll`` object registered once: ``read()``
+    takes whatever has arrived and returns every complete message; ``wait()`` blocks for more.
+    The writing end blocks while the pipe is full (a stalled reader holds the writer back)."""
+
+    _HDR = struct.Struct("<I")
+
+    def __init__(self, fd: int, reader: bool):
+        self.fd = fd
+        self.eof = False
+        self._buf = bytearray()
+        self._poll = None
+        if reader:
+            os.set_blocking(fd, False)
+            self._poll = select.poll()
+            self._poll.register(fd, select.POLLIN)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def send(self, obj) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(self._HDR.pack(len(data)) + data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block up to ``timeout`` seconds (None: no limit) until data or end of file is readable."""
+        ms = None if timeout is None else max(0, int(timeout * 1000))
+        return bool(self._poll.poll(ms))
+
+    def read(self) -> list:
+        """Every complete message that has arrived, without blocking. ``eof`` turns true once the
+        writing end is closed (the messages before it are still returned)."""
+        while not self.eof and self._poll.poll(0):  # (a poll is ~10x cheaper than a read that fails)
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self.eof = True
+                break
+            self._buf += chunk
+            if len(chunk) < 1 << 16:  # drained for now (a later write makes the fd readable again)
+                break
+        out, buf, pos, hdr = [], self._buf, 0, self._HDR
+        while len(buf) - pos >= hdr.size:
+            n = hdr.unpack_from(buf, pos)[0]
+            end = pos + hdr.size + n
+            if end > len(buf):
+                break
+            out.append(pickle.loads(buf[pos + hdr.size : end]))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return out
+
+    def close(self) -> None:
+        """Idempotent (a closed descriptor's number may be reused by then: never close it twice)."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+# the child -----------------------------------------------------------------------------------------
+class PipeInlet:
+    """The command pipe as the engine loop's inlet."""
+
+    def __init__(self, pipe: Pipe):
+        self.pipe = pipe
+
+    @property
+    def closed(self) -> bool:
+        return self.pipe.eof  # the parent is gone
+
+    def wait(self, timeout: float) -> None:
+        self.pipe.wait(timeout)
+
+    def take(self) -> list:
+        return self.pipe.read()
+
+
+def pack_outputs(outs: list) -> list:
+    """A step's ``RequestOutput``s as ``OutputRecord``s, with the request's state on its first token
+    and at its end."""
+    packed = []
+    for o in outs:
+        seq = o.seq
+        first = bool(o.token_ids) and seq.num_output == len(o.token_ids)
+        state = SeqState.of(seq) if o.finished or first else None
+        packed.append(OutputRecord(o.request_id, o.token_ids, o.text, o.finished, o.finish_reason, state, o.logprobs))
+    return packed
+
+
+def _send(conn: Pipe, msg) -> bool:
+    try:
+        conn.send(msg)
+        return True
+    except OSError:  # the parent is gone (BrokenPipeError)
+        return False
+
+
+def _load(cfg, out: Pipe):
+    """Build and warm up the engine; None (after telling the parent why) when that fails."""
+    import torch
+
+    from specd.engine.engine import Engine
+    from specd.engine.warmup import warm_up
+    from specd.model.cpu import set_threads
+
+    set_threads(cfg.threads)
+    try:
+        eng = Engine(cfg)
+        warm_up(eng)
+    except LoadError as e:
+        out.send(LoadFailed(str(e)))
+        return None
+    except BaseException as e:  # noqa: BLE001 - report, then exit
+        out.send(LoadFailed(f"{type(e).__name__}: {e}"))
+        return None
+    out.send(Ready(limits_of(eng, torch.get_num_threads())))
+    return eng
+
+
+def _plain_logs(level: int) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr)
+
+
+def serve_child(cmd_fd: int, out_fd: int, setup_logging: Callable[[int], None] = _plain_logs) -> None:
+    """The engine process: wait for ``Start``, set up logging (``setup_logging(level)``), load the
+    models, answer ``Ready`` (or ``LoadFailed``), then run the engine loop on the pipes."""
+    cmd, out = Pipe(cmd_fd, reader=True), Pipe(out_fd, reader=False)
+    first: list = []
+    while not first and not cmd.eof:
+        cmd.wait(None)
+        first = cmd.read()
+    if not first or not isinstance(first[0], Start):
+        return
+    start = first[0]  # (the parent sends nothing else before Ready)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup_logging(start.log_level)
+    eng = _load(start.cfg, out)
+    if eng is None:
+        return
+    EngineLoop(eng, PipeInlet(cmd), lambda b: _send(out, b), start.stream_interval_s, pack_outputs).run()
+
+
+# the parent ----------------------------------------------------------------------------------------
+def _split_cpus(child_pid: int) -> None:
+    """With 2+ usable CPUs: the first for the server process (an event loop: I/O bound, one core
+    is plenty), the rest for the engine, so the two never preempt each other. A single
+    CPU (or no affinity API) leaves scheduling to the OS."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return
+    if len(cpus) < 2:
+        return
+    try:
+        os.sched_setaffinity(child_pid, cpus[1:])
+        for tid in os.listdir("/proc/self/task"):  # every thread of the server process
+            os.sched_setaffinity(int(tid), cpus[:1])
+    except (OSError, ValueError):
+        log.warning("could not set CPU affinity; leaving it to the OS", exc_info=True)
+
+
+class RemoteSeq:
+    """What the servers read of a request running in the engine process, as the child reported it."""
+
+    def __init__(self, req: Submit, arrival: float):
+        self.request_id = req.request_id
+        self.num_prompt = len(req.prompt_ids)
+        self.num_output = 0
+        self.priority = req.priority
+        self.spec = req.spec
+        self.arrival = arrival
+        self.scheduled_time = self.first_token_time = self.finish_time = None
+        self.num_preemptions = 0
+        self.cached_prefix_tokens = 0
+        self.finish_reason = None
+        self.error = None
+        self.stats = SpecStats()
+
+    def update(self, state: SeqState) -> None:
+        """The child's figures (``num_output`` included) win."""
+        for k in SEQ_FIELDS:
+            setattr(self, k, getattr(state, k))
+
+
+class ProcessLink:
+    """``EngineLink`` to an engine process (see the module docstring). Construct (blocks until the
+    models are loaded and warmed up; raises ``LoadError``), hand to ``AsyncEngine``, which
+    ``close()``s it when it stops. ``entry``: the module the child runs (``serve_child``)."""
+
+    relaying = True
+    engine = None  # (no Engine in this process)
+
+    def __init__(
+        self,
+        cfg,
+        load_timeout_s: float | None = None,
+        split_cpus: bool = False,
+        stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
+        entry: str = CHILD_ENTRY,
+    ):
+        HandOff(stream_interval_s)  # (validates)
+        # a fresh interpreter, not multiprocessing's spawn: that re-imports the parent's __main__,
+        # which need not be import-safe
+        cmd_r, cmd_w = os.pipe()
+        out_r, out_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", entry, str(cmd_r), str(out_w)],
+            pass_fds=(cmd_r, out_w),
+            stdin=subprocess.DEVNULL,
+            close_fds=True,
+        )
+        os.close(cmd_r)
+        os.close(out_w)
+        if split_cpus:  # (the daemon; not for a library user's process)
+            _split_cpus(self.proc.pid)
+        self._cmd = Pipe(cmd_w, reader=False)
+        self._out = Pipe(out_r, reader=True)
+        self._send_lock = threading.Lock()
+        self._seqs: dict[str, RemoteSeq] = {}  # requests sent and not finished (event loop)
+        self._loop = None
+        self._deliver: Callable[[Batch], None] | None = None
+        self._died: Callable[[str], None] | None = None
+        self._dead: str | None = None
+        self._cmd.send(Start(cfg, logging.getLogger().level, stream_interval_s))
+        self.limits = self._handshake(load_timeout_s)
+        try:
+            self._tokenizer = load_tokenizer(Path(cfg.target))
+        except BaseException:
+            self.close()
+            raise
+
+    def _handshake(self, timeout: float | None) -> EngineLimits:
+        end = None if timeout is None else time.monotonic() + timeout
+        got: list = []
+        while not got:
+            if self._out.wait(0.2):
+                got = self._out.read()
+            if not got and (self._out.eof or self.proc.poll() is not None):
+                self.close()
+                raise LoadError(f"engine process failed to start: it exited (code {self.proc.poll()})")
+            if not got and end is not None and time.monotonic() > end:
+                self.close()
+                raise LoadError("engine process failed to start: timed out waiting for it")
+        if not isinstance(got[0], Ready):
+            self.close()
+            raise LoadError(got[0].message if isinstance(got[0], LoadFailed) else f"unexpected {got[0]!r:.200}")
+        return got[0].limits
+
+    # EngineLink ----------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def fileno(self) -> int:
+        """The pipe the child writes to (readable when ``read_raw()`` has something)."""
+        return self._out.fileno()
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None and self.proc.poll() is None
+
+    def start(self, loop, deliver: Callable[[Batch], None], died: Callable[[str], None]) -> None:
+        self._loop, self._deliver, self._died = loop, deliver, died
+        loop.add_reader(self._out.fileno(), self._on_readable)
+
+    def send(self, cmd: Command) -> None:
+        if isinstance(cmd, Submit):
+            self._seqs[cmd.request_id] = RemoteSeq(cmd, time.monotonic())
+        try:
+            with self._send_lock:
+                self._cmd.send(cmd)
+        except (BrokenPipeError, OSError) as e:
+            self._dead = self._dead or f"engine process unreachable: {e}"
+
+    def wake(self) -> None:
+        """(A command wakes the child; there is nothing else to wake.)"""
+
+    def detach(self) -> None:
+        """Stop delivering batches (on the event loop, before ``close``)."""
+        self._stop_reading()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the child and close the pipes (blocking: call it off the event loop, after ``detach``)."""
+        try:
+            with self._send_lock:
+                self._cmd.send(Stop())
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        for c in (self._cmd, self._out):
+            c.close()
+
+    # the pipe ------------------------------------------------------------------------------------
+    def read_raw(self) -> list:
+        """Every message the child has sent so far, undecoded, without blocking (tests read the
+        wire with it); ``eof`` on the pipe once the child is gone."""
+        try:
+            return self._out.read()
+        except OSError:
+            self._out.eof = True
+            return []
+
+    def decode(self, msg) -> Batch | None:
+        """A ``Batch`` from the child with its outputs as ``RequestOutput``s (None for other messages)."""
+        if not isinstance(msg, Batch):
+            return None
+        for r in msg.refused:
+            self._seqs.pop(r.request_id, None)
+        steps = [Step(self._outputs(s.outputs), s.seconds) for s in msg.steps]
+        return Batch(steps, msg.snapshot, msg.errors, msg.refused)
+
+    def _outputs(self, records: list) -> list:
+        outs = []
+        for r in records:
+            seq = self._seqs.get(r.request_id)
+            if seq is None:
+                continue
+            seq.num_output += len(r.token_ids)
+            if r.state is not None:
+                seq.update(r.state)
+            if r.finished:
+                del self._seqs[r.request_id]
+            err = seq.error if r.finish_reason == "error" else None
+            outs.append(
+                RequestOutput(r.request_id, r.token_ids, r.text, r.finished, r.finish_reason, seq, err, r.logprobs)
+            )
+        return outs
+
+    def _on_readable(self) -> None:
+        msgs = self.read_raw()
+        for msg in msgs:
+            b = self.decode(msg)
+            if b is not None:
+                self._deliver(b)
+        # (end of file arrives as a read with no messages: only then ask about the process)
+        if not msgs and (self._out.eof or self.proc.poll() is not None):
+            self._stop_reading()
+            self._dead = self._dead or f"engine process died (exit code {self.proc.poll()})"
+            self._seqs.clear()
+            self._died(self._dead)
+
+    def _stop_reading(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            try:
+                loop.remove_reader(self._out.fileno())
+            except (OSError, ValueError, RuntimeError):
+                pass
+
+
+if __name__ == "__main__":
+    serve_child(int(sys.argv[1]), int(sys.argv[2]))
