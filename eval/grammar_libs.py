@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 from eval import harness as H
-from eval.common import default_out
 from eval.json_instance import NoInstance, instance
 
 DATA = H.ROOT.parent / "shared" / "data" / "jsonschemabench" / "schemas.jsonl"
@@ -320,7 +319,7 @@ def main(argv=None) -> dict:
     summary = summarize(libs, rows, comp, masks, setup_s)
     text = table(libs, summary)
     print(text)
-    out = args.out or default_out("grammar_libs")
+    out = args.out or H.default_out("grammar_libs")
     out.mkdir(parents=True, exist_ok=True)
     meta = H.run_meta("eval.grammar_libs", argv)
     meta["versions"].update({lib.dist: _version(lib.dist) for lib in libs})
