@@ -43,7 +43,7 @@ def texts(tokens_chars: int) -> dict:
 def run(a) -> dict:
     import torch
 
-    from specd.model.perplexity import perplexity
+    from specd.engine.perplexity import perplexity
 
     out: dict = {}
     data = None

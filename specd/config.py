@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 _FIXED_BIAS = {"Qwen2ForCausalLM": True, "MistralForCausalLM": False}  # q/k/v biases whatever attention_bias says
@@ -174,6 +177,85 @@ class CacheConfig:
             raise ValueError(f"memory_bytes must be positive, got {self.memory_bytes}")
 
 
+class SpecMode(str, enum.Enum):
+    """How a request speculates (``speculation.mode``; a str, so ``SpecMode.TREE == "tree"``).
+
+    ``auto`` (requests only): the server's default, adaptive when ``SpecConfig.adaptive``;
+    ``off``; ``chain`` / ``tree`` / ``static`` (the draft model: a top-1 chain, a dynamic tree, a
+    fixed Medusa-style shape; ``static`` is a server setting only); ``head`` (a tree grown by the
+    feature head); ``ngram`` (model-free: prompt lookup, then the tenant's earlier requests);
+    ``hybrid`` (a model tree with a lookup branch laid over it)."""
+
+    AUTO = "auto"
+    OFF = "off"
+    CHAIN = "chain"
+    TREE = "tree"
+    STATIC = "static"
+    HEAD = "head"
+    NGRAM = "ngram"
+    HYBRID = "hybrid"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+REQUEST_MODES = tuple(m.value for m in SpecMode if m is not SpecMode.STATIC)  # what a request may ask for
+SERVER_MODES = tuple(m.value for m in SpecMode if m is not SpecMode.AUTO)  # what a server may run
+# modes that draft with a model proposer (the draft model or the feature head)
+MODEL_MODES = frozenset({SpecMode.CHAIN, SpecMode.TREE, SpecMode.STATIC, SpecMode.HEAD, SpecMode.HYBRID})
+
+
+class TreeChoices(NamedTuple):
+    """A static tree shape parsed by :func:`static_tree_choices`; index 0 is the root.
+
+    parents  parent node of each node (parents[0] = -1), BFS order
+    ranks    rank of each node among its parent's candidates (0 = the draft's top-1 token); -1 for
+             the root
+    paths    the choice tuple of each node (``()`` for the root)
+    """
+
+    parents: list[int]
+    ranks: list[int]
+    paths: list[tuple[int, ...]]
+
+
+def static_tree_choices(spec: Sequence[Sequence[int]]) -> TreeChoices:
+    """Parse a Medusa/SpecInfer-style list of choices into a parent array.
+
+    Each choice is a path of top-rank indices from the root: ``(0,)`` is the draft's top-1 token
+    after the root, ``(0, 1)`` the top-2 token after that, and so on. Every prefix of a choice must
+    also be a choice (the empty prefix, the root, is implicit; listing ``()`` is allowed). Nodes
+    come out in BFS order (by depth, then lexicographically), so siblings are in rank order and
+    ``parents[i] < i``.
+
+    >>> static_tree_choices([(0,), (1,), (0, 0), (0, 1), (1, 0)])
+    TreeChoices(parents=[-1, 0, 0, 1, 1, 2], ranks=[-1, 0, 1, 0, 1, 0], paths=[(), (0,), (1,), (0, 0), (0, 1), (1, 0)])
+    """
+    seen: set[tuple[int, ...]] = set()
+    for c in spec:
+        try:
+            t = tuple(c)
+        except TypeError:
+            raise ValueError(f"tree choice {c!r} is not a sequence of ranks") from None
+        for r in t:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+                raise ValueError(f"tree choice {c!r}: ranks must be non-negative ints")
+        if t in seen and t:
+            raise ValueError(f"duplicate tree choice {t!r}")
+        seen.add(t)
+    seen.discard(())
+    for t in seen:
+        if len(t) > 1 and t[:-1] not in seen:
+            raise ValueError(
+                f"tree choice {t!r} has no parent choice {t[:-1]!r} (every prefix of a choice must also be a choice)"
+            )
+    paths: list[tuple[int, ...]] = [()] + sorted(seen, key=lambda t: (len(t), t))
+    index = {p: i for i, p in enumerate(paths)}
+    parents = [-1] + [index[p[:-1]] for p in paths[1:]]
+    ranks = [-1] + [p[-1] for p in paths[1:]]
+    return TreeChoices(parents, ranks, paths)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Default speculation settings (requests may narrow them)."""
@@ -191,8 +273,9 @@ class SpecConfig:
     suffix_store: bool = True  # ngram mode: also draft from the same tenant's earlier requests
 
     def __post_init__(self):
-        if self.mode not in ("off", "chain", "tree", "static", "head", "ngram", "hybrid"):
-            raise ValueError(f"speculation mode must be off|chain|tree|static|head|ngram|hybrid, got {self.mode!r}")
+        if self.mode not in SERVER_MODES:
+            raise ValueError(f"speculation mode must be {'|'.join(SERVER_MODES)}, got {self.mode!r}")
+        object.__setattr__(self, "mode", SpecMode(self.mode))
         if not isinstance(self.ngram_branches, int) or not 1 <= self.ngram_branches <= 8:
             raise ValueError(f"ngram_branches must be an integer in 1..8, got {self.ngram_branches!r}")
         if not isinstance(self.ngram_extend, int) or not -1 <= self.ngram_extend <= 256:
@@ -204,8 +287,6 @@ class SpecConfig:
         if self.mode == "static":
             if not self.static_tree:
                 raise ValueError("speculation mode 'static' needs static_tree choices")
-            from specd.speculation.tree import static_tree_choices
-
             static_tree_choices(self.static_tree)  # validates (every prefix present, ranks >= 0)
 
 

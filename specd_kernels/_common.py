@@ -16,23 +16,28 @@ except Exception:  # pragma: no cover - depends on the environment
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
+if HAS_TRITON:
+
+    @triton.jit
+    def _mode_kernel():  # never launched: what it was decorated as says interpreter or compiler
+        pass
+
 
 def interpreting() -> bool:
     """True when the kernels of this package run under the Triton CPU interpreter.
 
     Triton decides interpreter-vs-compiled when a ``@triton.jit`` function is *decorated*
     (i.e. when ``specd_kernels`` is imported), from ``TRITON_INTERPRET``; so this looks at a
-    kernel object rather than at the environment variable now.
+    kernel object (``_mode_kernel``, decorated with the others) rather than at the environment
+    variable now.
     """
     if not HAS_TRITON:
         return False
-    from .kv_ops import _write_kv_kernel
-
     try:
         from triton.runtime.interpreter import InterpretedFunction
     except Exception:  # pragma: no cover
         return False
-    return isinstance(_write_kv_kernel, InterpretedFunction)
+    return isinstance(_mode_kernel, InterpretedFunction)
 
 
 def next_pow2(x: int) -> int:

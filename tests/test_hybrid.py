@@ -20,7 +20,7 @@ from tests.test_spec_sampling import TEMP, TOPK, assert_follows, two_token_joint
 
 def _prop(tokens, parents, proposer):
     tree = DraftTree(tokens, parents)
-    return Proposal(tree, None, tree.max_depth, proposer=proposer)
+    return Proposal(tree, None, tree.max_depth, proposer=proposer, chosen=proposer != "draft")
 
 
 def test_merge_shares_agreeing_nodes_keeps_order_and_budget_and_credits_each_proposer():
@@ -103,11 +103,11 @@ def test_the_policy_adds_a_lookup_branch_only_when_it_pays(shared_pair):
     pol, seq = eng.policy, eng.add_request([5, 6, 7], GREEDY)
     assert not pol.hybrid_pays(seq, 4, 3, 1)  # nothing measured yet
     pol.costs.t_target, pol.costs.t_per_token, pol.costs.t_draft, pol.costs.t_plain = 0.010, 0.0005, 0.002, {1: 0.010}
-    seq.recent_accept, seq.ngram_accept = 0.4, 0.9
+    seq.spec_state.recent_accept, seq.spec_state.ngram_accept = 0.4, 0.9
     assert pol.hybrid_pays(seq, 4, 3, 1)  # the model often misses, the lookup rarely does
-    seq.ngram_accept = 0.02
+    seq.spec_state.ngram_accept = 0.02
     assert not pol.hybrid_pays(seq, 4, 3, 1)  # a branch that is never accepted only costs
-    seq.recent_accept, seq.ngram_accept = 0.99, 0.9
+    seq.spec_state.recent_accept, seq.spec_state.ngram_accept = 0.99, 0.9
     assert not pol.hybrid_pays(seq, 4, 3, 1)  # the model alone already gets nearly everything
 
 

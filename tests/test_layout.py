@@ -1,5 +1,8 @@
-"""The package layout stays what docs/architecture.md draws: no import circles inside ``specd``
-(lazy imports inside functions count too), nothing below the CLI imports it, and no function in
+"""The package layout stays what docs/architecture.md draws: no import circles inside ``specd`` or
+``specd_kernels`` (lazy and relative imports count too), no module imports a higher layer (cli ->
+serving/training -> options -> engine -> speculation -> sampling/structured -> model -> config ->
+specd_kernels), nothing below
+the CLI imports it, and no function in
 ``specd/``, ``eval/`` or the kernel launchers grows past 60 lines (``@triton.jit`` kernels excepted;
 the engine step's stages stay within 40)."""
 
@@ -11,34 +14,63 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PACKAGES = ("specd", "specd_kernels")
+# the layers, top to bottom (docs/architecture.md): a module imports only its own package or a package
+# of a lower layer; packages sharing a layer never import each other
+LAYERS = (
+    ("specd.__main__",),
+    ("specd.cli",),
+    ("specd.serving", "specd.training"),
+    ("specd.options",),
+    ("specd.engine",),
+    ("specd.speculation",),
+    ("specd.sampling", "specd.structured"),
+    ("specd.model",),
+    ("specd.config", "specd"),
+    ("specd_kernels",),
+)
+
+
 def _modules() -> dict:
-    """``specd.x.y`` -> parsed module, for every file of the package."""
+    """``specd.x.y`` -> (parsed module, is a package ``__init__``), for every file of both packages."""
     out = {}
-    for p in sorted((ROOT / "specd").rglob("*.py")):
-        rel = p.relative_to(ROOT).with_suffix("")
-        parts = list(rel.parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        name = ".".join(parts)
-        if ".proto." in name + ".":
-            continue  # generated gRPC code
-        out[name] = ast.parse(p.read_text(), str(p))
+    for base in PACKAGES:
+        for p in sorted((ROOT / base).rglob("*.py")):
+            rel = p.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            is_pkg = parts[-1] == "__init__"
+            if is_pkg:
+                parts.pop()
+            name = ".".join(parts)
+            if ".proto." in name + ".":
+                continue  # generated gRPC code
+            out[name] = (ast.parse(p.read_text(), str(p)), is_pkg)
     return out
 
 
-def _imports(name: str, tree: ast.Module, known: set) -> set:
-    """The ``specd`` modules ``name`` imports anywhere in its body (a ``from pkg import mod`` names the
-    module itself when it is one)."""
+def _absolute(name: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` names (``from .x import y`` in ``a.b`` -> ``a.x``)."""
+    if node.level == 0:
+        return node.module or ""
+    base = name.split(".") if is_pkg else name.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(name: str, tree: ast.Module, known: set, is_pkg: bool = False) -> set:
+    """The modules of ``known`` that ``name`` imports anywhere in its body, relative imports and
+    imports inside functions included (a ``from pkg import mod`` names the module itself when it is one)."""
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in known)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if not node.module.startswith("specd"):
+        elif isinstance(node, ast.ImportFrom):
+            mod = _absolute(name, is_pkg, node)
+            if not mod.startswith(PACKAGES):
                 continue
             for a in node.names:
-                sub = f"{node.module}.{a.name}"
-                out.add(sub if sub in known else node.module)
+                sub = f"{mod}.{a.name}"
+                out.add(sub if sub in known else mod)
     out.discard(name)
     return {m for m in out if m in known}
 
@@ -79,12 +111,35 @@ def _graph() -> dict:
     known = set(mods)
     # a package's __init__ is imported by each of its modules: only its own imports are edges
     return {
-        name: _imports(name, tree, known) - {p for p in known if name.startswith(p + ".")}
-        for name, tree in mods.items()
+        name: _imports(name, tree, known, is_pkg) - {p for p in known if name.startswith(p + ".")}
+        for name, (tree, is_pkg) in mods.items()
     }
 
 
-def test_no_import_circles_in_the_package():
+def _package(module: str) -> str:
+    """The layer entry ``module`` belongs to (the longest one that names it or a package above it)."""
+    names = [n for layer in LAYERS for n in layer]
+    return max((n for n in names if module == n or module.startswith(n + ".")), key=len)
+
+
+def _rank(module: str) -> int:
+    pkg = _package(module)
+    return next(i for i, layer in enumerate(LAYERS) if pkg in layer)
+
+
+def _upward(graph: dict) -> list:
+    """(importer, imported) pairs that break the layering: an import of a higher layer, or of
+    another package of the same layer."""
+    bad = []
+    for m, deps in graph.items():
+        for d in deps:
+            same = _package(m) == _package(d)
+            if not same and _rank(d) <= _rank(m):
+                bad.append((m, d))
+    return sorted(bad)
+
+
+def test_no_import_circles_in_the_packages():
     assert _cycles(_graph()) == []
 
 
@@ -92,21 +147,37 @@ def test_cycle_finder_sees_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_nothing_imports_upward():
+    assert _upward(_graph()) == []
+
+
+def test_the_layer_check_sees_upward_and_sideways_imports():
+    g = {
+        "specd.speculation.drafter": {"specd.engine.kv_cache", "specd.sampling.probs"},
+        "specd.sampling.verify": {"specd.structured.matcher"},
+        "specd.engine.engine": {"specd.speculation.policy", "specd.engine.ledger"},
+        "specd_kernels._common": {"specd.model.cpu"},
+    }
+    assert _upward(g) == [
+        ("specd.sampling.verify", "specd.structured.matcher"),
+        ("specd.speculation.drafter", "specd.engine.kv_cache"),
+        ("specd_kernels._common", "specd.model.cpu"),
+    ]
+
+
+def test_relative_imports_are_seen():
+    tree = ast.parse("from . import kv_ops\nfrom ._common import x\nfrom .. import config\n")
+    known = {"specd_kernels.kv_ops", "specd_kernels._common", "specd_kernels", "specd.config"}
+    assert _imports("specd_kernels.aot", tree, known) == {"specd_kernels.kv_ops", "specd_kernels._common"}
+    assert _imports("specd.model.cpu", ast.parse("from ..config import X\n"), known) == {"specd.config"}
+    assert _imports("specd_kernels", ast.parse("from .kv_ops import y\n"), known, is_pkg=True) == {
+        "specd_kernels.kv_ops"
+    }
+
+
 def test_nothing_below_the_cli_imports_it():
     users = sorted(m for m, deps in _graph().items() if "specd.cli" in deps)
     assert users == ["specd.__main__"]
-
-
-def test_lower_layers_do_not_import_the_serving_layer():
-    g = _graph()
-    bad = sorted(
-        (m, d)
-        for m, deps in g.items()
-        if m.startswith(("specd.engine", "specd.model", "specd.speculation", "specd.training"))
-        for d in deps
-        if d.startswith(("specd.serving", "specd.options"))
-    )
-    assert bad == []
 
 
 # function length --------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from specd.engine.sequence import SpecParams
 from specd.sampling.params import SamplingParams
 from specd.speculation.ngram import NgramConfig, NgramIndex, trie
 from specd.speculation.suffix import SuffixConfig, SuffixStore
+from specd.speculation.request import SpecState
 from tests.conftest import DRAFT, TARGET
 from tests.test_spec_sampling import TEMP, TOPK, assert_follows, two_token_joint
 
@@ -243,13 +244,13 @@ def test_a_lookups_length_is_chosen_once_its_match_is_known(shared_pair):
     assert pol.lookup_len(seq, 5, 1) == 5
 
     a, b, c, dd, e = 11, 12, 13, 14, 15
-    ctx = SimpleNamespace(tokens=[a, b, c, dd, e, a, b], ngram_index=None, tenant=None)
+    ctx = SimpleNamespace(tokens=[a, b, c, dd, e, a, b], spec_state=SpecState(), tenant=None)
     prop, seen = NgramProposer(), []
-    full = prop.propose(ctx, 8)
+    full = prop.propose_one(ctx, 8)
     assert full.available == 3 and full.tree.num_nodes - 1 == 3  # "a b" matched 2 long: 2 + extend 1
-    cut = prop.propose(ctx, 8, lambda v: seen.append(v) or 2)
+    cut = prop.propose_one(ctx, 8, lambda v: seen.append(v) or 2)
     assert seen == [3] and cut.available == 3 and cut.tree.num_nodes - 1 == 2
-    assert prop.propose(ctx, 8, lambda v: 0) is None
+    assert prop.propose_one(ctx, 8, lambda v: 0) is None
 
 
 def test_the_policy_prefers_the_proposal_with_more_tokens_per_second(shared_pair):
@@ -258,9 +259,9 @@ def test_the_policy_prefers_the_proposal_with_more_tokens_per_second(shared_pair
     pol, seq = eng.policy, eng.add_request([5, 6, 7], GREEDY)
     assert pol.prefer_ngram(seq, 4, 3, 1)  # nothing measured yet: the free proposal
     pol.costs.t_target, pol.costs.t_per_token, pol.costs.t_draft, pol.costs.t_plain = 0.010, 0.001, 0.004, {1: 0.010}
-    seq.ngram_accept, seq.recent_accept = 0.9, 0.3
+    seq.spec_state.ngram_accept, seq.spec_state.recent_accept = 0.9, 0.3
     assert pol.prefer_ngram(seq, 4, 3, 1)  # lookup accepted far more often than the model
-    seq.ngram_accept, seq.recent_accept = 0.05, 0.9
+    seq.spec_state.ngram_accept, seq.spec_state.recent_accept = 0.05, 0.9
     assert not pol.prefer_ngram(seq, 4, 3, 1)
 
 
@@ -321,7 +322,7 @@ def test_lookup_probes_are_short_and_staggered_while_lookup_does_not_pay(shared_
     pol.costs.note_width(16, 16 * 1000)  # (the fit measured out to wide steps)
     seqs = [eng.add_request([5, 6, 7, i], GREEDY, SpecParams(mode="ngram")) for i in range(16)]
     for s in seqs:
-        s.ngram_accept = 0.02
+        s.spec_state.ngram_accept = 0.02
     probes = collections.defaultdict(list)  # step -> budgets of the requests that probed
     every = pol.lookup_probe_every(16)
     for step in range(every):
@@ -335,7 +336,7 @@ def test_lookup_probes_are_short_and_staggered_while_lookup_does_not_pay(shared_
     assert len(probes) > 1  # not all in one step
     assert len(seqs) / every <= 0.25 and pol.lookup_probe_every(1) == pol.lookup_probe_every(4) == pol.probe_min
     for s in seqs:
-        s.ngram_accept = 0.95  # lookup pays again: the full length, every step
+        s.spec_state.ngram_accept = 0.95  # lookup pays again: the full length, every step
         assert pol.ngram_budget(s, 16) > LOOKUP_PROBE
 
 
@@ -392,13 +393,13 @@ def test_new_requests_start_from_the_engines_lookup_acceptance(shared_pair):
     t, d = shared_pair
     eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
     first = eng.add_request([5, 6, 7], GREEDY)
-    assert first.ngram_accept == 0.5
+    assert first.spec_state.ngram_accept == 0.5
     for _ in range(30):
         eng.policy.note_accept(0.1, lookup=True)
     assert eng.policy.accept_ema is None  # (the model's estimate is its own)
     second = eng.add_request([5, 6, 8], GREEDY)
     eng.step()  # (the scheduler takes the request in)
-    assert abs(second.ngram_accept - 0.1) < 1e-6
+    assert abs(second.spec_state.ngram_accept - 0.1) < 1e-6
 
 
 def test_the_policy_prices_the_tokens_verified_not_the_tokens_reserved(shared_pair, monkeypatch):
@@ -436,6 +437,6 @@ def test_ngram_extend_reaches_the_proposer_from_the_command_line(shared_pair):
     for argv, want in (([], 1), (["--ngram-extend", "3"], 3), (["--ngram-extend", "-1"], None)):
         cfg = engine_config(serve_parser().parse_args(["--target", str(TARGET), *argv]))
         eng = Engine(EngineConfig(target=str(TARGET), spec=cfg.spec), t)
-        assert eng.ngram.cfg.extend == want, argv
+        assert eng.speculator.free[0].cfg.extend == want, argv
     with pytest.raises(ValueError, match="ngram_extend"):
         SpecConfig(ngram_extend=-2)

@@ -250,7 +250,7 @@ def test_probe_steps_draft_for_one_request_in_rotation():
     )  # the draft costs almost a target step
     _plain_costs(s, (4,))
     for q in seqs:
-        q.recent_accept = 0.3
+        q.spec_state.recent_accept = 0.3
     probed, plain_steps = [], 0
     for _ in range(250):  # probes back off: 16, 32, 64, 128 steps apart (250 steps: within the KV capacity)
         out = s.schedule()
@@ -273,7 +273,7 @@ def test_new_requests_start_from_the_engine_wide_acceptance():
         s.policy.note_accept(0.2)
     q = _seq(clock, "late", mode="auto")
     s.add(q)
-    assert abs(q.recent_accept - 0.2) < 0.01
+    assert abs(q.spec_state.recent_accept - 0.2) < 0.01
 
 
 def test_plain_decoding_is_measured_not_extrapolated():
@@ -403,7 +403,7 @@ def test_the_narrow_shape_wins_where_verification_rows_cost_compute():
     d = pol.choose_depth([0.6], narrow=[0.45])
     assert d >= 2 and pol.last_nodes is None  # the wide tree
     seq = _seq(clock, "a", n=3, mode="auto")
-    seq.recent_accept, seq.chain_accept = 0.6, 0.45
+    seq.spec_state.recent_accept, seq.spec_state.chain_accept = 0.6, 0.45
     seq.stats.by_proposer["draft"] = [1, 2, 1]  # (its own acceptance measured: not a first draft)
     pol.forget()
     pol.costs.t_target, pol.costs.t_per_token = 0.008, 0.002
@@ -424,7 +424,7 @@ def test_a_hopeless_decision_is_reused_briefly_then_revisited():
     c.t_target, c.t_draft, c.t_per_token = 0.010, 0.030, 0.0  # a draft level costs 3 plain steps
     _plain_costs(s, (4,))
     for q in seqs:
-        q.recent_accept = 0.9
+        q.spec_state.recent_accept = 0.9
     for _ in range(300):
         out = s.schedule()
         assert not any(sc.spec_budget for sc in out.scheduled if sc.spec_depth != LOOKUP_ONLY)  # (lookup is free)
@@ -505,8 +505,8 @@ def test_lookup_length_follows_the_outcomes_not_one_lucky_match():
     for acc in (0, 1, 0, 8, 0, 1):  # bimodal: misses, a token, one full match
         pol.note_lookup(seq, acc, 8)
     assert pol.lookup_expected(seq, 1) == 1 + 3 / 6 and pol.lookup_expected(seq, 8) == 1 + 10 / 6
-    assert len(pol.lookup_outcomes) == 6 and list(seq.lookup_outcomes)[3] == (8, 8)
-    seq.ngram_accept = 0.7  # the per-position EMA right after the full match
+    assert len(pol.lookup_outcomes) == 6 and list(seq.spec_state.lookup_outcomes)[3] == (8, 8)
+    seq.spec_state.ngram_accept = 0.7  # the per-position EMA right after the full match
     pol.costs.t_target, pol.costs.t_per_token, pol.costs.t_draft = 0.028, 0.0007, 0.0
     pol.costs.t_plain = {16: 0.039}  # 16 rows: each extra row ~0.7 ms, a plain token 2.4 ms
     d = pol.ngram_budget(seq, 16)
@@ -514,9 +514,9 @@ def test_lookup_length_follows_the_outcomes_not_one_lucky_match():
     fresh = _seq(clock, "b", n=3, mode="ngram")  # no outcomes of its own: the engine's
     assert pol.lookup_expected(fresh, 1) == pol.lookup_expected(seq, 1)
     empty, _ = _sched(spec=SpecConfig(mode="ngram", adaptive=True))
-    assert empty.policy.lookup_expected(fresh, 2) == 1 + fresh.ngram_accept + fresh.ngram_accept**2  # no history
+    assert empty.policy.lookup_expected(fresh, 2) == 1 + fresh.spec_state.ngram_accept + fresh.spec_state.ngram_accept**2  # no history
     assert pol.lookup_expected(fresh, 2) == 1 + 4 / 6
-    seq.lookup_outcomes.clear()
+    seq.spec_state.lookup_outcomes.clear()
     for _ in range(6):
         pol.note_lookup(seq, 2, 2)  # short drafts always fully accepted: longer ones are worth trying
     assert pol.lookup_expected(fresh, 2) == 1 + 16 / 12  # the engine's estimate follows new outcomes
@@ -554,7 +554,7 @@ def test_a_requests_first_model_draft_is_a_short_chain():
     c.t_target, c.t_per_token, c.t_draft = 0.010, 0.0, 0.0005  # rows free: a deep wide tree pays
     _plain_costs(s)
     seq = _seq(clock, "a", n=3, mode="auto")
-    seq.recent_accept = seq.chain_accept = 0.9
+    seq.spec_state.recent_accept = seq.spec_state.chain_accept = 0.9
     plan = pol.plan([seq], 1)
     assert plan.depth > FIRST_MODEL_DRAFT
     assert pol.budget(seq, plan) == (FIRST_MODEL_DRAFT, FIRST_MODEL_DRAFT)

@@ -1,4 +1,4 @@
-"""Tests for specd.speculation.tree: DraftTree structure, masks, positions, static tree choices."""
+"""Tests for specd.sampling.tree and specd.config: DraftTree structure, masks, positions, static tree choices."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specd.sampling.tree import DraftTree
-from specd.speculation.tree import TreeChoices, static_tree_choices
+from specd.config import TreeChoices, static_tree_choices
 
 # 5 (0) -> 7 (1) -> 3 (3)
 #       -> 9 (2)
@@ -148,7 +148,7 @@ def test_random_trees_consistent(t, ctx):
 
 
 def test_top1_run_counts_the_leading_first_children_of_an_accepted_path():
-    from specd.speculation.tree import top1_run
+    from specd.sampling.tree import top1_run
 
     #        0
     #      1   2        (1: the root's first child)

@@ -27,9 +27,9 @@ from specd.model.quant import set_act_int8
 from specd.model.tp_shard import check_shardable
 from specd.speculation.drafter import Drafter
 from specd.speculation.head import HeadDrafter
-from specd.speculation.ngram import NgramConfig, NgramProposer
 from specd.speculation.policy import SpecPolicy
-from specd.speculation.suffix import SuffixStore
+from specd.speculation.registry import ProposerContext, build_free
+from specd.speculation.speculator import Speculator
 
 log = logging.getLogger("specd.engine")
 
@@ -51,8 +51,7 @@ class EngineParts:
     ledger: KVLedger
     policy: SpecPolicy
     scheduler: Scheduler
-    drafter: Drafter | None
-    ngram: NgramProposer
+    speculator: Speculator  # the proposers (model and model-free) and the policy that prices them
     policy_clock: Callable[[], float]  # seconds: the engine thread's CPU time on a CPU, wall time on a GPU
     tp: ShardedTarget | None = None  # the target's ranks (--tensor-parallel-size > 1); target.model is it
 
@@ -226,13 +225,11 @@ def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | No
         drafter = HeadDrafter(head, draft_cache, cfg.spec, device, tc.vocab_size, backend, ledger)
     if drafter is not None:
         drafter.clock = policy_clock
-    ext = cfg.spec.ngram_extend
-    ngram_cfg = NgramConfig(max_tokens=cfg.spec.ngram_tokens, branches=cfg.spec.ngram_branches,
-                            extend=None if ext < 0 else ext)  # fmt: skip
-    ngram = NgramProposer(ngram_cfg, SuffixStore() if cfg.spec.suffix_store else None)
+    free = build_free(ProposerContext(cfg.spec, tc.vocab_size, target.tokenizer))
+    speculator = Speculator(policy, drafter, free, policy_clock, max_len)
     return EngineParts(
         target, draft, max_len, backend, cache, draft_cache, prefix_cache, draft_prefix_cache, ledger, policy,
-        scheduler, drafter, ngram, policy_clock, tp,
+        scheduler, speculator, policy_clock, tp,
     )  # fmt: skip
 
 

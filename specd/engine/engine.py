@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from specd.config import EngineConfig
+from specd.config import MODEL_MODES, EngineConfig
 from specd.engine.builder import build
 from specd.engine.detokenizer import IncrementalDetokenizer
 from specd.engine.health import EngineHealth, RateLimitedLog
@@ -30,16 +30,14 @@ from specd.engine.ledger import Checkpoint
 from specd.engine.output import RequestOutput, emit, token_logprobs
 from specd.engine.requests import RequestError, normalize_params, validate_request
 from specd.engine.scheduler import SchedulerOutput
-from specd.engine.sequence import Sequence, SpecParams, SpecStats, Status
+from specd.engine.sequence import Sequence, Status
 from specd.engine.stages import TargetPass, WorkItem, kept_hidden, target_pass, verify
 from specd.engine.timings import StageTimings
 from specd.model.loader import LoadedModel
 from specd.sampling.params import SamplingParams
 from specd.sampling.probs import make_generator
-from specd.speculation.hybrid import credit, merge
-from specd.speculation.policy import LOOKUP_ONLY, MODEL_MODES
-from specd.speculation.proposal import CHOSEN
-from specd.speculation.tree import top1_run
+from specd.speculation.policy import LOOKUP_ONLY
+from specd.speculation.request import SpecParams, SpecStats
 
 __all__ = ["Engine", "RequestError", "RequestOutput", "validate_request"]
 
@@ -66,12 +64,12 @@ class Engine:
         self.backend = p.backend
         self.cache, self.draft_cache = p.cache, p.draft_cache
         self.prefix_cache, self.draft_prefix_cache = p.prefix_cache, p.draft_prefix_cache
-        self.ledger, self.policy, self.scheduler, self.drafter = p.ledger, p.policy, p.scheduler, p.drafter
-        self.ngram = p.ngram
+        self.ledger, self.policy, self.scheduler = p.ledger, p.policy, p.scheduler
+        self.speculator = p.speculator  # the proposers (specd.speculation.speculator)
+        self.drafter = p.speculator.model  # the model proposer (draft model or feature head), or None
         self.tp = p.tp  # the target's tensor-parallel ranks, or None
-        self.capture = getattr(p.drafter, "capture", None)  # a feature head's target layers
+        self.capture = getattr(self.drafter, "capture", None)  # a feature head's target layers
         self._policy_clock = p.policy_clock
-        self._model_draft_s = 0.0  # the policy clock's seconds in the model proposer this step
         self.eos_ids = set(p.target.config.eos_token_ids)
         self.vocab_size = p.target.config.vocab_size
         self.seqs: dict[str, Sequence] = {}
@@ -210,7 +208,7 @@ class Engine:
         seqs = [sc.seq for sc in scheduled]
         mark = self.timings.now()
         self._enter("draft", seqs)
-        proposals = self._draft(scheduled)
+        proposals = self.speculator.draft(scheduled)
         mark = self.timings.add("draft", mark)
         self._enter("forward", seqs)
         tp = target_pass(
@@ -244,74 +242,6 @@ class Engine:
                 return [self._fail_request(scheduled[0].seq, stage, e, cps[id(scheduled[0].seq)])]
             mid = len(scheduled) // 2
             return self._run_isolating(scheduled[:mid], cps, timing) + self._run_isolating(scheduled[mid:], cps, timing)
-
-    # draft ---------------------------------------------------------------------------------------
-    def _spec_budget(self, seq: Sequence, budget: int) -> int:
-        room = self.max_model_len - len(seq.tokens) - 1
-        remaining = seq.params.max_tokens - seq.num_output - 1
-        return max(0, min(budget, room, remaining))
-
-    def _draft(self, scheduled: list) -> dict:
-        """Proposals (request id -> Proposal) for the requests granted draft tokens: prompt lookup
-        for ``ngram`` requests, the model proposer for the others, and for ``hybrid`` ones (and
-        ``auto`` ones when the policy expects it to pay) both in one tree. The draft cache of
-        requests still in prefill catches up (skipped for adaptive requests while speculation is
-        off: they catch up in one draft forward when they next draft)."""
-        pol = self.policy
-        lazy_auto = pol.spec.adaptive and pol.last_depth == 0
-        catch, spec, out, lookups = [], [], {}, {}
-        for sc in scheduled:
-            seq = sc.seq
-            mode = pol.mode_of(seq)
-            if not sc.final:
-                if mode in MODEL_MODES and not (lazy_auto and seq.spec.mode == "auto"):
-                    catch.append((seq, seq.num_computed + sc.num_tokens))
-                continue
-            b = self._spec_budget(seq, sc.spec_budget) if sc.spec_budget > 0 else 0
-            if b <= 0:
-                continue
-            shape, lookup = self._proposers(sc, mode, b, len(scheduled))
-            if shape is not None:
-                spec.append((seq, shape))
-                if lookup is not None:
-                    lookups[seq.request_id] = (lookup, b)
-            elif lookup is not None:
-                out[seq.request_id] = lookup
-        t_model = self._policy_clock()
-        if catch and self.drafter is not None:
-            self.drafter.catch_up(catch)
-        if spec and self.drafter is not None:
-            out.update(self.drafter.propose(spec))
-        self._model_draft_s = self._policy_clock() - t_model
-        for rid, (lookup, b) in lookups.items():  # hybrid: the lookup's branches over the model's tree
-            out[rid] = merge(out[rid], lookup, b) if rid in out else lookup
-        return out
-
-    def _proposers(self, sc, mode: str, budget: int, batch: int) -> tuple:
-        """(model draft Shape or None, lookup Proposal or None) for one request this step; both for
-        a hybrid tree, the lookup taking up to ``SpecConfig.ngram_tokens`` of the budget."""
-        seq = sc.seq
-        if sc.spec_depth == LOOKUP_ONLY:  # an adaptive request while the model does not pay
-            return None, self.ngram.propose(seq, budget, lambda v: self.policy.lookup_len(seq, v, batch))
-        if mode == "ngram" or self.drafter is None:
-            return None, self.ngram.propose(seq, budget) if mode == "ngram" else None
-        auto = seq.spec.mode == "auto" and self.policy.spec.adaptive
-        shape = self.drafter.shape_for(mode, budget, sc.spec_depth)
-        if shape is None or mode != "hybrid" and not auto:
-            return shape, None
-        if mode != "hybrid":  # an adaptive request: the model, prompt lookup, or both
-            alone = self.ngram.propose(seq, budget)
-            if alone is None:
-                return shape, None
-            if self.policy.prefer_ngram(seq, alone.tree.num_nodes - 1, shape.depth, batch, shape.budget):
-                return None, alone
-        lookup = self.ngram.propose(seq, min(self.policy.spec.ngram_tokens, budget // 2))
-        if lookup is None:
-            return shape, None
-        n = lookup.tree.num_nodes - 1
-        if mode != "hybrid" and not self.policy.hybrid_pays(seq, n, shape.depth, batch, shape.budget):
-            return shape, None
-        return self.drafter.shape_for(mode, budget - n, sc.spec_depth), lookup
 
     # accept, commit, emit ------------------------------------------------------------------------
     def _commit(self, tp: TargetPass, results: list, cps: dict) -> list:
@@ -353,41 +283,14 @@ class Engine:
             lps = token_logprobs(logits, rows, new, seq.params.logprobs)
             if seq.logprobs is not None:
                 seq.logprobs.extend(lps)
-        self._record(seq, w, res.accepted, len(new))
+        drafted = w.tree.num_nodes - 1 if w.tree is not None else 0
+        self.speculator.record(seq, w.proposal, drafted, res.accepted, len(new), self.stats)
         if reason is not None:
             self._finish(seq, reason)
-            self.ngram.finished(seq)
+            self.speculator.forget(seq)
         else:
             self.ledger.register(seq)
         return RequestOutput(seq.request_id, new, text, reason is not None, reason, seq, logprobs=lps)
-
-    def _record(self, seq: Sequence, w: WorkItem, accepted_nodes: list, emitted: int) -> None:
-        """Speculation statistics (request and engine, by proposer: a hybrid tree's accepted nodes
-        are credited to whoever proposed each) and the acceptance the policy learns from, per
-        proposer: the model's feeds the adaptive depth, prompt lookup's its draft length."""
-        prop = w.proposal
-        depth = prop.depth if prop is not None else 0
-        drafted = w.tree.num_nodes - 1 if w.tree is not None else 0
-        accepted = len(accepted_nodes)
-        parts = credit(prop, accepted_nodes) if prop is not None else None
-        for st in (seq.stats, self.stats):
-            st.record(drafted, depth, accepted, parts)
-            st.emitted_tokens += emitted
-        if not depth or not parts:
-            return
-        for name, (_, acc, deepest) in parts.items():
-            if name in CHOSEN:  # prompt lookup or earlier requests
-                seq.ngram_accept = 0.7 * seq.ngram_accept + 0.3 * (acc / deepest)
-                self.policy.note_accept(acc / deepest, lookup=True)
-                avail = prop.available if prop is not None and prop.proposer == name else None  # (not a hybrid's)
-                self.policy.note_lookup(seq, acc, deepest, avail)
-            else:
-                seq.recent_accept = 0.7 * seq.recent_accept + 0.3 * (acc / deepest)
-                self.policy.note_accept(acc / deepest)
-        if prop is not None and prop.proposer in ("draft", "head"):  # what its top-1 chain would have had accepted
-            rate = top1_run(prop.tree, accepted_nodes) / max(depth, 1)
-            seq.chain_accept = 0.7 * seq.chain_accept + 0.3 * rate
-            self.policy.note_accept(rate, chain=True)
 
     def _observe(self, sched: SchedulerOutput, timing: dict, t0: float, t2: float) -> None:
         """Feed the adaptive policy the costs of a clean pure-decode step (prefill would skew the fit)."""
@@ -409,7 +312,9 @@ class Engine:
                 # lookup that found no match reserves its tokens and verifies none: priced by the
                 # reservation, 16 requests' rows looked ~5x cheaper than they are)
                 verified = len(sched.scheduled) + sum(p.tree.num_nodes - 1 for p in proposals.values())
-                self.policy.costs.observe(t2 - t0 - self._model_draft_s, level, verified, len(sched.scheduled))
+                self.policy.costs.observe(
+                    t2 - t0 - self.speculator.model_draft_s, level, verified, len(sched.scheduled)
+                )
                 if all(sc.spec_depth == LOOKUP_ONLY for sc in sched.scheduled if sc.seq.request_id in proposals):
                     n = len(sched.scheduled)
                     self.policy.costs.note_lookup_step(n, n + timing.get("accepted", 0), t2 - t0)

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["DraftTree", "SiblingTable"]
+__all__ = ["DraftTree", "SiblingTable", "top1_run"]
 
 
 class DraftTree:
@@ -283,3 +283,17 @@ class SiblingTable(NamedTuple):
     row_of: list[int]
     max_children: int
     min_children: int
+
+
+def top1_run(tree: DraftTree, accepted: Sequence[int]) -> int:
+    """How many leading nodes of an accepted path (node indices, root excluded, in depth order)
+    are their parent's first child: in a draft tree whose children come in the draft's order
+    (top-1 first; ``Drafter``'s trees are sibling-prefix-closed), what a chain of the draft's
+    top-1 tokens would have had accepted."""
+    children = tree.children
+    n = 0
+    for node in accepted:
+        if children[tree.parent_list[node]][0] != node:
+            break
+        n += 1
+    return n

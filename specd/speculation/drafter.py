@@ -33,13 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.engine.kv_cache import KVCache
-from specd.engine.sequence import Sequence
+from specd.config import SpecMode, TreeChoices, static_tree_choices
 from specd.model.attention import build_metadata
 from specd.sampling.probs import logits_to_probs
 from specd.sampling.tree import DraftTree
-from specd.speculation.proposal import Proposal
-from specd.speculation.tree import TreeChoices, static_tree_choices
+from specd.speculation.proposal import DraftRequest, Proposal
+from specd.speculation.request import SpecRequest
 
 SAMPLED_WIDTH = 2  # children per expanded node in sampled dynamic trees (see _num_children)
 
@@ -79,7 +78,7 @@ class _Build:
         "fed_max",
     )
 
-    def __init__(self, seq: Sequence, shape: Shape, sampled: bool):
+    def __init__(self, seq: SpecRequest, shape: Shape, sampled: bool):
         self.seq, self.shape, self.sampled = seq, shape, sampled
         self.L = len(seq.tokens)
         self.tokens = [seq.tokens[-1]]
@@ -104,7 +103,14 @@ class _Build:
 
 
 class Drafter:
-    def __init__(self, model, cache: KVCache, spec_cfg, device: torch.device, vocab_size: int, backend, ledger):
+    """The draft model's ``Proposer`` (its own paged KV cache ``cache``, a ``KVCache``, moved only
+    through the engine's ``ledger``)."""
+
+    name = "draft"
+    chosen = False
+    prior = 0.6  # (SpecState.recent_accept's start)
+
+    def __init__(self, model, cache, spec_cfg, device: torch.device, vocab_size: int, backend, ledger):
         self.model = model
         self.ledger = ledger  # the draft side of each request's KV state moves only through it
         self.backend = backend
@@ -125,12 +131,18 @@ class Drafter:
         self.level_time = 0.0
         self.clock = time.perf_counter  # the engine sets its policy clock (thread CPU time on CPU)
 
+    def observe(self, seq, proposal: Proposal, accepted_nodes: list[int]) -> None:
+        """(The policy learns its acceptance: ``SpecPolicy.observe``.)"""
+
+    def forget(self, seq) -> None:
+        """(Its cache blocks are the ledger's to free.)"""
+
     def shape_for(self, mode: str, budget: int, depth: int = 0) -> Shape | None:
-        if budget <= 0 or mode == "off":
+        if budget <= 0 or mode == SpecMode.OFF:
             return None
-        if mode == "chain":
+        if mode == SpecMode.CHAIN:
             return Shape("chain", budget, 1, budget)
-        if mode == "static" and self.static is not None:
+        if mode == SpecMode.STATIC and self.static is not None:
             ch = self.static
             if len(ch.parents) - 1 > budget:  # keep the first `budget` nodes in BFS order (parent-closed)
                 ch = type(ch)(ch.parents[: budget + 1], ch.ranks[: budget + 1], ch.paths[: budget + 1])
@@ -177,7 +189,7 @@ class Drafter:
         return self.model.compute_logits(hidden[torch.tensor(need_logits, device=dev)])
 
     # the step ------------------------------------------------------------------------------------
-    def catch_up(self, seqs_ends: list) -> None:
+    def catch_up(self, seqs_ends: list) -> None:  # (seq, committed end) pairs
         """Prefill-only draft work: bring each seq's draft cache to ``end`` committed tokens."""
         rows = []
         for seq, end in seqs_ends:
@@ -191,12 +203,14 @@ class Drafter:
             for seq, _, _, _, _, end, _ in rows:
                 self.ledger.draft_advance(seq, end)
 
-    def propose(self, reqs: list) -> dict:
-        """reqs: list of (seq, Shape). Returns {request_id: Proposal}; seqs that cannot draft are left out."""
+    def propose(self, reqs: list[DraftRequest]) -> dict[str, Proposal]:
+        """One tree per request of ``reqs`` (each with its ``shape``): {request_id: Proposal}; requests
+        that cannot draft (no draft cache room) are left out."""
         builds: list[_Build] = []
         rows, need = [], []
         n_rows = 0
-        for seq, shape in reqs:
+        for r in reqs:
+            seq, shape = r.seq, r.shape
             L = len(seq.tokens)
             d0 = seq.draft_computed
             if not self.ledger.draft_reserve(seq, L + shape.max_nodes()):

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from specd.config import SpecMode
 from specd.model.attention import build_metadata
 from specd.speculation.drafter import Drafter, _Build
 from specd.speculation.proposal import Proposal
@@ -39,6 +40,8 @@ class _HeadBuild(_Build):
 class HeadDrafter(Drafter):
     """``Drafter`` with an ``EagleHead`` (``model``) and its one-layer paged cache (``cache``)."""
 
+    name = "head"
+
     def __init__(self, head, cache, spec_cfg, device: torch.device, vocab_size: int, backend, ledger):
         super().__init__(head, cache, spec_cfg, device, vocab_size, backend, ledger)
         self.capture = head.layers  # the target layers whose input hidden states are the features
@@ -46,7 +49,7 @@ class HeadDrafter(Drafter):
         self.feat_dim = len(head.layers) * head.target_hidden
 
     def shape_for(self, mode: str, budget: int, depth: int = 0):
-        return super().shape_for("tree" if mode == "head" else mode, budget, depth)
+        return super().shape_for(SpecMode.TREE if mode == SpecMode.HEAD else mode, budget, depth)
 
     def _run(self, rows: list, x: torch.Tensor, need: list) -> tuple:
         """Head rows (``Drafter._forward``'s row tuples) with hidden inputs ``x`` [T, d] ->
@@ -110,7 +113,8 @@ class HeadDrafter(Drafter):
         """Catch every request up to its root row: (builds, root logits [B, V])."""
         builds, rows, feats, need = [], [], [], []
         n = 0
-        for seq, shape in reqs:
+        for r in reqs:
+            seq, shape = r.seq, r.shape
             Lh = len(seq.tokens) - 1
             if Lh < 1 or seq.num_computed < Lh:
                 continue  # the target has not computed every committed token's features yet
@@ -132,7 +136,7 @@ class HeadDrafter(Drafter):
         return builds, logits
 
     def propose(self, reqs: list) -> dict:
-        """reqs: list of (seq, Shape) -> {request_id: Proposal}; seqs that cannot draft are left out."""
+        """One tree per ``DraftRequest`` -> {request_id: Proposal}; requests that cannot draft are left out."""
         builds, logits = self._start(reqs)
         if not builds:
             return {}
@@ -155,5 +159,5 @@ class HeadDrafter(Drafter):
 
     def _proposal(self, b: _HeadBuild) -> Proposal:
         prop = self._finish(b)
-        prop.proposer = "head"
+        prop.proposer = self.name
         return prop

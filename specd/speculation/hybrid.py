@@ -46,7 +46,8 @@ def merge(first: Proposal, second: Proposal, budget: int) -> Proposal:
             children[up][tok] = node
         where.append(node)
     tree, order = DraftTree.breadth_first(tokens, parents)
-    return Proposal(tree, None, tree.max_depth, proposer="hybrid", node_proposers=[owners[i] for i in order])
+    nodes = [owners[i] for i in order]
+    return Proposal(tree, None, tree.max_depth, proposer="hybrid", node_proposers=nodes, chosen=True)
 
 
 def credit(prop: Proposal, accepted_nodes: list) -> dict:

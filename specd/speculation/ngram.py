@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specd.sampling.tree import DraftTree
-from specd.speculation.proposal import Proposal
+from specd.speculation.proposal import DraftRequest, Proposal
 from specd.speculation.suffix import SuffixStore
 
 MAX_OCCURRENCES = 64  # most recent occurrences of an n-gram scanned for distinct continuations
@@ -137,24 +137,36 @@ def trie(root: int, continuations: list, budget: int) -> DraftTree:
 
 
 class NgramProposer:
-    """Model-free proposals for requests in ``ngram`` mode (no model, no KV cache): prompt lookup in
-    the request's own context first, else (with a ``SuffixStore``) the tenant's earlier requests."""
+    """Model-free proposals (a ``Proposer``; no model, no KV cache): prompt lookup in the request's
+    own context first, else (with a ``SuffixStore``) the tenant's earlier requests."""
+
+    name = "ngram"
+    chosen = True
+    prior = 0.5  # SpecState.ngram_accept's start
 
     def __init__(self, cfg: NgramConfig | None = None, store: SuffixStore | None = None):
         self.cfg = cfg or NgramConfig()
         self.store = store
 
-    def propose(self, seq, budget: int, choose=None) -> Proposal | None:
+    def propose(self, reqs: list[DraftRequest]) -> dict[str, Proposal]:
+        out = {}
+        for r in reqs:
+            prop = self.propose_one(r.seq, r.budget, r.choose)
+            if prop is not None:
+                out[r.seq.request_id] = prop
+        return out
+
+    def propose_one(self, seq, budget: int, choose=None) -> Proposal | None:
         """A proposal of at most ``budget`` draft tokens for ``seq``, or None without a match;
         ``choose(available)`` (the longest continuation's length): how many tokens of it to draft
         (0: none), once the match is known (``SpecPolicy.lookup_len``)."""
         if budget <= 0:
             return None
-        index = seq.ngram_index
-        if index is None:
-            index = seq.ngram_index = NgramIndex(range(self.cfg.min_n, self.cfg.max_n + 1))
+        state = seq.spec_state
+        if state.ngram_index is None:
+            state.ngram_index = NgramIndex(range(self.cfg.min_n, self.cfg.max_n + 1))
         k = min(self.cfg.max_tokens, budget)
-        conts, name = index.continuations(seq.tokens, k, self.cfg.branches, self.cfg.extend), "ngram"
+        conts, name = state.ngram_index.continuations(seq.tokens, k, self.cfg.branches, self.cfg.extend), "ngram"
         if not conts and self.store is not None:
             cont = self.store.continuation(seq.tenant, seq.tokens, k)
             conts, name = ([cont] if cont else []), "suffix"
@@ -167,9 +179,23 @@ class NgramProposer:
                 return None
             conts = [list(c) for c in dict.fromkeys(tuple(c[:d]) for c in conts)]
         tree = trie(seq.tokens[-1], conts, budget)
-        return Proposal(tree, None, tree.max_depth, proposer=name, available=available)
+        return Proposal(tree, None, tree.max_depth, proposer=name, available=available, chosen=True)
 
-    def finished(self, seq) -> None:
+    def observe(self, seq, proposal: Proposal, accepted_nodes: list[int]) -> None:
+        """(Its outcomes are the policy's: ``SpecPolicy.observe`` keeps them per match length.)"""
+
+    def forget(self, seq) -> None:
         """A request completed: its tokens join its tenant's store."""
         if self.store is not None:
             self.store.add(seq.tenant, seq.tokens)
+
+
+def from_context(ctx) -> NgramProposer:
+    """The server's prompt lookup (``specd.speculation.registry``): its settings from ``SpecConfig``."""
+    spec = ctx.spec
+    cfg = NgramConfig(
+        max_tokens=spec.ngram_tokens,
+        branches=spec.ngram_branches,
+        extend=None if spec.ngram_extend < 0 else spec.ngram_extend,
+    )
+    return NgramProposer(cfg, SuffixStore() if spec.suffix_store else None)

@@ -50,18 +50,20 @@ import collections
 import zlib
 from dataclasses import dataclass
 
-from specd.config import SpecConfig
-from specd.engine.sequence import Sequence
+from specd.config import MODEL_MODES, SpecConfig, SpecMode
+from specd.sampling.tree import top1_run
 from specd.speculation.costs import CostModel
+from specd.speculation.request import SpecRequest
 
-MODEL_MODES = ("chain", "tree", "static", "head", "hybrid")  # modes that draft with the draft model or feature head
 LOOKUP_ONLY = -1  # a budget's depth: this step, prompt lookup only (the model proposer does not pay now)
 DECISION_REUSE_STEPS = 8  # a decision is reused while the batch's estimates are unchanged
 HOPELESS_REUSE_STEPS = 64  # "drafting cannot pay at this batch size" is trusted this long
 LOOKUP_PROBE = 2  # draft tokens of a prompt-lookup probe while lookup does not pay for a request
 FIRST_MODEL_DRAFT = 2  # nodes (a top-1 chain) of a request's first model draft: its own acceptance is unknown
 MODEL_PROPOSERS = ("draft", "head")  # SpecStats.by_proposer names of the model proposers
-LOOKUP_WINDOW = 256  # prompt-lookup outcomes kept engine-wide (per request: Sequence.lookup_outcomes)
+LOOKUP_PROPOSERS = ("ngram", "suffix")  # prompt lookup's names (its outcomes priced by match length)
+EMA = 0.3  # weight of a step's acceptance in a request's per-proposer EMA
+LOOKUP_WINDOW = 256  # prompt-lookup outcomes kept engine-wide (per request: SpecState.lookup_outcomes)
 LOOKUP_MIN_OWN = 4  # a request's own outcomes used once it has this many (else the engine's)
 MARGIN = 1.02  # a draft must promise this much more than plain decoding (a clear win only)
 LOOKUP_BY_LEN_WINDOW = 64  # outcomes kept per length a match allows (SpecPolicy.lookup_len)
@@ -74,7 +76,7 @@ class StepPlan:
     this step), the one request a probe step drafts for, and the per-request draft-token cap."""
 
     depth: int | None
-    probe: Sequence | None
+    probe: SpecRequest | None
     cap: int
     batch: int = 1  # requests expected in the step
     nodes: int | None = None  # draft nodes per adaptive request at ``depth`` (None: the mode's width)
@@ -126,47 +128,50 @@ class SpecPolicy:
         self.last_depth = 0
         self._decision: tuple | None = None  # (alphas, step, config, depth, hopeless) of the last decision
         self.hopeless_batch: tuple | None = None  # (batch, step, mode) of the last "drafting cannot pay"
+        # other model-free proposers (by name): acceptance prior (Proposer.prior) and engine-wide EMA
+        self.priors: dict = {}
+        self.free_ema: dict = {}
 
     # per request --------------------------------------------------------------------------------
-    def mode_of(self, seq: Sequence) -> str:
+    def mode_of(self, seq: SpecRequest) -> SpecMode:
         """The request's effective mode: ``auto`` means the configured one; a draft-model mode
         (chain, tree, static) is ``off`` without a draft model; ``ngram`` needs none."""
-        m = seq.spec.mode
-        if m == "auto":
-            m = self.spec.mode
-        if m == "hybrid" and not self.has_draft:
-            return "ngram"  # no model proposer: prompt lookup alone
-        if m in MODEL_MODES and not self.has_draft or m == "head" and not self.has_head:
-            return "off"
+        m = SpecMode(seq.spec.mode)
+        if m == SpecMode.AUTO:
+            m = SpecMode(self.spec.mode)
+        if m == SpecMode.HYBRID and not self.has_draft:
+            return SpecMode.NGRAM  # no model proposer: prompt lookup alone
+        if m in MODEL_MODES and not self.has_draft or m == SpecMode.HEAD and not self.has_head:
+            return SpecMode.OFF
         return m
 
-    def desired_budget(self, seq: Sequence) -> int:
+    def desired_budget(self, seq: SpecRequest) -> int:
         """Draft tokens the request's mode asks for (before the adaptive depth and step caps)."""
         mode = self.mode_of(seq)
-        if mode == "off":
+        if mode == SpecMode.OFF:
             return 0
-        if mode == "ngram":
+        if mode == SpecMode.NGRAM:
             base = self.spec.ngram_tokens * self.spec.ngram_branches
         else:
-            base = self.spec.num_draft_tokens if mode == "chain" else self.spec.tree_budget
-            base += self.spec.ngram_tokens if mode == "hybrid" else 0  # room for the lookup's branch
+            base = self.spec.num_draft_tokens if mode == SpecMode.CHAIN else self.spec.tree_budget
+            base += self.spec.ngram_tokens if mode == SpecMode.HYBRID else 0  # room for the lookup's branch
         if seq.spec.max_draft_tokens is not None:
             base = min(base, seq.spec.max_draft_tokens)
         return max(base, 0)
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: SpecRequest) -> None:
         """A new request starts from the engine-wide acceptance estimates (model and prompt lookup)."""
         if seq.stats.steps != 0:
             return
         if self.accept_ema is not None:
-            seq.recent_accept = self.accept_ema
+            seq.spec_state.recent_accept = self.accept_ema
         if self.ngram_ema is not None:
-            seq.ngram_accept = self.ngram_ema
+            seq.spec_state.ngram_accept = self.ngram_ema
         if self.chain_ema is not None:
-            seq.chain_accept = self.chain_ema
+            seq.spec_state.chain_accept = self.chain_ema
 
     def nodes_for_depth(self, d: int) -> int:
-        return d if self.spec.mode == "chain" else min(self.spec.tree_budget, d * self.spec.tree_topk)
+        return d if self.spec.mode == SpecMode.CHAIN else min(self.spec.tree_budget, d * self.spec.tree_topk)
 
     def step_spec_cap(self, batch: int) -> int:
         """Per-sequence cap on draft tokens so the step's verification tokens stay bounded."""
@@ -185,11 +190,11 @@ class SpecPolicy:
             return
         self.accept_ema = rate if self.accept_ema is None else 0.9 * self.accept_ema + 0.1 * rate
 
-    def note_lookup(self, seq: Sequence, accepted: int, drafted: int, available: int | None = None) -> None:
+    def note_lookup(self, seq: SpecRequest, accepted: int, drafted: int, available: int | None = None) -> None:
         """One prompt-lookup draft of ``drafted`` tokens had ``accepted`` of them accepted;
         ``available``: how long its match allowed it to be (``Proposal.available``; None: not known)."""
-        seq.lookup_outcomes.append((accepted, drafted))
-        seq.lookup_cache.clear()
+        seq.spec_state.lookup_outcomes.append((accepted, drafted))
+        seq.spec_state.lookup_cache.clear()
         self.lookup_outcomes.append((accepted, drafted))
         self._lookup_cache.clear()
         if available is not None:
@@ -197,7 +202,73 @@ class SpecPolicy:
             obs.append((accepted, drafted))
             self._by_len_cache.pop(available, None)
 
-    def lookup_len(self, seq: Sequence, available: int, batch: int) -> int:
+    def observe(self, seq: SpecRequest, prop, accepted_nodes: list, parts: dict) -> None:
+        """What one verified step's proposal (``prop``, a ``Proposal``) had accepted, split by
+        proposer (``parts``: name -> [draft nodes, accepted, deepest node], ``hybrid.credit``):
+        each proposer's per-position acceptance (accepted / deepest) updates the request's EMA and
+        the engine-wide one; prompt lookup's outcomes are kept by match length too; a model
+        proposal's top-1 chain, what a chain would have had accepted (the narrow shape)."""
+        st = seq.spec_state
+        for name, (_, acc, deepest) in parts.items():
+            rate = acc / deepest
+            if name in LOOKUP_PROPOSERS:
+                st.ngram_accept = (1 - EMA) * st.ngram_accept + EMA * rate
+                self.note_accept(rate, lookup=True)
+                avail = prop.available if prop.proposer == name else None  # (not a hybrid's)
+                self.note_lookup(seq, acc, deepest, avail)
+            elif name in MODEL_PROPOSERS:
+                st.recent_accept = (1 - EMA) * st.recent_accept + EMA * rate
+                self.note_accept(rate)
+            else:
+                st.accept[name] = (1 - EMA) * self.free_accept(seq, name) + EMA * rate
+                old = self.free_ema.get(name)
+                self.free_ema[name] = rate if old is None else 0.9 * old + 0.1 * rate
+        if prop.proposer in MODEL_PROPOSERS:
+            rate = top1_run(prop.tree, accepted_nodes) / max(prop.depth, 1)
+            st.chain_accept = (1 - EMA) * st.chain_accept + EMA * rate
+            self.note_accept(rate, chain=True)
+
+    def free_accept(self, seq: SpecRequest, name: str) -> float:
+        """A model-free proposer's per-position acceptance for ``seq`` (other than prompt lookup):
+        its own EMA, else the engine's, else the proposer's prior."""
+        own = seq.spec_state.accept.get(name)
+        if own is not None:
+            return own
+        return self.free_ema.get(name, self.priors.get(name, 0.5))
+
+    def free_expected(self, seq: SpecRequest, prop) -> float:
+        """Expected tokens of a step verifying the model-free proposal ``prop``: prompt lookup's
+        from its outcomes (``lookup_expected``), another's from its acceptance along the proposal's
+        depth."""
+        if prop.proposer in LOOKUP_PROPOSERS:
+            return self.lookup_expected(seq, prop.tree.num_nodes - 1)
+        return _expected(self.free_accept(seq, prop.proposer), prop.depth)
+
+    def best_free(self, seq: SpecRequest, props: list):
+        """Of several model-free proposals for ``seq``, the one with the most expected tokens per
+        verified token (rows cost; the first on a tie: registry order)."""
+        return max(props, key=lambda p: self.free_expected(seq, p) / max(p.tree.num_nodes, 1))
+
+    def free_len(self, seq: SpecRequest, name: str, available: int, batch: int) -> int:
+        """Draft tokens (0..``available``) of model-free proposer ``name`` for a lookup-only step,
+        once its match is known: prompt lookup's by ``lookup_len``; another's, the length that
+        maximises expected tokens per second at its acceptance (``free_accept``)."""
+        if name in LOOKUP_PROPOSERS:
+            return self.lookup_len(seq, available, batch)
+        t_plain = self.costs.plain_cost(batch)
+        if not self.spec.adaptive or available <= 0:
+            return max(available, 0)
+        if t_plain is None or self.costs.t_target is None:
+            return min(available, LOOKUP_PROBE)
+        a = self.free_accept(seq, name)
+        best, best_d = 1.0 / t_plain, 0
+        for d in range(1, available + 1):
+            rate = _expected(a, d) / self.costs.verify_cost(d, batch, t_plain)
+            if rate > best * MARGIN:
+                best, best_d = rate, d
+        return best_d or self._lookup_probe(seq, available, batch)
+
+    def lookup_len(self, seq: SpecRequest, available: int, batch: int) -> int:
         """Draft tokens (0..``available``) for an adaptive request's lookup-only step, asked once its
         match is known: ``available`` is how long the match lets the draft be (its match length +
         ``NgramConfig.extend``, within the step's budget). The length that maximises expected
@@ -212,7 +283,7 @@ class SpecPolicy:
             return min(available, LOOKUP_PROBE)
         return self._best_lookup(seq, available, batch, t_plain, by_len=available)
 
-    def _by_len_expected(self, seq: Sequence, available: int, d: int) -> float:
+    def _by_len_expected(self, seq: SpecRequest, available: int, d: int) -> float:
         """``lookup_expected`` from the outcomes of lookups whose match allowed ``available``
         tokens once there are ``LOOKUP_BY_LEN_MIN`` of them, else from all the request's lookups."""
         obs = self.lookup_by_len.get(available)
@@ -220,7 +291,7 @@ class SpecPolicy:
             return self.lookup_expected(seq, d)
         return _cached_cut(self._by_len_cache.setdefault(available, {}), obs, d)
 
-    def lookup_expected(self, seq: Sequence, d: int) -> float:
+    def lookup_expected(self, seq: SpecRequest, d: int) -> float:
         """Expected tokens of a step whose prompt-lookup draft is cut to ``d`` tokens: 1 + the mean
         over recent lookup outcomes (the request's own once it has a few, else the engine's) of what
         the cut draft would have had accepted, ``min(accepted, d)`` (acceptance is a prefix), a
@@ -228,11 +299,11 @@ class SpecPolicy:
         are bimodal (a copied span matches on, or the first token fails), so the geometric
         ``E(a, d)`` of one acceptance rate overrates long drafts after a lucky match; with no
         outcomes yet it is still used, at the request's ``ngram_accept``."""
-        own = seq.lookup_outcomes
+        own = seq.spec_state.lookup_outcomes
         if len(own) >= LOOKUP_MIN_OWN:  # its own outcomes, else the engine's: every d at once, once
-            return _cached_cut(seq.lookup_cache, own, d)  # until the next outcome
+            return _cached_cut(seq.spec_state.lookup_cache, own, d)  # until the next outcome
         if not self.lookup_outcomes:
-            return _expected(seq.ngram_accept, d)
+            return _expected(seq.spec_state.ngram_accept, d)
         return _cached_cut(self._lookup_cache, self.lookup_outcomes, d)
 
     def forget(self) -> None:
@@ -250,30 +321,30 @@ class SpecPolicy:
         self.costs.at_context(sum(s.num_computed for s in candidates[:batch]))
         if not (self.spec.adaptive and self.has_draft) or self.spec.mode not in MODEL_MODES:
             return StepPlan(None, None, cap, batch)
-        autos = [s for s in candidates if s.spec.mode == "auto"]
+        autos = [s for s in candidates if s.spec.mode == SpecMode.AUTO]
         self.last_nodes = None
         if autos and self._hopeless_now(len(autos)):
             depth = 0
         else:
-            narrow = [s.chain_accept for s in autos] if self._weighs_shapes() else None
-            depth = self.choose_depth([s.recent_accept for s in autos], narrow=narrow)
+            narrow = [s.spec_state.chain_accept for s in autos] if self._weighs_shapes() else None
+            depth = self.choose_depth([s.spec_state.recent_accept for s in autos], narrow=narrow)
         self.last_depth = depth
         probe = None
         if self.probing and autos:
-            probe = min(autos, key=lambda s: s.last_probe)
-            probe.last_probe = self.step
+            probe = min(autos, key=lambda s: s.spec_state.last_probe)
+            probe.spec_state.last_probe = self.step
         return StepPlan(depth, probe, cap, batch, self.last_nodes if depth else None)
 
     def _weighs_shapes(self) -> bool:
         """Whether the configured mode drafts trees wider than their depth (then the narrow shape
         is weighed too)."""
-        return self.spec.mode in ("tree", "head", "hybrid") and self.spec.tree_topk > 1
+        return self.spec.mode in (SpecMode.TREE, SpecMode.HEAD, SpecMode.HYBRID) and self.spec.tree_topk > 1
 
-    def budget(self, seq: Sequence, plan: StepPlan) -> tuple[int, int]:
+    def budget(self, seq: SpecRequest, plan: StepPlan) -> tuple[int, int]:
         """(draft tokens wanted, tree depth allowed; 0 = the configured depth) for ``seq`` this step."""
-        if self.mode_of(seq) == "ngram":
+        if self.mode_of(seq) == SpecMode.NGRAM:
             return self.ngram_budget(seq, plan.batch), 0
-        auto = seq.spec.mode == "auto"
+        auto = seq.spec.mode == SpecMode.AUTO
         if plan.depth == 0 and not self.probing and auto:  # the model does not pay this step: free lookup only
             full = self.spec.ngram_tokens * self.spec.ngram_branches
             if self.costs.lookups_lose(plan.batch):  # what they delivered says no: a staggered probe only
@@ -289,10 +360,10 @@ class SpecPolicy:
             return want, 0
         depth = plan.depth
         mode = self.mode_of(seq)
-        want = depth if mode == "chain" else min(self.spec.tree_budget, depth * self.spec.tree_topk)
-        if plan.nodes is not None and mode != "chain":
+        want = depth if mode == SpecMode.CHAIN else min(self.spec.tree_budget, depth * self.spec.tree_topk)
+        if plan.nodes is not None and mode != SpecMode.CHAIN:
             want = plan.nodes  # the narrow shape (a budget equal to the depth: the top-1 chain)
-        want += self.spec.ngram_tokens if mode == "hybrid" else 0
+        want += self.spec.ngram_tokens if mode == SpecMode.HYBRID else 0
         if self.probing:
             want = 1 if seq is plan.probe else 0  # a probe drafts a single token for one request
         elif not any(p in seq.stats.by_proposer for p in MODEL_PROPOSERS):
@@ -301,12 +372,12 @@ class SpecPolicy:
             # measured (a fresh 16-request group started at a stale 0.96 drafted 16-node trees for
             # all of them, ~150 ms steps, three times per group)
             depth = min(depth, FIRST_MODEL_DRAFT)
-            want = min(want, FIRST_MODEL_DRAFT + (self.spec.ngram_tokens if mode == "hybrid" else 0))
+            want = min(want, FIRST_MODEL_DRAFT + (self.spec.ngram_tokens if mode == SpecMode.HYBRID else 0))
         if seq.spec.max_draft_tokens is not None:
             want = min(want, seq.spec.max_draft_tokens)
         return want, depth
 
-    def ngram_budget(self, seq: Sequence, batch: int, want: int | None = None) -> int:
+    def ngram_budget(self, seq: SpecRequest, batch: int, want: int | None = None) -> int:
         """Prompt-lookup draft tokens for ``seq``: the length that maximises expected tokens per
         second at its acceptance (drafting itself costs nothing; verifying each token does), capped
         by ``want`` (default: its mode's budget). A step with no n-gram match drafts nothing,
@@ -328,7 +399,7 @@ class SpecPolicy:
             return min(want, LOOKUP_PROBE)
         return self._best_lookup(seq, want, batch, t_plain)
 
-    def _best_lookup(self, seq: Sequence, limit: int, batch: int, t_plain: float, by_len: int | None = None) -> int:
+    def _best_lookup(self, seq: SpecRequest, limit: int, batch: int, t_plain: float, by_len: int | None = None) -> int:
         """The lookup length (1..``limit``) that maximises expected tokens per second, by a clear
         margin over plain decoding, else a staggered probe at most (``_lookup_probe``); expected
         tokens from the request's lookups, or (``by_len``) from lookups whose match allowed that
@@ -349,39 +420,54 @@ class SpecPolicy:
         at batch 16, and keeps the share of probing steps bounded as batches grow.)"""
         return self.probe_min * max(1, -(-batch // 4))
 
-    def _lookup_probe(self, seq: Sequence, want: int, batch: int) -> int:
+    def _lookup_probe(self, seq: SpecRequest, want: int, batch: int) -> int:
         """``LOOKUP_PROBE`` tokens (at most ``want``) on every ``lookup_probe_every(batch)``-th
         step of ``seq`` (staggered by request, so a batch never probes all at once), else 0."""
         every = self.lookup_probe_every(batch)
         return min(want, LOOKUP_PROBE) if (self.step + _offset(seq)) % every == 0 else 0
 
-    def _model_accept(self, seq: Sequence, nodes: int, depth: int) -> float:
+    def _model_accept(self, seq: SpecRequest, nodes: int, depth: int) -> float:
         """The request's acceptance for a model draft of ``nodes`` nodes up to ``depth``: its chain
         acceptance for a narrow draft (nodes == depth), else its tree acceptance."""
-        return seq.chain_accept if nodes <= depth and self._weighs_shapes() else seq.recent_accept
+        return seq.spec_state.chain_accept if nodes <= depth and self._weighs_shapes() else seq.spec_state.recent_accept
 
     def prefer_ngram(
-        self, seq: Sequence, ngram_tokens: int, model_depth: int, batch: int, nodes: int | None = None
+        self,
+        seq: SpecRequest,
+        ngram_tokens: int,
+        model_depth: int,
+        batch: int,
+        nodes: int | None = None,
+        expected: float | None = None,
     ) -> bool:
         """For an adaptive request that could draft with either proposer this step: is the prompt
         lookup match (``ngram_tokens`` long) worth more tokens per second than the draft model at
         ``model_depth``? Expected tokens from each one's own acceptance of this request; costs:
-        verification of the proposal's tokens (measured), plus the draft levels for the model."""
+        verification of the proposal's tokens (measured), plus the draft levels for the model.
+        ``expected``: the model-free proposal's expected tokens (``free_expected``; None: prompt
+        lookup's, ``lookup_expected``)."""
         if self.costs.t_target is None or self.costs.t_draft is None or model_depth <= 0:
             return True  # nothing measured yet (or the model would not draft): the free proposal
         t_plain = self.costs.plain_cost(batch) or self.costs.t_target
-        ngram_rate = self.lookup_expected(seq, ngram_tokens) / self.costs.verify_cost(ngram_tokens, batch, t_plain)
+        e_free = self.lookup_expected(seq, ngram_tokens) if expected is None else expected
+        ngram_rate = e_free / self.costs.verify_cost(ngram_tokens, batch, t_plain)
         nodes = self.nodes_for_depth(model_depth) if nodes is None else nodes
         model_cost = self.costs.verify_cost(nodes, batch, t_plain) + model_depth * self.costs.t_draft
         return ngram_rate >= _expected(self._model_accept(seq, nodes, model_depth), model_depth) / model_cost
 
     def hybrid_pays(
-        self, seq: Sequence, lookup_tokens: int, model_depth: int, batch: int, nodes: int | None = None
+        self,
+        seq: SpecRequest,
+        lookup_tokens: int,
+        model_depth: int,
+        batch: int,
+        nodes: int | None = None,
+        expected: float | None = None,
     ) -> bool:
         """For an adaptive request drafting with the model this step: is laying a prompt-lookup
         branch (``lookup_tokens`` long) over the model's tree worth its verification? Expected
         extra tokens assume the two are independent: the lookup branch adds what it would accept
-        alone whenever the model's first token is rejected."""
+        alone whenever the model's first token is rejected (``expected``: as in ``prefer_ngram``)."""
         if self.costs.t_target is None or self.costs.t_draft is None or model_depth <= 0:
             return False
         nodes = self.nodes_for_depth(model_depth) if nodes is None else nodes
@@ -393,7 +479,8 @@ class SpecPolicy:
 
         a_m = min(max(self._model_accept(seq, nodes, model_depth), 0.0), 0.999)
         e_model = _expected(a_m, model_depth)
-        e_hybrid = e_model + (self.lookup_expected(seq, lookup_tokens) - 1) * (1 - a_m)
+        e_free = self.lookup_expected(seq, lookup_tokens) if expected is None else expected
+        e_hybrid = e_model + (e_free - 1) * (1 - a_m)
         return e_hybrid / cost(nodes + lookup_tokens) > e_model / cost(nodes)
 
     def choose_depth(self, alphas: list, narrow: list | None = None) -> int:
@@ -512,6 +599,6 @@ def _groups(alphas: list) -> collections.Counter:
     return collections.Counter(round(min(max(a, 0.0), 0.999), 2) for a in alphas)
 
 
-def _offset(seq: Sequence) -> int:
+def _offset(seq: SpecRequest) -> int:
     """A request's fixed probe phase (the same for every run of the same request id)."""
     return zlib.crc32(seq.request_id.encode())
