@@ -43,10 +43,11 @@ class APIError(Exception):
 
 
 def from_request_error(e: RequestError, param: str | None = None) -> APIError:
-    """The engine's / the validation's ``RequestError`` codes in OpenAI's terms."""
+    """The engine's / the validation's ``RequestError`` codes in OpenAI's terms (``param``: the
+    refused field when the validation named one)."""
     msg, code = str(e), getattr(e, "code", "internal")
     if code == "invalid_request":
-        return APIError(400, msg, param=param, code="invalid_value")
+        return APIError(400, msg, param=param or getattr(e, "field", None), code="invalid_value")
     if code == "too_long":
         return APIError(400, msg, param=param or "messages", code="context_length_exceeded")
     if code == "overloaded" and "loading" in msg:
