@@ -8,13 +8,40 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-_FIXED_BIAS = {"Qwen2ForCausalLM": True, "MistralForCausalLM": False}  # q/k/v biases whatever attention_bias says
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+)
+_MODEL_TYPES = {  # config.json's model_type -> architecture, where "architectures" is missing
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+# q/k/v biases whatever attention_bias says (transformers' Qwen2 always has them, Mistral and Phi-3 never)
+_FIXED_BIAS = {"Qwen2ForCausalLM": True, "MistralForCausalLM": False, "Phi3ForCausalLM": False}
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder, read from an HF ``config.json``."""
+    """Architecture of a Llama-family decoder, read from an HF ``config.json``.
+
+    Beyond Llama's layer (RMSNorm, q/k/v, RoPE, attention, o, RMSNorm, SwiGLU): q/k/v biases
+    (Qwen2), an o bias, per-head RMSNorms on q and k before RoPE (Qwen3, Gemma 3), sliding windows
+    on all or some layers (Mistral, Qwen2, Gemma), and Gemma's layer: norms weighted by 1 + w, a
+    norm on the attention's and on the MLP's output before each residual add, GeGLU, embeddings
+    scaled by sqrt(d), its own attention scale, tanh soft-capping of attention scores and logits
+    (Gemma 2), a second RoPE base for the sliding layers (Gemma 3); Phi-3's partial rotary and
+    LongRoPE tables (``rope_scaling``)."""
 
     architecture: str
     vocab_size: int
@@ -30,12 +57,21 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False  # q/k/v carry a bias (Qwen2 always; Llama's attention_bias)
     o_bias: bool = False  # the output projection carries a bias (Llama's attention_bias)
-    rope_scaling: dict | None = None  # llama3-style {"rope_type": "llama3", "factor": ...}
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear" | "longrope", ...}
     sliding_window: int | None = None  # keys this many positions behind a query or more are masked
     # per layer "sliding_attention" | "full_attention" (empty: every layer slides when sliding_window is set)
     layer_types: tuple = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple = ()
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    hidden_act: str = "silu"  # the gate's activation: silu (SwiGLU) | gelu_pytorch_tanh (GeGLU)
+    gemma_norms: bool = False  # norms weighted by 1 + w; attention and MLP outputs normed before the residual
+    embed_scale: float = 1.0  # token embeddings multiplied by this (Gemma: sqrt(hidden_size))
+    attn_scale: float | None = None  # attention scores' scale (None: head_dim ** -0.5)
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_softcap: float | None = None  # the same on the logits (Gemma 2)
+    rope_local_theta: float | None = None  # the sliding layers' RoPE base (Gemma 3), unscaled
+    partial_rotary: float = 1.0  # the share of each head's dims RoPE rotates (the first ones)
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -65,6 +101,19 @@ class ModelConfig:
                 f"config.json: num_attention_heads ({self.num_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(
+                f"config.json: unsupported activation {self.hidden_act!r}; supported: silu, gelu_pytorch_tanh"
+            )
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(
+                f"config.json: partial_rotary_factor {self.partial_rotary} gives an odd or empty rotary part"
+            )
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dims RoPE rotates (the first ones; all but for Phi-4-mini's 0.75)."""
+        return int(self.head_dim * self.partial_rotary)
 
     def beyond_llama(self) -> list:
         """What this architecture's layers add to Llama's (the layer tensor-parallel ranks compute)."""
@@ -73,6 +122,26 @@ class ModelConfig:
             out.append(f"a sliding window ({self.sliding_window})")
         if self.o_bias:
             out.append("an output-projection bias")
+        out += self.beyond_kernel()
+        return out
+
+    def beyond_kernel(self) -> list:
+        """What the CPU kernel's fused layer (``specd_layers``) does not compute: these models run
+        their layers op by op (``specd.model.fused.kernel_arch``)."""
+        out = []
+        for on, what in (
+            (self.qk_norm, "q/k norms"),
+            (self.gemma_norms, "Gemma's norms"),
+            (self.hidden_act != "silu", self.hidden_act),
+            (self.embed_scale != 1.0, "scaled embeddings"),
+            (self.attn_scale is not None, "its own attention scale"),
+            (self.attn_softcap is not None, "attention soft-capping"),
+            (self.final_softcap is not None, "logit soft-capping"),
+            (self.rope_local_theta is not None, "two RoPE bases"),
+            (self.rotary_dim != self.head_dim, "partial rotary embeddings"),
+        ):
+            if on:
+                out.append(what)
         return out
 
     def window(self, layer: int) -> int | None:
@@ -83,38 +152,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict, generation_config: dict | None = None) -> ModelConfig:
-        archs = cfg.get("architectures") or []
-        arch = (
-            archs[0]
-            if archs
-            else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}.get(
-                cfg.get("model_type", ""), "?"
-            )
-        )
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {arch!r} (model_type {cfg.get('model_type')!r}); "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        arch = _architecture(cfg)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
-            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-            theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-            scaling = None
-            if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-                scaling = dict(rope)
+            theta, scaling, local = _rope(cfg, arch)
             # transformers' Qwen2 always has q/k/v biases and Mistral never: an attention_bias key in their
             # config.json (it may say false for Qwen2) is not read by transformers, so not by us either
             bias = _FIXED_BIAS.get(arch, bool(cfg.get("attention_bias", False)))
             window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-            eos = []
-            for src in (generation_config or {}, cfg):
-                e = src.get("eos_token_id")
-                if e is None:
-                    continue
-                eos.extend(e if isinstance(e, list) else [e])
-                break
             return cls(
                 architecture=arch,
                 vocab_size=int(cfg["vocab_size"]),
@@ -127,31 +173,106 @@ class ModelConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=theta,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA)),
                 attention_bias=bias,
-                o_bias=bias and arch == "LlamaForCausalLM",
+                o_bias=bias and arch not in ("Qwen2ForCausalLM",),
                 rope_scaling=scaling,
                 sliding_window=window,
                 layer_types=_layer_types(cfg, arch, window),
                 bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=tuple(dict.fromkeys(int(x) for x in eos)),
+                eos_token_ids=_eos_ids(cfg, generation_config),
+                rope_local_theta=local,
+                partial_rotary=float(cfg.get("partial_rotary_factor", 1.0)),
+                **_family_fields(cfg, arch, hidden),
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
 
 
+def _architecture(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else _MODEL_TYPES.get(cfg.get("model_type", ""), "?")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {arch!r} (model_type {cfg.get('model_type')!r}); "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _rope(cfg: dict, arch: str) -> tuple:
+    """(RoPE base, scaling dict or None, the sliding layers' own base or None) from ``rope_parameters``
+    (transformers 5; Gemma 3 keeps one per layer type) or ``rope_theta`` / ``rope_scaling`` (older)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    local = None
+    if "full_attention" in rope:  # Gemma 3: {"full_attention": {...}, "sliding_attention": {...}}
+        loc = rope.get("sliding_attention") or {}
+        if loc.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope scaling {loc.get('rope_type')!r} on the sliding layers")
+        local = float(loc.get("rope_theta", 10000.0))
+        rope = rope["full_attention"]
+    elif arch == "Gemma3ForCausalLM":
+        local = float(cfg.get("rope_local_base_freq", 10000.0))
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = None
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        scaling = dict(rope)
+        if scaling.get("rope_type", scaling.get("type")) == "longrope":  # Phi-3: the factors' context
+            orig = scaling.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+            scaling["original_max_position_embeddings"] = int(orig or cfg.get("max_position_embeddings", 4096))
+            scaling.setdefault("max_position_embeddings", int(cfg.get("max_position_embeddings", 4096)))
+    return theta, scaling, local
+
+
+def _family_fields(cfg: dict, arch: str, hidden: int) -> dict:
+    """The fields only some families set: q/k norms (Qwen3, Gemma 3) and Gemma's layer."""
+    out: dict = {"qk_norm": arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM")}
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    out["hidden_act"] = "gelu_pytorch_tanh" if act in ("gelu_pytorch_tanh", "gelu_tanh") else act
+    if arch in GEMMA:
+        out.update(
+            gemma_norms=True,
+            embed_scale=math.sqrt(hidden),
+            attn_scale=float(cfg.get("query_pre_attn_scalar") or cfg.get("head_dim") or 256) ** -0.5,
+        )
+        if arch == "Gemma2ForCausalLM":
+            for key, name in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+                if cfg.get(key) is not None:
+                    out[name] = float(cfg[key])
+    return out
+
+
+def _eos_ids(cfg: dict, generation_config: dict | None) -> tuple:
+    eos = []
+    for src in (generation_config or {}, cfg):
+        e = src.get("eos_token_id")
+        if e is None:
+            continue
+        eos.extend(e if isinstance(e, list) else [e])
+        break
+    return tuple(dict.fromkeys(int(x) for x in eos))
+
+
 def _layer_types(cfg: dict, arch: str, window: int | None) -> tuple:
-    """Which layers slide (transformers' ``layer_types``): as config.json lists them, else Qwen2's rule
-    (layers from ``max_window_layers`` on slide), else every layer (Mistral) when there is a window."""
+    """Which layers slide (transformers' ``layer_types``): as config.json lists them, else Qwen's rule
+    (layers from ``max_window_layers`` on slide), Gemma 2's (every other layer, the first one
+    included), Gemma 3's (all but every ``sliding_window_pattern``-th), else every layer (Mistral)."""
     if window is None:
         return ()
+    n = int(cfg["num_hidden_layers"])
     if cfg.get("layer_types"):
         return tuple(str(t) for t in cfg["layer_types"])
-    if arch == "Qwen2ForCausalLM" and cfg.get("max_window_layers") is not None:
-        first = int(cfg["max_window_layers"])
-        n = int(cfg["num_hidden_layers"])
-        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
-    return ()
+    slide = None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("max_window_layers") is not None:
+        slide = [i >= int(cfg["max_window_layers"]) for i in range(n)]
+    elif arch == "Gemma2ForCausalLM":
+        slide = [i % 2 == 0 for i in range(n)]
+    elif arch == "Gemma3ForCausalLM":
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        slide = [(i + 1) % pattern != 0 for i in range(n)]
+    if slide is None:
+        return ()
+    return tuple("sliding_attention" if s else "full_attention" for s in slide)
 
 
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16")

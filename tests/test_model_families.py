@@ -52,7 +52,63 @@ def hf_classes(family: str):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+        "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+        "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
     }[family]
+
+
+LONGROPE = {  # Phi-3's LongRoPE: factors for the 6 frequencies of a rotary part of 12 dims (16 x 0.75)
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0 + 0.1 * i for i in range(6)],
+    "long_factor": [2.0 + 0.5 * i for i in range(6)],
+}
+# each family with what its real checkpoints use (windows small enough to mask keys in 30 tokens)
+FAMILIES = {
+    "qwen3": dict(head_dim=24),
+    "qwen3-tied-windowed": dict(
+        head_dim=16, tie_word_embeddings=True, use_sliding_window=True, sliding_window=9, max_window_layers=1
+    ),  # fmt: skip
+    "llama3-rope": dict(
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },  # fmt: skip
+        tie_word_embeddings=True,
+    ),
+    "gemma2": dict(
+        head_dim=24, query_pre_attn_scalar=20, sliding_window=7, attn_logit_softcapping=2.0, final_logit_softcapping=5.0
+    ),  # fmt: skip
+    "gemma3": dict(
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=7,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+    ),  # fmt: skip
+    "phi3": dict(
+        partial_rotary_factor=0.75,
+        max_position_embeddings=256,
+        original_max_position_embeddings=64,
+        rope_parameters=LONGROPE,
+        pad_token_id=0,
+        eos_token_id=1,
+    ),  # fmt: skip
+    "phi3-full-rotary": dict(sliding_window=11, pad_token_id=0, eos_token_id=1),
+}
+
+
+def family_of(name: str) -> str:
+    return "llama" if name.startswith("llama") else name.split("-")[0]
 
 
 def hf_model(family: str, seed: int = 0, **over):
@@ -90,6 +146,8 @@ def save_tokenizer(folder: Path) -> None:
 def hf_folder(tmp_path: Path, family: str, **over) -> tuple[Path, object]:
     """(an HF folder saved with ``save_pretrained`` + tokenizer files, the transformers model)."""
     model = hf_model(family, **over)
+    if family.startswith("gemma"):
+        model.config._attn_implementation = "eager"  # (soft-capping: transformers' reference attention)
     folder = tmp_path / family
     model.save_pretrained(str(folder))
     save_tokenizer(folder)
@@ -269,3 +327,60 @@ def test_tensor_parallelism_refuses_layers_beyond_llama(tmp_path):
     check_shardable(cfg, 1)
     with pytest.raises(ValueError, match=r"sliding window \(8\): use --tensor-parallel-size 1"):
         check_shardable(cfg, 2)
+
+
+# the families ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_matches_transformers_and_speculates_losslessly(tmp_path, name):
+    """Prefill, decode and tree rows == transformers (torch and CPU attention; the folded fp32 path
+    where the family has Llama's layer); greedy speculation == plain greedy == transformers' greedy."""
+    folder, model = hf_folder(tmp_path, family_of(name), **FAMILIES[name])
+    lm = load_model(folder, "cpu", "float32", with_tokenizer=False)
+    assert lm.config.architecture == type(model).__name__
+    assert_rows_match(lm, model)
+    if lm.model._flat_weights()[1]:  # the folded path ran: check the general one too
+        lm.model.FOLD_MAX_HIDDEN, lm.model._flat = 0, None
+        assert_rows_match(lm, model, backends=("cpu",))
+    eng = engine(folder)
+    ps = prompts()
+    plain = assert_speculation_lossless(eng, ps)
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ps[1]]), max_new_tokens=24, do_sample=False)[0, len(ps[1]) :]
+    assert plain[1] == ref.tolist()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3", "phi3-full-rotary"])
+def test_quantized_families_take_the_path_that_computes_them(tmp_path, name):
+    """A quantized model on a CPU runs its layers in the kernel's fused C layer only where that layer
+    computes them (Llama's layer: Phi-3 with full rotary); the others fall back to the op-by-op path
+    by themselves. Either way the CPU attention's rows equal the torch reference's (1e-4, fp32
+    activations) and greedy speculation with int8 activations stays lossless."""
+    from specd.model.fused import fused_layers
+
+    folder, _ = hf_folder(tmp_path, family_of(name), **FAMILIES[name])
+    lm = load_model(folder, "cpu", "float32", with_tokenizer=False, quantization="int8")
+    kv, x = torch.zeros(1, 2, 1, 4, 2, lm.config.head_dim), torch.zeros(1, lm.config.hidden_size)
+    fused = fused_layers(lm.model, get_backend("cpu", CPU), kv, x)
+    assert (fused is not None) == (name == "phi3-full-rotary")
+    ids = torch.randint(0, V, (30,), generator=torch.Generator().manual_seed(1)).tolist()
+    tree, tree_ids = the_tree()
+    ref = specd_rows(lm, ids, 20, tree, tree_ids, "torch")
+    got = specd_rows(lm, ids, 20, tree, tree_ids, "cpu")
+    for a, b in zip(got, ref):
+        assert (a - b).abs().max().item() < TOL
+    assert_speculation_lossless(engine(folder, quantization="int8", act_quant="int8"), prompts())
+
+
+def test_longrope_switches_to_the_long_factors_past_the_original_context(tmp_path):
+    """Phi-3's LongRoPE: positions before ``original_max_position_embeddings`` get transformers' short
+    factors' cos/sin, later ones its long factors' (both scaled by its attention factor)."""
+    _, model = hf_folder(tmp_path, "phi3", **FAMILIES["phi3"])
+    ours = load_model(tmp_path / "phi3", "cpu", "float32", with_tokenizer=False).model.rotary
+    rot = model.model.rotary_emb
+    x = torch.zeros(1, 1, 16)
+    for n in (40, 100):  # transformers' tables for a sequence of n tokens (long factors past 64)
+        cos, sin = rot(x, torch.arange(n).unsqueeze(0))
+        r = 12  # the rotated dims
+        torch.testing.assert_close(ours.cos[n - 1, :r], cos[0, -1, :r], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ours.sin[n - 1, :r], sin[0, -1, :r], rtol=1e-5, atol=1e-5)
+        assert torch.equal(ours.cos[n - 1, r:], torch.ones(4)) and torch.equal(ours.sin[n - 1, r:], torch.zeros(4))

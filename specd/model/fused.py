@@ -178,11 +178,12 @@ def takes(backend, kv: torch.Tensor, x: torch.Tensor) -> bool:
 
 
 def kernel_arch(model) -> bool:
-    """Whether the C layer computes this model's layers: one attention mask for all of them (every
-    layer the same sliding window, or none). Layers with different windows (Qwen2's
+    """Whether the C layer computes this model's layers: Llama's layer (``ModelConfig.beyond_kernel``:
+    no q/k norms, Gemma's layer, partial rotary, ...; other models run op by op) with one attention
+    mask for all of them (every layer the same sliding window, or none). Layers with different windows (Qwen2's
     ``max_window_layers``) take the op-by-op path, whatever the context: a token's path (and so its
     bits) must not depend on the batch it is in."""
-    return len(set(model.windows)) == 1
+    return len(set(model.windows)) == 1 and not model.cfg.beyond_kernel()
 
 
 def fused_layers(model, backend, kv: torch.Tensor, x: torch.Tensor) -> FusedLayers | None:

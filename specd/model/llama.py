@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) over a flat token batch and a paged KV cache.
+"""Llama-family decoder over a flat token batch and a paged KV cache: Llama, Qwen2, Mistral, Qwen3,
+Gemma 2 / 3 and Phi-3 (what their layers add to Llama's: ``specd.config.ModelConfig``).
 
 ``forward(input_ids [T], positions [T], kv [L,2,NB,BS,KVH,D], meta) -> hidden [T, d]``: tokens of
 many requests at once (prefill chunks, decode tokens, draft trees); attention goes through the
@@ -10,6 +11,7 @@ backend chosen in ``specd.model.attention``. q/k/v and gate/up projections are f
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -21,9 +23,15 @@ from specd.model.fused import fused_layers
 from specd.model.quant import QuantLinear, addmm, embedding, linear
 
 
+def base_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    """Unscaled RoPE frequencies of ``dim`` rotated dims [dim/2] (float64)."""
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    D = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))  # [D/2]
+    """The (global layers') RoPE frequencies [rotary_dim/2] with ``rope_scaling`` applied (linear,
+    llama3; for LongRoPE the short factors', see ``longrope``)."""
+    inv = base_inv_freq(cfg.rope_theta, cfg.rotary_dim)  # [D/2]
     sc = cfg.rope_scaling
     if not sc:
         return inv
@@ -40,20 +48,69 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * out / factor + smooth * out
         medium = (wavelen >= old / high) & (wavelen <= old / low)
         return torch.where(medium, smoothed, out)
-    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3")
+    if kind == "longrope":
+        return longrope(cfg)[0]
+    raise ValueError(f"unsupported rope scaling {kind!r}; supported: default, linear, llama3, longrope")
+
+
+def longrope(cfg: ModelConfig) -> tuple:
+    """Phi-3's LongRoPE: (frequencies with the short factors, with the long factors, the cos/sin
+    scale) as transformers computes them. transformers picks one set per forward by the sequence's
+    length (long past ``original_max_position_embeddings``); specd picks per position, so a token's
+    encoding does not depend on the batch: equal to transformers up to that length."""
+    sc = cfg.rope_scaling or {}
+    inv = base_inv_freq(cfg.rope_theta, cfg.rotary_dim)
+    short = inv / torch.tensor(sc["short_factor"], dtype=torch.float64)
+    long = inv / torch.tensor(sc["long_factor"], dtype=torch.float64)
+    orig = int(sc["original_max_position_embeddings"])
+    factor = sc.get("factor") or sc.get("max_position_embeddings", cfg.max_position_embeddings) / orig
+    scale = sc.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return short, long, float(scale)
 
 
 class Rotary(nn.Module):
-    """cos/sin tables [positions, head_dim] (rotate_half convention, as HF Llama)."""
+    """cos/sin tables [positions, head_dim] (rotate_half convention, as HF Llama): ``cos`` / ``sin``
+    for the global layers, ``cos_local`` / ``sin_local`` for Gemma 3's sliding layers (their own
+    base, unscaled). Partial rotary (Phi-4-mini): the dims past ``rotary_dim`` get cos 1, sin 0."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
-        inv = rope_inv_freq(cfg)
         t = torch.arange(max_positions, dtype=torch.float64)
-        freqs = torch.outer(t, inv)  # [P, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        sc = cfg.rope_scaling or {}
+        if sc.get("rope_type", sc.get("type")) == "longrope":
+            short, long, scale = longrope(cfg)
+            orig = int(sc["original_max_position_embeddings"])
+            freqs = torch.where((t < orig).unsqueeze(1), torch.outer(t, short), torch.outer(t, long))
+        else:
+            freqs, scale = torch.outer(t, rope_inv_freq(cfg)), 1.0  # [P, r/2]
+        self._tables("", freqs, scale, cfg.head_dim)
+        if cfg.rope_local_theta is not None:
+            self._tables(
+                "_local", torch.outer(t, base_inv_freq(cfg.rope_local_theta, cfg.rotary_dim)), 1.0, cfg.head_dim
+            )
+
+    def _tables(self, suffix: str, freqs: torch.Tensor, scale: float, D: int) -> None:
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, r]
+        cos, sin = emb.cos() * scale, emb.sin() * scale
+        if emb.shape[1] < D:  # partial rotary: the rest of each head passes through
+            P, rest = emb.shape[0], D - emb.shape[1]
+            cos = torch.cat([cos, torch.ones(P, rest, dtype=cos.dtype)], 1)
+            sin = torch.cat([sin, torch.zeros(P, rest, dtype=sin.dtype)], 1)
+        self.register_buffer("cos" + suffix, cos.float(), persistent=False)
+        self.register_buffer("sin" + suffix, sin.float(), persistent=False)
+
+
+def rot_matrix(D: int, r: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[D, D] with rotate_half(x) = x @ rot over the first ``r`` dims (the rest: 0):
+    out[:h] = -x[h:r], out[h:r] = x[:h], h = r / 2."""
+    rot = torch.zeros((D, D), dtype=dtype, device=device)
+    h = r // 2
+    idx = torch.arange(h)
+    rot[idx + h, idx] = -1.0
+    rot[idx, idx + h] = 1.0
+    return rot
 
 
 def _rms(x, w, eps):
@@ -61,7 +118,7 @@ def _rms(x, w, eps):
 
 
 class RMSNorm(nn.Module):
-    """An RMSNorm weight (applied in ``LlamaModel.forward``)."""
+    """An RMSNorm weight (applied in ``LlamaModel.forward``; Gemma's 1 + w is stored as such at load)."""
 
     def __init__(self, d: int, eps: float):
         super().__init__()
@@ -70,18 +127,22 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Parameters of one attention layer (q/k/v fused); ``LlamaModel.forward`` computes with them."""
+    """Parameters of one attention layer (q/k/v fused; Qwen3 / Gemma 3: per-head q and k norms);
+    ``LlamaModel.forward`` computes with them."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.H, self.KVH, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, (self.H + 2 * self.KVH) * self.D, bias=cfg.attention_bias)
         self.o = nn.Linear(self.H * self.D, cfg.hidden_size, bias=cfg.o_bias)
-        self.scale = self.D**-0.5
+        self.scale = cfg.attn_scale or self.D**-0.5
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.D, cfg.rms_norm_eps)
 
 
 class MLP(nn.Module):
-    """Parameters of one SwiGLU MLP (gate/up fused)."""
+    """Parameters of one gated MLP (gate/up fused; SwiGLU, or GeGLU for Gemma)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -92,7 +153,8 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """One decoder layer's parameters: the modules hold weights for loading; the one forward path is
-    ``LlamaModel.forward``."""
+    ``LlamaModel.forward``. Gemma's layer also norms the attention's and the MLP's outputs before
+    their residual adds (``attn_out_norm``, ``mlp_out_norm``); its pre-MLP norm is ``post_norm``."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -100,6 +162,19 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        if cfg.gemma_norms:
+            self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LayerExtras(NamedTuple):
+    """What one layer adds to Llama's, for the op-by-op forward (``LlamaModel._family_layers``)."""
+
+    qk_norm: torch.Tensor | None  # [H + KVH, D] fp32: q heads' norm weights, then k heads'
+    o_bias: torch.Tensor | None  # [d] (a quantized o adds its own)
+    attn_out_norm: torch.Tensor | None  # [d] fp32 (Gemma)
+    mlp_out_norm: torch.Tensor | None  # [d] fp32 (Gemma)
+    local_rope: bool  # Gemma 3's sliding layers: their own RoPE tables
 
 
 class LlamaModel(nn.Module):
@@ -123,58 +198,66 @@ class LlamaModel(nn.Module):
     def _flat_weights(self):
         """Plain tuples of weights for the lean forward (no nn.Module dispatch per op), built once.
 
-        Small fp32 models (hidden size <= FOLD_MAX_HIDDEN) get folded copies: the RMSNorm weights
-        are multiplied into the projection that follows, and the q/k projection is extended with
-        its RoPE-rotated copy (rotate_half(x W^T) = x (R^T W)^T), so RoPE needs no extra matmul.
+        Small fp32 models (hidden size <= FOLD_MAX_HIDDEN) with Llama's layer (windows and q/k/v
+        biases allowed) get folded copies: the RMSNorm weights are multiplied into the projection
+        that follows, and the q/k projection is extended with its RoPE-rotated copy
+        (rotate_half(x W^T) = x (R^T W)^T), so RoPE needs no extra matmul.
         """
         table = self.embed_table()
         w = getattr(self, "_flat", None)
         if w is not None and w[0] is table:
             return w
         cfg = self.cfg
-        D, d, H, KVH = cfg.head_dim, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
-        wt = self.norm.weight
-        rot = torch.zeros((D, D), dtype=wt.dtype, device=wt.device)
-        h = D // 2
-        idx = torch.arange(h)
-        rot[idx + h, idx] = -1.0  # rotate_half(x) = x @ rot: out[:h] = -x[h:], out[h:] = x[:h]
-        rot[idx, idx + h] = 1.0
+        d, wt = cfg.hidden_size, self.norm.weight
+        rot = rot_matrix(cfg.head_dim, cfg.rotary_dim, wt.dtype, wt.device)
         # fp32 RMSNorm as mean(x^2) + eps = addmm(eps, x*x, 1/d): one GEMV instead of a reduction chain
         mean_col = torch.full((d, 1), 1.0 / d, dtype=wt.dtype, device=wt.device)
         eps_col = torch.full((1, 1), cfg.rms_norm_eps, dtype=wt.dtype, device=wt.device)
-        folded = wt.dtype == torch.float32 and d <= self.FOLD_MAX_HIDDEN and not self.quantized() and not cfg.o_bias
-        layers = []
+        folded = (
+            wt.dtype == torch.float32
+            and d <= self.FOLD_MAX_HIDDEN
+            and not self.quantized()
+            and not cfg.o_bias
+            and not cfg.beyond_kernel()
+        )
         with torch.no_grad():
-            for blk in self.layers:
-                w_qkv, b_qkv = _op(blk.attn.qkv), blk.attn.qkv.bias
-                if not folded:
-                    # o and down are used through addmm (residual + x @ W^T in one op): keep W^T views
-                    # (a QuantLinear is its own op: the forward dispatches in quant.linear / addmm)
-                    b_qkv = b_qkv if isinstance(w_qkv, torch.Tensor) else None
-                    # norm weights in fp32 once (a bf16 RMSNorm computes in fp32: no cast per call)
-                    layers.append(
-                        (
-                            blk.input_norm.weight.float(),
-                            w_qkv,
-                            b_qkv,
-                            _op(blk.attn.o, t=True),
-                            blk.post_norm.weight.float(),
-                            _op(blk.mlp.gate_up),
-                            _op(blk.mlp.down, t=True),
-                        )
-                    )
-                    continue
-                nqk = (H + KVH) * D
-                w_rot = torch.einsum("ji,hjd->hid", rot, w_qkv[:nqk].view(H + KVH, D, d)).reshape(nqk, d)
-                w_ext = torch.cat([w_qkv, w_rot]) * blk.input_norm.weight  # [(2H + 3KVH) D, d]
-                b_ext = None
-                if b_qkv is not None:
-                    b_ext = torch.cat([b_qkv, (b_qkv[:nqk].view(H + KVH, D) @ rot).reshape(nqk)])
-                w_gu = blk.mlp.gate_up.weight * blk.post_norm.weight
-                layers.append((w_ext.t(), b_ext, blk.attn.o.weight.t(), w_gu.t(), blk.mlp.down.weight.t()))
+            layers = [self._folded_layer(blk, rot) if folded else _plain_layer(blk) for blk in self.layers]
+            self._extras = [self._layer_extras(i, blk) for i, blk in enumerate(self.layers)]
         w = (table, folded, layers, self.norm.weight, rot, mean_col, eps_col)
         self._flat = w
         return w
+
+    def _folded_layer(self, blk, rot: torch.Tensor) -> tuple:
+        """(qkv + RoPE-rotated q/k rows with the input norm folded in, W^T; their bias; W_o^T;
+        gate/up with the post norm folded in, W^T; W_down^T)."""
+        cfg = self.cfg
+        D, d, H, KVH = cfg.head_dim, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
+        w_qkv, b_qkv = blk.attn.qkv.weight, blk.attn.qkv.bias
+        nqk = (H + KVH) * D
+        w_rot = torch.einsum("ji,hjd->hid", rot, w_qkv[:nqk].view(H + KVH, D, d)).reshape(nqk, d)
+        w_ext = torch.cat([w_qkv, w_rot]) * blk.input_norm.weight  # [(2H + 3KVH) D, d]
+        b_ext = None
+        if b_qkv is not None:
+            b_ext = torch.cat([b_qkv, (b_qkv[:nqk].view(H + KVH, D) @ rot).reshape(nqk)])
+        w_gu = blk.mlp.gate_up.weight * blk.post_norm.weight
+        return (w_ext.t(), b_ext, blk.attn.o.weight.t(), w_gu.t(), blk.mlp.down.weight.t())
+
+    def _layer_extras(self, i: int, blk) -> LayerExtras:
+        cfg = self.cfg
+        qk = None
+        if cfg.qk_norm:
+            H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            q_w, k_w = blk.attn.q_norm.weight.float(), blk.attn.k_norm.weight.float()
+            qk = torch.cat([q_w.expand(H, D), k_w.expand(KVH, D)])  # [H + KVH, D]
+        o_bias = blk.attn.o.bias if isinstance(blk.attn.o, nn.Linear) else None
+        gemma = cfg.gemma_norms
+        return LayerExtras(
+            qk,
+            o_bias,
+            blk.attn_out_norm.weight.float() if gemma else None,
+            blk.mlp_out_norm.weight.float() if gemma else None,
+            cfg.rope_local_theta is not None and self.windows[i] is not None,
+        )
 
     @torch.inference_mode()
     def forward(
@@ -193,54 +276,72 @@ class LlamaModel(nn.Module):
         inter = cfg.intermediate_size
         emb, folded, layers, norm_w, rot, mean_col, eps_col = self._flat_weights()
         x = embedding(input_ids, emb).to(norm_w.dtype)  # [T, d] (a quantized table gives fp32)
+        if cfg.embed_scale != 1.0:  # Gemma: sqrt(d), rounded to the activations' dtype as transformers does
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
         T = x.shape[0]
-        dt = x.dtype
-        cos = self.rotary.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.rotary.sin[positions].unsqueeze(1)
-        if cos.dtype != dt:
-            cos, sin = cos.to(dt), sin.to(dt)
+        cos, sin = self._rope(positions, x.dtype)
+        if not folded:
+            return self._unfolded(x, positions, kv, meta, backend, capture, cos, sin)
         nq = H * D
         nqk = (H + KVH) * D
         nqkv = nqk + KVH * D
         scale = D**-0.5
         windows = self.windows
-        if folded:
-            for i, (w_ext_t, b_ext, w_o_t, w_gu_t, w_down_t) in enumerate(layers):
-                _capture(capture, i, x)
-                h = x * torch.addmm(eps_col, x * x, mean_col).rsqrt_()
-                qkv = torch.mm(h, w_ext_t) if b_ext is None else torch.addmm(b_ext, h, w_ext_t)
-                qk = torch.addcmul(qkv[:, :nqk].view(T, H + KVH, D) * cos, qkv[:, nqkv:].view(T, H + KVH, D), sin)
-                kvl = kv[i]
-                backend.write_kv(kvl, qk[:, H:], qkv[:, nqk:nqkv].view(T, KVH, D), meta.slot_mapping)
-                o = backend.attention(qk[:, :H], kvl, meta, scale, windows[i])  # [T, H, D]
-                x = torch.addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
-                h = x * torch.addmm(eps_col, x * x, mean_col).rsqrt_()
-                gu = torch.mm(h, w_gu_t)
-                x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
-            return x * torch.addmm(eps_col, x * x, mean_col).rsqrt_() * norm_w
-        return self._unfolded(x, positions, kv, meta, backend, capture, cos, sin)
+        for i, (w_ext_t, b_ext, w_o_t, w_gu_t, w_down_t) in enumerate(layers):
+            _capture(capture, i, x)
+            h = x * torch.addmm(eps_col, x * x, mean_col).rsqrt_()
+            qkv = torch.mm(h, w_ext_t) if b_ext is None else torch.addmm(b_ext, h, w_ext_t)
+            qk = torch.addcmul(qkv[:, :nqk].view(T, H + KVH, D) * cos, qkv[:, nqkv:].view(T, H + KVH, D), sin)
+            kvl = kv[i]
+            backend.write_kv(kvl, qk[:, H:], qkv[:, nqk:nqkv].view(T, KVH, D), meta.slot_mapping)
+            o = backend.attention(qk[:, :H], kvl, meta, scale, windows[i])  # [T, H, D]
+            x = torch.addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
+            h = x * torch.addmm(eps_col, x * x, mean_col).rsqrt_()
+            gu = torch.mm(h, w_gu_t)
+            x = torch.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
+        return x * torch.addmm(eps_col, x * x, mean_col).rsqrt_() * norm_w
+
+    def _rope(self, positions: torch.Tensor, dt: torch.dtype) -> tuple:
+        """(cos, sin) [T, 1, D] of ``positions`` in dtype ``dt``; with Gemma 3's local tables, pairs
+        (global, local) of them."""
+        r = self.rotary
+        cos, sin = r.cos[positions].unsqueeze(1), r.sin[positions].unsqueeze(1)  # [T, 1, D]
+        if cos.dtype != dt:
+            cos, sin = cos.to(dt), sin.to(dt)
+        if not hasattr(r, "cos_local"):
+            return cos, sin
+        cl, sl = r.cos_local[positions].unsqueeze(1).to(dt), r.sin_local[positions].unsqueeze(1).to(dt)
+        return (cos, cl), (sin, sl)
+
+    def _norm_fn(self, x_dtype: torch.dtype):
+        eps = self.cfg.rms_norm_eps
+
+        def norm(x, w):
+            if x_dtype == torch.float32:  # a row-wise mean, not a GEMV: BLAS picks its kernel (and sum order)
+                # by batch shape, and a quantized model's rows are otherwise computed independently of each other
+                return x * (x * x).mean(-1, keepdim=True).add_(eps).rsqrt_() * w
+            if w.dim() == 1:
+                return _rms(x, w, eps)
+            xf = x.float()  # q/k norms: [.., heads, D] by [heads, D] weights, in fp32 as transformers does
+            return (xf * (xf * xf).mean(-1, keepdim=True).add_(eps).rsqrt_() * w.float()).to(x.dtype)
+
+        return norm
 
     def _unfolded(self, x, positions, kv, meta, backend, capture, cos, sin) -> torch.Tensor:
         """The layers op by op (bf16 / fp16, bigger models, quantized projections), or for a quantized
         model on a CPU all layers in one C call (``specd.model.fused``)."""
         cfg = self.cfg
-        H, KVH, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         _, _, layers, norm_w, rot, _, _ = self._flat_weights()
         T, inter = x.shape[0], cfg.intermediate_size
         nq, nqk = H * D, (H + KVH) * D
-        fp32 = x.dtype == torch.float32
-
-        def norm(x, w):
-            if fp32:  # a row-wise mean, not a GEMV: BLAS picks its kernel (and sum order) by batch shape,
-                # and a quantized model's rows are otherwise computed independently of each other
-                return x * (x * x).mean(-1, keepdim=True).add_(eps).rsqrt_() * w
-            return _rms(x, w, eps)
-
+        norm = self._norm_fn(x.dtype)
         fused = fused_layers(self, backend, kv, x)
         if fused is not None:  # a quantized model on a CPU: every layer in one C call (specd.model.fused)
             fused.run(x, positions, kv, meta, backend, capture)
             return norm(x, norm_w)
-        o_bias = [blk.attn.o.bias if isinstance(blk.attn.o, nn.Linear) else None for blk in self.layers]
+        if cfg.beyond_kernel():
+            return self._family_layers(x, kv, meta, backend, capture, cos, sin)
         for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
             qkv = linear(norm(_capture(capture, i, x), w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
             qk = qkv[:, :nqk].reshape(T, H + KVH, D)
@@ -250,10 +351,40 @@ class LlamaModel(nn.Module):
             backend.write_kv(kvl, qk[:, H:], v, meta.slot_mapping)
             o = backend.attention(qk[:, :H], kvl, meta, D**-0.5, self.windows[i])  # [T, H, D]
             x = addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
-            if o_bias[i] is not None:  # (a QuantLinear adds its own)
-                x = x + o_bias[i]
+            if self._extras[i].o_bias is not None:  # (a QuantLinear adds its own)
+                x = x + self._extras[i].o_bias
             gu = linear(norm(x, w_post), w_gu)
             x = addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
+        return norm(x, norm_w)
+
+    def _family_layers(self, x, kv, meta, backend, capture, cos, sin) -> torch.Tensor:
+        """The layers of architectures beyond Llama's (``ModelConfig.beyond_kernel``), op by op:
+        q/k norms before RoPE, Gemma's output norms, GeGLU, its attention scale and soft-capping,
+        Gemma 3's local RoPE tables, partial rotary (the rotation matrix covers the rotated dims)."""
+        cfg = self.cfg
+        H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        _, _, layers, norm_w, rot, _, _ = self._flat_weights()
+        T, inter = x.shape[0], cfg.intermediate_size
+        nq, nqk = H * D, (H + KVH) * D
+        norm = self._norm_fn(x.dtype)
+        act = F.silu if cfg.hidden_act == "silu" else lambda g: F.gelu(g, approximate="tanh")
+        scale = cfg.attn_scale or D**-0.5
+        for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
+            ex = self._extras[i]
+            qkv = linear(norm(_capture(capture, i, x), w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
+            qk = qkv[:, :nqk].reshape(T, H + KVH, D)
+            if ex.qk_norm is not None:
+                qk = norm(qk, ex.qk_norm)  # each head over its D dims
+            c, s = (cos[ex.local_rope], sin[ex.local_rope]) if isinstance(cos, tuple) else (cos, sin)
+            qk = torch.addcmul(qk * c, qk @ rot, s)  # RoPE on q and k heads at once
+            backend.write_kv(kv[i], qk[:, H:], qkv[:, nqk:].view(T, KVH, D), meta.slot_mapping)
+            if cfg.attn_softcap is None:
+                o = backend.attention(qk[:, :H], kv[i], meta, scale, self.windows[i])  # [T, H, D]
+            else:
+                o = softcap_attention(qk[:, :H], kv[i], meta, scale, self.windows[i], cfg.attn_softcap)
+            x = _residual(x, o.reshape(T, nq), w_o_t, ex.o_bias, ex.attn_out_norm, norm)
+            gu = linear(norm(x, w_post), w_gu)
+            x = _residual(x, act(gu[:, :inter]) * gu[:, inter:], w_down_t, None, ex.mlp_out_norm, norm)
         return norm(x, norm_w)
 
     def embed_table(self):
@@ -275,12 +406,71 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        cap = self.cfg.final_softcap
         if self.d2t is None:
-            return self.lm_head(hidden).float()  # [N, vocab]
+            out = self.lm_head(hidden).float()  # [N, vocab]
+            return out if cap is None else torch.tanh(out / cap) * cap  # (Gemma 2's soft-capping)
         small = linear(hidden, self.head_rows).float()  # [N, draft vocab]
+        if cap is not None:
+            small = torch.tanh(small / cap) * cap
         out = torch.full((hidden.shape[0], self.cfg.vocab_size), float("-inf"), device=hidden.device)
         out.index_copy_(1, self.d2t, small)  # [N, vocab]
         return out
+
+
+def _plain_layer(blk) -> tuple:
+    """(input norm fp32, qkv, its bias, W_o^T, post norm fp32, gate/up, W_down^T) for the op-by-op
+    forward: o and down are used through addmm (residual + x @ W^T in one op), so W^T views; a
+    QuantLinear is its own op (the forward dispatches in quant.linear / addmm) and adds its own bias;
+    norm weights in fp32 once (a bf16 RMSNorm computes in fp32: no cast per call)."""
+    w_qkv, b_qkv = _op(blk.attn.qkv), blk.attn.qkv.bias
+    b_qkv = b_qkv if isinstance(w_qkv, torch.Tensor) else None
+    return (
+        blk.input_norm.weight.float(),
+        w_qkv,
+        b_qkv,
+        _op(blk.attn.o, t=True),
+        blk.post_norm.weight.float(),
+        _op(blk.mlp.gate_up),
+        _op(blk.mlp.down, t=True),
+    )
+
+
+def _residual(x, a, w_t, bias, out_norm, norm) -> torch.Tensor:
+    """x + a @ W^T (+ bias), the projection normed first where the layer says so (Gemma)."""
+    if out_norm is None:
+        x = addmm(x, a, w_t)
+        return x if bias is None else x + bias
+    y = torch.mm(a, w_t) if isinstance(w_t, torch.Tensor) else w_t.forward(a)
+    if bias is not None:
+        y = y + bias
+    return x + norm(y, out_norm)
+
+
+def softcap_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+                      window: int | None, cap: float) -> torch.Tensor:  # fmt: skip
+    """Gemma 2's attention: scores ``cap * tanh(q.k * scale / cap)``, then the mask (the torch
+    backend's plan: prefix, causal or tree, window), softmax and the weighted sum. q [T, H, D] -> [T, H, D]."""
+    T, H, D = q.shape
+    KVH = kv_layer.shape[-2]
+    G = H // KVH
+    plan = TorchAttention._plan(meta, q.device, window)
+    if plan[0] == "decode":
+        _, blocks, bias = plan  # [B, 1, 1, Lp]
+        B, Q, Lp = bias.shape[0], 1, bias.shape[-1]
+        q_index = flat_pos = None
+        bias_g = bias
+    else:
+        _, blocks, q_index, flat_pos, bias, _ = plan
+        B, Q, Lp = bias.shape
+        bias_g = bias.unsqueeze(1).expand(B, G, Q, Lp).reshape(B, 1, G * Q, Lp)
+    k, v = TorchAttention._gather_kv(kv_layer, blocks, B, Lp)  # [B, KVH, Lp, D]
+    qp = q if q_index is None else q[q_index.view(-1)]
+    qg = qp.float().view(B, Q, KVH, G, D).permute(0, 2, 3, 1, 4).reshape(B, KVH, G * Q, D)
+    scores = torch.tanh(torch.matmul(qg, k.transpose(-1, -2)) * scale / cap) * cap + bias_g
+    o = torch.matmul(torch.softmax(scores, -1), v)  # [B, KVH, G*Q, D]
+    o = o.view(B, KVH, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B * Q, H, D).to(q.dtype)
+    return o if flat_pos is None else o[flat_pos]
 
 
 def _capture(capture: dict | None, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -297,12 +487,29 @@ def _op(mod, t: bool = False):
     return mod.weight.t() if t else mod.weight
 
 
-# HF parameter names -> ours. Fused projections are assembled in load_state_dict_hf.
-def hf_layer_names(i: int) -> dict:
+NORM_WEIGHTS = ("input_norm", "post_norm", "attn_out_norm", "mlp_out_norm", "attn.q_norm", "attn.k_norm")
+
+
+def hf_layer_names(i: int, cfg: ModelConfig | None = None) -> dict:
+    """Our parameter names of layer i -> the HF checkpoint's (the fused q/k/v and gate/up are
+    assembled in ``specd.model.loader``)."""
     p = f"model.layers.{i}."
-    return {
+    names = {
         "input_norm.weight": p + "input_layernorm.weight",
         "post_norm.weight": p + "post_attention_layernorm.weight",
         "attn.o.weight": p + "self_attn.o_proj.weight",
         "mlp.down.weight": p + "mlp.down_proj.weight",
     }
+    if cfg is not None and cfg.qk_norm:
+        names.update(
+            {"attn.q_norm.weight": p + "self_attn.q_norm.weight", "attn.k_norm.weight": p + "self_attn.k_norm.weight"}
+        )
+    if cfg is not None and cfg.gemma_norms:  # Gemma's pre-MLP norm is its pre_feedforward_layernorm
+        names.update(
+            {
+                "post_norm.weight": p + "pre_feedforward_layernorm.weight",
+                "attn_out_norm.weight": p + "post_attention_layernorm.weight",
+                "mlp_out_norm.weight": p + "post_feedforward_layernorm.weight",
+            }
+        )
+    return names

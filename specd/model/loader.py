@@ -16,7 +16,7 @@ import torch
 
 from specd.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from specd.model.errors import LoadError
-from specd.model.llama import LlamaModel, hf_layer_names
+from specd.model.llama import NORM_WEIGHTS, LlamaModel, hf_layer_names
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -136,19 +136,32 @@ def _our_names(tensors: dict, cfg: ModelConfig, path: Path, shared_embeddings: b
         if not cfg.tie_word_embeddings:
             ours["lm_head.weight"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        for k, hf in hf_layer_names(i).items():
-            ours[f"layers.{i}.{k}"] = take(hf)
-        ours[f"layers.{i}.attn.qkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
-        if cfg.attention_bias:
-            ours[f"layers.{i}.attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
-        if cfg.o_bias:
-            ours[f"layers.{i}.attn.o.bias"] = take(p + "self_attn.o_proj.bias")
-        ours[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
-            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0
-        )
+        _layer_names(ours, i, cfg, take)
     _check_all_used(tensors, used, cfg, path)
+    if cfg.gemma_norms:  # Gemma applies its norms as 1 + w: stored so, the forward is every family's
+        for name in ours:
+            if name == "norm.weight" or name.split(".", 2)[-1].removesuffix(".weight") in NORM_WEIGHTS:
+                ours[name] = ours[name].float() + 1.0
     return ours
+
+
+def _layer_names(ours: dict, i: int, cfg: ModelConfig, take) -> None:
+    """Layer i's tensors under our names: q/k/v and gate/up fused by rows (Phi-3's come fused)."""
+    p = f"model.layers.{i}."
+    for k, hf in hf_layer_names(i, cfg).items():
+        ours[f"layers.{i}.{k}"] = take(hf)
+    if cfg.architecture == "Phi3ForCausalLM":
+        ours[f"layers.{i}.attn.qkv.weight"] = take(p + "self_attn.qkv_proj.weight")
+        ours[f"layers.{i}.mlp.gate_up.weight"] = take(p + "mlp.gate_up_proj.weight")
+        return
+    ours[f"layers.{i}.attn.qkv.weight"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"], 0)
+    if cfg.attention_bias:
+        ours[f"layers.{i}.attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
+    if cfg.o_bias:
+        ours[f"layers.{i}.attn.o.bias"] = take(p + "self_attn.o_proj.bias")
+    ours[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
+        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0
+    )
 
 
 def _check_all_used(tensors: dict, used: set, cfg: ModelConfig, path: Path) -> None:
