@@ -9,7 +9,7 @@ mask allows no token, ``compile_timeout``).
 
 The cache is keyed by ``sha256(canonical spec, tokenizer fingerprint, compile options)`` and holds the
 future itself, so a second request for a schema being compiled shares the one compile, and a refused
-spec is refused again at once (LRU, ``cache_entries``). Compiles run on daemon threads, at most
+spec is refused again at once (LRU, ``cache_entries``). Compiles run on their own threads, at most
 ``workers`` at a time (xgrammar releases the GIL while it compiles, so the engine thread keeps
 running). A compile that overruns its deadline cannot be killed (Python threads cannot be); its
 future fails at the deadline, its worker slot is handed on, and it finishes in the background; the
@@ -124,7 +124,7 @@ class GrammarCompiler:
 
     # ------------------------------------------------------------------ the work
     def _start(self, spec: GrammarSpec, key: str, fut: Future) -> None:
-        """Compile on a daemon thread once a worker slot is free; fail ``fut`` at the deadline, handing
+        """Compile on a thread of its own once a worker slot is free; fail ``fut`` at the deadline, handing
         the slot on if the compile still holds it."""
         lock, holding = threading.Lock(), [False]
         timeout = self.config.compile_timeout_s
@@ -156,7 +156,9 @@ class GrammarCompiler:
         timer.daemon = True
         fut.add_done_callback(lambda _f: timer.cancel())
         timer.start()
-        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+        # not a daemon: the interpreter waits for a running compile at exit (native code still running
+        # in a daemon thread at shutdown aborts the process)
+        threading.Thread(target=run, name="grammar-compile").start()
 
     def _build(self, spec: GrammarSpec, key: str) -> tuple:
         """``(grammar, None)`` or ``(None, GrammarError)``."""

@@ -1,6 +1,6 @@
 """``Matcher``: one request's grammar state, with exactly what speculative decoding asks of it.
 
-Vocabulary (as in :mod:`specd.speculation.tree`): the matcher has *consumed* every committed token of
+Vocabulary (as in :mod:`specd.sampling.tree`): the matcher has *consumed* every committed token of
 the reply, the pending (root) token included; ``allowed()`` is the mask of the token after them.
 
 - ``advance(token)``: consume one more token if the grammar allows it (True), else change nothing

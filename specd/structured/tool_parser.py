@@ -164,6 +164,7 @@ class ToolCallParser:
         self._state = "text"  # text | header | args | tail
         self._skip_ws = True  # at the reply's start and after a call
         self._ws = ""  # trailing whitespace held back (dropped if a call or the end follows)
+        self._ws_before = ""
         self._scan = [0, False, False]
         self._name, self._id = "", ""
         self._args: list = []
@@ -208,17 +209,19 @@ class ToolCallParser:
             self._buf = self._buf[len(self._buf) - keep :]
             return False
         self._text(self._buf[:k], out)
-        self._ws = ""
+        self._ws_before, self._ws = self._ws, ""  # dropped before a call (restored if it is none)
         self._buf = self._buf[k + len(TOOL_OPEN) :]
         self._state = "header"
         return True
 
     def _in_header(self, out: ParseDelta) -> bool:
         m = HEADER_RE.match(self._buf)
+        if m is not None and m.end() == len(self._buf):
+            return False  # whitespace before the arguments may go on
         if m is None:
             if len(self._buf) > MAX_HEADER or TOOL_CLOSE in self._buf:  # not a call after all
-                self._state, self._buf = "text", TOOL_OPEN + self._buf
-                self._text(self._buf, out)
+                self._state, self._ws = "text", self._ws_before
+                self._text(TOOL_OPEN + self._buf, out)
                 self._buf = ""
             return False
         self._name = json.loads('"' + m.group(1) + '"')
@@ -229,6 +232,8 @@ class ToolCallParser:
         return True
 
     def _in_args(self, out: ParseDelta) -> bool:
+        if not self._args:
+            self._buf = self._buf.lstrip()
         end = _object_end(self._buf, self._scan)
         piece = self._buf if end < 0 else self._buf[:end]
         if piece:

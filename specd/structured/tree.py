@@ -1,6 +1,6 @@
 """Masks for every node of a draft tree, and pruning the drafts the grammar forbids.
 
-The tree is given as plain lists in :class:`specd.speculation.tree.DraftTree`'s layout: node 0 is the
+The tree is given as plain lists in :class:`specd.sampling.tree.DraftTree`'s layout: node 0 is the
 root (the pending token: already consumed by the matcher), ``parents[i] < i`` for ``i >= 1``,
 ``tokens[i]`` node i's token. The target's logits row of node i predicts the token after node i, so
 **row i's mask is the grammar state after node i's path** (its ancestors' tokens below the root and
@@ -10,7 +10,7 @@ before verification (:func:`prune_tree`).
 
 Example (the grammar allows only ``"ab"`` then the stop token; root = the last committed token)::
 
-    node:     0     1     2     3                 masks:  row 0: {a}
+    node:     0     1     2     3                 masks:  row 0: {a, ab}
     token:    r     a     x     b                         row 1: {b}
     parent:  -1     0     0     1                         row 2: {}   (dead: x not allowed)
     alive:    T     T     F     T                         row 3: {stop}
