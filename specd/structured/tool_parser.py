@@ -216,8 +216,6 @@ class ToolCallParser:
 
     def _in_header(self, out: ParseDelta) -> bool:
         m = HEADER_RE.match(self._buf)
-        if m is not None and m.end() == len(self._buf):
-            return False  # whitespace before the arguments may go on
         if m is None:
             if len(self._buf) > MAX_HEADER or TOOL_CLOSE in self._buf:  # not a call after all
                 self._state, self._ws = "text", self._ws_before
@@ -233,7 +231,7 @@ class ToolCallParser:
 
     def _in_args(self, out: ParseDelta) -> bool:
         if not self._args:
-            self._buf = self._buf.lstrip()
+            self._buf = self._buf.lstrip()  # whitespace after "arguments": (a chunk may end inside it)
         end = _object_end(self._buf, self._scan)
         piece = self._buf if end < 0 else self._buf[:end]
         if piece:
