@@ -107,7 +107,9 @@ def _call(inner: str) -> tuple | None:
 
 def parse_tool_calls(text: str, ids: Callable[[int], str] = new_call_id) -> tuple:
     """``(content or None, [ToolCall])`` of a whole reply (see the module docstring)."""
-    segments, calls, pos = [], [], 0
+    segments: list = []
+    calls: list = []
+    pos = 0
     for m in CALL_RE.finditer(text):
         parsed = _call(m.group(1))
         if parsed is None:

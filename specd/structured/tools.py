@@ -120,7 +120,7 @@ def _choice(tool_choice: Any, names: list) -> str:
     if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else tool_choice.get("name")  # Responses API: flat
-        if name in names:
+        if isinstance(name, str) and name in names:
             return name
         raise GrammarError("invalid_tools", f"tool_choice names {name!r}, which is not in tools", "tool_choice")
     raise GrammarError(

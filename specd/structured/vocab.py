@@ -35,7 +35,7 @@ class Vocabulary:
     def from_tokenizer(cls, tokenizer, size: int | None = None, stop_ids: Sequence[int] | None = None) -> Vocabulary:
         """``size``: the model's logits width (default: the tokenizer's length); ``stop_ids``: default
         the tokenizer's EOS."""
-        n = len(tokenizer)  # type: ignore[arg-type]
+        n = len(tokenizer)
         size = n if size is None else int(size)
         if size < n:
             raise ValueError(f"vocabulary size {size} is smaller than the tokenizer's {n} tokens")
