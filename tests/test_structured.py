@@ -463,6 +463,9 @@ def test_response_format_and_vllm_fields_become_specs():
     assert grammar_spec({"tools": [WEATHER], "tool_choice": "none"}) is None
     t = grammar_spec({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}})
     assert t.kind == "tool_calls" and t.value.choice == "add" and [f.name for f in t.value.allowed] == ["add"]
+    flat_tools = [{"type": "function", **ADD["function"]}]  # the Responses API's tool layout
+    r = grammar_spec({"tools": flat_tools, "tool_choice": {"type": "function", "name": "add"}})
+    assert r.value.choice == "add" and r.value.functions[0].parameters == ADD["function"]["parameters"]
 
 
 @pytest.mark.parametrize(

@@ -100,7 +100,7 @@ class GrammarCompiler:
             canonical = check(spec, self.config.limits)
         except GrammarError as e:
             return _settled(error=e)
-        key = GrammarSpec(spec.kind, canonical, spec.field).key(self._salt)  # canonical already computed
+        key = spec.key(self._salt, canonical)
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:

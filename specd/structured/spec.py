@@ -58,8 +58,9 @@ class GrammarSpec:
         except (TypeError, ValueError) as e:
             raise GrammarError("invalid_response_format", f"the constraint is not JSON data: {e}", self.field) from None
 
-    def key(self, salt: str = "") -> str:
-        """sha256 of the canonical spec and ``salt`` (the tokenizer's fingerprint and compile options)."""
-        h = hashlib.sha256(self.canonical().encode())
+    def key(self, salt: str = "", canonical: str | None = None) -> str:
+        """sha256 of the canonical spec (``canonical``: already computed) and ``salt`` (the tokenizer's
+        fingerprint and compile options)."""
+        h = hashlib.sha256((self.canonical() if canonical is None else canonical).encode())
         h.update(b"\0" + salt.encode())
         return h.hexdigest()

@@ -95,7 +95,7 @@ def _function(i: int, tool: Any) -> ToolFunction:
     where = f"tools[{i}]"
     if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
         raise GrammarError("invalid_tools", f"{where} must be an object with type 'function'", "tools")
-    fn = tool.get("function")
+    fn = tool.get("function", tool if "name" in tool else None)  # the Responses API's tools are flat
     if not isinstance(fn, Mapping):
         raise GrammarError("invalid_tools", f"{where}.function must be an object", "tools")
     name = fn.get("name")
@@ -130,7 +130,8 @@ def _choice(tool_choice: Any, names: list) -> str:
 
 def tool_call_spec(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None) -> ToolCallSpec | None:
     """The request's tool fields checked and normalized; None when no grammar applies (no tools, or
-    ``tool_choice: "none"``)."""
+    ``tool_choice: "none"``). Chat Completions' tools (``{"type": "function", "function": {...}}``)
+    and the Responses API's flat ones (``{"type": "function", "name": ..., "parameters": ...}``)."""
     if tools is None or (isinstance(tools, Sequence) and not isinstance(tools, str) and not tools):
         if tool_choice not in (None, "none", "auto"):
             raise GrammarError("invalid_tools", "tool_choice needs a non-empty tools list", "tool_choice")
