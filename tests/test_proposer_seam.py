@@ -50,7 +50,7 @@ def test_a_registered_proposer_drafts_through_auto_and_ngram(shared_pair, plain,
     prompts, ref, plain_steps = plain
     made = registered("table", table={tuple(p): r for p, r in zip(prompts, ref)})
     eng = _engine(shared_pair, mode="tree", adaptive=True)
-    assert [p.name for p in eng.speculator.free] == ["ngram", "table"]
+    assert [p.name for p in eng.speculator.free] == ["ngram", "grammar", "table"]
     seqs = eng.generate(prompts, GREEDY, SpecParams(mode=mode))
     assert [s.output_ids for s in seqs] == ref  # lossless
     row = eng.stats.by_proposer.get("table")

@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from specd.config import MODEL_MODES, EngineConfig
 from specd.engine.builder import build
+from specd.engine.constraints import Constraints
 from specd.engine.detokenizer import IncrementalDetokenizer
 from specd.engine.health import EngineHealth, RateLimitedLog
 from specd.engine.ledger import Checkpoint
@@ -72,6 +73,7 @@ class Engine:
         self._policy_clock = p.policy_clock
         self.eos_ids = set(p.target.config.eos_token_ids)
         self.vocab_size = p.target.config.vocab_size
+        self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids)  # grammars (lazy)
         self.seqs: dict[str, Sequence] = {}
         self._inbox: list = []
         self._lock = threading.Lock()
@@ -100,15 +102,20 @@ class Engine:
         priority: str = "interactive",
         request_id: str | None = None,
         tenant: str | None = None,
+        grammar=None,
     ) -> Sequence:
         """Queue a request (any thread). Raises RequestError for an invalid one. ``tenant`` (e.g. a
-        digest of the API key): model-free drafting reads only earlier requests of the same tenant."""
+        digest of the API key): model-free drafting reads only earlier requests of the same tenant.
+        ``grammar`` (a ``specd.structured.GrammarSpec``): the reply is constrained to it; the request
+        is scheduled once its grammar compiled (off the engine thread), and ends with an ``error``
+        naming the problem if it does not."""
         self.validate(prompt_ids, params)
         params = normalize_params(params, self.vocab_size)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         seq = Sequence(rid, prompt_ids, params, spec, priority, arrival=self.clock())
         seq.generator = make_generator(params.seed)
         seq.tenant = tenant
+        seq.grammar = grammar
         seq.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids) if self.tokenizer is not None else None
         with self._lock:
             if rid in self.seqs:
@@ -126,7 +133,7 @@ class Engine:
         if self.tp is not None and self.tp.failed:
             return True
         with self._lock:
-            return bool(self._inbox) or self.scheduler.has_work()
+            return bool(self._inbox) or self.scheduler.has_work() or bool(self.constraints.waiting)
 
     def has_new_requests(self) -> bool:
         """Requests added (or aborts asked for) since the last step began."""
@@ -146,13 +153,34 @@ class Engine:
         outs = []
         for op, x in inbox:
             if op == "add":
-                if not x.finished:
+                if x.finished:
+                    continue
+                if x.grammar is not None:
+                    self.constraints.submit(x, x.grammar)
+                else:
                     self.scheduler.add(x)
             else:
                 seq = self.seqs.get(x)
                 if seq is not None and not seq.finished:
                     self._finish(seq, "cancelled")
                     outs.append(RequestOutput(seq.request_id, [], "", True, "cancelled", seq))
+        return outs + self._compiled()
+
+    def _compiled(self) -> list:
+        """Constrained requests whose grammar is ready join the scheduler; a refused grammar ends
+        its request with an ``error`` output (``code: message``; not an engine failure)."""
+        if not self.constraints.waiting:
+            return []
+        if not self.scheduler.has_work():  # nothing else to run: wait for a compile, briefly (no spin)
+            self.constraints.wait(0.005)
+        ready, failed = self.constraints.ready()
+        for seq in ready:
+            self.scheduler.add(seq)
+        outs = []
+        for seq, err in failed:
+            seq.error = f"{getattr(err, 'code', 'invalid_grammar')}: {getattr(err, 'message', err)}"
+            self._finish(seq, "error")
+            outs.append(RequestOutput(seq.request_id, [], "", True, "error", seq, seq.error))
         return outs
 
     # the step ------------------------------------------------------------------------------------
@@ -209,6 +237,7 @@ class Engine:
         mark = self.timings.now()
         self._enter("draft", seqs)
         proposals = self.speculator.draft(scheduled)
+        masks = self.constraints.constrain(scheduled, proposals)  # (prunes what the grammar forbids)
         mark = self.timings.add("draft", mark)
         self._enter("forward", seqs)
         tp = target_pass(
@@ -216,6 +245,7 @@ class Engine:
         )
         mark = self.timings.add("forward", mark)
         self._enter("verify", seqs)
+        self.constraints.apply(tp, masks)
         results = verify(tp)
         mark = self.timings.add("verify", mark)
         self._stage = "commit"
@@ -272,7 +302,7 @@ class Engine:
             self.ledger.advance(seq, w.sc.num_tokens, hidden)
             return None
         accepted = len(res.accepted)
-        self.ledger.accept(seq, accepted, hidden)
+        self.ledger.accept(seq, accepted, hidden, res.tokens)
         if seq.first_token_time is None:
             seq.first_token_time = now
         self._enter("emit", [seq])
@@ -397,11 +427,15 @@ class Engine:
             return seq.stop_text
         return seq.detok.text if seq.detok is not None else ""
 
-    def generate(self, prompts: list, params, spec: SpecParams = SpecParams(), priority="interactive") -> list:
-        """Run prompts (token id lists) to completion; returns their Sequences in order."""
+    def generate(
+        self, prompts: list, params, spec: SpecParams = SpecParams(), priority="interactive", grammar=None
+    ) -> list:
+        """Run prompts (token id lists) to completion; returns their Sequences in order (``grammar``:
+        one GrammarSpec for all, or a list, one per prompt)."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        seqs = [self.add_request(p, sp, spec, priority) for p, sp in zip(prompts, params)]
+        grammars = grammar if isinstance(grammar, list) else [grammar] * len(prompts)
+        seqs = [self.add_request(p, sp, spec, priority, grammar=g) for p, sp, g in zip(prompts, params, grammars)]
         while any(not s.finished for s in seqs):
             self.step()
         return seqs

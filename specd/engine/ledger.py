@@ -42,6 +42,7 @@ class Checkpoint:
     pc_state: tuple
     pc_draft_state: tuple
     generator_state: torch.Tensor | None
+    grammar_tokens: int = 0  # tokens its grammar matcher had consumed
 
 
 class KVLedger:
@@ -144,12 +145,22 @@ class KVLedger:
             dev = self.cache.kv.device
             self.backend.copy_slots(self.cache.kv, torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
 
-    def accept(self, seq: Sequence, num_accepted: int, hidden: torch.Tensor | None = None) -> None:
+    def accept(
+        self, seq: Sequence, num_accepted: int, hidden: torch.Tensor | None = None, tokens: list | None = None
+    ) -> None:
         """The one rollback: keep the root and ``num_accepted`` draft tokens in the target cache
         (``compact`` first), release the rest of the tree's reservation; the draft cache keeps only
         what it computed for committed tokens; ``hidden`` (feature head): the target features of
-        the step's committed rows and accepted path only (``stages.kept_hidden``). Call before the
-        step's tokens join ``seq.tokens``."""
+        the step's committed rows and accepted path only (``stages.kept_hidden``); ``tokens``: the
+        step's emitted tokens (accepted + the next), which a constrained request's grammar matcher
+        consumes (its drafts' states were only visited while masking: nothing to roll back). Call
+        before the step's tokens join ``seq.tokens``."""
+        if tokens is not None and seq.matcher is not None:
+            for t in tokens:
+                if seq.matcher.is_terminated():
+                    break  # a stop token ended the reply (emit trims what follows it)
+                if not seq.matcher.advance(t):
+                    raise RuntimeError(f"token {t} is outside the request's grammar (its masks were not applied)")
         keep = len(seq.tokens) + num_accepted
         assert seq.blocks is not None
         start = seq.num_computed
@@ -226,6 +237,7 @@ class KVLedger:
             tuple(seq.pc_state),
             tuple(seq.pc_draft_state),
             gen.get_state() if gen is not None else None,
+            seq.matcher.num_tokens if seq.matcher is not None else 0,
         )
 
     @staticmethod
@@ -246,6 +258,8 @@ class KVLedger:
         seq.pc_draft_state = list(cp.pc_draft_state)
         if cp.generator_state is not None and seq.generator is not None:
             seq.generator.set_state(cp.generator_state)
+        if seq.matcher is not None:
+            seq.matcher.rollback(seq.matcher.num_tokens - cp.grammar_tokens)
 
 
 def _append_rows(seq: Sequence, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,8 @@ class Sequence:
         self.pc_draft_state = [0, 0]
         self.tenant: str | None = None  # whose earlier requests it may draft from (the API key)
         self.spec_state = SpecState()  # the policy's and proposers' state (specd.speculation.request)
+        self.grammar = None  # its constraint (a specd.structured.GrammarSpec), or None
+        self.matcher = None  # its grammar state once compiled (specd.structured.Matcher; the ledger's)
 
     @property
     def num_prompt(self) -> int:

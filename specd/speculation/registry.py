@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specd.config import SpecConfig
+from specd.speculation.grammar_forced import from_context as grammar_forced
 from specd.speculation.ngram import from_context as ngram_proposer
 from specd.speculation.proposal import Proposer
 
@@ -34,6 +35,7 @@ Factory = Callable[[ProposerContext], "Proposer | None"]
 
 FREE_PROPOSERS: dict[str, Factory] = {
     "ngram": ngram_proposer,  # prompt lookup, then the tenant's earlier requests (the suffix store)
+    "grammar": grammar_forced,  # constrained requests: the text their grammar forces (jump-forward)
 }
 
 

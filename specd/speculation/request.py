@@ -154,3 +154,4 @@ class SpecRequest(Protocol):
     num_computed: int
     draft_computed: int
     draft_blocks: Any  # its block table in the draft cache (a SeqBlocks; the ledger's)
+    matcher: Any  # its grammar state (a specd.structured.Matcher), None when unconstrained

@@ -76,7 +76,24 @@ class Vocabulary:
         return self.tokenizer.decode(list(ids))  # type: ignore[attr-defined]
 
     def encode(self, text: str) -> list:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+        """``text``'s token ids as a continuation (mid-reply). A SentencePiece tokenizer writes a
+        word-start marker (Llama 2's ``▁``: a space) before any text it encodes, which would add a
+        space the text does not have: there the text is encoded behind an anchor letter, whose
+        tokens are then dropped."""
+        enc = self.tokenizer.encode  # type: ignore[attr-defined]
+        if not self._dummy_prefix:
+            return list(enc(text, add_special_tokens=False))
+        head = list(enc("a", add_special_tokens=False))
+        ids = list(enc("a" + text, add_special_tokens=False))
+        if ids[: len(head)] == head:
+            return ids[len(head) :]
+        return list(enc(text, add_special_tokens=False))
+
+    @cached_property
+    def _dummy_prefix(self) -> bool:
+        """The tokenizer writes a lone letter as a space and the letter (SentencePiece's marker)."""
+        ids = list(self.tokenizer.encode("a", add_special_tokens=False))  # type: ignore[attr-defined]
+        return bool(ids) and self.info.decoded_vocab[ids[0]].startswith(b" ")
 
 
 def _fingerprint(tokenizer, size: int, stops: tuple) -> str:

@@ -1,0 +1,151 @@
+"""Constrained decoding in the engine: each constrained request's grammar is compiled off the
+engine thread, and every row the target verifies gets the mask of its own path.
+
+Vocabulary (``specd.structured``): a request's *matcher* has consumed every committed token of its
+reply, the pending (root) token included; a draft tree node's *mask* is the grammar state after its
+path (its ancestors below the root and itself); a node whose token the grammar forbids is *dead*.
+
+Per step, for each constrained request reaching its root (``constrain``, after drafting, before the
+target forward): the tree's masks are computed depth-first with the request's one matcher (advance,
+fill, roll back: the matcher ends where it started), dead nodes are pruned from the proposal (the
+target never verifies a token the grammar forbids), and the masks travel with the step. After the
+forward (``apply``) forbidden logits become -inf in exactly the request's rows, so greedy takes the
+argmax of the masked logits and the rejection sampler verifies against the masked, renormalised
+distribution: output is lossless with respect to "the target under the grammar". A pruned *sampled*
+tree is verified as a chosen one (the deterministic draft mode, exact for any fixed set of
+children): the rejection sampler's residuals assume every drawn child is present.
+
+The matcher advances along what the step emitted inside the KV ledger's ``accept`` and is rolled
+back by ``restore`` (``Checkpoint.grammar_tokens``): no second rollback path.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from specd.sampling.tree import DraftTree
+from specd.speculation.proposal import Proposal
+
+log = logging.getLogger("specd.engine")
+
+__all__ = ["Constraints", "StepMasks"]
+
+
+@dataclass
+class StepMasks:
+    """The step's masks: request id -> bitmask [tree nodes, ceil(V/32)] int32 (row i: node i's)."""
+
+    rows: dict = field(default_factory=dict)
+
+
+class Constraints:
+    """The engine's grammar side for one target vocabulary (built on the first constrained request:
+    importing the grammar library costs ~1 s, which unconstrained servers never pay)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids, compile_timeout_s: float = 10.0):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_ids = sorted(stop_ids)
+        self.compile_timeout_s = compile_timeout_s
+        self._compiler = None
+        self.waiting: list = []  # (seq, Future[Grammar]) not compiled yet
+
+    @property
+    def compiler(self):
+        if self._compiler is None:
+            from specd.structured import CompilerConfig, GrammarCompiler, Vocabulary
+
+            if self.tokenizer is None:
+                raise ValueError("constrained decoding needs the model's tokenizer")
+            vocab = Vocabulary.from_tokenizer(self.tokenizer, self.vocab_size, self.stop_ids)
+            self._compiler = GrammarCompiler(vocab, CompilerConfig(compile_timeout_s=self.compile_timeout_s))
+        return self._compiler
+
+    # compiling -----------------------------------------------------------------------------------
+    def submit(self, seq, spec) -> Future:
+        """Start compiling ``seq``'s grammar (any thread; a cached grammar is ready at once)."""
+        fut = self.compiler.submit(spec)
+        self.waiting.append((seq, fut))
+        return fut
+
+    def wait(self, timeout: float) -> None:
+        """Block until some waiting grammar is compiled, or ``timeout`` seconds."""
+        futures.wait([f for _, f in self.waiting], timeout=timeout, return_when=futures.FIRST_COMPLETED)
+
+    def ready(self) -> tuple[list, list]:
+        """``(ready, failed)``: requests whose grammar compiled (each now holds its matcher) and
+        ``(seq, GrammarError)`` for those whose grammar was refused; the others keep waiting."""
+        ready, failed, keep = [], [], []
+        for seq, fut in self.waiting:
+            if seq.finished:
+                continue  # cancelled while compiling
+            if not fut.done():
+                keep.append((seq, fut))
+                continue
+            err = fut.exception()
+            if err is not None:
+                failed.append((seq, err))
+            else:
+                seq.matcher = fut.result().matcher()
+                ready.append(seq)
+        self.waiting = keep
+        return ready, failed
+
+    # masks ---------------------------------------------------------------------------------------
+    def constrain(self, scheduled: list, proposals: dict) -> StepMasks:
+        """Masks for every constrained request reaching its root this step; prunes ``proposals``
+        (request id -> Proposal) of the tokens the grammar forbids, in place."""
+        from specd.structured import tree_masks
+
+        out = StepMasks()
+        for sc in scheduled:
+            seq = sc.seq
+            if not sc.final or getattr(seq, "matcher", None) is None:
+                continue
+            prop = proposals.get(seq.request_id)
+            tree = prop.tree if prop is not None else DraftTree([seq.tokens[-1]], [-1], validate=False)
+            bm, alive = tree_masks(seq.matcher, tree.parent_list, tree.token_list)
+            if not all(alive):
+                assert prop is not None  # the root is always alive
+                prop, kept = _pruned(prop, alive)
+                if prop is None:
+                    del proposals[seq.request_id]
+                else:
+                    proposals[seq.request_id] = prop
+                bm = bm[torch.tensor(kept)]
+            out.rows[seq.request_id] = bm
+        return out
+
+    @staticmethod
+    def apply(tp, masks: StepMasks) -> None:
+        """Forbidden logits := -inf in each constrained request's rows of the step's logits."""
+        if tp.logits is None or not masks.rows:
+            return
+        from specd.structured import apply_bitmask_
+
+        with torch.inference_mode():  # (the forward's logits are inference tensors)
+            for w in tp.work:
+                bm = masks.rows.get(w.sc.seq.request_id)
+                if bm is None or w.tree is None:
+                    continue
+                rows = torch.arange(w.row0, w.row0 + w.tree.num_nodes, device=tp.logits.device)
+                apply_bitmask_(tp.logits, bm.to(tp.logits.device), rows)
+
+
+def _pruned(prop: Proposal, alive: list) -> tuple:
+    """``prop`` without its dead nodes (None when only the root is left) and the old index of each
+    kept node; a sampled proposal becomes a chosen one (see the module docstring)."""
+    from specd.structured import prune_tree
+
+    parents, tokens, kept = prune_tree(prop.tree.parent_list, prop.tree.token_list, alive)
+    if len(kept) == 1:
+        return None, kept
+    tree = DraftTree(tokens, parents)
+    owners = [prop.node_proposers[i] for i in kept] if prop.node_proposers is not None else None
+    out = Proposal(tree, None, tree.max_depth, prop.proposer, owners, prop.available, chosen=True)
+    return out, kept

@@ -1,0 +1,134 @@
+"""Constrained decoding in the engine (issue 41): every verified row gets its path's mask, drafts the
+grammar forbids are pruned, forced tokens are free drafts, the matcher follows the one rollback;
+greedy constrained output is the same with every proposer and batch size as plain constrained
+decoding, and every reply is valid under its grammar."""
+
+import json
+
+import pytest
+
+from specd.config import EngineConfig, SpecConfig
+from specd.engine.engine import Engine
+from specd.sampling.params import SamplingParams
+from specd.speculation.request import SpecParams
+from specd.structured import GrammarSpec
+from tests.conftest import DRAFT, TARGET
+
+PETS = ["cat", "dog", "bird"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": PETS},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+    },
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+STORIES = ["Once upon a time", "Tom had a big red ball.", "The cat and the dog", "Sam was sad because"]
+GREEDY = SamplingParams(temperature=0, max_tokens=96)
+
+
+def _valid(obj) -> bool:
+    """SCHEMA's rules, checked by hand (a reply must satisfy every one)."""
+    if not isinstance(obj, dict) or set(obj) - set(SCHEMA["properties"]) or not {"name", "age", "pet"} <= set(obj):
+        return False
+    tags = obj.get("tags", [])
+    return (
+        isinstance(obj["name"], str)
+        and len(obj["name"]) <= 12
+        and isinstance(obj["age"], int)
+        and 0 <= obj["age"] <= 120
+        and obj["pet"] in PETS
+        and isinstance(tags, list)
+        and len(tags) <= 2
+        and all(isinstance(t, str) and len(t) <= 6 for t in tags)
+    )
+
+
+@pytest.fixture(scope="module")
+def engine(shared_pair):
+    t, d = shared_pair
+    return Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    prompts = [engine.tokenizer(s)["input_ids"] for s in STORIES]
+    seqs = engine.generate(prompts, GREEDY, SpecParams(mode="off"), grammar=GrammarSpec("json_schema", SCHEMA))
+    return prompts, [s.output_ids for s in seqs]
+
+
+def _reply(engine, ids) -> str:
+    text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+    return text
+
+
+def test_plain_constrained_replies_are_valid_and_end_at_the_grammar(engine, reference):
+    prompts, outs = reference
+    for out in outs:
+        obj = json.loads(_reply(engine, out))
+        assert _valid(obj), obj
+        assert out[-1] in engine.eos_ids  # the grammar allowed only a stop token once complete
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "ngram", "hybrid", "auto"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_constrained_speculation_equals_plain(engine, reference, mode, batch):
+    prompts, outs = reference
+    g = GrammarSpec("json_schema", SCHEMA)
+    got = []
+    for i in range(0, len(prompts), batch):
+        got += [s.output_ids for s in engine.generate(prompts[i : i + batch], GREEDY, SpecParams(mode=mode), grammar=g)]
+    assert got == outs
+    assert engine.kv_blocks_used() == (0, 0)
+
+
+def test_the_matcher_after_a_speculative_reply_equals_a_replay_of_it(engine, reference):
+    prompts, outs = reference
+    g = GrammarSpec("json_schema", SCHEMA)
+    seq = engine.generate(
+        prompts[:1], SamplingParams(temperature=0, max_tokens=20), SpecParams(mode="tree"), grammar=g
+    )[0]
+    assert seq.finish_reason == "length" and seq.matcher is not None
+    fresh = engine.constraints.compiler.compile(g).matcher()
+    for t in seq.output_ids:
+        assert fresh.advance(t)
+    assert fresh.num_tokens == seq.matcher.num_tokens == len(seq.output_ids)
+    assert fresh.allowed().equal(seq.matcher.allowed())
+
+
+def _run(engine, prompts, mode, grammar, tenant):
+    seqs = [engine.add_request(p, GREEDY, SpecParams(mode=mode), tenant=tenant, grammar=grammar) for p in prompts]
+    while any(not s.finished for s in seqs):
+        engine.step()
+    return seqs
+
+
+def test_forced_tokens_are_drafted_and_accepted(engine):
+    """Once a choice grammar's first token is written the rest is forced: digits, which this
+    tokenizer only writes one per token, so the forced tokens are the only tokenization and the
+    target must accept all of them. (A new tenant: the suffix store has nothing of theirs.)"""
+    prompts = [engine.tokenizer(s)["input_ids"] for s in STORIES[:2]]
+    g = GrammarSpec("choice", ("0123456789012", "x"))
+    plain = [s.output_ids for s in _run(engine, prompts, "off", g, "forced-plain")]
+    assert all(_reply(engine, p) in g.value for p in plain)
+    before = list(engine.stats.by_proposer.get("grammar", [0, 0, 0]))
+    seqs = _run(engine, prompts, "ngram", g, "forced-spec")
+    assert [s.output_ids for s in seqs] == plain
+    steps, drafted, accepted = (a - b for a, b in zip(engine.stats.by_proposer["grammar"], before))
+    digits = [s for s in seqs if _reply(engine, s.output_ids).startswith("0")]
+    assert digits, "the model chose x for every prompt: pick prompts that start the number"
+    assert accepted >= 8 * len(digits) and accepted == drafted  # the whole forced run, never rejected
+    assert sum(s.stats.steps for s in digits) < sum(len(s.output_ids) for s in digits) - 8
+
+
+def test_a_refused_grammar_ends_its_request_alone(engine, reference):
+    prompts, outs = reference
+    bad = GrammarSpec("regex", "(unclosed")
+    good = GrammarSpec("json_schema", SCHEMA)
+    seqs = engine.generate(prompts[:2], GREEDY, SpecParams(mode="tree"), grammar=[bad, good])
+    assert seqs[0].finish_reason == "error" and "regex" in seqs[0].error
+    assert seqs[1].output_ids == outs[1]
+    assert engine.kv_blocks_used() == (0, 0)
