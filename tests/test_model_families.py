@@ -384,3 +384,112 @@ def test_longrope_switches_to_the_long_factors_past_the_original_context(tmp_pat
         torch.testing.assert_close(ours.cos[n - 1, :r], cos[0, -1, :r], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ours.sin[n - 1, :r], sin[0, -1, :r], rtol=1e-5, atol=1e-5)
         assert torch.equal(ours.cos[n - 1, r:], torch.ones(4)) and torch.equal(ours.sin[n - 1, r:], torch.zeros(4))
+
+
+# GGUF files ------------------------------------------------------------------------------------------
+GGUF_FAMILIES = {  # what a GGUF file can say: llama.cpp's fixed Gemma layer pattern, local base, scale
+    "qwen3": dict(head_dim=24),
+    "gemma2": dict(
+        head_dim=24, query_pre_attn_scalar=24, sliding_window=7, attn_logit_softcapping=2.0, final_logit_softcapping=5.0
+    ),  # fmt: skip
+    "gemma3": dict(
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=7,
+        num_hidden_layers=6,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),  # fmt: skip
+}
+GGUF_NORMS = {  # HF norm modules whose GGUF names tests/test_gguf.py's writer does not know
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "input_layernorm": "attn_norm",
+}
+
+
+def family_gguf(tmp_path: Path, name: str, qtype) -> tuple[Path, object]:
+    """(a GGUF file laid out as llama.cpp's converter writes ``name``'s model, the transformers model):
+    Gemma's norms stored as 1 + w, q/k norms under their own names, the metadata llama.cpp reads."""
+    from tests.test_gguf import write_gguf
+
+    arch = family_of(name)
+    model = hf_model(arch, **GGUF_FAMILIES[name])
+    model.config._attn_implementation = "eager"
+    cfg = model.config.to_dict()
+    gemma = arch.startswith("gemma")
+    cfg["rope_theta"] = (cfg["rope_parameters"].get("full_attention") or cfg["rope_parameters"])["rope_theta"]
+    weights, extra = {}, {}
+    for k, v in model.state_dict().items():
+        w = v.detach().numpy()
+        mod = k.removesuffix(".weight").split(".", 3)[-1]
+        if mod in GGUF_NORMS and (gemma or mod.startswith("self_attn")):
+            extra[f"blk.{k.split('.')[2]}.{GGUF_NORMS[mod]}.weight"] = w + 1 if gemma else w
+        elif k == "model.norm.weight" and gemma:
+            extra["output_norm.weight"] = w + 1
+        elif not (k == "lm_head.weight" and model.config.tie_word_embeddings):
+            weights[k] = w
+    meta = {f"{arch}.attention.key_length": cfg["head_dim"], f"{arch}.attention.value_length": cfg["head_dim"]}
+    if gemma:
+        meta[f"{arch}.attention.sliding_window"] = cfg["sliding_window"]
+    if arch == "gemma2":
+        meta.update({f"{arch}.{k}": cfg[k] for k in ("attn_logit_softcapping", "final_logit_softcapping")})
+    if arch == "gemma3":
+        meta.update({f"{arch}.rope.scaling.type": "linear", f"{arch}.rope.scaling.factor": 4.0})
+    path = write_gguf(tmp_path / f"{name}.gguf", arch, cfg, weights, qtype, meta=meta, extra=extra)
+    return path, model
+
+
+@pytest.mark.parametrize("name", list(GGUF_FAMILIES))
+def test_family_gguf_matches_transformers(tmp_path, name, monkeypatch):
+    """F32 file -> specd == the original transformers model (the names, norms and metadata are
+    read right); Q8_0 file -> specd on the file's own blocks (fp32 activations) == transformers on
+    the converted folder, and greedy speculation on the file stays lossless."""
+    import gguf
+
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    path, model = family_gguf(tmp_path, name, gguf.GGMLQuantizationType.F32)
+    lm = load_model(path, "cpu", "float32", with_tokenizer=False)
+    assert lm.config.architecture == type(model).__name__
+    assert_rows_match(lm, model, backends=("cpu",))
+    (tmp_path / "q8").mkdir()
+    q8, _ = family_gguf(tmp_path / "q8", name, gguf.GGMLQuantizationType.Q8_0)
+    sg.convert(q8, tmp_path / "q8-folder")
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "q8-folder"), dtype=torch.float32).eval()
+    ref.config._attn_implementation = "eager"
+    lm = load_model(q8, "cpu", "float32", with_tokenizer=False, quantization="auto")
+    assert lm.model.quantized()
+    assert_rows_match(lm, ref, backends=("cpu",))
+    assert_speculation_lossless(engine(q8), prompts())
+
+
+def test_unsupported_architectures_are_one_line_load_errors(tmp_path, monkeypatch):
+    """A family specd does not run (a mixture of experts here) is refused in one line naming what is
+    supported, from a folder and from a GGUF file."""
+    import gguf
+
+    from tests.test_gguf import write_gguf
+
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    folder, _ = hf_folder(tmp_path, "qwen3")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3MoeForCausalLM"]}))
+    with pytest.raises(
+        LoadError, match=r"unsupported architecture 'Qwen3MoeForCausalLM'.*Qwen3ForCausalLM, Gemma2"
+    ) as e:
+        load_model(folder, "cpu", "float32")
+    assert "\n" not in str(e.value)
+    model = hf_model("llama")
+    weights = {k: v.numpy() for k, v in model.state_dict().items()}
+    path = write_gguf(tmp_path / "moe.gguf", "qwen3moe", {**model.config.to_dict(), "rope_theta": 1e4}, weights,
+                      gguf.GGMLQuantizationType.F32)  # fmt: skip
+    with pytest.raises(LoadError, match=r"unsupported architecture 'qwen3moe'.*qwen3, gemma2, gemma3") as e:
+        load_model(path, "cpu", "float32")
+    assert "\n" not in str(e.value)

@@ -23,6 +23,12 @@ GGUF layout facts this module relies on (llama.cpp's docs/gguf.md, the ``gguf`` 
   halves of every rotary pair sit next to each other (see ``unpermute_qk``); Qwen2 is stored as is.
 * Llama 3.x files carry their RoPE scaling as a ``rope_freqs.weight`` tensor of per-frequency
   divisors instead of metadata (see ``_llama3_rope``).
+* Qwen3 adds ``attn_q_norm`` / ``attn_k_norm`` [head_dim] per layer. Gemma 2 / 3 add
+  ``post_attention_norm`` and ``post_ffw_norm`` (their ``ffn_norm`` is the pre-MLP norm) and store
+  every norm weight as 1 + w (llama.cpp's converter adds the 1 transformers adds at run time); the
+  rest of Gemma's hyper-parameters are llama.cpp's fixed ones (sliding layers: every other one for
+  Gemma 2, five of six for Gemma 3, whose local RoPE base is 10000; attention scale 1/sqrt(head
+  size), 1/sqrt(d / heads) for the 27B models).
 """
 
 from __future__ import annotations
@@ -42,8 +48,17 @@ from specd.model.errors import LoadError
 GGUF_MAGIC = b"GGUF"
 FORMAT_VERSION = 1  # part of the cache key: bump when the conversion output changes
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-ARCHITECTURES = ("llama", "qwen2")  # general.architecture values we read (Mistral files say "llama")
-HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # general.architecture (Mistral says "llama")
+HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the GGUF architecture
+GEMMA = ("gemma2", "gemma3")
 PERMUTED_QK = ("llama", "mistral")  # model types whose q/k rows llama.cpp stores permuted
 
 _GLOBAL_NAMES = {
@@ -62,6 +77,35 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # Qwen3, Gemma 3
+_GEMMA_NORMS = {  # Gemma's four norms per layer
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
+def layer_names(arch: str | None = None) -> dict:
+    """GGUF layer tensor kinds -> HF module names for a GGUF architecture (Llama's by default)."""
+    names = dict(_LAYER_NAMES)
+    if arch in ("qwen3", "gemma3"):
+        names.update(_QK_NORMS)
+    if arch in GEMMA:
+        names.update(_GEMMA_NORMS)
+    return names
+
+
+def layer_norms(blk) -> list:
+    """(norm module, GGUF tensor kind) for every norm of one of our decoder layers
+    (``specd.model.llama.Block``), for loading them from a file."""
+    out = [(blk.input_norm, "attn_norm"), (blk.post_norm, "ffn_norm")]
+    if hasattr(blk.attn, "q_norm"):
+        out += [(blk.attn.q_norm, "attn_q_norm"), (blk.attn.k_norm, "attn_k_norm")]
+    if hasattr(blk, "attn_out_norm"):
+        out += [(blk.attn_out_norm, "post_attention_norm"), (blk.mlp_out_norm, "post_ffw_norm")]
+    return out
+
+
 ROPE_FREQS = "rope_freqs.weight"
 log = logging.getLogger("specd.gguf")
 
@@ -139,10 +183,10 @@ def _architecture(meta: dict, path: Path) -> tuple[str, str]:
     if arch not in ARCHITECTURES:
         raise LoadError(
             f"{path}: unsupported architecture {arch!r} (general.architecture); supported: "
-            f"{', '.join(ARCHITECTURES)} (Llama, Mistral, Qwen2)"
+            f"{', '.join(ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3)"
         )
     names = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
-    return arch, ("mistral" if arch == "llama" and "mistral" in names else arch)
+    return arch, ("mistral" if arch == "llama" and "mistral" in names else MODEL_TYPES.get(arch, arch))
 
 
 def _rope_parameters(meta: dict, arch: str, head_dim: int, freq_factors, path: Path) -> dict:
@@ -216,7 +260,7 @@ def hf_config(meta: dict, reader, path: Path) -> tuple[dict, dict]:
         raise LoadError(f"{path}: tensor token_embd.weight missing")
     freqs = _dequantize(tensors[ROPE_FREQS], path) if ROPE_FREQS in tensors else None
     cfg = {
-        "architectures": [HF_CLASSES[model_type]],
+        "architectures": [HF_CLASSES[arch if arch in GEMMA else model_type]],
         "model_type": model_type,
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "hidden_size": hidden,
@@ -232,16 +276,41 @@ def hf_config(meta: dict, reader, path: Path) -> tuple[dict, dict]:
         "tie_word_embeddings": "output.weight" not in tensors,
         "dtype": "float32",
     }
-    if arch == "qwen2":
-        cfg.update(use_sliding_window=False, sliding_window=None)
-    elif model_type == "mistral":
-        cfg["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")  # llama.cpp keeps none
-    if arch != "qwen2":
-        cfg.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias=False)
+    cfg.update(_family_config(meta, arch, model_type, cfg, tensors))
     gen = _special_ids(meta)
     cfg.update(gen)
     _validate(cfg, gen, path)
     return cfg, gen
+
+
+def _family_config(meta: dict, arch: str, model_type: str, cfg: dict, tensors: dict) -> dict:
+    """config.json keys only some families have (biases, windows, Gemma's hyper-parameters)."""
+    out: dict = {}
+    if arch in ("qwen2", "qwen3"):
+        out.update(use_sliding_window=False, sliding_window=None)
+    elif model_type == "mistral":
+        out["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")  # llama.cpp keeps none
+    if arch != "qwen2":
+        out.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias=False)
+    if arch in GEMMA:
+        heads, d, n = cfg["num_attention_heads"], cfg["hidden_size"], cfg["num_hidden_layers"]
+        big = n == (46 if arch == "gemma2" else 62)  # the 27B models: llama.cpp scales by d / heads
+        out.update(
+            hidden_activation="gelu_pytorch_tanh",
+            hidden_act="gelu_pytorch_tanh",
+            query_pre_attn_scalar=d // heads if big else cfg["head_dim"],
+            sliding_window=int(meta.get(f"{arch}.attention.sliding_window", 4096)),
+        )
+        if arch == "gemma2":
+            for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if f"{arch}.{key}" in meta:
+                    out[key] = _f32(meta[f"{arch}.{key}"])
+            out["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+        else:  # local RoPE base 10000 (unscaled), the global one as the metadata says (transformers 5's form)
+            local = {"rope_type": "default", "rope_theta": 10000.0}
+            out["rope_parameters"] = {"full_attention": cfg["rope_parameters"], "sliding_attention": local}
+            out["layer_types"] = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    return out
 
 
 def _special_ids(meta: dict) -> dict:
@@ -268,14 +337,16 @@ def _validate(cfg: dict, gen: dict, path: Path) -> None:
 
 
 # weights -------------------------------------------------------------------------------------------
-def hf_name(name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``); None for a name with no counterpart."""
+def hf_name(name: str, arch: str | None = None) -> str | None:
+    """The Hugging Face parameter name of a GGUF tensor of a file of GGUF architecture ``arch``
+    (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``); None for a name with
+    no counterpart."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    names = layer_names(arch)
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
-    if m and m[2] in _LAYER_NAMES:
-        return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
+    if m and m[2] in names:
+        return f"model.layers.{m[1]}.{names[m[2]]}.{m[3]}"
     return None
 
 
@@ -289,6 +360,12 @@ def expected_shapes(cfg: dict) -> dict:
     bias = cfg.get("attention_bias", cfg["model_type"] == "qwen2")
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
+        if cfg["model_type"] in ("qwen3", "gemma3_text"):
+            out.update({p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)})
+        if cfg["model_type"] in ("gemma2", "gemma3_text"):
+            out.update({p + n + ".weight": (d,) for n in _GEMMA_NORMS.values()})
+        if bias and cfg["model_type"] != "qwen2":  # (Llama's attention_bias: the o projection's too)
+            out[p + "self_attn.o_proj.bias"] = (d,)
         out.update(
             {
                 p + "input_layernorm.weight": (d,),
@@ -325,7 +402,7 @@ def check_tensors(reader, cfg: dict, path: Path) -> None:
             )
         if t.name == ROPE_FREQS:
             continue
-        name = hf_name(t.name)
+        name = hf_name(t.name, gguf_arch(cfg))
         if name not in want:
             raise LoadError(
                 f"{path}: unexpected tensor {t.name} for a {cfg['num_hidden_layers']}-layer {cfg['model_type']} model"
@@ -368,6 +445,7 @@ def hf_state_dict(reader, cfg: dict, path: Path, progress: bool = False) -> dict
     check_tensors(reader, cfg, path)
     permuted = cfg["model_type"] in PERMUTED_QK
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    arch = gguf_arch(cfg)
     out = {}
     tensors = [t for t in reader.tensors if t.name != ROPE_FREQS]
     for t in _progress(tensors, progress, path):
@@ -375,8 +453,16 @@ def hf_state_dict(reader, cfg: dict, path: Path, progress: bool = False) -> dict
         kind = t.name.split(".")[-2]
         if permuted and kind in heads:
             w = unpermute_qk(w, heads[kind])
-        out[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(w))
+        if arch in GEMMA and t.name.endswith("norm.weight"):  # stored as 1 + w; transformers adds the 1
+            w = w - np.float32(1.0)
+        out[hf_name(t.name, arch)] = torch.from_numpy(np.ascontiguousarray(w))
     return out
+
+
+def gguf_arch(cfg: dict) -> str:
+    """The GGUF architecture whose tensor names a converted config.json's model reads."""
+    mt = cfg["model_type"]
+    return next((a for a, t in MODEL_TYPES.items() if t == mt), mt)
 
 
 def _progress(items: list, on: bool, path: Path):

@@ -153,7 +153,7 @@ def _set_linear(parent: nn.Module, name: str, op, bias: torch.Tensor | None) -> 
 
 def _layer(blk, i: int, tensors: dict, mode: str, path: Path, perm_heads: dict | None) -> None:
     """Layer ``i``'s norms and projections from the file (q/k/v and gate/up fused by rows)."""
-    from specd.model.gguf import _dequantize, unpermute_qk
+    from specd.model.gguf import _dequantize, layer_norms, unpermute_qk
 
     def t(name):
         return tensors[f"blk.{i}.{name}.weight"]
@@ -174,7 +174,7 @@ def _layer(blk, i: int, tensors: dict, mode: str, path: Path, perm_heads: dict |
     _set_linear(blk.attn, "o", projection([t("attn_output")], mode, path), None)
     _set_linear(blk.mlp, "gate_up", projection([t("ffn_gate"), t("ffn_up")], mode, path), None)
     _set_linear(blk.mlp, "down", projection([t("ffn_down")], mode, path), None)
-    for norm, name in ((blk.input_norm, "attn_norm"), (blk.post_norm, "ffn_norm")):
+    for norm, name in layer_norms(blk):  # (Qwen3's q/k norms, Gemma's four: the file's 1 + w as they are)
         norm.weight = nn.Parameter(torch.from_numpy(_dequantize(t(name), path)), requires_grad=False)
 
 
