@@ -132,3 +132,30 @@ def test_a_refused_grammar_ends_its_request_alone(engine, reference):
     assert seqs[0].finish_reason == "error" and "regex" in seqs[0].error
     assert seqs[1].output_ids == outs[1]
     assert engine.kv_blocks_used() == (0, 0)
+
+
+def test_logit_bias_params_are_validated():
+    p = SamplingParams(logit_bias={"17": -100, 3: 2.5})
+    assert p.logit_bias == ((3, 2.5), (17, -100.0))
+    for bad in ({"x": 1}, {1: 101}, {1: float("nan")}, {i: 1 for i in range(301)}, [(1, 2, 3)]):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+
+
+def test_logit_bias_steers_every_mode_alike(engine, reference):
+    """A -100 bias bans the plain reply's most frequent token: the replies change, never contain it,
+    and speculation (every mode, batch 1 and 4) gives the biased target's output exactly."""
+    from specd.engine.requests import RequestError
+
+    prompts = [engine.tokenizer(s)["input_ids"] for s in STORIES]
+    plain = [s.output_ids for s in engine.generate(prompts, GREEDY, SpecParams(mode="off"))]
+    banned = max(set(plain[0]), key=plain[0].count)
+    biased = SamplingParams(temperature=0, max_tokens=96, logit_bias={banned: -100})
+    ref = [s.output_ids for s in engine.generate(prompts, biased, SpecParams(mode="off"))]
+    assert ref[0] != plain[0] and all(banned not in r for r in ref)
+    for mode in ("tree", "ngram", "auto"):
+        assert [s.output_ids for s in engine.generate(prompts, biased, SpecParams(mode=mode))] == ref
+        got = [engine.generate([p], biased, SpecParams(mode=mode))[0].output_ids for p in prompts]
+        assert got == ref
+    with pytest.raises(RequestError, match="logit_bias"):
+        engine.add_request(prompts[0], SamplingParams(logit_bias={engine.vocab_size: 1}))

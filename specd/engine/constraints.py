@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.sampling.probs import add_logit_bias_
 from specd.sampling.tree import DraftTree
 from specd.speculation.proposal import Proposal
 
@@ -123,12 +124,19 @@ class Constraints:
 
     @staticmethod
     def apply(tp, masks: StepMasks) -> None:
-        """Forbidden logits := -inf in each constrained request's rows of the step's logits."""
-        if tp.logits is None or not masks.rows:
+        """Each request's ``logit_bias`` added to its rows of the step's logits, then forbidden
+        logits := -inf in each constrained request's rows (both before verification: greedy and
+        the rejection sampler see the target as biased and constrained)."""
+        if tp.logits is None:
             return
-        from specd.structured import apply_bitmask_
-
         with torch.inference_mode():  # (the forward's logits are inference tensors)
+            for w in tp.work:
+                if w.tree is not None and w.sc.seq.params.logit_bias:
+                    add_logit_bias_(tp.logits, range(w.row0, w.row0 + w.tree.num_nodes), w.sc.seq.params.logit_bias)
+            if not masks.rows:
+                return
+            from specd.structured import apply_bitmask_
+
             for w in tp.work:
                 bm = masks.rows.get(w.sc.seq.request_id)
                 if bm is None or w.tree is None:

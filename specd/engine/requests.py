@@ -136,6 +136,9 @@ def validate_request(
     bad = next((t for t in params.stop_token_ids if not (0 <= t < vocab_size)), None)
     if bad is not None:
         raise _bad(f"stop_token_ids: {bad} is outside the vocabulary (0..{vocab_size - 1})", "stop_token_ids")
+    bad = next((t for t, _ in params.logit_bias if not (0 <= t < vocab_size)), None)
+    if bad is not None:
+        raise _bad(f"logit_bias: token {bad} is outside the vocabulary (0..{vocab_size - 1})", "logit_bias")
 
 
 def normalize_params(params: SamplingParams, vocab_size: int) -> SamplingParams:

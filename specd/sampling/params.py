@@ -21,6 +21,7 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # alternatives per token with ``logprobs`` (OpenAI's top_logprobs bound)
+MAX_LOGIT_BIAS = 300  # entries of ``logit_bias`` (OpenAI's bound)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ class SamplingParams:
     logprobs        None = off; 0..20 = return each emitted token's log-probability under the target
                     (log-softmax of its logits, before temperature / top-k / top-p) and that many of
                     the likeliest tokens with theirs
+    logit_bias      at most 300 (token id, bias) pairs, bias in [-100, 100], added to the token's
+                    logit in every row the target computes for the request (a mapping, e.g. OpenAI's
+                    ``{"50256": -100}``, is accepted and stored as sorted pairs; the engine checks
+                    the ids against its vocabulary); speculation verifies against the biased
+                    distribution, so output stays that of the target with the bias
     Every refusal is a ValueError naming the field.
     """
 
@@ -54,6 +60,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         t = _real("temperature", self.temperature)
@@ -76,6 +83,7 @@ class SamplingParams:
         object.__setattr__(self, "seed", seed)
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -123,3 +131,28 @@ def _stop_strings(stop) -> tuple:
 def _stop_ids(ids) -> tuple:
     ids = _bounded_tuple("stop_token_ids", ids, MAX_STOP_TOKEN_IDS, "ints")
     return tuple(_int("stop_token_ids entry", i, 0, INT64_MAX) for i in ids)
+
+
+def _logit_bias(bias) -> tuple:
+    """Sorted ``(token id, bias)`` pairs from a mapping (ids may be decimal strings, as OpenAI's JSON
+    keys are) or from pairs."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        items = list(items)
+    except TypeError:
+        raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}") from None
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(items)} entries; at most {MAX_LOGIT_BIAS}")
+    out = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {item!r}")
+        k, v = item
+        if isinstance(k, str) and k.strip().isdigit():
+            k = int(k)
+        tok = _int("logit_bias token id", k, 0, INT64_MAX)
+        b = _real("logit_bias value", v)
+        if not -100 <= b <= 100:
+            raise ValueError(f"logit_bias value must be in [-100, 100], got {v} for token {tok}")
+        out[tok] = b
+    return tuple(sorted(out.items()))

@@ -28,6 +28,7 @@ __all__ = [
     "make_generator",
     "draw_uniforms",
     "sampling_tensors",
+    "add_logit_bias_",
 ]
 
 
@@ -195,3 +196,15 @@ def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) ->
         raise ValueError(f"need probs [N, V] and N generators, got {tuple(probs.shape)} and {len(generators)}")
     u = draw_uniforms([1] * len(generators), generators, probs.device)  # [N]
     return sample_from_uniform(probs, u)
+
+
+def add_logit_bias_(logits: torch.Tensor, rows: range, bias: Sequence) -> None:
+    """``logits[rows, token] += b`` for each ``(token, b)`` of ``bias`` (``SamplingParams.logit_bias``),
+    in place: [N, V] float logits, ``rows`` one request's rows."""
+    if not bias:
+        return
+    dev = logits.device
+    cols = torch.tensor([t for t, _ in bias], device=dev)
+    vals = torch.tensor([b for _, b in bias], dtype=logits.dtype, device=dev)
+    block = logits[rows.start : rows.stop]  # [n, V] (a view)
+    block[:, cols] += vals
