@@ -597,6 +597,7 @@ def test_auto_tool_choice_is_free_until_the_opening_tag(compiler, vocab, closing
     g = compiler.compile(tool_spec("auto", False))
     m = g.matcher()
     assert m.allowed().sum() > 40_000 and m.forced_text() == ""  # free text: almost every token
+    assert m.allowed()[vocab.stop_ids[0]] and m.can_end()  # a reply without a call may end
     for t in vocab.encode("Checking the weather. <tool_call>"):
         assert m.advance(t)
     assert m.forced_text() == '\n{"name": "'
@@ -604,6 +605,8 @@ def test_auto_tool_choice_is_free_until_the_opening_tag(compiler, vocab, closing
         assert m.advance(t)
     assert not m.advance(vocab.encode("K")[0])  # the enum C | F
     tail = walk(m, torch.Generator().manual_seed(0), closing)
+    m.rollback(1)  # the stop token: without parallel_tool_calls the reply ends after one call
+    assert m.allowed().nonzero().view(-1).tolist() == list(vocab.stop_ids)
     full = "Checking the weather. <tool_call>" + '\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "'
     full += vocab.decode(tail[:-1])
     content, calls = parse_tool_calls(full)
