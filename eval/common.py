@@ -1,7 +1,7 @@
 """Where the workload, statistics and report helpers used to live: they are ``eval.harness``'s now.
 
 Kept as an alias of :mod:`eval.harness` for the modules written against it that are not moved yet
-(eval/grammar_libs.py, eval/quant_quality.py); new code imports ``from eval import harness as H``.
+(eval/grammar_libs.py); new code imports ``from eval import harness as H``.
 """
 
 from eval.harness import *  # noqa: F403

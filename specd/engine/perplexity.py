@@ -1,5 +1,5 @@
 """Perplexity of a loaded model on token ids, through the model's own forward and paged KV cache:
-how much a quantization costs in quality (tests bound it; eval/quant_quality.py reports it)."""
+how much a quantization costs in quality (tests bound it; docs/benchmarks.md has the figures)."""
 
 from __future__ import annotations
 
