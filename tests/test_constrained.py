@@ -6,10 +6,14 @@ decoding, and every reply is valid under its grammar."""
 import json
 
 import pytest
+import torch
 
 from specd.config import EngineConfig, SpecConfig
 from specd.engine.engine import Engine
+from specd.engine.kv_cache import KVCache
+from specd.model.attention import build_metadata
 from specd.sampling.params import SamplingParams
+from specd.sampling.probs import logits_to_probs
 from specd.speculation.request import SpecParams
 from specd.structured import GrammarSpec
 from tests.conftest import DRAFT, TARGET
@@ -159,3 +163,58 @@ def test_logit_bias_steers_every_mode_alike(engine, reference):
         assert got == ref
     with pytest.raises(RequestError, match="logit_bias"):
         engine.add_request(prompts[0], SamplingParams(logit_bias={engine.vocab_size: 1}))
+
+
+def test_sampled_constrained_speculation_follows_the_masked_target(shared_pair):
+    """Sampled tree speculation under a grammar: the first two tokens follow the target's
+    distribution with each row masked by its path's grammar state (masked, then temperature and
+    top-k), chi-square and total variation as the unconstrained sampler test; the mask matters
+    (the unmasked joint is far from it)."""
+    from tests.test_spec_sampling import TEMP, TOPK, _target_probs, assert_follows
+
+    t, d = shared_pair
+    spec = SpecConfig(mode="tree", tree_budget=8, tree_topk=3, tree_depth=3, adaptive=False)
+    eng = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=spec), t, d)
+    g = GrammarSpec("regex", " [a-km-z][a-z ]{0,40}")  # no word starting with "l": not "little" (p 0.7)
+    prompt = eng.tokenizer("Once upon a time, there was a")["input_ids"]
+    m = eng.constraints.compiler.compile(g).matcher()
+
+    def masked(prefix: list):
+        for tok in prefix:
+            assert m.advance(tok)
+        allowed = m.allowed()
+        m.rollback(len(prefix))
+        logits = _logits(t, prompt + prefix)
+        logits = logits.masked_fill(~allowed[: logits.shape[-1]], float("-inf"))
+        return logits_to_probs(logits, torch.tensor([TEMP]), torch.tensor([TOPK]), torch.tensor([1.0]))[0].double()
+
+    p1, joint, free = masked([]), {}, {}
+    for x1 in torch.nonzero(p1).flatten().tolist():
+        p2 = masked([x1])
+        for x2 in torch.nonzero(p2).flatten().tolist():
+            joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    q1 = _target_probs(t, prompt)
+    for x1 in torch.nonzero(q1).flatten().tolist():
+        q2 = _target_probs(t, prompt + [x1])
+        for x2 in torch.nonzero(q2).flatten().tolist():
+            free[(x1, x2)] = float(q1[x1] * q2[x2])
+    tv_free = 0.5 * sum(abs(joint.get(k, 0) - free.get(k, 0)) for k in set(joint) | set(free))
+    assert tv_free > 0.2  # the grammar changes the distribution a lot
+    n = 2000
+    params = [SamplingParams(temperature=TEMP, top_k=TOPK, seed=i, max_tokens=2, ignore_eos=True) for i in range(n)]
+    seqs = eng.generate([prompt] * n, params, SpecParams(mode="tree"), grammar=g)
+    assert eng.stats.accepted_tokens > 0.04 * n  # (the draft mostly proposes "little": pruned)
+    assert_follows(joint, [s.output_ids for s in seqs], 0.07)
+    assert eng.kv_blocks_used() == (0, 0)
+
+
+def _logits(lm, tokens: list) -> torch.Tensor:
+    """The target's raw next-token logits after ``tokens`` [1, V] (a fresh cache, one prefill)."""
+    c = lm.config
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 8, 16, torch.float32, torch.device("cpu"))
+    s = cache.new_seq()
+    s.reserve(len(tokens))
+    meta = build_metadata([len(tokens)], [0], [s.blocks], s.slots(0, len(tokens)), 16, torch.device("cpu"))
+    with torch.inference_mode():
+        h = lm.model(torch.tensor(tokens), torch.arange(len(tokens)), cache.kv, meta)
+        return lm.model.compute_logits(h[-1:]).clone()

@@ -11,9 +11,16 @@ fill, roll back: the matcher ends where it started), dead nodes are pruned from 
 target never verifies a token the grammar forbids), and the masks travel with the step. After the
 forward (``apply``) forbidden logits become -inf in exactly the request's rows, so greedy takes the
 argmax of the masked logits and the rejection sampler verifies against the masked, renormalised
-distribution: output is lossless with respect to "the target under the grammar". A pruned *sampled*
-tree is verified as a chosen one (the deterministic draft mode, exact for any fixed set of
-children): the rejection sampler's residuals assume every drawn child is present.
+distribution: output is lossless with respect to "the target under the grammar".
+
+A *drawn* tree (a sampling request's draft-model tree, children drawn from the unmasked draft
+distribution ``q``) is always verified as a chosen one under a grammar (the deterministic draft
+mode, exact for any set of children drawn independently of the target's acceptance draws), pruned
+or not: the rejection sampler assumes child m is distributed as ``q_m``, which no longer holds once
+the tree was kept or cut *because* of its children's tokens (keeping the sampled mode for trees
+whose children all happened to be allowed biased the output: a chi-square test caught it,
+tests/test_constrained.py). Drawing the children from the masked draft distribution instead would
+keep the sampled mode's higher acceptance; the drafter does not mask yet.
 
 The matcher advances along what the step emitted inside the KV ledger's ``accept`` and is rolled
 back by ``restore`` (``Checkpoint.grammar_tokens``): no second rollback path.
@@ -111,8 +118,7 @@ class Constraints:
             prop = proposals.get(seq.request_id)
             tree = prop.tree if prop is not None else DraftTree([seq.tokens[-1]], [-1], validate=False)
             bm, alive = tree_masks(seq.matcher, tree.parent_list, tree.token_list)
-            if not all(alive):
-                assert prop is not None  # the root is always alive
+            if prop is not None and (not all(alive) or prop.draft_probs is not None):
                 prop, kept = _pruned(prop, alive)
                 if prop is None:
                     del proposals[seq.request_id]
@@ -147,7 +153,7 @@ class Constraints:
 
 def _pruned(prop: Proposal, alive: list) -> tuple:
     """``prop`` without its dead nodes (None when only the root is left) and the old index of each
-    kept node; a sampled proposal becomes a chosen one (see the module docstring)."""
+    kept node, as a chosen proposal (see the module docstring)."""
     from specd.structured import prune_tree
 
     parents, tokens, kept = prune_tree(prop.tree.parent_list, prop.tree.token_list, alive)
