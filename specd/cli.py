@@ -16,9 +16,11 @@ from specd.options import (  # noqa: F401
     add_engine_args,
     add_serve_args,
     apply_env_and_toml,
+    check_conflicts,
     demo_pair,
     engine_config,
     fill_default_models,
+    spec_mode_explicit,
 )
 
 
@@ -46,6 +48,11 @@ class _CliError(Exception):
 
 
 def cmd_generate(a) -> int:
+    fill_default_models(a)
+    conflict = check_conflicts(a, a.spec)  # (before any model loads)
+    if conflict:
+        print(f"specd: {conflict}", file=sys.stderr)
+        return 2
     try:
         eng, params = _generate_setup(a)
         for text in a.prompt or [sys.stdin.read()]:
@@ -57,13 +64,13 @@ def cmd_generate(a) -> int:
 
 
 def _generate_setup(a) -> tuple:
-    """(engine, SamplingParams) from ``specd generate``'s flags; _CliError when they are unusable."""
+    """(engine, SamplingParams) from ``specd generate``'s flags (the models filled in and the flags
+    checked by ``cmd_generate``); _CliError when they are unusable."""
     from specd.engine.engine import Engine
     from specd.model.cpu import set_threads
     from specd.model.loader import LoadError
     from specd.sampling.params import SamplingParams
 
-    fill_default_models(a)
     set_threads(a.threads)
     try:
         eng = Engine(engine_config(a))
@@ -175,7 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--spec", default="tree", choices=["off", "chain", "tree", "head", "ngram", "hybrid", "auto"])
+    g.add_argument(
+        "--spec",
+        default="auto",
+        choices=["off", "chain", "tree", "head", "ngram", "hybrid", "auto"],
+        help="speculation for these prompts (default auto, as a served request: the policy decides per step "
+        "among the proposers there are, --spec-mode being the server's model mode)",
+    )
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
 
     s = sub.add_parser("serve", help="serve websocket + HTTP (+ gRPC)")
@@ -222,6 +235,10 @@ def main(argv=None) -> int:
         if not a.stream_interval_ms >= 0:
             sub.error(f"--stream-interval-ms must be >= 0, got {a.stream_interval_ms}")
         fill_default_models(a)
+        conflict = check_conflicts(a, a.spec_mode, spec_mode_explicit(argv[1:]))  # (before any model loads)
+        if conflict:
+            print(f"specd: {conflict}", file=sys.stderr)
+            return 2
         from specd.serving.app import run_serve
 
         return run_serve(a) or 0

@@ -326,3 +326,132 @@ def fill_default_models(a) -> None:
     if a.draft is None and _head_arg(a) is None:
         d = builtin.draft_path()
         a.draft = str(d) if d is not None else None
+
+
+# option conflicts, found before any model loads ------------------------------------------------------
+MODEL_PROPOSER_MODES = ("chain", "tree", "static")  # need a draft model or a feature head
+
+
+def spec_mode_explicit(argv: list) -> bool:
+    """Whether ``specd serve``'s speculation mode was chosen (flag or SPECD_SPEC_MODE), not defaulted:
+    the default ``tree`` means "a tree where there is a drafter"; an explicit one needs it."""
+    return "SPECD_SPEC_MODE" in os.environ or any(t == "--spec-mode" or t.startswith("--spec-mode=") for t in argv)
+
+
+def check_conflicts(a, mode: str, explicit: bool = True) -> str | None:
+    """The first conflict among ``specd serve`` / ``generate`` options (``a``, after
+    ``fill_default_models``; ``mode``: the speculation mode asked for), as one line, or None. Only
+    flags and the checkpoints' config files are read (no weights): a mode without the drafter it
+    needs, a draft and a head together, a feature head or layers beyond Llama's under tensor
+    parallelism, int8 activations without quantized weights, a draft or head made for another
+    target (vocabulary, hidden size, layers), and what the engine config refuses."""
+    head, tp = _head_arg(a), getattr(a, "tensor_parallel_size", 1)
+    flag = "--spec" if mode == getattr(a, "spec", None) else "--spec-mode"
+    if head and a.draft:
+        return "a draft model (--draft) and a feature head (--head) were both given: one model proposer at a time"
+    if explicit and mode in MODEL_PROPOSER_MODES and not (a.draft or head):
+        return f"{flag} {mode} needs --draft DIR or --head DIR (or {flag} ngram: prompt lookup, no draft model)"
+    if mode == "head" and not head:
+        return f"{flag} head needs --head DIR (a feature head for the target)"
+    if tp > 1 and head:
+        return (
+            "a feature head reads the target's hidden states, which tensor-parallel ranks do not gather: "
+            "use --draft or --spec-mode ngram with --tensor-parallel-size"
+        )
+    if getattr(a, "act_quant", "auto") == "int8" and _unquantized(a):
+        return "--act-quant int8 needs quantized weights: --quantization int8|int4, or a .gguf target"
+    try:
+        engine_config(a)
+    except (ValueError, SystemExit) as e:
+        return str(e).removeprefix("specd: ")
+    return _checkpoint_conflict(a, head, tp)
+
+
+def _unquantized(a) -> bool:
+    q = getattr(a, "quantization", "auto")
+    return q == "none" or q == "auto" and a.target is not None and Path(a.target).is_dir()
+
+
+def _checkpoint_conflict(a, head: str | None, tp: int) -> str | None:
+    """Conflicts the target's, draft's and head's config files show (None where a file cannot be
+    read: the loader reports that, with its own message)."""
+    target = read_shape(a.target)
+    if target is None:
+        return None
+    if tp > 1 and target.get("beyond"):
+        return (
+            f"--tensor-parallel-size {tp}: tensor-parallel ranks run Llama layers only; {a.target} has "
+            f"{', '.join(target['beyond'])}"
+        )
+    draft = read_shape(a.draft) if a.draft else None
+    if draft is not None and draft["vocab_size"] != target["vocab_size"]:
+        return (
+            f"draft vocabulary ({draft['vocab_size']} tokens, {a.draft}) does not match the target's "
+            f"({target['vocab_size']} tokens, {a.target}): the draft must share the target's tokenizer"
+        )
+    made_for = _head_target(head) if head else None
+    if made_for:
+        for key, what in (("vocab_size", "vocabulary"), ("hidden_size", "hidden size")):
+            if made_for.get(key) is not None and made_for[key] != target[key]:
+                return (
+                    f"--head {head} was made for a target with {what} {made_for[key]}, not {target[key]} ({a.target})"
+                )
+        if made_for.get("max_layer") is not None and made_for["max_layer"] >= target["num_layers"]:
+            return f"--head {head} reads target layer {made_for['max_layer']}; {a.target} has {target['num_layers']}"
+    return None
+
+
+def read_shape(path) -> dict | None:
+    """vocab_size, hidden_size, num_layers and what its layers add to Llama's (``beyond``) of a
+    checkpoint folder's config.json or a GGUF file's metadata, without its weights; None when it
+    cannot be read."""
+    from specd.config import ModelConfig
+
+    if not path:
+        return None
+    p = Path(path)
+    try:
+        if not p.is_dir():
+            return _gguf_shape(p)
+        cfg = ModelConfig.from_hf(json.loads((p / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_layers": cfg.num_layers,
+        "beyond": cfg.beyond_llama(),
+    }
+
+
+def _gguf_shape(path: Path) -> dict:
+    """``read_shape`` of a GGUF file from its header alone (``gguf.quick_metadata``: the vocabulary
+    is not decoded); layers other than Llama's and Qwen2's count as beyond Llama's."""
+    from specd.model.gguf import quick_metadata
+
+    meta = quick_metadata(path)
+    arch = meta["general.architecture"]
+    return {
+        "vocab_size": int(meta["token_embd.weight"][0]),
+        "hidden_size": int(meta[f"{arch}.embedding_length"]),
+        "num_layers": int(meta[f"{arch}.block_count"]),
+        "beyond": [] if arch in ("llama", "qwen2") else [f"{arch}'s layers"],
+    }
+
+
+def _head_target(head: str) -> dict | None:
+    """What a feature head folder's config.json says of its target (vocabulary, hidden size, the
+    highest layer it reads): EAGLE-3's ``vocab_size`` / ``target_hidden_size`` /
+    ``eagle_aux_hidden_state_layer_ids``, specd's ``target_hidden_size`` / ``target_layers``."""
+    try:
+        cfg = json.loads((Path(head) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    spec = cfg.get("specd_head")
+    if isinstance(spec, dict):
+        layers = spec.get("target_layers") or []
+        return {"hidden_size": spec.get("target_hidden_size"), "max_layer": max(layers) if layers else None,
+                "vocab_size": spec.get("target_vocab_size")}  # fmt: skip
+    layers = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
+    return {"vocab_size": cfg.get("vocab_size"), "hidden_size": cfg.get("target_hidden_size"),
+            "max_layer": max(layers) if layers else None}  # fmt: skip

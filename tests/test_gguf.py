@@ -630,3 +630,17 @@ def test_smollm2_gguf_answers_paris(tmp_path):
     )
     seq = eng.generate([list(ids)], SamplingParams(temperature=0.0, max_tokens=24), SpecParams(mode="off"))[0]
     assert "Paris" in eng.output_text(seq)
+
+
+def test_quick_metadata_reads_the_header_as_the_reader_does(tmp_path):
+    """``quick_metadata`` (for checks before a load): every scalar as ``GGUFReader`` reads it, each
+    array's length, each tensor's torch shape."""
+    path, _ = model_gguf(tmp_path, "qwen2", Q.Q8_0, layers=1)
+    quick = sg.quick_metadata(path)
+    reader = gguf.GGUFReader(path)
+    meta = sg.read_metadata(reader, path)
+    for k, v in meta.items():
+        assert quick[k] == (len(v) if isinstance(v, list) else v), k
+    for t in reader.tensors:
+        assert quick[t.name] == tuple(int(n) for n in reversed(t.shape.tolist()))
+    assert quick["tokenizer.ggml.tokens"] == len(TOKENS) and quick["token_embd.weight"] == (len(TOKENS), 256)
