@@ -237,8 +237,9 @@ class Engine:
         mark = self.timings.now()
         self._enter("draft", seqs)
         proposals = self.speculator.draft(scheduled)
-        masks = self.constraints.constrain(scheduled, proposals)  # (prunes what the grammar forbids)
         mark = self.timings.add("draft", mark)
+        masks = self.constraints.constrain(scheduled, proposals)  # (prunes what the grammar forbids)
+        mark = self.timings.add("mask", mark)
         self._enter("forward", seqs)
         tp = target_pass(
             scheduled, proposals, self.target.model, self.cache.kv, self.cache.block_size, self.backend, self.capture
@@ -246,6 +247,7 @@ class Engine:
         mark = self.timings.add("forward", mark)
         self._enter("verify", seqs)
         self.constraints.apply(tp, masks)
+        mark = self.timings.add("mask", mark)
         results = verify(tp)
         mark = self.timings.add("verify", mark)
         self._stage = "commit"

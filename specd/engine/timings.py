@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-STAGES = ("schedule", "draft", "forward", "verify", "commit")
+STAGES = ("schedule", "draft", "mask", "forward", "verify", "commit")  # mask: grammars (specd.engine.constraints)
 
 
 class StageTimings:

@@ -1,0 +1,204 @@
+"""Structured outputs on the built-in model over the JSONSchemaBench sample (issue 41): how many
+schemas compile, compile time, whether every reply validates, what the mask costs per step, and
+decode speed constrained with speculation (``auto``) against constrained plain decoding, at batch 1
+and B, in one engine configured as ``specd serve`` (the built-in model, its feature head, ``auto``).
+
+Per schema a chat prompt asks for one JSON instance of it (the schema in the system message); every
+system decodes the same prompts with the same grammar, greedy, so constrained ``auto`` must give
+token for token what constrained plain gives (column "= off": replies identical to the first
+constrained system's). "decode tok/s" is steady state: the tokens
+after each group's first step over the time after it (prefill excluded), median over groups; "mask
+ms/step" is the engine's ``mask`` stage (tree masks, pruning, applying them) per step.
+
+    OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 python -m eval bench json --schemas 24 --batch 1,4 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+
+from eval import harness as H
+
+DATA = H.ROOT.parent / "shared" / "data" / "jsonschemabench" / "schemas.jsonl"
+SYSTEM = "Reply with one JSON value that is valid under this JSON schema, and nothing else.\nSchema: {schema}"
+USER = "Give a realistic example."
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--schemas", type=int, default=24, help="schemas decoded (round-robin over categories)")
+    ap.add_argument("--compile-all", action="store_true", help="compile every schema of the file (the rate)")
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--batch", default="1,4")
+    ap.add_argument("--systems", default="free,off,auto", help="free (unconstrained plain), off, auto, ngram, ...")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--serve-flags", default="", help="extra `specd serve` flags (space separated)")
+    ap.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
+def serve_engine(flags: list):
+    """An engine as ``specd serve FLAGS`` builds it, the built-in model (and head) when no --target."""
+    from specd.engine.engine import Engine
+    from specd.engine.warmup import warm_up
+    from specd.options import engine_config, fill_default_models, serve_parser
+
+    a = serve_parser().parse_args(flags)
+    fill_default_models(a)
+    engine = Engine(engine_config(a))
+    warm_up(engine)
+    return engine
+
+
+def load_rows(path: Path, n: int) -> list:
+    """``n`` rows of the sample, round-robin over its categories (file order within each)."""
+    by_cat = collections.defaultdict(list)
+    for line in path.open():
+        row = json.loads(line)
+        by_cat[row["category"]].append(row)
+    out, lists = [], list(by_cat.values())
+    for i in range(max(map(len, lists))):
+        out += [rows[i] for rows in lists if i < len(rows)]
+    return out[:n] if n else out
+
+
+def compile_rows(engine, rows: list) -> tuple:
+    """``(compiled rows, refusals {code: count}, compile seconds of the compiled ones)``."""
+    from specd.structured import GrammarError, GrammarSpec
+
+    ok, refused, secs = [], collections.Counter(), []
+    for row in rows:
+        spec = GrammarSpec("json_schema", row["schema"], "response_format")
+        t0 = time.perf_counter()
+        try:
+            engine.constraints.compiler.compile(spec)
+        except GrammarError as e:
+            refused[e.code] += 1
+            continue
+        secs.append(time.perf_counter() - t0)
+        ok.append((row, spec))
+    return ok, dict(refused), secs
+
+
+def validator():
+    """``valid(schema, value) -> bool``: jsonschema's validator when installed, else JSON parses."""
+    try:
+        import jsonschema
+    except ImportError:
+        return None
+    return lambda schema, value: jsonschema.Draft202012Validator(schema).is_valid(value)
+
+
+def run_group(engine, items: list, mode: str | None, max_tokens: int) -> dict:
+    """One group decoded together: tokens after the first step, the time after it, the replies."""
+    from specd.sampling.params import SamplingParams
+    from specd.speculation.request import SpecParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    seqs = [
+        engine.add_request(ids, params, SpecParams(mode=mode or "off"), grammar=None if mode is None else spec)
+        for ids, spec in items
+    ]
+    engine.step()
+    while not all(s.num_output > 0 or s.finished for s in seqs):
+        engine.step()
+    t0, n0 = time.perf_counter(), sum(s.num_output for s in seqs)
+    while not all(s.finished for s in seqs):
+        engine.step()
+    dt = time.perf_counter() - t0
+    return {"tokens": sum(s.num_output for s in seqs) - n0, "seconds": dt, "seqs": seqs}
+
+
+def run_system(engine, prompts: list, system: str, batch: int, max_tokens: int) -> dict:
+    mode = None if system == "free" else system
+    engine.timings.reset()
+    rates, replies, steps, errors = [], [], 0, 0
+    for i in range(0, len(prompts), batch):
+        g = run_group(engine, prompts[i : i + batch], mode, max_tokens)
+        if g["seconds"] > 0 and g["tokens"] > 0:
+            rates.append(g["tokens"] / g["seconds"])
+        for s in g["seqs"]:
+            replies.append(s.output_ids)
+            steps += s.stats.steps
+            errors += s.finish_reason == "error"
+    t = engine.timings.as_dict()
+    return {
+        "tok_s": H.median(rates),
+        "replies": replies,
+        "steps": steps,
+        "errors": errors,
+        "mask_ms_per_step": t["wall_ms_per_step"].get("mask", 0.0),
+        "step_ms": t["wall_ms_per_step"]["step"],
+    }
+
+
+def check_replies(engine, rows: list, replies: list, valid) -> dict:
+    """Replies that parse as JSON, and (with jsonschema) that validate."""
+    parsed = ok = 0
+    for (row, _), ids in zip(rows, replies):
+        text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+        try:
+            value = json.loads(text)
+        except ValueError:
+            continue
+        parsed += 1
+        ok += valid(row["schema"], value) if valid is not None else 1
+    return {"replies": len(replies), "json": parsed, "valid": ok if valid is not None else None}
+
+
+def prompts_for(engine, compiled: list) -> list:
+    out = []
+    for row, spec in compiled:
+        system = SYSTEM.format(schema=json.dumps(row["schema"], separators=(",", ":"))[:3000])
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": USER}]
+        ids = engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        out.append((list(ids)[-1500:], spec))
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    H.set_threads(args.threads)
+    engine = serve_engine(["--threads", str(args.threads), *args.serve_flags.split()])
+    rows = load_rows(args.data, 0 if args.compile_all else args.schemas * 2)
+    compiled, refused, secs = compile_rows(engine, rows)
+    H.log(f"compiled {len(compiled)}/{len(rows)} schemas; refused {refused}")
+    use = compiled[: args.schemas]
+    prompts = prompts_for(engine, use)
+    valid = validator()
+    results = {
+        "meta": H.run_meta("bench json", argv),
+        "compile": {"schemas": len(rows), "compiled": len(compiled), "refused": refused, "seconds": H.p50_p99(secs)},
+    }
+    table = []
+    for batch in [int(b) for b in args.batch.split(",")]:
+        ref = None
+        for system in args.systems.split(","):
+            r = run_system(engine, prompts, system, batch, args.max_tokens)
+            replies = r.pop("replies")
+            checks = check_replies(engine, use, replies, valid) if system != "free" else {}
+            if system != "free":
+                ref = replies if ref is None else ref
+                checks["same_as_first"] = sum(a == b for a, b in zip(replies, ref))
+            results[f"b{batch}:{system}"] = {**r, **checks}
+            cells = [checks.get(k) for k in ("json", "valid", "same_as_first")]
+            table.append(
+                [batch, system, r["tok_s"], r["steps"], r["mask_ms_per_step"], r["step_ms"], *cells, r["errors"]]
+            )
+            H.log(f"b{batch} {system}: {r['tok_s']:.1f} tok/s, {r['steps']} steps, {checks}")
+    out = H.out_dir(args.out, "bench_json")
+    H.write_json(out / "results.json", results)
+    heads = ["batch", "system", "decode tok/s", "steps", "mask ms/step", "step ms", "JSON", "valid", "= off", "errors"]
+    (out / "summary.md").write_text(H.md_table(heads, table) + "\n")
+    print(H.md_table(heads, table))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
