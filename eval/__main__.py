@@ -34,6 +34,7 @@ COMMANDS = {
     "costs": {
         "step": ("eval.step_costs", "the target's prefill chunks and W-row decode steps outside the engine"),
         "head": ("eval.head_costs", "a feature-head step piece by piece next to the target's"),
+        "grammar": ("eval.grammar_libs", "xgrammar vs llguidance on JSONSchemaBench: compile and mask times"),
     },
     "serve-check": {"": ("eval.serve_check", "start specd serve, ask /readyz and /healthz, stop it")},
     "train-demo": {"": ("eval.train_demo_pair", "train the demo pair (models/demo) on GSM8K")},
@@ -75,7 +76,8 @@ def main(argv=None) -> int:
         print(f"python -m eval: {e}\n\n{usage()}", file=sys.stderr)
         return 2
     sys.argv = [f"python -m eval {words}", *rest]  # the tool sees only its own arguments (argparse, --dry-run)
-    return importlib.import_module(module).main(rest) or 0
+    rc = importlib.import_module(module).main(rest)
+    return rc if isinstance(rc, int) else 0  # (a tool may return its results instead of a status)
 
 
 if __name__ == "__main__":
