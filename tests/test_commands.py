@@ -32,7 +32,6 @@ from specd.engine.commands import (
     EngineLimits,
     EngineSnapshot,
     LoadFailed,
-    OutputRecord,
     Ready,
     Refused,
     SeqState,
@@ -59,6 +58,7 @@ SAMPLES = {
     "stop_token_ids": (5,),
     "ignore_eos": True,
     "logprobs": 2,
+    "logit_bias": ((5, -2.0),),
 }
 
 
@@ -93,7 +93,7 @@ def _messages() -> list:
     stats = SpecStats()
     stats.record(4, 2, 1, "draft")
     state = SeqState("batch", SpecParams("chain"), 3, 2, 1.0, 1.5, 2.0, 3.0, 1, "stop", None, 16, stats)
-    rec = OutputRecord("r1", [7, 8], "ab", True, "stop", state, [(-0.5, [(7, -0.5)]), (-1.0, [])])
+    rec = ("r1", [7, 8], "ab", True, "stop", state, [(-0.5, [(7, -0.5)]), (-1.0, [])])  # (links.RECORD)
     snap = EngineSnapshot(kv_used=(3, 1), stats=stats, steps=9, health={"consecutive_failed": 0}, time=5.0)
     batch = Batch([Step([rec], 0.001), Step([], 0.002)], snap, ["RuntimeError: x"], [Refused("r2", "too_long", "m")])
     return [
@@ -277,8 +277,8 @@ def test_a_submit_reaches_the_engine_unchanged_through_the_thread_link():
 
 def test_a_submit_reaches_the_engine_unchanged_through_the_process_link_wire():
     """The process link's code on both ends of real OS pipes (``ProcessLink.send`` / ``decode``,
-    the child's ``PipeInlet``, ``pack_outputs``), in one process instead of two."""
-    from specd.engine.links import Pipe, PipeInlet, ProcessLink, pack_outputs
+    the child's ``PipeInlet``, ``pack_outputs`` / ``encode_batch``), in one process instead of two."""
+    from specd.engine.links import RECORD, Pipe, PipeInlet, ProcessLink, encode_batch, pack_outputs
 
     spy = SpyEngine(n=2)
     sub = Submit("p1", [4, 5], MinPParams(min_p=0.05, **SAMPLES), SpecParams("tree", 16), "interactive", "k2")
@@ -287,7 +287,7 @@ def test_a_submit_reaches_the_engine_unchanged_through_the_process_link_wire():
     child_in, child_out = Pipe(cmd_r, reader=True), Pipe(out_w, reader=False)
     from specd.engine.loop import EngineLoop
 
-    loop = EngineLoop(spy, PipeInlet(child_in), lambda b: child_out.send(b) or True, 0.0, pack_outputs)
+    loop = EngineLoop(spy, PipeInlet(child_in), lambda b: child_out.send(encode_batch(b)) or True, 0.0, pack_outputs)
     t = threading.Thread(target=loop.run, daemon=True)
     t.start()
     link = ProcessLink.__new__(ProcessLink)  # (no child process: this test is both ends)
@@ -299,7 +299,7 @@ def test_a_submit_reaches_the_engine_unchanged_through_the_process_link_wire():
     while not (outs and outs[-1].finished and snaps) and time.monotonic() < end:
         link._out.wait(1.0)
         for msg in link.read_raw():
-            assert isinstance(msg, Batch) and all(isinstance(r, OutputRecord) for s in msg.steps for r in s.outputs)
+            assert type(msg) is tuple and all(len(r) == len(RECORD) for records, _ in msg[0] for r in records)
             b = link.decode(msg)
             outs += [o for s in b.steps for o in s.outputs]
             snaps += [b.snapshot] if b.snapshot is not None else []
@@ -394,9 +394,10 @@ def test_every_sampling_field_is_read_by_name_at_every_door():
     )
     proto = pb.GenerateRequest.DESCRIPTOR.fields_by_name
     on_grpc = {k: v for k, v in SAMPLES.items() if k in proto}
-    assert set(SAMPLES) - set(on_grpc) == {"logprobs"}  # what gRPC does not carry (yet)
+    assert set(SAMPLES) - set(on_grpc) == {"logprobs", "logit_bias"}  # what gRPC does not carry (yet)
     args = _to_engine_args(pb.GenerateRequest(prompt="x", **{k: _json(v) for k, v in on_grpc.items()}))
-    assert RB.build_request(None, **{**args, "prompt": None, **ids}).params == dataclasses.replace(want, logprobs=None)
+    no_grpc = dataclasses.replace(want, logprobs=None, logit_bias=())
+    assert RB.build_request(None, **{**args, "prompt": None, **ids}).params == no_grpc
 
 
 def _json(v):

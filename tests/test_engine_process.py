@@ -296,14 +296,15 @@ def test_cpu_split_pins_the_server_to_the_first_cpu_and_the_engine_to_the_rest()
 
 
 def _drive(link, prompts_ids, max_tokens, tag):
-    """Run requests on a ProcessLink by hand: (pipe messages with steps, step records per request, tokens)."""
+    """Run requests on a ProcessLink by hand: (each pipe message with steps as a list of steps, each
+    step a list of (request id, tokens, first token?, finished?); tokens per request)."""
     import select
 
-    from specd.engine.commands import Batch, Submit
+    from specd.engine.commands import Submit
     from specd.engine.sequence import SpecParams
     from specd.sampling.params import SamplingParams
 
-    msgs, steps, toks, done = [], {}, {}, set()
+    msgs, toks, done = [], {}, set()
     for i, ids in enumerate(prompts_ids):
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         link.send(Submit(f"{tag}{i}", ids, params, SpecParams(mode="off")))
@@ -311,15 +312,18 @@ def _drive(link, prompts_ids, max_tokens, tag):
     while len(done) < len(prompts_ids) and time.monotonic() < end:
         select.select([link.fileno()], [], [], 1.0)
         for m in link.read_raw():
-            msgs.append(m)
+            steps = []
             for st in link.decode(m).steps:
+                first = [bool(o.token_ids) and not toks.get(o.request_id) for o in st.outputs]
+                steps.append([(o.request_id, o.token_ids, f, o.finished) for o, f in zip(st.outputs, first)])
                 for o in st.outputs:
-                    steps.setdefault(o.request_id, []).append(len(o.token_ids))
                     toks.setdefault(o.request_id, []).extend(o.token_ids)
                     if o.finished:
                         done.add(o.request_id)
+            if steps:
+                msgs.append(steps)
     assert len(done) == len(prompts_ids)
-    return [m for m in msgs if isinstance(m, Batch) and m.steps], steps, toks
+    return msgs, toks
 
 
 def test_stream_interval_holds_short_steps_but_never_first_or_last_tokens(shared_pair, reference):
@@ -334,30 +338,22 @@ def test_stream_interval_holds_short_steps_but_never_first_or_last_tokens(shared
     for interval in (0.05, 0.0):
         link = ProcessLink(engine_config(serve_args(num_blocks=256)), stream_interval_s=interval)
         try:
-            msgs, steps, toks = _drive(link, ids, 32, f"i{interval}-")
+            msgs, toks = _drive(link, ids, 32, f"i{interval}-")
         finally:
             link.close()
         for i, p in enumerate(PROMPTS):
             ref = reference[p, "off"][0]
             assert toks[f"i{interval}-{i}"] == ref
-            assert steps[f"i{interval}-{i}"] == [1] * len(ref)  # speculation off: one record per step, one token each
-        per_msg = [len(m.steps) for m in msgs]
+            per_step = [len(t) for m in msgs for st in m for rid, t, _, _ in st if rid == f"i{interval}-{i}"]
+            assert per_step == [1] * len(ref)  # speculation off: one record per step, one token each
+        per_msg = [len(m) for m in msgs]
         assert sum(per_msg) >= max(len(reference[p, "off"][0]) for p in PROMPTS)
         if interval == 0.0:
             assert max(per_msg) == 1
             continue
         assert len(msgs) < sum(per_msg) / 2, per_msg  # sub-millisecond steps: several per message
-        firsts = [
-            m
-            for m in msgs
-            if any(
-                r.state is not None and r.state.first_token_time and not r.finished
-                for st in m.steps
-                for r in st.outputs
-            )
-        ]
-        lasts = [m for m in msgs if any(r.finished for st in m.steps for r in st.outputs)]
+        firsts = [m for m in msgs if any(first and not fin for st in m for _, _, first, fin in st)]
+        lasts = [m for m in msgs if any(fin for st in m for *_, fin in st)]
         assert firsts and lasts
         for m in firsts + lasts:  # urgent outputs end their message: nothing after them was held back
-            last_step = m.steps[-1].outputs
-            assert any(r.state is not None for r in last_step)
+            assert any(first or fin for _, _, first, fin in m[-1])

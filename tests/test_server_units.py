@@ -38,6 +38,7 @@ def test_parse_generate_defaults_and_fields():
             "stop_token_ids": [2],
             "ignore_eos": True,
             "logprobs": 2,
+            "logit_bias": {"7": -1},
             "priority": "batch",
             "speculation": {"mode": "chain", "max_draft_tokens": 4},
             "future_field": 1,
@@ -45,7 +46,15 @@ def test_parse_generate_defaults_and_fields():
     )
     assert r.messages == [{"role": "user", "content": "a"}] and r.max_tokens == 5
     assert {f: getattr(r.params, f) for f in SAMPLING_FIELDS if f != "max_tokens"} == dict(
-        temperature=0.0, top_p=0.5, top_k=3, seed=9, stop=("\n",), stop_token_ids=(2,), ignore_eos=True, logprobs=2
+        temperature=0.0,
+        top_p=0.5,
+        top_k=3,
+        seed=9,
+        stop=("\n",),
+        stop_token_ids=(2,),
+        ignore_eos=True,
+        logprobs=2,
+        logit_bias=((7, -1.0),),
     )
     assert (r.spec.mode, r.spec.max_draft_tokens, r.priority) == ("chain", 4, "batch")
     p = r.sampling(prompt_tokens=1, max_model_len=64)

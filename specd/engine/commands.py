@@ -13,8 +13,8 @@ engine loop -> client
     ``Ready`` / ``LoadFailed``  the engine process is up (its ``EngineLimits``) / could not load
     ``Batch``     the outputs of one or more engine ``Step``s, a snapshot or None, the exceptions that
                   escaped ``Engine.step()`` and the requests the engine ``Refused`` on arrival; a
-                  batch without steps is a heartbeat (a snapshot while a long step runs, or idle)
-    ``OutputRecord``  a ``RequestOutput`` on the process link's wire, with the request's figures
+                  batch without steps is a heartbeat (a snapshot while a long step runs, or idle);
+                  from the engine process each output comes with the request's figures
                   (``SeqState``) on its first token and at its end
 
 A request is validated once (``specd.engine.requests``): ``Submit`` checks what it carries beyond
@@ -25,8 +25,6 @@ and nothing here changes.
 
 from __future__ import annotations
 
-import dataclasses
-import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +39,6 @@ __all__ = [
     "EngineLimits",
     "EngineSnapshot",
     "LoadFailed",
-    "OutputRecord",
     "Ready",
     "Refused",
     "SeqState",
@@ -51,14 +48,6 @@ __all__ = [
     "Stop",
     "Submit",
 ]
-
-
-def _by_position(cls):
-    """Pickle ``cls`` (a frozen dataclass sent once per step) as its class and its field values in
-    order: about half the cost of pickling its fields by name, on the engine's step path."""
-    get = operator.attrgetter(*(f.name for f in dataclasses.fields(cls)))
-    cls.__reduce__ = lambda self: (cls, get(self))
-    return cls
 
 
 # client -> engine loop -----------------------------------------------------------------------------
@@ -191,7 +180,6 @@ SEQ_FIELDS = (
 )
 
 
-@_by_position
 @dataclass(frozen=True, slots=True)
 class SeqState:
     """A request's figures as the engine process saw them (what the servers read of ``out.seq``)."""
@@ -215,25 +203,10 @@ class SeqState:
         return cls(*(getattr(seq, k) for k in SEQ_FIELDS))
 
 
-@_by_position
-@dataclass(frozen=True, slots=True)
-class OutputRecord:
-    """One ``RequestOutput`` on the process link (``state`` on a request's first token and at its end)."""
-
-    request_id: str
-    token_ids: list
-    text: str
-    finished: bool
-    finish_reason: str | None
-    state: SeqState | None
-    logprobs: list | None
-
-
-@_by_position
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One engine step's outputs (``RequestOutput``s in a thread, ``OutputRecord``s on the process
-    link's wire) and how long it took."""
+    """One engine step's outputs and how long it took (``RequestOutput``s; in the engine process, its
+    wire records until the parent decodes them: ``specd.engine.links``)."""
 
     outputs: list
     seconds: float

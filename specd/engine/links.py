@@ -16,14 +16,18 @@ Both run the one ``specd.engine.loop.EngineLoop`` and exchange the typed message
 The process link's wire: two OS pipes (``Pipe``: pickled messages in length-prefixed frames). The
 parent sends ``Start`` (the ``EngineConfig``, log level, stream interval), waits for ``Ready`` (the
 child's ``EngineLimits``, after loading and warming up) or ``LoadFailed``, then sends commands as
-they are. The child sends each ``Batch`` with its steps' outputs as ``OutputRecord``s (the request's
-``SeqState``, timestamps, counters and speculation stats, on its first token and at its end);
-``ProcessLink.decode`` turns them back into ``RequestOutput``s whose ``seq`` is a ``RemoteSeq`` with
-those figures. The server validates requests itself (``EngineLimits.validate``) and tokenizes with
-its own tokenizer. The event loop reads the pipe (``loop.add_reader``): no relay thread. A child that
-dies fails every running request (``internal``) and turns ``alive`` false, which ``/healthz`` and the
-systemd watchdog report. The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process
-group; the parent drains first) and exits when told to or when the parent's end of the pipe closes.
+they are. The child sends each ``Batch`` as builtins (``encode_batch``; pickling a dataclass per
+output would cost 1-2 us each on the engine's step path): ``(steps, snapshot, errors, refused)``,
+each step ``(records, seconds)``, each record a ``RequestOutput``'s fields in ``RECORD`` order with
+the request's ``SeqState`` (timestamps, counters, speculation stats) on its first token and at its
+end. ``ProcessLink.decode`` turns it back into a ``Batch`` of ``RequestOutput``s whose ``seq`` is a
+``RemoteSeq`` with those figures; the two ends of the encoding are ``pack_outputs`` /
+``encode_batch`` and ``decode`` / ``_outputs`` here, and nowhere else. The server validates
+requests itself (``EngineLimits.validate``) and tokenizes with its own tokenizer. The event loop
+reads the pipe (``loop.add_reader``): no relay thread. A child that dies fails every running request
+(``internal``) and turns ``alive`` false, which ``/healthz`` and the systemd watchdog report. The
+child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group; the parent drains first)
+and exits when told to or when the parent's end of the pipe closes.
 
 The child is ``python -m <entry> CMD_FD OUT_FD`` running ``serve_child``: ``specd.engine.links``
 itself (plain log lines) or a module that sets up its own logs (``specd.serving.engine_proc``).
@@ -52,7 +56,6 @@ from specd.engine.commands import (
     Command,
     EngineLimits,
     LoadFailed,
-    OutputRecord,
     Ready,
     SeqState,
     Start,
@@ -71,8 +74,10 @@ __all__ = [
     "CommandQueue",
     "Pipe",
     "ProcessLink",
+    "RECORD",
     "RemoteSeq",
     "ThreadLink",
+    "encode_batch",
     "pack_outputs",
     "serve_child",
 ]
@@ -293,16 +298,25 @@ class PipeInlet:
         return self.pipe.read()
 
 
+# a RequestOutput on the wire: these fields in this order (state: a SeqState on the first token and at the end)
+RECORD = ("request_id", "token_ids", "text", "finished", "finish_reason", "state", "logprobs")
+
+
 def pack_outputs(outs: list) -> list:
-    """A step's ``RequestOutput``s as ``OutputRecord``s, with the request's state on its first token
-    and at its end."""
+    """A step's ``RequestOutput``s as wire records (``RECORD``), with the request's ``SeqState`` on
+    its first token and at its end (the engine loop's ``pack``, as each step ends)."""
     packed = []
     for o in outs:
         seq = o.seq
         first = bool(o.token_ids) and seq.num_output == len(o.token_ids)
         state = SeqState.of(seq) if o.finished or first else None
-        packed.append(OutputRecord(o.request_id, o.token_ids, o.text, o.finished, o.finish_reason, state, o.logprobs))
+        packed.append((o.request_id, o.token_ids, o.text, o.finished, o.finish_reason, state, o.logprobs))
     return packed
+
+
+def encode_batch(b: Batch) -> tuple:
+    """A ``Batch`` (its steps' outputs already packed) as the wire's builtins."""
+    return ([(s.outputs, s.seconds) for s in b.steps], b.snapshot, b.errors, b.refused)
 
 
 def _send(conn: Pipe, msg) -> bool:
@@ -355,7 +369,8 @@ def serve_child(cmd_fd: int, out_fd: int, setup_logging: Callable[[int], None] =
     eng = _load(start.cfg, out)
     if eng is None:
         return
-    EngineLoop(eng, PipeInlet(cmd), lambda b: _send(out, b), start.stream_interval_s, pack_outputs).run()
+    outlet = lambda b: _send(out, encode_batch(b))  # noqa: E731
+    EngineLoop(eng, PipeInlet(cmd), outlet, start.stream_interval_s, pack_outputs).run()
 
 
 # the parent ----------------------------------------------------------------------------------------
@@ -531,29 +546,28 @@ class ProcessLink:
             return []
 
     def decode(self, msg) -> Batch | None:
-        """A ``Batch`` from the child with its outputs as ``RequestOutput``s (None for other messages)."""
-        if not isinstance(msg, Batch):
+        """A batch from the child (``encode_batch``) as a ``Batch`` of ``RequestOutput``s (None for
+        any other message)."""
+        if type(msg) is not tuple:
             return None
-        for r in msg.refused:
+        steps, snapshot, errors, refused = msg
+        for r in refused:
             self._seqs.pop(r.request_id, None)
-        steps = [Step(self._outputs(s.outputs), s.seconds) for s in msg.steps]
-        return Batch(steps, msg.snapshot, msg.errors, msg.refused)
+        return Batch([Step(self._outputs(records), dt) for records, dt in steps], snapshot, errors, refused)
 
     def _outputs(self, records: list) -> list:
         outs = []
-        for r in records:
-            seq = self._seqs.get(r.request_id)
+        for rid, toks, text, finished, reason, state, lps in records:  # (RECORD)
+            seq = self._seqs.get(rid)
             if seq is None:
                 continue
-            seq.num_output += len(r.token_ids)
-            if r.state is not None:
-                seq.update(r.state)
-            if r.finished:
-                del self._seqs[r.request_id]
-            err = seq.error if r.finish_reason == "error" else None
-            outs.append(
-                RequestOutput(r.request_id, r.token_ids, r.text, r.finished, r.finish_reason, seq, err, r.logprobs)
-            )
+            seq.num_output += len(toks)
+            if state is not None:
+                seq.update(state)
+            if finished:
+                del self._seqs[rid]
+            err = seq.error if reason == "error" else None
+            outs.append(RequestOutput(rid, toks, text, finished, reason, seq, err, lps))
         return outs
 
     def _on_readable(self) -> None:

@@ -8,11 +8,11 @@ validation (``request_build.check_fields``) as the body is parsed, a refusal nam
 Supported: chat (``messages``), completions (``prompt``: a string, a list of one string, token ids),
 responses (``input``: a string or message items, ``instructions``, ``previous_response_id``). Sampling:
 ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``, ``temperature``, ``top_p``,
-``seed``, ``stop``, ``n`` = 1, plus the extensions ``top_k``, ``stop_token_ids``, ``ignore_eos``,
-``priority`` and ``speculation`` ({mode: auto|off|chain|tree, max_draft_tokens}). Log-probabilities:
+``seed``, ``stop``, ``logit_bias``, ``n`` = 1, plus the extensions ``top_k``, ``stop_token_ids``,
+``ignore_eos``, ``priority`` and ``speculation`` ({mode: auto|off|chain|tree, max_draft_tokens}). Log-probabilities:
 chat ``logprobs: true`` with ``top_logprobs`` 0..20, completions ``logprobs`` 0..20 (the engine's
 ``SamplingParams.logprobs``). Fields that would change the output in ways the engine cannot honour
-(penalties, ``logit_bias``, tools, JSON response formats, ``n`` > 1, ``echo``, ``best_of``,
+(penalties, tools, JSON response formats, ``n`` > 1, ``echo``, ``best_of``,
 ``suffix``; log-probabilities on ``/v1/responses``) are refused with 400 ``unsupported_parameter``
 rather than silently ignored; unknown fields are ignored.
 """
@@ -113,7 +113,7 @@ def _refuse_unsupported(b: dict) -> None:
     for key in ("presence_penalty", "frequency_penalty"):
         if _number(b, key) not in (None, 0.0):
             raise _unsupported(key, f"'{key}' is not supported (only 0)")
-    for key in ("logit_bias", "tools", "functions"):
+    for key in ("tools", "functions"):
         if b.get(key):
             raise _unsupported(key, f"'{key}' is not supported")
     if _int(b, "n") not in (None, 1):
