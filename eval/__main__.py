@@ -18,6 +18,7 @@ COMMANDS = {
         "real": ("eval.bench_real", "decode speed on Spec-Bench: specd vs transformers, llama.cpp, CTranslate2"),
         "groups": ("eval.bench_groups", "groups of B requests started together: makespan and each one's completion"),
         "tp": ("eval.bench_tp", "tensor parallelism: TP=2 vs TP=1, decode tokens/s and the collectives' cost"),
+        "json": ("eval.bench_constrained", "structured outputs on JSONSchemaBench: validity, mask cost, auto vs plain"),
     },
     "accept": {
         "rates": ("eval.acceptance", "acceptance per category and mode, speedup over target-only, theory check"),
