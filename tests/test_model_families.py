@@ -15,6 +15,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,6 +29,7 @@ from specd.model.loader import LoadError, load_model
 from specd.sampling.params import SamplingParams
 from tests.test_cpu_attention import _tree_mask
 from tests.test_gguf import MERGES, TOKEN_TYPES, TOKENS
+from tests.test_gguf import gguf_name as GGUF_NAME
 
 TOL = 1e-4
 CPU = torch.device("cpu")
@@ -402,6 +404,7 @@ GGUF_FAMILIES = {  # what a GGUF file can say: llama.cpp's fixed Gemma layer pat
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),  # fmt: skip
+    "phi3": FAMILIES["phi3"],
 }
 GGUF_NORMS = {  # HF norm modules whose GGUF names tests/test_gguf.py's writer does not know
     "self_attn.q_norm": "attn_q_norm",
@@ -413,10 +416,23 @@ GGUF_NORMS = {  # HF norm modules whose GGUF names tests/test_gguf.py's writer d
 }
 
 
+def _fused_gguf_name(hf: str) -> str:
+    """tests/test_gguf.py's GGUF names, plus Phi-3's fused projections (``attn_qkv``, ``ffn_up``)."""
+    i = hf.split(".")[2] if hf.startswith("model.layers.") else None
+    if ".qkv_proj." in hf:
+        return f"blk.{i}.attn_qkv.weight"
+    if ".gate_up_proj." in hf:
+        return f"blk.{i}.ffn_up.weight"
+    return GGUF_NAME(hf)
+
+
 def family_gguf(tmp_path: Path, name: str, qtype) -> tuple[Path, object]:
     """(a GGUF file laid out as llama.cpp's converter writes ``name``'s model, the transformers model):
-    Gemma's norms stored as 1 + w, q/k norms under their own names, the metadata llama.cpp reads."""
-    from tests.test_gguf import write_gguf
+    Gemma's norms stored as 1 + w, q/k norms under their own names, Phi-3's fused projections and
+    LongRoPE factor tensors, the metadata llama.cpp reads."""
+    from unittest import mock
+
+    from tests import test_gguf
 
     arch = family_of(name)
     model = hf_model(arch, **GGUF_FAMILIES[name])
@@ -424,6 +440,7 @@ def family_gguf(tmp_path: Path, name: str, qtype) -> tuple[Path, object]:
     cfg = model.config.to_dict()
     gemma = arch.startswith("gemma")
     cfg["rope_theta"] = (cfg["rope_parameters"].get("full_attention") or cfg["rope_parameters"])["rope_theta"]
+    cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     weights, extra = {}, {}
     for k, v in model.state_dict().items():
         w = v.detach().numpy()
@@ -441,7 +458,15 @@ def family_gguf(tmp_path: Path, name: str, qtype) -> tuple[Path, object]:
         meta.update({f"{arch}.{k}": cfg[k] for k in ("attn_logit_softcapping", "final_logit_softcapping")})
     if arch == "gemma3":
         meta.update({f"{arch}.rope.scaling.type": "linear", f"{arch}.rope.scaling.factor": 4.0})
-    path = write_gguf(tmp_path / f"{name}.gguf", arch, cfg, weights, qtype, meta=meta, extra=extra)
+    if arch == "phi3":
+        rope = cfg["rope_parameters"]
+        meta.update({"phi3.rope.dimension_count": int(cfg["head_dim"] * cfg["partial_rotary_factor"]),
+                     "phi3.rope.scaling.original_context_length": cfg["original_max_position_embeddings"],
+                     "phi3.attention.sliding_window": 0})  # fmt: skip
+        extra["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+        extra["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
+    with mock.patch.object(test_gguf, "gguf_name", _fused_gguf_name):
+        path = test_gguf.write_gguf(tmp_path / f"{name}.gguf", arch, cfg, weights, qtype, meta=meta, extra=extra)
     return path, model
 
 

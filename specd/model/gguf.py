@@ -48,7 +48,7 @@ from specd.model.errors import LoadError
 GGUF_MAGIC = b"GGUF"
 FORMAT_VERSION = 1  # part of the cache key: bump when the conversion output changes
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # general.architecture (Mistral says "llama")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # general.architecture (Mistral: "llama")
 HF_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -56,6 +56,7 @@ HF_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the GGUF architecture
 GEMMA = ("gemma2", "gemma3")
@@ -92,7 +93,17 @@ def layer_names(arch: str | None = None) -> dict:
         names.update(_QK_NORMS)
     if arch in GEMMA:
         names.update(_GEMMA_NORMS)
+    if arch == "phi3":  # fused as transformers' Phi-3 keeps them (llama.cpp's ffn_up is gate and up)
+        names.update({"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"})
     return names
+
+
+def layer_projections(tensors: dict, i: int) -> tuple[list, list]:
+    """(the q/k/v tensor kinds, the gate/up ones) of layer i in a file: one fused tensor each in a
+    Phi-3 file (``attn_qkv``, ``ffn_up``), else three and two, stacked by rows in this order."""
+    if f"blk.{i}.attn_qkv.weight" in tensors:
+        return ["attn_qkv"], ["ffn_up"]
+    return ["attn_q", "attn_k", "attn_v"], ["ffn_gate", "ffn_up"]
 
 
 def layer_norms(blk) -> list:
@@ -107,6 +118,8 @@ def layer_norms(blk) -> list:
 
 
 ROPE_FREQS = "rope_freqs.weight"
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's LongRoPE
+NOT_WEIGHTS = (ROPE_FREQS, *ROPE_FACTORS)  # tensors that are RoPE parameters, not model weights
 log = logging.getLogger("specd.gguf")
 
 
@@ -315,7 +328,7 @@ def hf_config(meta: dict, reader, path: Path) -> tuple[dict, dict]:
         raise LoadError(f"{path}: metadata {arch}.embedding_length / attention.head_count must be positive")
     head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
     rot = meta.get(f"{arch}.rope.dimension_count")
-    if rot is not None and int(rot) != head_dim:
+    if rot is not None and int(rot) != head_dim and arch != "phi3":
         raise LoadError(
             f"{path}: partial rotary embeddings ({arch}.rope.dimension_count {rot}, head size "
             f"{head_dim}) are unsupported"
@@ -357,6 +370,8 @@ def _family_config(meta: dict, arch: str, model_type: str, cfg: dict, tensors: d
         out["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")  # llama.cpp keeps none
     if arch != "qwen2":
         out.update(attention_bias="blk.0.attn_q.bias" in tensors, mlp_bias=False)
+    if arch == "phi3":
+        out.update(_phi3_config(meta, cfg, tensors))
     if arch in GEMMA:
         heads, d, n = cfg["num_attention_heads"], cfg["hidden_size"], cfg["num_hidden_layers"]
         big = n == (46 if arch == "gemma2" else 62)  # the 27B models: llama.cpp scales by d / heads
@@ -375,6 +390,29 @@ def _family_config(meta: dict, arch: str, model_type: str, cfg: dict, tensors: d
             local = {"rope_type": "default", "rope_theta": 10000.0}
             out["rope_parameters"] = {"full_attention": cfg["rope_parameters"], "sliding_attention": local}
             out["layer_types"] = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    return out
+
+
+def _phi3_config(meta: dict, cfg: dict, tensors: dict) -> dict:
+    """Phi-3's partial rotary (``rope.dimension_count``), sliding window (0: none, Phi-4) and LongRoPE
+    (``rope_factors_long`` / ``_short`` tensors, the original context in the metadata)."""
+    out: dict = {"sliding_window": int(meta.get("phi3.attention.sliding_window", 0)) or None}
+    rot = int(meta.get("phi3.rope.dimension_count") or cfg["head_dim"])
+    if rot != cfg["head_dim"]:
+        out["partial_rotary_factor"] = rot / cfg["head_dim"]
+    orig = meta.get("phi3.rope.scaling.original_context_length")
+    if orig is not None:
+        out["original_max_position_embeddings"] = int(orig)
+    if all(n in tensors for n in ROPE_FACTORS):
+        out["rope_parameters"] = {
+            "rope_type": "longrope",
+            "rope_theta": cfg["rope_parameters"]["rope_theta"],
+            "long_factor": [float(x) for x in _dequantize(tensors[ROPE_FACTORS[0]], "")],
+            "short_factor": [float(x) for x in _dequantize(tensors[ROPE_FACTORS[1]], "")],
+            "original_max_position_embeddings": int(orig or cfg["max_position_embeddings"]),
+        }
+        if rot != cfg["head_dim"]:
+            out["rope_parameters"]["partial_rotary_factor"] = rot / cfg["head_dim"]
     return out
 
 
@@ -444,6 +482,12 @@ def expected_shapes(cfg: dict) -> dict:
                 p + "mlp.down_proj.weight": (d, inter),
             }
         )
+        if cfg["model_type"] == "phi3":
+            for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+                del out[p + n + ".weight"]
+            out.update(
+                {p + "self_attn.qkv_proj.weight": (q + 2 * kv, d), p + "mlp.gate_up_proj.weight": (2 * inter, d)}
+            )
         if bias:
             out.update(
                 {
@@ -465,7 +509,7 @@ def check_tensors(reader, cfg: dict, path: Path) -> None:
             raise LoadError(
                 f"{path}: unsupported tensor type {kind} for {t.name}; supported: {', '.join(SUPPORTED_TYPES)}"
             )
-        if t.name == ROPE_FREQS:
+        if t.name in NOT_WEIGHTS:
             continue
         name = hf_name(t.name, gguf_arch(cfg))
         if name not in want:
@@ -512,7 +556,7 @@ def hf_state_dict(reader, cfg: dict, path: Path, progress: bool = False) -> dict
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     arch = gguf_arch(cfg)
     out = {}
-    tensors = [t for t in reader.tensors if t.name != ROPE_FREQS]
+    tensors = [t for t in reader.tensors if t.name not in NOT_WEIGHTS]
     for t in _progress(tensors, progress, path):
         w = _dequantize(t, path)
         kind = t.name.split(".")[-2]

@@ -153,7 +153,7 @@ def _set_linear(parent: nn.Module, name: str, op, bias: torch.Tensor | None) -> 
 
 def _layer(blk, i: int, tensors: dict, mode: str, path: Path, perm_heads: dict | None) -> None:
     """Layer ``i``'s norms and projections from the file (q/k/v and gate/up fused by rows)."""
-    from specd.model.gguf import _dequantize, layer_norms, unpermute_qk
+    from specd.model.gguf import _dequantize, layer_norms, layer_projections, unpermute_qk
 
     def t(name):
         return tensors[f"blk.{i}.{name}.weight"]
@@ -164,7 +164,7 @@ def _layer(blk, i: int, tensors: dict, mode: str, path: Path, perm_heads: dict |
         n = int(t(name).shape[-1])  # rows (ggml dims are innermost first)
         return unpermute_qk(np.arange(n).reshape(n, 1), perm_heads[name])[:, 0]
 
-    qkv = ["attn_q", "attn_k", "attn_v"]
+    qkv, gate_up = layer_projections(tensors, i)  # (Phi-3: one fused tensor each)
     bias = None
     if f"blk.{i}.attn_q.bias" in tensors:
         bs = [torch.from_numpy(_dequantize(tensors[f"blk.{i}.{n}.bias"], path)) for n in qkv]
@@ -172,7 +172,7 @@ def _layer(blk, i: int, tensors: dict, mode: str, path: Path, perm_heads: dict |
         bias = torch.cat(bs)
     _set_linear(blk.attn, "qkv", projection([t(n) for n in qkv], mode, path, [perm(n) for n in qkv]), bias)
     _set_linear(blk.attn, "o", projection([t("attn_output")], mode, path), None)
-    _set_linear(blk.mlp, "gate_up", projection([t("ffn_gate"), t("ffn_up")], mode, path), None)
+    _set_linear(blk.mlp, "gate_up", projection([t(n) for n in gate_up], mode, path), None)
     _set_linear(blk.mlp, "down", projection([t("ffn_down")], mode, path), None)
     for norm, name in layer_norms(blk):  # (Qwen3's q/k norms, Gemma's four: the file's 1 + w as they are)
         norm.weight = nn.Parameter(torch.from_numpy(_dequantize(t(name), path)), requires_grad=False)
