@@ -80,8 +80,8 @@ class EngineLoop:
 
     ``inlet``: ``take()`` -> commands, ``wait(timeout)``, ``closed``. ``outlet(batch) -> bool``: False
     once the client is gone. ``pack(outputs)``: what a step's outputs travel as (identity in a thread;
-    ``OutputRecord``s to a parent process), called as the step ends. Only ``run()``'s thread touches
-    the engine."""
+    wire records to a parent process: ``specd.engine.links.pack_outputs``), called as the step ends.
+    Only ``run()``'s thread touches the engine."""
 
     def __init__(self, engine, inlet, outlet: Callable[[Batch], bool], interval_s: float, pack=None, snapshot=None):
         self.engine = engine
