@@ -20,6 +20,7 @@ __all__ = ["apply_bitmask_", "full_bitmask", "pack", "unpack", "words"]
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
 _NEG_INF_BITS = int(torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32))
+ROWS_PER_PASS = 8  # rows masked at once: 8 x 49,152 int32 temporaries (1.5 MB) fit a core's L2
 
 
 def words(vocab_size: int) -> int:
@@ -65,8 +66,9 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tens
     logits:  [N, V'] float (any V'; columns past the bitmask's 32 W are forbidden)
     bitmask: [N, W] int32, or [len(rows), W] with ``rows`` [k] int64: only those rows of ``logits``
 
-    fp32 logits are masked with integer operations on their bits (0 for allowed, all ones for
-    forbidden: ``bits & ~f | (f & bits(-inf))``), ~5x faster on a CPU than ``masked_fill_``.
+    fp32 logits are masked with integer operations on their bits, in place (``bits & keep |
+    (~keep & bits(-inf))``, ``keep`` all ones for an allowed token), ~5x faster on a CPU than
+    ``masked_fill_``; rows go ``ROWS_PER_PASS`` at a time so the temporaries stay in cache.
     """
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
         raise ValueError("logits must be 2-D and bitmask 2-D int32")
@@ -84,11 +86,16 @@ def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tens
 
 def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     covered = min(logits.shape[1], bitmask.shape[1] * 32)
-    forbid = _bits(bitmask, covered) - 1  # [n, covered] int32: 0 allowed, -1 (all bits set) forbidden
-    head = logits[:, :covered]
-    if logits.dtype == torch.float32 and logits.is_contiguous() and covered == logits.shape[1]:
-        raw = head.view(torch.int32)
-        raw.bitwise_and_(~forbid).bitwise_or_(forbid & _NEG_INF_BITS)
-    else:
-        head.masked_fill_(forbid.bool(), float("-inf"))
     logits[:, covered:] = float("-inf")
+    fast = logits.dtype == torch.float32 and logits.is_contiguous() and covered == logits.shape[1]
+    for r in range(0, logits.shape[0], ROWS_PER_PASS):  # a pass's temporaries stay in the L2 cache
+        rows = slice(r, r + ROWS_PER_PASS)
+        keep = _bits(bitmask[rows], covered)  # [c, covered] int32: 1 allowed, 0 forbidden
+        if not fast:
+            logits[rows, :covered].masked_fill_(keep == 0, float("-inf"))
+            continue
+        raw = logits[rows].view(torch.int32)  # [c, V] the logits' bits
+        keep.neg_()  # -1 (all bits) allowed, 0 forbidden
+        raw.bitwise_and_(keep)  # forbidden -> 0
+        keep.bitwise_not_().bitwise_and_(_NEG_INF_BITS)  # forbidden -> bits(-inf), allowed -> 0
+        raw.bitwise_or_(keep)
