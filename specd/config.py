@@ -449,6 +449,9 @@ class EngineConfig:
     # the target split over this many ranks (specd.engine.tensor_parallel); threads then count per rank
     tensor_parallel_size: int = 1
     tensor_parallel_lm_head: str = "split"  # split (by vocabulary, gathered once) | rank0 (whole head on rank 0)
+    # CUDA GEMMs / RMSNorm whose reduction order does not depend on the step's rows (specd.model.invariant):
+    # on | off | auto (on in any step that holds a greedy row); a CPU is batch-invariant already
+    batch_invariant: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -466,6 +469,8 @@ class EngineConfig:
             raise ValueError(f"attention backend must be auto|cpu|torch|triton, got {self.attention_backend!r}")
         if not isinstance(self.tensor_parallel_size, int) or not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"tensor_parallel_size must be an integer in 1..64, got {self.tensor_parallel_size!r}")
+        if self.batch_invariant not in ("auto", "on", "off"):
+            raise ValueError(f"batch_invariant must be auto|on|off, got {self.batch_invariant!r}")
         if self.tensor_parallel_lm_head not in ("split", "rank0"):
             raise ValueError(f"tensor_parallel_lm_head must be split|rank0, got {self.tensor_parallel_lm_head!r}")
         if self.tensor_parallel_size > 1 and self.quantization in ("int8", "int4", "gguf"):

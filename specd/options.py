@@ -141,6 +141,14 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
         help="auto (triton on CUDA, cpu on a CPU where specd's kernel builds, else torch) | cpu | torch | triton",
     )
     p.add_argument(
+        "--batch-invariant",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="CUDA: GEMMs and RMSNorm whose reduction order does not depend on how many rows a step holds "
+        "(Triton, specd_kernels.batch_invariant), so greedy speculative output equals plain output token "
+        "for token; auto: in every step that holds a greedy request; off: cuBLAS (a CPU is invariant anyway)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -222,6 +230,7 @@ def engine_config(a):
         act_quant=getattr(a, "act_quant", "auto"),
         threads=getattr(a, "threads", None),
         tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
+        batch_invariant=getattr(a, "batch_invariant", "auto"),
         cache=CacheConfig(
             block_size=a.block_size,
             num_blocks=a.num_blocks,
