@@ -217,6 +217,8 @@ def _rope(cfg: dict, arch: str) -> tuple:
     scaling = None
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         scaling = dict(rope)
+        if scaling.get("rope_type", scaling.get("type")) == "su":  # (early Phi-3 128k configs' name for it)
+            scaling["rope_type"] = "longrope"
         if scaling.get("rope_type", scaling.get("type")) == "longrope":  # Phi-3: the factors' context
             orig = scaling.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
             scaling["original_max_position_embeddings"] = int(orig or cfg.get("max_position_embeddings", 4096))

@@ -518,3 +518,18 @@ def test_unsupported_architectures_are_one_line_load_errors(tmp_path, monkeypatc
     with pytest.raises(LoadError, match=r"unsupported architecture 'qwen3moe'.*qwen3, gemma2, gemma3") as e:
         load_model(path, "cpu", "float32")
     assert "\n" not in str(e.value)
+
+
+def test_phi3_su_scaling_is_longrope():
+    """Early Phi-3 128k configs call LongRoPE ``su``: the same tables."""
+    from specd.config import ModelConfig
+    from specd.model.llama import Rotary
+
+    base = dict(architectures=["Phi3ForCausalLM"], vocab_size=10, hidden_size=64, intermediate_size=32,
+                num_hidden_layers=1, num_attention_heads=4, max_position_embeddings=256,
+                original_max_position_embeddings=64)  # fmt: skip
+    factors = dict(short_factor=[1.0 + i / 8 for i in range(8)], long_factor=[3.0 + i for i in range(8)])
+    su = Rotary(ModelConfig.from_hf({**base, "rope_scaling": {"type": "su", **factors}}), 100)
+    lr = Rotary(ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "longrope", **factors}}), 100)
+    plain = Rotary(ModelConfig.from_hf(base), 100)
+    assert torch.equal(su.cos, lr.cos) and torch.equal(su.sin, lr.sin) and not torch.equal(su.cos, plain.cos)
