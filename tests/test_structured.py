@@ -372,6 +372,11 @@ def test_apply_bitmask_matches_masked_fill(dtype, vocab_size, width):
     some = logits.clone()
     apply_bitmask_(some, bm[rows], rows=rows)
     assert torch.equal(some[rows], ref[rows]) and torch.equal(some[[1, 2, 4]], logits[[1, 2, 4]])
+    for span in (range(1, 4), range(0, 5, 2)):  # a view of rows 1-3; every other row
+        some = logits.clone()
+        apply_bitmask_(some, bm[list(span)], rows=span)
+        rest = [i for i in range(5) if i not in span]
+        assert torch.equal(some[list(span)], ref[list(span)]) and torch.equal(some[rest], logits[rest])
     with pytest.raises(ValueError):
         apply_bitmask_(logits.clone(), bm[:2])
 
