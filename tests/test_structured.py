@@ -379,6 +379,10 @@ def test_apply_bitmask_matches_masked_fill(dtype, vocab_size, width):
         assert torch.equal(some[list(span)], ref[list(span)]) and torch.equal(some[rest], logits[rest])
     with pytest.raises(ValueError):
         apply_bitmask_(logits.clone(), bm[:2])
+    free = torch.full_like(bm, -1)  # every token allowed: only columns past the words are forbidden
+    out = apply_bitmask_(logits.clone(), free)
+    assert torch.equal(out[:, : free.shape[1] * 32], logits[:, : free.shape[1] * 32])
+    assert torch.isinf(out[:, free.shape[1] * 32 :]).all()
 
 
 # the compiler -------------------------------------------------------------------------------------

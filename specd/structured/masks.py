@@ -99,6 +99,8 @@ def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     fast = logits.dtype == torch.float32 and logits.is_contiguous() and covered == logits.shape[1]
     for r in range(0, logits.shape[0], ROWS_PER_PASS):  # a pass's temporaries stay in the L2 cache
         rows = slice(r, r + ROWS_PER_PASS)
+        if bool((bitmask[rows] == -1).all()):
+            continue  # every token allowed (free text under a lazy grammar): nothing to do
         keep = _bits(bitmask[rows], covered)  # [c, covered] int32: 1 allowed, 0 forbidden
         if not fast:
             logits[rows, :covered].masked_fill_(keep == 0, float("-inf"))
