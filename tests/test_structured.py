@@ -478,10 +478,14 @@ def test_response_format_and_vllm_fields_become_specs():
     assert grammar_spec({"guided_regex": "[0-9]+"}).field == "guided_regex"
     assert grammar_spec({"tools": [WEATHER], "tool_choice": "none"}) is None
     t = grammar_spec({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}})
-    assert t.kind == "tool_calls" and t.value.choice == "add" and [f.name for f in t.value.allowed] == ["add"]
+    assert t.kind == "tool_calls" and (t.value.choice, t.value.name) == ("named", "add")
+    assert [f.name for f in t.value.allowed] == ["add"]
     flat_tools = [{"type": "function", **ADD["function"]}]  # the Responses API's tool layout
     r = grammar_spec({"tools": flat_tools, "tool_choice": {"type": "function", "name": "add"}})
-    assert r.value.choice == "add" and r.value.functions[0].parameters == ADD["function"]["parameters"]
+    assert r.value.name == "add" and r.value.functions[0].parameters == ADD["function"]["parameters"]
+    auto = {**ADD, "function": {**ADD["function"], "name": "auto"}}  # a function named like a choice
+    named = grammar_spec({"tools": [WEATHER, auto], "tool_choice": {"type": "function", "function": {"name": "auto"}}})
+    assert named.value.choice == "named" and [f.name for f in named.value.allowed] == ["auto"]
 
 
 @pytest.mark.parametrize(

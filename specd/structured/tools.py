@@ -69,21 +69,28 @@ class ToolFunction:
 
 @dataclass(frozen=True, eq=False)
 class ToolCallSpec:
-    """The tools a reply may call and how: ``choice`` is ``"auto"``, ``"required"`` or a function name."""
+    """The tools a reply may call and how: ``choice`` is ``"auto"``, ``"required"`` or ``"named"``
+    (the function ``name`` only)."""
 
     functions: tuple
     choice: str
     parallel: bool = True
+    name: str | None = None
+
+    def __post_init__(self):
+        if self.choice not in ("auto", "required", "named") or (self.choice == "named") != (self.name is not None):
+            raise ValueError(f"tool choice {self.choice!r} with name {self.name!r}")
 
     @property
     def allowed(self) -> tuple:
         """The functions the grammar lets the reply call (one for a named choice)."""
-        if self.choice in ("auto", "required"):
+        if self.choice != "named":
             return self.functions
-        return tuple(f for f in self.functions if f.name == self.choice)
+        return tuple(f for f in self.functions if f.name == self.name)
 
     def to_json(self) -> dict:
-        return {"functions": [f.to_json() for f in self.functions], "choice": self.choice, "parallel": self.parallel}
+        fns = [f.to_json() for f in self.functions]
+        return {"functions": fns, "choice": self.choice, "name": self.name, "parallel": self.parallel}
 
 
 def call_prefix(name: str) -> str:
@@ -112,16 +119,17 @@ def _function(i: int, tool: Any) -> ToolFunction:
     return ToolFunction(name, dict(params), desc)
 
 
-def _choice(tool_choice: Any, names: list) -> str:
+def _choice(tool_choice: Any, names: list) -> tuple:
+    """``(choice, name)``: ``("none" | "auto" | "required", None)`` or ``("named", function name)``."""
     if tool_choice is None:
-        return "auto"
+        return "auto", None
     if tool_choice in ("none", "auto", "required"):
-        return tool_choice
+        return tool_choice, None
     if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else tool_choice.get("name")  # Responses API: flat
         if isinstance(name, str) and name in names:
-            return name
+            return "named", name
         raise GrammarError("invalid_tools", f"tool_choice names {name!r}, which is not in tools", "tool_choice")
     raise GrammarError(
         "invalid_tools", "tool_choice must be 'none', 'auto', 'required' or {type: function, ...}", "tool_choice"
@@ -145,10 +153,10 @@ def tool_call_spec(tools: Any, tool_choice: Any = None, parallel_tool_calls: Any
         raise GrammarError("invalid_tools", f"tools has the function name {dup[0]!r} more than once", "tools")
     if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
         raise GrammarError("invalid_tools", "parallel_tool_calls must be a boolean", "parallel_tool_calls")
-    choice = _choice(tool_choice, names)
+    choice, name = _choice(tool_choice, names)
     if choice == "none":
         return None
-    return ToolCallSpec(functions, choice, True if parallel_tool_calls is None else parallel_tool_calls)
+    return ToolCallSpec(functions, choice, True if parallel_tool_calls is None else parallel_tool_calls, name)
 
 
 def _schema_content(fn: ToolFunction) -> dict:
@@ -195,6 +203,6 @@ def tools_system_prompt(spec: ToolCallSpec) -> str:
         lines.append("You may write several calls, one after another.")
     if spec.choice == "required":
         lines.append("You must call a function.")
-    elif spec.choice != "auto":
-        lines.append(f"You must call {spec.choice}.")
+    elif spec.choice == "named":
+        lines.append(f"You must call {spec.name}.")
     return "\n".join(lines)
