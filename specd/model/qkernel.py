@@ -106,6 +106,8 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_attention.restype = None
     lib.specd_x8_isa.argtypes = [ctypes.c_int]
     lib.specd_x8_isa.restype = ctypes.c_int
+    lib.specd_apply_bitmask.argtypes = [p, i, p, i, i, p, i]
+    lib.specd_apply_bitmask.restype = None
     log.info("quantized CPU kernel: int8-activation GEMMs on %s", ISAS[lib.specd_x8_isa(9)])
     return lib
 
@@ -190,3 +192,18 @@ def attention_rows(
     out = torch.empty_like(qg)
     lib.specd_attention(qg.data_ptr(), kvg.data_ptr(), mask.data_ptr(), B, KVH, R, q_rows, L, D, scale, out.data_ptr())
     return out
+
+
+def apply_bitmask(lib: ctypes.CDLL, logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Forbidden logits := -inf in place (``specd_apply_bitmask``, cpu_kernel/bitmask.h): ``logits``
+    [N, V] fp32 on the CPU with unit column stride, ``rows`` [k] int64 (which rows), ``bitmask`` [k, W]
+    int32 contiguous (bit j of word w: token 32 w + j allowed)."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
+        raise ValueError("apply_bitmask needs fp32 CPU logits with contiguous rows")
+    if bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or bitmask.shape[0] != rows.numel():
+        raise ValueError("apply_bitmask needs a contiguous int32 bitmask with one row per logits row")
+    rows = rows.to(torch.int64).contiguous()
+    if rows.numel() and not (0 <= int(rows.min()) and int(rows.max()) < logits.shape[0]):
+        raise IndexError("apply_bitmask: a row index is out of range")
+    lib.specd_apply_bitmask(logits.data_ptr(), logits.stride(0), rows.data_ptr(), rows.numel(), logits.shape[1],
+                            bitmask.data_ptr(), bitmask.shape[1])  # fmt: skip

@@ -7,6 +7,7 @@
 //   specd_attention                  attention over gathered keys (attention*.h, softmax.h, weighted_sums.h)
 //   specd_head_layer / specd_layers  whole decoder layers: norms, RoPE, SiLU, KV writes, paged attention
 //                                    (layer.h)
+//   specd_apply_bitmask              grammar masks on logit rows (bitmask.h)
 // Every output row is computed by the same operations in the same order whatever the other rows of
 // the call are (and whichever instruction set runs), so a row's bits depend on that row alone:
 // speculative verification stays lossless. Each header says what it does and what it relies on.
@@ -22,8 +23,16 @@
 #include "weighted_sums.h"
 #include "attention.h"
 #include "layer.h"
+#include "bitmask.h"
 
 extern "C" {
+// Forbidden logits := -inf: logits rows row_idx[0..rows) (row stride ld, V columns) under bitmask
+// rows [rows, W] (bitmask.h).
+void specd_apply_bitmask(float* logits, int64_t ld, const int64_t* row_idx, int64_t rows, int64_t V,
+                         const int32_t* bitmask, int64_t W) {
+    apply_bitmask_rows(logits, ld, row_idx, rows, V, bitmask, W);
+}
+
 // The int8-activation GEMM's instruction set: want 2 (AMX, where the CPU has it, else the best below),
 // 1 (AVX512-VNNI, where the CPU has it), 0 (AVX2), -1 (the CPU decides), 9 (no change); returns the
 // one in use (2, 1 or 0). All give bitwise-equal results.
