@@ -178,7 +178,7 @@ class SpyEngine:
     def __init__(self, n: int = 2):
         from types import SimpleNamespace
 
-        self.n, self.added, self.aborted, self.live = n, [], [], {}
+        self.n, self.added, self.aborted, self.live, self.grammars = n, [], [], {}, []
         self.lock = threading.Lock()
         self.cache = SimpleNamespace(block_size=16, pool=SimpleNamespace(num_blocks=32))
         self.scheduler = SimpleNamespace(
@@ -188,9 +188,10 @@ class SpyEngine:
         self.health = SimpleNamespace(consecutive_failed=0)
         self.stats, self.num_steps, self.num_waiting = SpecStats(), 0, 0
 
-    def add_request(self, prompt_ids, params, spec, priority, request_id, tenant=None):
+    def add_request(self, prompt_ids, params, spec, priority, request_id, tenant=None, grammar=None):
         with self.lock:
             self.added.append((prompt_ids, params, spec, priority, request_id, tenant))
+            self.grammars.append(grammar)
             self.live[request_id] = FakeSeq(prompt_ids, params, spec, priority)
 
     def abort(self, request_id):

@@ -12,6 +12,8 @@ from specd.serving.openai_params import parse_chat, parse_completion, parse_resp
 from specd.serving.response_store import ResponseStore, StoredResponse
 
 M = "m"
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+_FLAT = {"type": "function", "name": "f", "parameters": {"type": "object"}}  # (the Responses API's shape)
 
 
 def _refused(fn, body) -> APIError:
@@ -54,7 +56,9 @@ def test_chat_body_maps_to_the_shared_request_arguments():
     [
         ({"model": None}, "model", "invalid_value"),
         ({"messages": "hi"}, "messages", "invalid_value"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "unsupported_parameter"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role", "unsupported_parameter"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id", "invalid_value"),
+        ({"messages": [{"role": "assistant", "content": None}]}, "messages[0].content", "invalid_value"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content",
@@ -71,8 +75,32 @@ def test_chat_body_maps_to_the_shared_request_arguments():
         ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
         ({"logit_bias": {"1": 200}}, "logit_bias", "invalid_value"),
         ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
-        ({"tools": [{"type": "function"}]}, "tools", "unsupported_parameter"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter"),
+        ({"function_call": "auto"}, "function_call", "unsupported_parameter"),
+        ({"tools": [{"type": "function"}]}, "tools", "invalid_tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools", "invalid_tools"),
+        (
+            {"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+            "invalid_tools",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "invalid_tools"),
+        ({"tools": [_TOOL], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "invalid_tools"),
+        ({"tools": [_TOOL, _TOOL]}, "tools", "invalid_tools"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "invalid_response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "invalid_response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}},
+            "response_format.json_schema.name",
+            "invalid_response_format",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{"}}},
+            "response_format.json_schema.schema",
+            "invalid_schema",
+        ),
+        ({"response_format": {"type": "json_object"}, "tools": [_TOOL]}, "tools", "conflicting_constraints"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "invalid_response_format"),
+        ({"guided_choice": []}, "guided_choice", "invalid_response_format"),
         ({"stop": [1]}, "stop", "invalid_value"),
         ({"speculation": "tree"}, "speculation", "invalid_value"),
         ({"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
@@ -122,9 +150,14 @@ def test_response_input_forms_and_echoed_fields():
     assert parse_response({"model": M, "input": "hi"}, M).engine["messages"] == [{"role": "user", "content": "hi"}]
     for change, param in (
         ({"input": ""}, "input"),
-        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].type"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": "x", "metadata": {"k": 1}}, "metadata"),
-        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.name"),
+        ({"input": "x", "text": {"format": {"type": "json_object"}}, "tools": [_FLAT]}, "tools"),
+        ({"input": "x", "tools": [_FLAT], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice"),
         ({"input": "x", "background": True}, "background"),
     ):
         assert _refused(parse_response, {"model": M, **change}).param == param

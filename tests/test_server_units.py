@@ -12,6 +12,7 @@ import pytest
 from specd.engine.requests import SAMPLING_FIELDS
 from specd.serving import protocol as P
 from specd.serving import request_build as RB
+from specd.structured.errors import CODES as GRAMMAR_CODES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,6 +113,7 @@ def test_decode_errors():
         "duplicate_id",
         "message_too_large",
         "internal",
+        *GRAMMAR_CODES,  # a constraint refused (specd.structured.GrammarError's codes, as they are)
     }
 
 
@@ -204,7 +206,7 @@ class FakeEngine:
     def health_snapshot(self):
         return {"failed_steps": {}, "failed_requests": {}, "consecutive_failed": 0, "last_progress": time.monotonic()}
 
-    def add_request(self, prompt, params, spec, priority, rid, tenant=None):
+    def add_request(self, prompt, params, spec, priority, rid, tenant=None, grammar=None):
         from specd.engine.engine import RequestError
 
         if not prompt:

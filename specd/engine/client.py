@@ -5,11 +5,13 @@ A front end never touches an ``Engine``: it holds an ``EngineClient`` and
 - validates a request (``specd.engine.requests``; ``client.limits``: the context, the KV cache, the
   vocabulary) and tokenizes it with ``client.tokenizer`` (no compute, nothing queued);
 - ``submit(req, sink)`` with a ``Submit`` (``specd.engine.commands``: prompt ids, ``SamplingParams``,
-  ``SpecParams``, priority, request id, tenant): the request's stream is pushed to ``sink`` on the
+  ``SpecParams``, priority, request id, tenant, grammar): the request's stream is pushed to ``sink`` on the
   event loop, one ``RequestOutput`` per engine step (tokens, text, the request's running speculation
   stats in ``out.seq.stats``; ``finished`` on the last) or a ``RequestError`` that ends it;
   ``generate(req)`` is the same stream pulled as an async iterator; ``tenant`` (a digest of the
   caller's API key) scopes what the engine may draft from (``specd.speculation.suffix``);
+- ``check_grammar(spec)``: compile a request's ``GrammarSpec`` as the engine will (cached), raising
+  its ``GrammarError`` before the request is submitted (a front end's refusal precedes its answer);
 - ``abort(request_id)``: the stream ends with ``finish_reason: "cancelled"`` within one engine step,
   and the request's KV blocks are freed in that step;
 - ``snapshot()``: an ``EngineSnapshot`` (queues, KV blocks in use, speculation totals, health) as of
@@ -53,6 +55,7 @@ def limits_of(engine, threads: int = 0) -> EngineLimits:
         vocab_size=engine.vocab_size,
         has_draft=engine.drafter is not None,
         threads=threads,
+        stop_ids=tuple(sorted(getattr(engine, "eos_ids", ()))),
     )
 
 
@@ -135,6 +138,8 @@ class EngineClient(Protocol):
     def num_requests(self) -> int: ...
 
     def submit(self, req: Submit, sink: StreamSink) -> None: ...
+
+    async def check_grammar(self, spec: Any) -> None: ...
 
     def generate(self, req: Submit) -> AsyncIterator[RequestOutput]: ...
 

@@ -3,8 +3,10 @@ loop) and the engine loop (``specd.engine.loop``, on a thread or in the engine p
 dataclasses that pickle for the process link (``specd.engine.links``).
 
 client -> engine loop
-    ``Submit``    a request: its id, prompt token ids, ``SamplingParams``, ``SpecParams``, priority
-                  and tenant (a digest of the caller's API key: what drafting may read)
+    ``Submit``    a request: its id, prompt token ids, ``SamplingParams``, ``SpecParams``, priority,
+                  tenant (a digest of the caller's API key: what drafting may read) and grammar (a
+                  ``specd.structured.GrammarSpec`` the reply must match, or None; it pickles: frozen
+                  dataclasses of JSON data)
     ``Cancel``    end a request (``finish_reason: "cancelled"``); its KV blocks are freed that step
     ``Snapshot``  send an ``EngineSnapshot`` now
     ``Stop``      leave the loop
@@ -53,7 +55,8 @@ __all__ = [
 # client -> engine loop -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Submit:
-    """A request for the engine. ``prompt_ids`` is kept as a tuple (the engine gets a list)."""
+    """A request for the engine. ``prompt_ids`` is kept as a tuple (the engine gets a list);
+    ``grammar``: a ``specd.structured.GrammarSpec`` or None (free text)."""
 
     request_id: str
     prompt_ids: tuple
@@ -61,6 +64,7 @@ class Submit:
     spec: SpecParams = SpecParams()
     priority: str = "interactive"
     tenant: str | None = None
+    grammar: Any = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -69,6 +73,11 @@ class Submit:
             raise TypeError("Submit needs SamplingParams and SpecParams")
         if self.tenant is not None and not isinstance(self.tenant, str):
             raise TypeError(f"tenant must be a string or None, got {type(self.tenant).__name__}")
+        if self.grammar is not None:
+            from specd.structured.spec import GrammarSpec  # (only a constrained request needs the library)
+
+            if not isinstance(self.grammar, GrammarSpec):
+                raise TypeError(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}")
         check_priority(self.priority)
         object.__setattr__(self, "prompt_ids", tuple(self.prompt_ids))
 
@@ -103,7 +112,9 @@ Command = Submit | Cancel | Snapshot | Stop
 # engine loop -> client -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineLimits:
-    """What a front end needs to refuse a request before it reaches the engine (no compute)."""
+    """What a front end needs to refuse a request before it reaches the engine (no compute);
+    ``stop_ids``: the tokens that end a reply (a grammar compiled outside the engine must allow
+    exactly these where the reply may end)."""
 
     max_model_len: int
     block_size: int
@@ -112,6 +123,7 @@ class EngineLimits:
     vocab_size: int
     has_draft: bool
     threads: int = 0
+    stop_ids: tuple = ()
 
     def validate(self, req: Submit) -> None:
         """``RequestError`` (``too_long`` / ``invalid_request``) for a request that can never run."""

@@ -154,6 +154,11 @@ class ThreadLink:
     def alive(self) -> bool:
         return self.thread is not None and self.thread.is_alive()
 
+    def grammar_compiler(self):
+        """The engine's own ``GrammarCompiler`` (one cache: a grammar the server compiled to check it
+        is ready when the engine asks for it). Blocking the first time (the vocabulary is built)."""
+        return self.engine.constraints.compiler
+
     def start(
         self, loop: asyncio.AbstractEventLoop, deliver: Callable[[Batch], None], died: Callable[[str], None]
     ) -> None:
@@ -454,6 +459,8 @@ class ProcessLink:
         self._deliver: Callable[[Batch], None] | None = None
         self._died: Callable[[str], None] | None = None
         self._dead: str | None = None
+        self._compiler = None  # (grammar_compiler)
+        self._compiler_lock = threading.Lock()
         self._cmd.send(Start(cfg, logging.getLogger().level, stream_interval_s))
         self.limits = self._handshake(load_timeout_s)
         try:
@@ -491,6 +498,19 @@ class ProcessLink:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def grammar_compiler(self):
+        """A ``GrammarCompiler`` in this process on the same tokenizer, logits width and stop ids as the
+        engine's (the same grammars, refusals and cache keys); the engine process compiles its own.
+        Built once, blocking (the vocabulary is built)."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                from specd.structured import GrammarCompiler, Vocabulary
+
+                lim = self.limits
+                stops = lim.stop_ids or None
+                self._compiler = GrammarCompiler(Vocabulary.from_tokenizer(self._tokenizer, lim.vocab_size, stops))
+            return self._compiler
 
     def fileno(self) -> int:
         """The pipe the child writes to (readable when ``read_raw()`` has something)."""

@@ -123,8 +123,8 @@ class EngineLoop:
         for cmd in cmds:
             if isinstance(cmd, Submit):
                 try:
-                    ids = list(cmd.prompt_ids)
-                    eng.add_request(ids, cmd.params, cmd.spec, cmd.priority, cmd.request_id, tenant=cmd.tenant)
+                    ids, rid, g = list(cmd.prompt_ids), cmd.request_id, cmd.grammar
+                    eng.add_request(ids, cmd.params, cmd.spec, cmd.priority, rid, tenant=cmd.tenant, grammar=g)
                 except (RequestError, ValueError) as e:  # the client validated: only races land here
                     self._refused.append(Refused(cmd.request_id, getattr(e, "code", "invalid_request"), str(e)))
             elif isinstance(cmd, Cancel):

@@ -26,10 +26,13 @@ aborts its request; the engine frees its KV blocks on its next step. Wrap the st
 ``contextlib.aclosing(...)`` so that leaving the loop early closes it at once.
 
 A request the engine failed (``finish_reason: "error"``) ends its stream with ``RequestError("internal")``
-(``admitted``, with the failed ``seq`` attached). Health (``unhealthy_reason()``): the link is alive;
-requests are outstanding and nothing came back for ``watchdog_timeout_s`` (a stuck step, a stopped
-process); ``max_failed_steps`` failed steps in a row; queued work and no step completed within the
-watchdog timeout.
+(``admitted``, with the failed ``seq`` attached), or with the grammar's code (``invalid_schema``, ...)
+when the engine refused its grammar. ``check_grammar(spec)`` compiles a request's grammar before it is
+submitted, so front ends refuse a bad one before their answer starts.
+
+Health (``unhealthy_reason()``): the link is alive; requests are outstanding and nothing came back
+for ``watchdog_timeout_s`` (a stuck step, a stopped process); ``max_failed_steps`` failed steps in a
+row; queued work and no step completed within the watchdog timeout.
 """
 
 from __future__ import annotations
@@ -74,9 +77,20 @@ def _admitted(e: RequestError) -> RequestError:
     return e
 
 
+def grammar_code(message: str | None) -> str | None:
+    """The ``GrammarError`` code an engine error (``"<code>: <message>"``) starts with, else None."""
+    from specd.structured.errors import CODES
+
+    code = (message or "").partition(":")[0]
+    return code if code in CODES else None
+
+
 def _failed(out: RequestOutput) -> RequestError:
-    """A request the engine failed as its stream's ``internal`` error; ``seq`` carries its usage."""
-    e = _admitted(RequestError("internal", out.error or "the engine failed while running the request"))
+    """A request the engine failed as its stream's error: ``internal``, or the grammar's code when the
+    engine refused its grammar (``"<code>: <message>"``); ``seq`` carries its usage."""
+    msg = out.error or "the engine failed while running the request"
+    code = grammar_code(msg)
+    e = _admitted(RequestError(code or "internal", msg.partition(": ")[2] if code else msg))
     e.seq = out.seq
     return e
 
@@ -159,6 +173,8 @@ class AsyncEngine:
         self._dead: str | None = None
         self._draining = False
         self._stopping = False
+        self._compiler = None  # the link's GrammarCompiler, once a request had a grammar
+        self._compiler_ready: asyncio.Future | None = None
 
     # lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -313,6 +329,17 @@ class AsyncEngine:
         self._streams[req.request_id] = stream
         self.last_progress = time.monotonic()
         self.link.send(req)
+
+    async def check_grammar(self, spec) -> None:
+        """Compile ``spec`` (a ``GrammarSpec``) for the engine's vocabulary and wait for it, so that a
+        refusal (``GrammarError``: invalid, unsatisfiable, too large, compile timeout) comes before the
+        request starts; the grammar is cached (in a thread link, in the engine's own compiler)."""
+        if self._compiler is None:
+            if self._compiler_ready is None:
+                loop = asyncio.get_running_loop()
+                self._compiler_ready = loop.run_in_executor(None, self.link.grammar_compiler)
+            self._compiler = await asyncio.shield(self._compiler_ready)
+        await asyncio.shield(asyncio.wrap_future(self._compiler.submit(spec)))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (any thread); its stream ends with finish_reason ``cancelled``."""

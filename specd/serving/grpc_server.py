@@ -7,7 +7,12 @@
 
 One ``Delta`` per engine step, then one ``Done``; errors end the call with a status code whose
 message is ``"<protocol code>: <message>"`` (code also in trailing metadata ``specd-error-code``);
-see proto/specd/v1/specd.proto. A call the client cancels (or a dropped connection) cancels the
+see proto/specd/v1/specd.proto. Constraints (``response_format``, ``tools`` / ``tool_choice`` /
+``parallel_tool_calls`` as JSON text, vLLM's ``structured_outputs``) are read by
+``specd.structured.grammar_spec`` and compiled before any Delta (a refusal: INVALID_ARGUMENT with the
+grammar's code); with tools the ``Done`` carries the reply's parsed ``tool_calls`` and ``content``.
+
+A call the client cancels (or a dropped connection) cancels the
 handler task, which closes the engine stream and so aborts the request and frees its KV blocks.
 
 The Generate handler is registered by hand (a generic handler) rather than through the generated
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
+import json
 import logging
 import uuid
 
@@ -38,6 +44,8 @@ from grpc_reflection.v1alpha import reflection
 from specd.engine.requests import SAMPLING_FIELDS, RequestError
 from specd.serving.proto.specd.v1 import specd_pb2 as pb
 from specd.serving.request_build import build_request_async, check_id, summarize
+from specd.structured.errors import CODES as GRAMMAR_CODES
+from specd.structured.tool_parser import parse_tool_calls
 
 log = logging.getLogger("specd.grpc")
 
@@ -54,6 +62,7 @@ STATUS_OF = {
     "unauthorized": grpc.StatusCode.UNAUTHENTICATED,
     "duplicate_id": grpc.StatusCode.ALREADY_EXISTS,
     "internal": grpc.StatusCode.INTERNAL,
+    **{code: grpc.StatusCode.INVALID_ARGUMENT for code in GRAMMAR_CODES},  # a constraint refused
 }
 _PRIORITY = {pb.PRIORITY_UNSPECIFIED: None, pb.PRIORITY_INTERACTIVE: "interactive", pb.PRIORITY_BATCH: "batch"}
 _MODE = {
@@ -89,6 +98,64 @@ def _sampling(req: pb.GenerateRequest) -> dict:
     return out
 
 
+def _json_field(req: pb.GenerateRequest, name: str, code: str):
+    """An optional field holding JSON text, parsed (None when unset)."""
+    if not req.HasField(name):
+        return None
+    try:
+        return json.loads(getattr(req, name))
+    except ValueError as e:
+        raise RequestError(code, f"{name} is not valid JSON: {e}", name) from None
+
+
+def _tool_choice(req: pb.GenerateRequest):
+    if not req.HasField("tool_choice"):
+        return None
+    v = req.tool_choice
+    return _json_field(req, "tool_choice", "invalid_tools") if v.lstrip().startswith("{") else v
+
+
+def _structured_outputs(req: pb.GenerateRequest) -> dict | None:
+    if not req.HasField("structured_outputs"):
+        return None
+    so = req.structured_outputs
+    out = {k: getattr(so, k) for k in ("json", "regex", "grammar") if so.HasField(k)}
+    if so.choice:
+        out["choice"] = list(so.choice)
+    if so.json_object:
+        out["json_object"] = True
+    return out
+
+
+def _grammar(req: pb.GenerateRequest):
+    """The request's constraint (``specd.structured.grammar_spec`` over the JSON fields), or None."""
+    from specd.structured import GrammarError, grammar_spec
+
+    body = {
+        "response_format": _json_field(req, "response_format", "invalid_response_format"),
+        "tools": _json_field(req, "tools", "invalid_tools"),
+        "tool_choice": _tool_choice(req),
+        "parallel_tool_calls": req.parallel_tool_calls if req.HasField("parallel_tool_calls") else None,
+        "structured_outputs": _structured_outputs(req),
+    }
+    try:
+        return grammar_spec(body)
+    except GrammarError as e:
+        raise RequestError(e.code, e.message, e.field) from None
+
+
+def _message(m: pb.ChatMessage) -> dict:
+    out = {"role": m.role, "content": m.content if m.content or not m.tool_calls else None}
+    if m.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
 def _to_engine_args(req: pb.GenerateRequest) -> dict:
     """Proto request -> ``build_request`` keyword arguments (unset optional fields -> None)."""
     check_id(req.id)
@@ -101,24 +168,33 @@ def _to_engine_args(req: pb.GenerateRequest) -> dict:
     if sp.HasField("max_draft_tokens"):
         speculation["max_draft_tokens"] = sp.max_draft_tokens
     return dict(
-        messages=[{"role": m.role, "content": m.content} for m in req.messages] if req.messages else None,
+        messages=[_message(m) for m in req.messages] if req.messages else None,
         prompt=req.prompt if req.HasField("prompt") else None,
         priority=_PRIORITY[req.priority],
         speculation=speculation,
+        grammar=_grammar(req),
         **_sampling(req),
     )
 
 
-def _done(seq, finish_reason: str) -> pb.Done:
+def _done(seq, finish_reason: str, text: str | None = None) -> pb.Done:
+    """The final message; ``text``: the whole reply, parsed for tool calls (a request with tools)."""
     s = summarize(seq)
     # proto floats have no null: an event that never happened (None) is 0, as is a negative span
     timing = {k: 0.0 if v is None else max(0.0, v) for k, v in s["timing"].items()}
-    return pb.Done(
+    done = pb.Done(
         finish_reason=finish_reason or "",
         usage=pb.Usage(**s["usage"]),
         spec=pb.SpecStats(**s["spec"]),
         timing=pb.Timing(**timing),
     )
+    if text is not None and finish_reason in ("stop", "length"):
+        content, calls = parse_tool_calls(text)
+        done.finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+        done.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
+        if content is not None:
+            done.content = content
+    return done
 
 
 class SpecdServicer:
@@ -177,10 +253,12 @@ class SpecdServicer:
         try:
             ae = self.ae
             built = await build_request_async(ae.tokenizer, max_model_len=ae.max_model_len, **_to_engine_args(req))
+            if built.grammar is not None:
+                await _check_grammar(ae, built.grammar)
         except RequestError as e:
             await self._fail(context, e.code, str(e))
         stream = self.ae.generate(built.submit(rid, self._tenant(context)))
-        n = 0
+        n, parts = 0, ([] if built.tools is not None else None)
         try:
             async for out in stream:
                 if out.token_ids or out.text:
@@ -188,8 +266,11 @@ class SpecdServicer:
                         pb.GenerateResponse(id=client_id, delta=pb.Delta(seq=n, text=out.text, token_ids=out.token_ids))
                     )
                     n += 1
+                if parts is not None:
+                    parts.append(out.text)
                 if out.finished:
-                    await context.write(pb.GenerateResponse(id=client_id, done=_done(out.seq, out.finish_reason)))
+                    text = "".join(parts) if parts is not None else None
+                    await context.write(pb.GenerateResponse(id=client_id, done=_done(out.seq, out.finish_reason, text)))
                     return
             raise RequestError("internal", "the engine stream ended without finishing the request")
         except RequestError as e:
@@ -198,6 +279,16 @@ class SpecdServicer:
             # Cancelled (client went away) or failed: closing the stream aborts the request in the
             # engine, which frees its KV blocks on its next step. A no-op once it has finished.
             await stream.aclose()
+
+
+async def _check_grammar(ae, spec) -> None:
+    """Compile the request's grammar before any Delta: a refusal ends the call (INVALID_ARGUMENT)."""
+    from specd.structured import GrammarError
+
+    try:
+        await ae.check_grammar(spec)
+    except GrammarError as e:
+        raise RequestError(e.code, e.message, e.field) from None
 
 
 class _Health:

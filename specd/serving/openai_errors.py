@@ -4,7 +4,10 @@ Every refusal is ``{"error": {"message", "type", "param", "code"}}`` with the st
 
 - 400 ``invalid_request_error``: a malformed body (``invalid_json``), a bad field (``invalid_value``),
   a field the engine cannot honour (``unsupported_parameter``), prompt + max tokens over the
-  context or the KV cache (``context_length_exceeded``);
+  context or the KV cache (``context_length_exceeded``), a constraint refused (the grammar's code:
+  ``invalid_response_format``, ``invalid_schema``, ``unsatisfiable_schema``, ``invalid_regex``,
+  ``invalid_grammar``, ``invalid_tools``, ``conflicting_constraints``, ``grammar_too_large``,
+  ``compile_timeout``; ``param`` names the field);
 - 401 ``invalid_request_error`` ``invalid_api_key``: missing or wrong ``Authorization: Bearer`` key;
 - 404 ``invalid_request_error``: ``model_not_found``, ``response_not_found``,
   ``previous_response_not_found``;
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 from specd.engine.requests import RequestError
 from specd.serving.routes import JSONResponse
+from specd.structured.errors import CODES as GRAMMAR_CODES
 
 __all__ = ["APIError", "from_request_error", "error_response"]
 
@@ -58,6 +62,8 @@ def from_request_error(e: RequestError, param: str | None = None) -> APIError:
         return APIError(503, msg, "server_error", code="shutting_down", headers={"Retry-After": "5"})
     if code == "unauthorized":
         return APIError(401, msg, code="invalid_api_key")
+    if code in GRAMMAR_CODES:  # the engine refused the request's grammar (a compile timeout, ...)
+        return APIError(400, msg, param=param or getattr(e, "field", None), code=code)
     return APIError(500, msg, "server_error", code="internal")
 
 

@@ -28,6 +28,7 @@ __all__ = [
 # engine finish reasons -> OpenAI's (a cancelled request never reaches a client as a finish: the
 # drain deadline ends it with an error instead, see openai_routes)
 FINISH = {"stop": "stop", "length": "length"}
+TOOL_CALLS = "tool_calls"  # a reply that ended (EOS) with tool calls
 DONE = b"data: [DONE]\n\n"
 
 
@@ -67,9 +68,19 @@ def model_object(name: str, created: int, max_model_len: int | None = None) -> d
 
 
 def chat_completion(
-    rid: str, created: int, model: str, text: str, finish: str, use: dict, logprobs: dict | None = None
+    rid: str,
+    created: int,
+    model: str,
+    text: str | None,
+    finish: str,
+    use: dict,
+    logprobs: dict | None = None,
+    tool_calls: list | None = None,
 ) -> dict:
+    """``tool_calls``: the reply's calls (``ToolCall``s; OpenAI's ``message.tool_calls``), when it has any."""
     message = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = [c.to_openai() for c in tool_calls]
     return {
         "id": rid,
         "object": "chat.completion",

@@ -5,15 +5,20 @@ The fields the engine takes are read by their names (every ``SamplingParams`` fi
 ``top_logprobs`` are its names for ``max_tokens`` and ``logprobs``) and checked by the one request
 validation (``request_build.check_fields``) as the body is parsed, a refusal naming the body's field
 (``param``). Only OpenAI's own fields (``model``, ``stream``, messages' shapes, ...) are checked here.
-Supported: chat (``messages``), completions (``prompt``: a string, a list of one string, token ids),
-responses (``input``: a string or message items, ``instructions``, ``previous_response_id``). Sampling:
+Supported: chat (``messages``, with ``role: "tool"`` results and assistant ``tool_calls``), completions
+(``prompt``: a string, a list of one string, token ids), responses (``input``: a string or message,
+``function_call`` and ``function_call_output`` items, ``instructions``, ``previous_response_id``).
+Constraints (``engine["grammar"]``, a ``specd.structured.GrammarSpec``): chat's ``response_format``,
+``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and vLLM's ``structured_outputs`` / ``guided_*``;
+completions' ``response_format`` and vLLM's; responses' ``text.format`` and function ``tools``; a bad
+one is a 400 with the grammar's code naming the field (``grammar_error``). Sampling:
 ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``, ``temperature``, ``top_p``,
 ``seed``, ``stop``, ``logit_bias``, ``n`` = 1, plus the extensions ``top_k``, ``stop_token_ids``,
 ``ignore_eos``, ``priority`` and ``speculation`` ({mode: auto|off|chain|tree, max_draft_tokens}). Log-probabilities:
 chat ``logprobs: true`` with ``top_logprobs`` 0..20, completions ``logprobs`` 0..20 (the engine's
 ``SamplingParams.logprobs``). Fields that would change the output in ways the engine cannot honour
-(penalties, tools, JSON response formats, ``n`` > 1, ``echo``, ``best_of``,
-``suffix``; log-probabilities on ``/v1/responses``) are refused with 400 ``unsupported_parameter``
+(penalties, the deprecated ``functions``, ``n`` > 1, ``echo``, ``best_of``,
+``suffix``, tools on completions; log-probabilities on ``/v1/responses``) are refused with 400 ``unsupported_parameter``
 rather than silently ignored; unknown fields are ignored.
 """
 
@@ -26,9 +31,10 @@ from specd.engine.requests import SAMPLING_FIELDS, RequestError
 from specd.serving import request_build as RB
 from specd.serving.openai_errors import APIError
 
-__all__ = ["ParsedRequest", "check_model", "parse_chat", "parse_completion", "parse_response"]
+__all__ = ["ParsedRequest", "check_model", "grammar_error", "parse_chat", "parse_completion", "parse_response"]
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+INPUT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TEXT_PARTS = {"text", "input_text", "output_text"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 
@@ -113,14 +119,28 @@ def _refuse_unsupported(b: dict) -> None:
     for key in ("presence_penalty", "frequency_penalty"):
         if _number(b, key) not in (None, 0.0):
             raise _unsupported(key, f"'{key}' is not supported (only 0)")
-    for key in ("tools", "functions"):
+    for key in ("functions", "function_call"):
         if b.get(key):
-            raise _unsupported(key, f"'{key}' is not supported")
+            raise _unsupported(key, f"'{key}' is not supported (use 'tools' and 'tool_choice')")
     if _int(b, "n") not in (None, 1):
         raise _unsupported("n", "only n=1 is supported")
-    fmt = b.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _unsupported("response_format", "only response_format {'type': 'text'} is supported")
+
+
+def grammar_error(e) -> APIError:
+    """A ``GrammarError`` (a bad ``response_format`` / schema / tool list, or a grammar the compiler
+    refused) as a 400 naming the field, with the grammar's code (``invalid_schema``, ...)."""
+    return APIError(400, e.message, param=e.field, code=e.code)
+
+
+def _grammar(b: dict, read=None):
+    """The body's constraint (``specd.structured.grammar_spec``: ``response_format``, vLLM's
+    ``structured_outputs`` / ``guided_*``, ``tools`` + ``tool_choice`` + ``parallel_tool_calls``), or None."""
+    from specd.structured import GrammarError, grammar_spec
+
+    try:
+        return (read or grammar_spec)(b)
+    except GrammarError as e:
+        raise grammar_error(e) from None
 
 
 def _chat_logprobs(b: dict):
@@ -189,21 +209,36 @@ def _content(v, param: str) -> str:
     raise _bad(param, "content must be a string or a list of text parts")
 
 
+def _message(m, where: str, roles: dict) -> dict:
+    """One chat message: ``{"role", "content"}``, an assistant's ``tool_calls`` (its content may then
+    be null), a tool result's ``tool_call_id``."""
+    if not isinstance(m, dict):
+        raise _bad(where, "each message must be an object with 'role' and 'content'")
+    role = m.get("role")
+    if role not in roles:
+        raise _unsupported(f"{where}.role", f"role {role!r:.50} is not supported ({', '.join(roles)})")
+    calls = m.get("tool_calls") if role == "assistant" else None
+    if calls is not None and not isinstance(calls, list):
+        raise _bad(f"{where}.tool_calls", "'tool_calls' must be a list of calls")
+    content = m.get("content")
+    out = {"role": roles[role], "content": None if content is None and calls else _content(content, f"{where}.content")}
+    if calls:
+        out["tool_calls"] = calls  # (their shape: request_build)
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+            raise _bad(f"{where}.tool_call_id", "a 'tool' message needs the 'tool_call_id' of the call it answers")
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
 def _messages(v, param: str) -> list:
     if not isinstance(v, list) or not v:
         raise _bad(param, f"'{param}' must be a non-empty list of messages")
     out = []
     for i, m in enumerate(v):
-        if not isinstance(m, dict):
-            raise _bad(f"{param}[{i}]", "each message must be an object with 'role' and 'content'")
-        if m.get("type") not in (None, "message"):
+        if isinstance(m, dict) and m.get("type") not in (None, "message"):
             raise _unsupported(f"{param}[{i}].type", f"input items of type {m.get('type')!r:.50} are not supported")
-        role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise _unsupported(
-                f"{param}[{i}].role", f"role {role!r:.50} is not supported (system, developer, user, assistant)"
-            )
-        out.append({"role": CHAT_ROLES[role], "content": _content(m.get("content"), f"{param}[{i}].content")})
+        out.append(_message(m, f"{param}[{i}]", CHAT_ROLES))
     return out
 
 
@@ -216,6 +251,7 @@ def parse_chat(body: dict, served: str) -> ParsedRequest:
     engine["logprobs"] = _chat_logprobs(body)
     _checked(engine, {**names, "logprobs": "top_logprobs"})
     engine["messages"] = _messages(body.get("messages"), "messages")
+    engine["grammar"] = _grammar(body)
     return ParsedRequest(engine, stream, _stream_options(body, stream))
 
 
@@ -239,6 +275,8 @@ def parse_completion(body: dict, served: str) -> ParsedRequest:
         raise _unsupported("suffix", "'suffix' is not supported")
     if _int(body, "best_of") not in (None, 1):
         raise _unsupported("best_of", "only best_of=1 is supported")
+    if body.get("tools") or body.get("tool_choice") is not None:
+        raise _unsupported("tools", "tools are a chat feature (/v1/chat/completions, /v1/responses)")
     stream = bool(_bool(body, "stream", False))
     engine, names = _sampling(body, "max_tokens")
     if engine["max_tokens"] is None:
@@ -246,7 +284,41 @@ def parse_completion(body: dict, served: str) -> ParsedRequest:
     engine["logprobs"] = body.get("logprobs")  # how many alternatives per token (null = off)
     _checked(engine, names)
     engine.update(_prompt(body.get("prompt")))
+    engine["grammar"] = _grammar(body)
     return ParsedRequest(engine, stream, _stream_options(body, stream))
+
+
+def _call_item(m: dict, where: str) -> dict:
+    """A ``function_call`` input item as an OpenAI chat tool call."""
+    for key in ("call_id", "name", "arguments"):
+        if not isinstance(m.get(key), str):
+            raise _bad(f"{where}.{key}", f"a function_call item needs a string '{key}'")
+    return {"id": m["call_id"], "type": "function", "function": {"name": m["name"], "arguments": m["arguments"]}}
+
+
+def _output_item(m: dict, where: str) -> dict:
+    """A ``function_call_output`` input item as a tool message."""
+    if not isinstance(m.get("call_id"), str) or not m["call_id"]:
+        raise _bad(f"{where}.call_id", "a function_call_output item needs the 'call_id' of its call")
+    return {"role": "tool", "content": _content(m.get("output"), f"{where}.output"), "tool_call_id": m["call_id"]}
+
+
+def _response_item(out: list, m, where: str) -> None:
+    """Append one input item to the chat messages ``out``: a message; a ``function_call`` (joins the
+    assistant message just before it: a reply's text and its calls are one turn); a ``function_call_output``."""
+    kind = m.get("type") if isinstance(m, dict) else None
+    if kind == "function_call":
+        call = _call_item(m, where)
+        if out and out[-1]["role"] == "assistant":
+            out[-1].setdefault("tool_calls", []).append(call)
+        else:
+            out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        out.append(_output_item(m, where))
+    elif kind in (None, "message"):
+        out.append(_message(m, where, INPUT_ROLES))
+    else:
+        raise _unsupported(f"{where}.type", f"input items of type {kind!r:.50} are not supported")
 
 
 def _response_input(v) -> list:
@@ -254,7 +326,30 @@ def _response_input(v) -> list:
         if not v:
             raise _bad("input", "'input' is empty")
         return [{"role": "user", "content": v}]
-    return _messages(v, "input")
+    if not isinstance(v, list) or not v:
+        raise _bad("input", "'input' must be a string or a non-empty list of items")
+    out: list = []
+    for i, m in enumerate(v):
+        _response_item(out, m, f"input[{i}]")
+    return out
+
+
+def _response_grammar(b: dict):
+    """The Responses API's constraint: ``text.format`` (a json_schema format's fields flat) or function
+    ``tools`` (flat: ``{"type": "function", "name", "parameters"}``) with ``tool_choice`` and
+    ``parallel_tool_calls``; both at once are refused (``conflicting_constraints``)."""
+    from specd.structured import GrammarError, GrammarSpec, text_format_spec
+    from specd.structured.tools import tool_call_spec
+
+    text = b.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise GrammarError("invalid_response_format", "'text' must be an object", "text")
+    fmt = text_format_spec((text or {}).get("format"))
+    tools = tool_call_spec(b.get("tools"), b.get("tool_choice"), b.get("parallel_tool_calls"))
+    if fmt is not None and tools is not None:
+        msg = "the reply is constrained twice (text.format and tools); use one"
+        raise GrammarError("conflicting_constraints", msg, "tools")
+    return fmt if tools is None else GrammarSpec("tool_calls", tools, "tools")
 
 
 def parse_response(body: dict, served: str) -> ParsedRequest:
@@ -264,15 +359,13 @@ def parse_response(body: dict, served: str) -> ParsedRequest:
     _no_logprobs(body)
     if body.get("background"):
         raise _unsupported("background", "'background' is not supported")
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if fmt not in (None, {"type": "text"}):
-        raise _unsupported("text.format", "only the text format {'type': 'text'} is supported")
     meta = body.get("metadata")
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise _bad("metadata", "'metadata' must be an object of strings")
     engine, names = _sampling(body, "max_output_tokens")
     _checked(engine, names)
     engine["messages"] = _response_input(body.get("input"))
+    engine["grammar"] = _grammar(body, _response_grammar)
     p = ParsedRequest(engine, bool(_bool(body, "stream", False)))
     p.instructions = _str(body, "instructions")
     p.previous_response_id = _str(body, "previous_response_id")
@@ -287,5 +380,17 @@ def parse_response(body: dict, served: str) -> ParsedRequest:
         "previous_response_id": p.previous_response_id,
         "metadata": p.metadata,
         "user": _str(body, "user"),
+        **_tool_echo(body),
     }
     return p
+
+
+def _tool_echo(b: dict) -> dict:
+    """The constraint fields a response object repeats (as the request gave them; OpenAI's defaults)."""
+    text = b.get("text") if isinstance(b.get("text"), dict) else {}
+    return {
+        "text": {"format": text.get("format") or {"type": "text"}},
+        "tools": list(b.get("tools") or []),
+        "tool_choice": b.get("tool_choice") or "auto",
+        "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
+    }

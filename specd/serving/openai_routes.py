@@ -26,21 +26,28 @@ from specd.serving.async_engine import RequestStream
 from specd.serving.frontend import Frontend
 from specd.serving.logprobs import LogprobRenderer, TokenText
 from specd.serving.openai_errors import APIError, error_response, from_request_error
-from specd.serving.openai_params import ParsedRequest, parse_chat, parse_completion
-from specd.serving.request_build import build_request, build_request_async
+from specd.serving.openai_params import ParsedRequest, grammar_error, parse_chat, parse_completion
+from specd.serving.request_build import build_request, build_request_async, message_chars, tools_of
 from specd.serving.routes import JSONResponse
 from specd.serving.sse import ClientGone, EventStream, read_json, until_disconnect
 from specd.serving.ws import INLINE_TOKENIZE_CHARS
+from specd.structured.tool_parser import ToolCallParser, parse_tool_calls
 
-__all__ = ["OpenAIFront", "collect", "cut_short"]
+__all__ = ["OpenAIFront", "collect", "cut_short", "tool_deltas", "tool_finish"]
 
 
 def _prompt_chars(kw: dict) -> int:
     messages = kw.get("messages")
     if messages is not None:
-        return sum(len(m["content"]) for m in messages)
+        return message_chars(messages)
     prompt = kw.get("prompt")
     return len(prompt) if isinstance(prompt, str) else 0
+
+
+def tool_finish(reason: str, calls: list) -> str:
+    """OpenAI's finish reason of a reply parsed for tool calls: ``tool_calls`` when it ended (EOS)
+    with calls, else the engine's."""
+    return F.TOOL_CALLS if calls and reason == "stop" else F.FINISH[reason]
 
 
 def cut_short(reason: str | None) -> APIError | None:
@@ -124,9 +131,20 @@ class OpenAIFront:
                 built = build_request(ae.tokenizer, **kw)
             else:
                 built = await build_request_async(ae.tokenizer, **kw)
+            if built.grammar is not None:
+                await self.check_grammar(built.grammar)
             return ae.stream(built.submit(request_id, self.front.auth.tenant(key)))
         except RequestError as e:
             raise self.refused(e) from None
+
+    async def check_grammar(self, spec) -> None:
+        """Compile the request's grammar before its answer starts: a refusal is a 400 naming the field."""
+        from specd.structured import GrammarError
+
+        try:
+            await self.front.ae.check_grammar(spec)
+        except GrammarError as e:
+            raise grammar_error(e) from None
 
     def routes(self) -> list:
         return [
@@ -167,10 +185,10 @@ class OpenAIFront:
         return F.model_object(self.front.model_name, self.front.created, ae.max_model_len if ae else None)
 
     async def chat(self, request: Request) -> Response:
-        return await self._run(request, parse_chat, "chatcmpl-", _chat_events, F.chat_completion)
+        return await self._run(request, parse_chat, "chatcmpl-", _chat_events, _chat_whole)
 
     async def completions(self, request: Request) -> Response:
-        return await self._run(request, parse_completion, "cmpl-", _completion_events, F.completion)
+        return await self._run(request, parse_completion, "cmpl-", _completion_events, _completion_whole)
 
     async def _run(self, request: Request, parse, prefix: str, events, whole) -> Response:
         rid, created = prefix + uuid.uuid4().hex, int(time.time())
@@ -182,20 +200,33 @@ class OpenAIFront:
         except ClientGone:
             return Response(status_code=499)
         model = self.front.model_name
-        render = self.renderer(p, whole is F.chat_completion)
+        render = self.renderer(p, whole is _chat_whole)
+        tools = tools_of(p.engine.get("grammar"))
         if p.stream:
-            return EventStream(events(stream, rid, created, model, p.include_usage, render))
+            return EventStream(events(stream, (rid, created, model), p.include_usage, render, tools))
         try:
             text, last, ids, lps = await until_disconnect(request.receive, collect(stream))
         except ClientGone:
             return Response(status_code=499)  # (nobody reads it)
-        except RequestError as e:  # the engine failed the request
+        except RequestError as e:  # the engine failed the request (or refused its grammar: a 400)
             return self.fail(from_request_error(e))
         err = cut_short(last.finish_reason)
         if err is not None:
             return self.fail(err)
         lp = render(ids, lps) if render is not None else None
-        return JSONResponse(whole(rid, created, model, text, F.FINISH[last.finish_reason], F.usage(last.seq), lp))
+        return JSONResponse(whole((rid, created, model), text, last, lp, tools))
+
+
+def _chat_whole(head: tuple, text: str, last, lp, tools) -> dict:
+    """The ``chat.completion`` of a finished reply (parsed for tool calls when the request has tools)."""
+    if tools is None:
+        return F.chat_completion(*head, text, F.FINISH[last.finish_reason], F.usage(last.seq), lp)
+    content, calls = parse_tool_calls(text)
+    return F.chat_completion(*head, content, tool_finish(last.finish_reason, calls), F.usage(last.seq), lp, calls)
+
+
+def _completion_whole(head: tuple, text: str, last, lp, tools) -> dict:
+    return F.completion(*head, text, F.FINISH[last.finish_reason], F.usage(last.seq), lp)
 
 
 def _step_logprobs(render: LogprobRenderer | None, out) -> dict | None:
@@ -203,26 +234,56 @@ def _step_logprobs(render: LogprobRenderer | None, out) -> dict | None:
     return render(out.token_ids, out.logprobs) if render is not None and out.token_ids else None
 
 
+def tool_deltas(d) -> list:
+    """One parse step's chat deltas as OpenAI streams tool calls: the content first, then each call's
+    first delta alone (``index``, ``id``, ``type``, ``function.name``, ``arguments: ""``), then its
+    argument fragments (``index`` and ``function.arguments`` only; one step's fragments merged)."""
+    out = [{"content": d.content}] if d.content else []
+    for c in d.tool_calls:
+        prev = out[-1]["tool_calls"][0] if out and "tool_calls" in out[-1] else None
+        if c.id is None and prev is not None and prev["index"] == c.index and "id" not in prev:
+            prev["function"]["arguments"] += c.arguments
+        else:
+            out.append({"tool_calls": [c.to_openai()]})
+    return out
+
+
+def _step_deltas(out, parser: ToolCallParser | None) -> list:
+    """A step's chat deltas: its text, or, parsed for tool calls, content and call pieces (the end's
+    held-back text included on the last)."""
+    if parser is None:
+        return [{"content": out.text}] if out.text else []
+    deltas = tool_deltas(parser.feed(out.text))
+    if out.finished:
+        deltas += tool_deltas(parser.finish())
+    return deltas
+
+
 async def _chat_events(
-    stream: RequestStream, rid: str, created: int, model: str, with_usage: bool, render: LogprobRenderer | None
+    stream: RequestStream, head: tuple, with_usage: bool, render: LogprobRenderer | None, tools=None
 ) -> AsyncIterator:
     def chunk(delta, finish=None, lp=None):
-        return F.sse(F.chat_chunk(rid, created, model, delta, finish, with_usage, lp))
+        return F.sse(F.chat_chunk(*head, delta, finish, with_usage, lp))
 
+    parser = ToolCallParser() if tools is not None else None
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for out in stream:
             lp = _step_logprobs(render, out)
-            if out.text or lp is not None:  # (a held-back stop-string prefix still has its logprobs)
-                yield chunk({"content": out.text}, lp=lp)
+            deltas = _step_deltas(out, parser)
+            if lp is not None and not deltas:  # (a held-back stop-string prefix still has its logprobs)
+                deltas = [{"content": ""}]
+            for i, delta in enumerate(deltas):
+                yield chunk(delta, lp=lp if i == 0 else None)
             if out.finished:
                 err = cut_short(out.finish_reason)
                 if err is not None:
                     yield F.sse(err.body())
                     break
-                yield chunk({}, F.FINISH[out.finish_reason])
+                calls = parser.calls if parser is not None else []
+                yield chunk({}, tool_finish(out.finish_reason, calls))
                 if with_usage:
-                    yield F.sse(F.usage_chunk(rid, created, model, "chat.completion.chunk", F.usage(out.seq)))
+                    yield F.sse(F.usage_chunk(*head, "chat.completion.chunk", F.usage(out.seq)))
     except RequestError as e:  # the engine failed the request mid-stream
         yield F.sse(from_request_error(e).body())
     finally:
@@ -231,8 +292,10 @@ async def _chat_events(
 
 
 async def _completion_events(
-    stream: RequestStream, rid: str, created: int, model: str, with_usage: bool, render: LogprobRenderer | None
+    stream: RequestStream, head: tuple, with_usage: bool, render: LogprobRenderer | None, tools=None
 ):
+    rid, created, model = head
+
     def chunk(text, finish=None, lp=None):
         return F.sse(F.completion_chunk(rid, created, model, text, finish, with_usage, lp))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -31,6 +32,16 @@ ERROR_CODES = {
     "duplicate_id": "a request with this id is still running on this connection",
     "message_too_large": "the frame is larger than --max-message-bytes",
     "internal": "the engine failed while running the request",
+    # a constraint refused (specd.structured.GrammarError), before the request starts
+    "invalid_response_format": "response_format / structured_outputs / guided_* is malformed",
+    "invalid_schema": "the JSON schema is not one the grammar library accepts",
+    "unsatisfiable_schema": "the schema or grammar admits no output",
+    "invalid_regex": "the regex does not compile",
+    "invalid_grammar": "the EBNF grammar (or choice) does not compile",
+    "invalid_tools": "tools / tool_choice / parallel_tool_calls are malformed",
+    "conflicting_constraints": "the reply is constrained two ways at once",
+    "grammar_too_large": "the constraint is over a size bound (bytes, nesting, enum entries, tools)",
+    "compile_timeout": "compiling the constraint took too long",
 }
 
 
@@ -47,6 +58,12 @@ class GenerateRequest:
     params: SamplingParams  # validated; max_tokens 1 while ``max_tokens`` is None
     spec: SpecParams
     priority: str
+    grammar: Any = None  # a specd.structured.GrammarSpec (response_format, tools, vLLM's), or None
+
+    @property
+    def tools(self):
+        """The request's ``ToolCallSpec`` (its reply is parsed for calls), or None."""
+        return RB.tools_of(self.grammar)
 
     def sampling(self, prompt_tokens: int, max_model_len: int) -> SamplingParams:
         """The request's ``SamplingParams`` once its prompt's length is known."""
@@ -106,13 +123,26 @@ def parse_generate(msg: dict) -> GenerateRequest:
         messages, prompt = RB.check_prompt(msg.get("messages"), msg.get("prompt"))
         sampling = {f: msg.get(f) for f in SAMPLING_FIELDS}
         params, spec, priority = RB.check_fields(msg.get("priority"), msg.get("speculation"), **sampling)
-    return GenerateRequest(rid, messages, prompt, sampling["max_tokens"], params, spec, priority)
+    grammar = parse_grammar(msg)
+    return GenerateRequest(rid, messages, prompt, sampling["max_tokens"], params, spec, priority, grammar)
+
+
+def parse_grammar(msg: dict):
+    """The message's constraint (``response_format``, ``tools`` / ``tool_choice`` /
+    ``parallel_tool_calls``, vLLM's ``structured_outputs`` / ``guided_*``), or None; a refusal is a
+    ``ProtocolError`` with the grammar's code and field."""
+    from specd.structured import GrammarError, grammar_spec
+
+    try:
+        return grammar_spec(msg)
+    except GrammarError as e:
+        raise ProtocolError(e.code, e.message, e.field) from None
 
 
 def prompt_chars(req: GenerateRequest) -> int:
     if req.prompt is not None:
         return len(req.prompt)
-    return sum(len(m["content"]) for m in req.messages)
+    return RB.message_chars(req.messages)
 
 
 # server frames ---------------------------------------------------------------------------------
@@ -132,21 +162,33 @@ def error(rid: str | None, code: str, message: str) -> bytes:
     return orjson.dumps(m)
 
 
-def _done(rid: str, finish_reason: str, summary: dict, err: tuple | None) -> bytes:
-    m = {"type": "done", "id": rid, "finish_reason": finish_reason, **summary}
+def _done(rid: str, finish_reason: str, summary: dict, err: tuple | None, extra: dict | None = None) -> bytes:
+    m = {"type": "done", "id": rid, "finish_reason": finish_reason, **(extra or {}), **summary}
     if err is not None:
         m["error"] = {"code": err[0], "message": err[1]}
     return orjson.dumps(m)
 
 
-def done(rid: str, seq_obj, finish_reason: str, err: tuple | None = None) -> bytes:
+def tool_reply(text: str, finish_reason: str) -> tuple:
+    """``(finish_reason, fields)`` of a reply parsed for tool calls: ``content`` (the text outside the
+    calls, None when there is none), ``tool_calls`` (OpenAI's shape) and ``tool_calls`` as the finish
+    reason when it ended (EOS) with calls."""
+    from specd.structured import parse_tool_calls
+
+    content, calls = parse_tool_calls(text)
+    if calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return finish_reason, {"content": content, "tool_calls": [c.to_openai() for c in calls]}
+
+
+def done(rid: str, seq_obj, finish_reason: str, err: tuple | None = None, extra: dict | None = None) -> bytes:
     """The final frame of a request from its engine Sequence (stats and timestamps; ``spec.by_proposer``
-    when more than one proposer drafted for it)."""
+    when more than one proposer drafted for it; ``extra``: more fields, e.g. ``tool_calls``)."""
     summary = RB.summarize(seq_obj)
     by = seq_obj.stats.as_dict()["by_proposer"]
     if len(by) > 1:
         summary["spec"]["by_proposer"] = by
-    return _done(rid, finish_reason, summary, err)
+    return _done(rid, finish_reason, summary, err, extra)
 
 
 def done_empty(rid: str, finish_reason: str, prompt_tokens: int = 0, err: tuple | None = None) -> bytes:

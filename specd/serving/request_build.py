@@ -33,11 +33,13 @@ import functools
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from specd.engine.commands import Submit
 from specd.engine.requests import RequestError, check_priority, sampling_params, spec_params
 from specd.engine.sequence import SpecParams
 from specd.sampling.params import MAX_STOP, SamplingParams
+from specd.serving import chat_render as CR
 
 __all__ = [
     "MAX_ID_CHARS",
@@ -50,6 +52,7 @@ __all__ = [
     "check_prompt",
     "prompt_ids_from",
     "encode_prompt",
+    "message_chars",
     "sampling_params",
     "speculation_params",
     "check_priority",
@@ -57,9 +60,11 @@ __all__ = [
     "default_max_tokens",
     "summarize",
     "summarize_unstarted",
+    "tools_of",
 ]
 
 MAX_MESSAGES = 1024
+MAX_CALLS = 128  # tool calls in one assistant message
 MAX_ID_CHARS = 256
 DEFAULT_MAX_TOKENS = 256  # cap of the default max_tokens: min(256, context - prompt)
 speculation_params = spec_params  # (the name the front ends knew it by)
@@ -75,10 +80,21 @@ class BuiltRequest:
     params: SamplingParams
     spec: SpecParams
     priority: str
+    grammar: Any = None  # a specd.structured.GrammarSpec, or None
 
     def submit(self, request_id: str, tenant: str | None = None) -> Submit:
         """The engine's ``Submit`` for this request."""
-        return Submit(request_id, self.prompt_ids, self.params, self.spec, self.priority, tenant)
+        return Submit(request_id, self.prompt_ids, self.params, self.spec, self.priority, tenant, self.grammar)
+
+    @property
+    def tools(self):
+        """The request's ``ToolCallSpec`` (its reply is parsed for tool calls), or None."""
+        return tools_of(self.grammar)
+
+
+def tools_of(grammar):
+    """A grammar's ``ToolCallSpec`` when it constrains tool calls, else None."""
+    return grammar.value if grammar is not None and grammar.kind == "tool_calls" else None
 
 
 def check_id(rid: str) -> str:
@@ -93,19 +109,33 @@ def _require_tokenizer(tokenizer) -> None:
         raise RequestError("internal", "the model has no tokenizer")
 
 
-def encode_prompt(tokenizer, messages: list | None = None, prompt: str | None = None) -> list:
+def _apply_template(tokenizer, messages: list, tools) -> list:
+    kw = {}
+    if CR.renders_tools(tokenizer):
+        messages, functions = CR.template_messages(messages, tools)
+        if functions:
+            kw["tools"] = functions
+    else:
+        messages = CR.text_messages(messages, tools)
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False, **kw
+        )
+    except Exception as e:  # noqa: BLE001 - jinja errors: roles out of order, unsupported role, ...
+        raise _bad(f"chat template rejected the messages: {e}", "messages") from None
+    return ids["input_ids"] if hasattr(ids, "keys") else ids  # (a dict / BatchEncoding)
+
+
+def encode_prompt(tokenizer, messages: list | None = None, prompt: str | None = None, tools=None) -> list:
     """Token ids of already-checked ``messages`` (chat template, or their contents joined by newlines
-    for a tokenizer without one) or else ``prompt`` (raw text)."""
+    for a tokenizer without one) or else ``prompt`` (raw text). ``tools``: the request's
+    ``ToolCallSpec`` (``specd.serving.chat_render``: through the template when it renders tools, else
+    as a system message; calls and tool results in messages likewise)."""
     _require_tokenizer(tokenizer)
     if messages is not None and getattr(tokenizer, "chat_template", None):
-        try:
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        except Exception as e:  # noqa: BLE001 - jinja errors: roles out of order, unsupported role, ...
-            raise _bad(f"chat template rejected the messages: {e}", "messages") from None
-        if hasattr(ids, "keys"):  # a dict / BatchEncoding
-            ids = ids["input_ids"]
+        ids = _apply_template(tokenizer, messages, tools)
     else:
-        text = prompt if messages is None else "\n".join(m["content"] for m in messages)
+        text = prompt if messages is None else "\n".join(m["content"] for m in CR.text_messages(messages, tools))
         ids = tokenizer(text)["input_ids"]
     return [int(t) for t in ids]
 
@@ -124,11 +154,13 @@ def check_prompt(messages=None, prompt=None) -> tuple:
     return _check_messages(messages), None
 
 
-def prompt_ids_from(tokenizer, messages: Sequence[Mapping] | None = None, prompt: str | None = None) -> list:
+def prompt_ids_from(
+    tokenizer, messages: Sequence[Mapping] | None = None, prompt: str | None = None, tools=None
+) -> list:
     """Token ids of exactly one of ``messages`` (chat template) or ``prompt`` (raw text)."""
     messages, prompt = check_prompt(messages, prompt)
     _require_tokenizer(tokenizer)
-    ids = encode_prompt(tokenizer, messages, prompt)
+    ids = encode_prompt(tokenizer, messages, prompt, tools)
     if not ids:
         raise _bad("prompt is empty", "prompt")
     return ids
@@ -144,6 +176,44 @@ def _check_ids(ids) -> list:
     return list(ids)
 
 
+def _check_calls(calls, where: str) -> list:
+    """An assistant message's ``tool_calls``: ``[{"id", "type": "function", "function": {"name",
+    "arguments" (JSON text)}}]``, returned with only those keys."""
+    if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence) or len(calls) > MAX_CALLS:
+        raise _bad(f"{where}.tool_calls must be a list of at most {MAX_CALLS} calls", "messages")
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, Mapping) else None
+        if not isinstance(fn, Mapping) or c.get("type", "function") != "function":
+            raise _bad(f"{where}.tool_calls[{j}] must be {{type: function, function: {{name, arguments}}}}", "messages")
+        cid, name, args = c.get("id", ""), fn.get("name"), fn.get("arguments", "{}")
+        if not isinstance(cid, str) or not isinstance(name, str) or not name or not isinstance(args, str):
+            raise _bad(f"{where}.tool_calls[{j}]: id, function.name and function.arguments must be strings", "messages")
+        out.append({"id": cid, "type": "function", "function": {"name": name, "arguments": args}})
+    return out
+
+
+def _check_message(i: int, m) -> dict:
+    if not isinstance(m, Mapping):
+        raise _bad(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
+    role, content = m.get("role"), m.get("content")
+    if not isinstance(role, str) or not role:
+        raise _bad(f"messages[{i}].role must be a non-empty string", "messages")
+    calls = m.get("tool_calls")
+    if calls is not None and role != "assistant":
+        raise _bad(f"messages[{i}].tool_calls: only assistant messages have tool calls", "messages")
+    if not isinstance(content, str) and not (content is None and calls):
+        raise _bad(f"messages[{i}].content must be a string", "messages")
+    out = {"role": role, "content": content}
+    if calls is not None:
+        out["tool_calls"] = _check_calls(calls, f"messages[{i}]")
+    if m.get("tool_call_id") is not None:
+        if role != "tool" or not isinstance(m["tool_call_id"], str):
+            raise _bad(f"messages[{i}].tool_call_id must be a string, on a message of role 'tool'", "messages")
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
 def _check_messages(messages) -> list:
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise _bad("'messages' must be a list of {role, content} objects", "messages")
@@ -151,17 +221,17 @@ def _check_messages(messages) -> list:
         raise _bad("'messages' is empty", "messages")
     if len(messages) > MAX_MESSAGES:
         raise _bad(f"too many messages ({len(messages)} > {MAX_MESSAGES})", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise _bad(f"messages[{i}] must be an object with 'role' and 'content'", "messages")
-        role, content = m.get("role"), m.get("content")
-        if not isinstance(role, str) or not role:
-            raise _bad(f"messages[{i}].role must be a non-empty string", "messages")
-        if not isinstance(content, str):
-            raise _bad(f"messages[{i}].content must be a string", "messages")
-        out.append({"role": role, "content": content})
-    return out
+    return [_check_message(i, m) for i, m in enumerate(messages)]
+
+
+def message_chars(messages: list) -> int:
+    """Characters of checked messages (contents and calls): what tokenizing them costs."""
+    n = 0
+    for m in messages:
+        n += len(m.get("content") or "")
+        for c in m.get("tool_calls", ()):
+            n += len(c["function"]["arguments"]) + len(c["function"]["name"])
+    return n
 
 
 def default_max_tokens(prompt_tokens: int, max_model_len: int | None = None) -> int:
@@ -193,12 +263,14 @@ def build_request(
     priority=None,
     speculation: Mapping | None = None,
     max_model_len: int | None = None,
+    grammar=None,
     **sampling,
 ) -> BuiltRequest:
     """Validate everything cheap first, then tokenize. ``sampling``: ``SamplingParams`` fields by
     name (None = the default); ``speculation``: {mode, max_draft_tokens}. ``prompt_ids`` (token ids,
     the OpenAI completions API's other prompt form) replaces ``messages`` / ``prompt``; the engine
-    limits check them against the vocabulary.
+    limits check them against the vocabulary. ``grammar``: the reply's ``GrammarSpec`` (read by
+    ``specd.structured.grammar_spec``); a tool-call grammar's tools are rendered into the prompt.
 
     ``max_tokens`` None: ``default_max_tokens(prompt tokens, max_model_len)``.
     """
@@ -209,10 +281,10 @@ def build_request(
             raise _bad("give exactly one of 'messages', 'prompt' and 'prompt_ids'", "prompt")
         ids = _check_ids(prompt_ids)
     else:
-        ids = prompt_ids_from(tokenizer, messages, prompt)
+        ids = prompt_ids_from(tokenizer, messages, prompt, tools_of(grammar))
     if default_max:
         params = dataclasses.replace(params, max_tokens=default_max_tokens(len(ids), max_model_len))
-    return BuiltRequest(ids, params, spec, prio)
+    return BuiltRequest(ids, params, spec, prio, grammar)
 
 
 _TOKENIZER_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specd-tokenize")

@@ -22,7 +22,8 @@ __all__ = ["ResponseStore", "StoredResponse"]
 
 @dataclass(frozen=True)
 class StoredResponse:
-    """``obj``: the response object; ``history``: the conversation it ends, as chat messages."""
+    """``obj``: the response object; ``history``: the conversation it ends, as chat messages (an
+    assistant's ``tool_calls`` and ``role: "tool"`` results included)."""
 
     id: str
     obj: dict
@@ -30,7 +31,12 @@ class StoredResponse:
 
     @property
     def nbytes(self) -> int:
-        return sum(len(m["content"]) + len(m["role"]) + 16 for m in self.history) + 512
+        n = 512
+        for m in self.history:
+            n += len(m.get("content") or "") + len(m["role"]) + 16
+            for c in m.get("tool_calls", ()):
+                n += len(c["function"]["arguments"]) + len(c["function"]["name"]) + len(c["id"]) + 32
+        return n
 
 
 class ResponseStore:

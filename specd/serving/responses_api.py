@@ -12,8 +12,10 @@ not recompute. Streaming events, in order: ``response.created``, ``response.in_p
 ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``, then
 ``response.completed`` (EOS or a stop), ``response.incomplete`` (``max_output_tokens`` or the context:
 reason ``max_output_tokens``; cancelled: reason ``cancelled``) or ``response.failed`` (the engine
-failed). Each event has a ``sequence_number``. Finished responses with ``store`` (the default) are kept
-in the ``ResponseStore`` under the caller's key.
+failed). Each event has a ``sequence_number``. With function ``tools`` the reply is parsed for calls:
+``function_call`` items and their events (``specd.serving.responses_items``), the message only when
+there is text; ``function_call`` / ``function_call_output`` input items continue the conversation.
+Finished responses with ``store`` (the default) are kept in the ``ResponseStore`` under the caller's key.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from specd.serving.async_engine import RequestStream
 from specd.serving.openai_errors import APIError, from_request_error
 from specd.serving.openai_params import ParsedRequest, parse_response
 from specd.serving.openai_routes import OpenAIFront, collect
+from specd.serving.request_build import tools_of
 from specd.serving.response_store import ResponseStore, StoredResponse
+from specd.serving.responses_items import OutputItems
 from specd.serving.routes import JSONResponse
 from specd.serving.sse import ClientGone, EventStream, until_disconnect
 
@@ -58,11 +62,6 @@ class Turn:
         e = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return e
-
-
-def _message(turn: Turn, status: str, text: str) -> dict:
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-    return {"type": "message", "id": turn.msg_id, "status": status, "role": "assistant", "content": [part]}
 
 
 def _usage(seq) -> dict:
@@ -158,31 +157,31 @@ class ResponsesAPI:
         stream = await self.oai.start({**p.engine, "messages": list(system + history)}, turn.id, key)
         return turn, stream
 
-    def finish(self, turn: Turn, text: str, last) -> dict:
+    def items(self, turn: Turn, event=None) -> OutputItems:
+        """The turn's output items (``event``: the event maker; None: events are not kept)."""
+        return OutputItems(turn.msg_id, event or (lambda kind, **fields: None), tools_of(turn.parsed.engine["grammar"]))
+
+    def finish(self, turn: Turn, items: OutputItems, last) -> dict:
         """The final response object of a turn that ended with ``last``; kept when it should be."""
         status, _, incomplete = _outcome(last.finish_reason)
-        obj = response_object(
-            turn, status, [_message(turn, status, text)], _usage(last.seq), incomplete_details=incomplete
-        )
-        turn.stored = StoredResponse(turn.id, obj, turn.history + ({"role": "assistant", "content": text},))
+        obj = response_object(turn, status, items.output(status), _usage(last.seq), incomplete_details=incomplete)
+        turn.stored = StoredResponse(turn.id, obj, turn.history + (items.history(),))
         if turn.parsed.store:
             self.store.put(turn.ns, turn.stored)
         return obj
 
     async def events(self, turn: Turn, stream: RequestStream) -> AsyncIterator[dict]:
         """The turn's streaming events (see the module docstring); closes the stream."""
-        item = {"type": "message", "id": turn.msg_id, "status": "in_progress", "role": "assistant", "content": []}
-        loc = {"item_id": turn.msg_id, "output_index": 0, "content_index": 0}
         yield turn.event("response.created", response=response_object(turn, "in_progress", []))
         yield turn.event("response.in_progress", response=response_object(turn, "in_progress", []))
-        yield turn.event("response.output_item.added", output_index=0, item=item)
-        yield turn.event("response.content_part.added", **loc, part=_message(turn, "", "")["content"][0])
-        parts, last = [], None
+        items = self.items(turn, turn.event)
+        for e in items.start():
+            yield e
+        last = None
         try:
             async for out in stream:
-                if out.text:
-                    parts.append(out.text)
-                    yield turn.event("response.output_text.delta", **loc, delta=out.text, logprobs=[])
+                for e in items.step(out.text, out.finished):
+                    yield e
                 last = out
         except RequestError as e:  # the engine failed the request
             err = {"code": "server_error", "message": str(e)}
@@ -190,13 +189,9 @@ class ResponsesAPI:
             return
         finally:
             stream.close()
-        text = "".join(parts)
-        obj = self.finish(turn, text, last)
-        msg = obj["output"][0]
-        yield turn.event("response.output_text.done", **loc, text=text, logprobs=[])
-        yield turn.event("response.content_part.done", **loc, part=msg["content"][0])
-        yield turn.event("response.output_item.done", output_index=0, item=msg)
-        yield turn.event(_outcome(last.finish_reason)[1], response=obj)
+        for e in items.finish(_outcome(last.finish_reason)[0]):
+            yield e
+        yield turn.event(_outcome(last.finish_reason)[1], response=self.finish(turn, items, last))
 
     # HTTP ----------------------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
@@ -215,7 +210,9 @@ class ResponsesAPI:
             return Response(status_code=499)
         except RequestError as e:
             return self.oai.fail(from_request_error(e))
-        return JSONResponse(self.finish(turn, text, last))
+        items = self.items(turn)
+        items.step(text, last=True)
+        return JSONResponse(self.finish(turn, items, last))
 
     def _lookup(self, request: Request) -> tuple:
         key = self.oai.authorize(request.headers)

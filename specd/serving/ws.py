@@ -83,10 +83,11 @@ class WSServer:
 
 
 class _Req:
-    __slots__ = ("id", "engine_id", "task", "cancelled", "done", "n", "last", "out", "err")
+    __slots__ = ("id", "engine_id", "task", "cancelled", "done", "n", "last", "out", "err", "text")
 
     def __init__(self, rid: str, engine_id: str):
         self.id, self.engine_id = rid, engine_id
+        self.text: list | None = None  # the reply's text so far, when it is parsed for tool calls
         self.task: asyncio.Task | None = None
         self.cancelled = False
         self.done: asyncio.Future | None = None  # set once the final frame is out (admitted requests)
@@ -176,8 +177,10 @@ class Conn:
                 if out.token_ids or out.text:
                     frames.append(P.delta(r.id, r.n, out.text, out.token_ids, out.logprobs))
                     r.n += 1
+                if r.text is not None:
+                    r.text.append(out.text)
                 if out.finished:
-                    frames.append(P.done(r.id, out.seq, out.finish_reason))
+                    frames.append(self._done(r, out))
                     finished.append(r)
                     continue
             if err is not None:
@@ -185,6 +188,14 @@ class Conn:
                 finished.append(r)
         self.pending.clear()
         return frames, finished
+
+    @staticmethod
+    def _done(r: _Req, out) -> bytes:
+        """A finished request's ``done`` (with its tool calls parsed when it has tools)."""
+        if r.text is None or out.finish_reason not in ("stop", "length"):
+            return P.done(r.id, out.seq, out.finish_reason)
+        reason, fields = P.tool_reply("".join(r.text), out.finish_reason)
+        return P.done(r.id, out.seq, reason, extra=fields)
 
     def _error_done(self, r: _Req, err: BaseException) -> bytes:
         code = getattr(err, "code", "internal")
@@ -293,13 +304,23 @@ class Conn:
 
     async def _tokenize(self, ae: AsyncEngine, req: P.GenerateRequest) -> list:
         if P.prompt_chars(req) <= INLINE_TOKENIZE_CHARS:  # cheap: no thread hand-off
-            return RB.encode_prompt(ae.tokenizer, req.messages, req.prompt)
+            return RB.encode_prompt(ae.tokenizer, req.messages, req.prompt, req.tools)
         try:  # long prompts must not stall the event loop
             return await asyncio.get_running_loop().run_in_executor(
-                self.srv.tok_pool, RB.encode_prompt, ae.tokenizer, req.messages, req.prompt
+                self.srv.tok_pool, RB.encode_prompt, ae.tokenizer, req.messages, req.prompt, req.tools
             )
         except RuntimeError as e:  # the pool is shut down (server closing)
             raise RequestError("shutting_down", str(e)) from None
+
+    @staticmethod
+    async def _check_grammar(ae: AsyncEngine, req: P.GenerateRequest) -> None:
+        """Compile the request's grammar before it starts: a refusal is its ``error`` frame."""
+        from specd.structured import GrammarError
+
+        try:
+            await ae.check_grammar(req.grammar)
+        except GrammarError as e:
+            raise RequestError(e.code, e.message, e.field) from None
 
     async def _serve(self, r: _Req, req: P.GenerateRequest, ae: AsyncEngine) -> None:
         submitted = False
@@ -309,9 +330,15 @@ class Conn:
                 await self.send(P.done_empty(r.id, "cancelled", len(ids)))
                 return
             params = req.sampling(len(ids), ae.max_model_len)
+            if req.grammar is not None:
+                await self._check_grammar(ae, req)
+                r.text = [] if req.tools is not None else None
+                if r.cancelled:
+                    await self.send(P.done_empty(r.id, "cancelled", len(ids)))
+                    return
             r.done = asyncio.get_running_loop().create_future()
             sink = lambda item: self._deliver(r, item)  # noqa: E731
-            ae.submit(Submit(r.engine_id, ids, params, req.spec, req.priority, self.tenant), sink)
+            ae.submit(Submit(r.engine_id, ids, params, req.spec, req.priority, self.tenant, req.grammar), sink)
             submitted = True
             await r.done
         except RequestError as e:  # refused before admission (admitted errors arrive via _deliver)

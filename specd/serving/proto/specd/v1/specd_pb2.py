@@ -24,35 +24,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14specd/v1/specd.proto\x12\x08specd.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"j\n\x0bSpeculation\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x19.specd.v1.SpeculationMode\x12\x1d\n\x10max_draft_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x13\n\x11_max_draft_tokens\"\x9c\x03\n\x0fGenerateRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\'\n\x08messages\x18\x02 \x03(\x0b\x32\x15.specd.v1.ChatMessage\x12\x13\n\x06prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12$\n\x08priority\x18\n \x01(\x0e\x32\x12.specd.v1.Priority\x12*\n\x0bspeculation\x18\x0b \x01(\x0b\x32\x15.specd.v1.Speculation\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x42\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"5\n\x05\x44\x65lta\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"g\n\tSpecStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\"=\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\x82\x01\n\x04\x44one\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.specd.v1.Usage\x12!\n\x04spec\x18\x03 \x01(\x0b\x32\x13.specd.v1.SpecStats\x12 \n\x06timing\x18\x04 \x01(\x0b\x32\x10.specd.v1.Timing\"i\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12 \n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x0f.specd.v1.DeltaH\x00\x12\x1e\n\x04\x64one\x18\x03 \x01(\x0b\x32\x0e.specd.v1.DoneH\x00\x42\x07\n\x05\x65vent*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02*\xf3\x01\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x01\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x02\x12\x1a\n\x16SPECULATION_MODE_CHAIN\x10\x03\x12\x19\n\x15SPECULATION_MODE_TREE\x10\x04\x12\x19\n\x15SPECULATION_MODE_HEAD\x10\x05\x12\x1a\n\x16SPECULATION_MODE_NGRAM\x10\x06\x12\x1b\n\x17SPECULATION_MODE_HYBRID\x10\x07\x32L\n\x05Specd\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14specd/v1/specd.proto\x12\x08specd.v1\"j\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.specd.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x94\x01\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x12\x13\n\x0bjson_object\x18\x05 \x01(\x08\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammar\"j\n\x0bSpeculation\x12\'\n\x04mode\x18\x01 \x01(\x0e\x32\x19.specd.v1.SpeculationMode\x12\x1d\n\x10max_draft_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x13\n\x11_max_draft_tokens\"\x89\x05\n\x0fGenerateRequest\x12\n\n\x02id\x18\x01 \x01(\t\x12\'\n\x08messages\x18\x02 \x03(\x0b\x32\x15.specd.v1.ChatMessage\x12\x13\n\x06prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12$\n\x08priority\x18\n \x01(\x0e\x32\x12.specd.v1.Priority\x12*\n\x0bspeculation\x18\x0b \x01(\x0b\x32\x15.specd.v1.Speculation\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x1c\n\x0fresponse_format\x18\x0e \x01(\tH\x06\x88\x01\x01\x12\x12\n\x05tools\x18\x0f \x01(\tH\x07\x88\x01\x01\x12\x18\n\x0btool_choice\x18\x10 \x01(\tH\x08\x88\x01\x01\x12 \n\x13parallel_tool_calls\x18\x11 \x01(\x08H\t\x88\x01\x01\x12\x37\n\x12structured_outputs\x18\x12 \x01(\x0b\x32\x1b.specd.v1.StructuredOutputsB\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x12\n\x10_response_formatB\x08\n\x06_toolsB\x0e\n\x0c_tool_choiceB\x16\n\x14_parallel_tool_calls\"5\n\x05\x44\x65lta\x12\x0b\n\x03seq\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"g\n\tSpecStats\x12\r\n\x05steps\x18\x01 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x1c\n\x14mean_accepted_length\x18\x04 \x01(\x01\"=\n\x06Timing\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xcc\x01\n\x04\x44one\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.specd.v1.Usage\x12!\n\x04spec\x18\x03 \x01(\x0b\x32\x13.specd.v1.SpecStats\x12 \n\x06timing\x18\x04 \x01(\x0b\x32\x10.specd.v1.Timing\x12&\n\ntool_calls\x18\x05 \x03(\x0b\x32\x12.specd.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x06 \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_content\"i\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12 \n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x0f.specd.v1.DeltaH\x00\x12\x1e\n\x04\x64one\x18\x03 \x01(\x0b\x32\x0e.specd.v1.DoneH\x00\x42\x07\n\x05\x65vent*R\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x12\n\x0ePRIORITY_BATCH\x10\x02*\xf3\x01\n\x0fSpeculationMode\x12 \n\x1cSPECULATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15SPECULATION_MODE_AUTO\x10\x01\x12\x18\n\x14SPECULATION_MODE_OFF\x10\x02\x12\x1a\n\x16SPECULATION_MODE_CHAIN\x10\x03\x12\x19\n\x15SPECULATION_MODE_TREE\x10\x04\x12\x19\n\x15SPECULATION_MODE_HEAD\x10\x05\x12\x1a\n\x16SPECULATION_MODE_NGRAM\x10\x06\x12\x1b\n\x17SPECULATION_MODE_HYBRID\x10\x07\x32L\n\x05Specd\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd.v1.specd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITY']._serialized_start=1125
-  _globals['_PRIORITY']._serialized_end=1207
-  _globals['_SPECULATIONMODE']._serialized_start=1210
-  _globals['_SPECULATIONMODE']._serialized_end=1453
+  _globals['_PRIORITY']._serialized_start=1706
+  _globals['_PRIORITY']._serialized_end=1788
+  _globals['_SPECULATIONMODE']._serialized_start=1791
+  _globals['_SPECULATIONMODE']._serialized_end=2034
   _globals['_CHATMESSAGE']._serialized_start=34
-  _globals['_CHATMESSAGE']._serialized_end=78
-  _globals['_SPECULATION']._serialized_start=80
-  _globals['_SPECULATION']._serialized_end=186
-  _globals['_GENERATEREQUEST']._serialized_start=189
-  _globals['_GENERATEREQUEST']._serialized_end=601
-  _globals['_DELTA']._serialized_start=603
-  _globals['_DELTA']._serialized_end=656
-  _globals['_USAGE']._serialized_start=658
-  _globals['_USAGE']._serialized_end=715
-  _globals['_SPECSTATS']._serialized_start=717
-  _globals['_SPECSTATS']._serialized_end=820
-  _globals['_TIMING']._serialized_start=822
-  _globals['_TIMING']._serialized_end=883
-  _globals['_DONE']._serialized_start=886
-  _globals['_DONE']._serialized_end=1016
-  _globals['_GENERATERESPONSE']._serialized_start=1018
-  _globals['_GENERATERESPONSE']._serialized_end=1123
-  _globals['_SPECD']._serialized_start=1455
-  _globals['_SPECD']._serialized_end=1531
+  _globals['_CHATMESSAGE']._serialized_end=140
+  _globals['_TOOLCALL']._serialized_start=142
+  _globals['_TOOLCALL']._serialized_end=197
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=200
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=348
+  _globals['_SPECULATION']._serialized_start=350
+  _globals['_SPECULATION']._serialized_end=456
+  _globals['_GENERATEREQUEST']._serialized_start=459
+  _globals['_GENERATEREQUEST']._serialized_end=1108
+  _globals['_DELTA']._serialized_start=1110
+  _globals['_DELTA']._serialized_end=1163
+  _globals['_USAGE']._serialized_start=1165
+  _globals['_USAGE']._serialized_end=1222
+  _globals['_SPECSTATS']._serialized_start=1224
+  _globals['_SPECSTATS']._serialized_end=1327
+  _globals['_TIMING']._serialized_start=1329
+  _globals['_TIMING']._serialized_end=1390
+  _globals['_DONE']._serialized_start=1393
+  _globals['_DONE']._serialized_end=1597
+  _globals['_GENERATERESPONSE']._serialized_start=1599
+  _globals['_GENERATERESPONSE']._serialized_end=1704
+  _globals['_SPECD']._serialized_start=2036
+  _globals['_SPECD']._serialized_end=2112
 # @@protoc_insertion_point(module_scope)

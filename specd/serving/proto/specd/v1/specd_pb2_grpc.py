@@ -5,7 +5,7 @@ import warnings
 
 from specd.serving.proto.specd.v1 import specd_pb2 as specd_dot_v1_dot_specd__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
