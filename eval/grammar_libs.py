@@ -4,14 +4,18 @@ For each schema of ``../shared/data/jsonschemabench/schemas.jsonl`` and each lib
 (and why not), how long compiling takes, and how long filling the next-token bitmask takes at every
 position of a valid JSON instance tokenized with the built-in tokenizer (SmolLM2-135M-Instruct,
 49,152 tokens). The instance is :func:`eval.json_instance.instance` when both libraries accept it,
-else a random walk under both libraries' masks at once (so it is valid for both); mask times are
-taken on the schemas both compile, the two libraries' fills interleaved token by token.
+else a random walk under every library's mask at once (so it is valid for all); mask times are
+taken on the schemas all compile, the libraries' fills interleaved token by token.
 
 Settings alike for both: JSON with fixed separators ``", "`` / ``": "`` and no free whitespace
 (xgrammar ``any_whitespace=False``; llguidance ``whitespace_flexible=False``), one compile thread,
-xgrammar's compile cache off. "compile" is what a request waits for before its first mask: xgrammar
-``compile_json_schema``; llguidance ``grammar_from_json_schema`` + ``LLMatcher`` (its lexer is
-built lazily, so its first mask is reported apart too).
+xgrammar's compile cache off. xgrammar runs three ways: ``strict`` (undeclared properties refused,
+as specd compiles), ``strict dynamic`` (``enable_dynamic_compilation``: each state's token-mask
+cache built on its first use instead of at compile time) and plain (the schema's own semantics,
+llguidance's: its masks are compared bit for bit with llguidance's). "compile" is what a request
+waits for before its first mask: xgrammar ``compile_json_schema``; llguidance
+``grammar_from_json_schema`` + ``LLMatcher`` (its lexer is built lazily, so first masks are
+reported apart too).
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python -m eval.grammar_libs [--limit N] [--out DIR]
 """
@@ -56,13 +60,15 @@ class Xgr:
 
     dist = "xgrammar"
 
-    def __init__(self, tok, vocab: int, strict: bool = True):
+    def __init__(self, tok, vocab: int, strict: bool = True, dynamic: bool = False):
         import xgrammar as xgr
 
         self.xgr, self.strict = xgr, strict
-        self.name = "xgrammar" + (" strict" if strict else "")
+        self.name = "xgrammar" + (" strict" if strict else "") + (" dynamic" if dynamic else "")
         info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.compiler = xgr.GrammarCompiler(
+            info, max_threads=1, cache_enabled=False, enable_dynamic_compilation=dynamic
+        )
 
     def compile(self, schema: dict):
         return self.compiler.compile_json_schema(
@@ -325,7 +331,13 @@ def main(argv=None) -> dict:
     tok = builtin_tokenizer()
     vocab = len(tok)
     libs, setup_s = [], {}
-    for make in (lambda: Xgr(tok, vocab, strict=True), lambda: Xgr(tok, vocab, strict=False), lambda: Llg(tok, vocab)):
+    makers = (
+        lambda: Xgr(tok, vocab, strict=True),
+        lambda: Xgr(tok, vocab, strict=True, dynamic=True),
+        lambda: Xgr(tok, vocab, strict=False),
+        lambda: Llg(tok, vocab),
+    )
+    for make in makers:
         t0 = time.perf_counter()
         libs.append(make())
         setup_s[libs[-1].name] = time.perf_counter() - t0
