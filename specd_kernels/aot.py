@@ -4,7 +4,9 @@ No GPU is needed. For every configuration the launchers choose over a matrix of 
 (head_dim 64/128, GQA groups 1/3/4/8, fp16/bf16; decode, tree-verify, chunked-prefill and mixed
 shapes, each with a batch that fills the GPU and a single long sequence that makes the launcher
 split the KV range), each kernel is compiled for both targets and the ptxas bundled with Triton
-reports registers, spill stores/loads; shared memory comes from the kernel metadata.
+reports registers, spill stores/loads; shared memory comes from the kernel metadata. The other
+kernels (KV-cache writes and copies, the weight-only GEMM, the batch-invariant GEMM / RMSNorm /
+attention) are compiled at their decode, tree and prefill widths unless ``--no-others``.
 
     python -m specd_kernels.aot [--shapes decode,tree] [--json FILE] [--check]
 
@@ -194,6 +196,42 @@ def _woq_plans(dname):
     return out
 
 
+# batch-invariant kernels (specd_kernels.batch_invariant): the GEMM at a 4096 x 4096 projection and a
+# 128256-row LM head (its wider N tile), RMSNorm over 4096 and 576 (the built-in model), attention at
+# head_dim 64 (group 3: SmolLM2) and 128 (group 4: Llama-3.1-8B), causal and tree-masked
+INVARIANT_NK = {"proj": (4096, 4096), "lm_head": (128256, 4096)}
+INVARIANT_ATTENTION = ((64, 3), (128, 4))
+
+
+def _invariant_plans(dname):
+    """``[(kernel label, shape, head_dim, group, plan)]`` for the batch-invariant kernels."""
+    from . import batch_invariant as bi
+
+    dt = DTYPES[dname]
+    meta = dict(dtype=dt, device="meta")
+    out = []
+    for nk_name, (n, k) in INVARIANT_NK.items():
+        w = torch.empty(n, k, **meta)
+        for sname, m in WOQ_SHAPES.items():
+            x, y = torch.empty(m, k, **meta), torch.empty(m, n, **meta)
+            cfg = bi.matmul_config(n, k, dt)
+            out.append(("bi_matmul", f"{nk_name} {sname}", None, None, bi._matmul_plan(x, w, None, y, y, cfg)))
+    for d in (4096, 576):
+        x = torch.empty(17, d, **meta)
+        out.append(("bi_rms_norm", f"d={d}", None, None, bi._rms_norm_plan(x, torch.empty(1, d, **meta), x, 1e-5)))
+    i32 = dict(dtype=torch.int32, device="meta")
+    for d, g in INVARIANT_ATTENTION:
+        q = torch.empty(64 * 17, NUM_KV_HEADS * g, d, **meta)
+        kv = torch.empty(2, 4096, BLOCK_SIZE, NUM_KV_HEADS, d, **meta)
+        ints = (torch.empty(65, **i32), torch.empty(64, **i32), torch.empty(64, **i32), torch.empty(64, 64, **i32))
+        req = torch.empty(q.shape[0], **i32)
+        for sname, cols in (("decode", None), ("tree", torch.empty(q.shape[0], 17, **i32))):
+            extra = (req, cols, None if cols is None else req)
+            plan = bi._attention_plan(q, kv, ints, extra, torch.empty_like(q), d**-0.5, None)
+            out.append(("bi_attention", sname, d, g, plan))
+    return out
+
+
 def compile_spec(kernel, args, kw, cap: int) -> dict:
     """Picklable description of one compile: the specialization ``JITFunction.run`` would build
     for ``kernel[grid](*args, **kw)`` on a device of capability ``cap``."""
@@ -318,15 +356,16 @@ def build_jobs(
     if others:
         for tname in targets:
             for dname in dtypes:
-                plans = [(d, p) for d in head_dims for p in _other_plans(dname, d)]
-                plans += [(None, p) for p in _woq_plans(dname)]
-                for d, (label, sname, plan) in plans:
+                plans = [(d, None, *p) for d in head_dims for p in _other_plans(dname, d)]
+                plans += [(None, None, *p) for p in _woq_plans(dname)]
+                plans += [(d, g, label, sname, plan) for label, sname, d, g, plan in _invariant_plans(dname)]
+                for d, g, label, sname, plan in plans:
                     row = {
                         "kernel": label,
                         "target": tname,
                         "dtype": dname,
                         "head_dim": d,
-                        "group": None,
+                        "group": g,
                         "batch": None,
                         "max_seq_len": None,
                         "shape": sname,
@@ -363,6 +402,8 @@ def measure(jobs, workers: int | None = None) -> list:
 
 
 _OPERAND = {"fp16": "f16", "bf16": "bf16"}
+# kernels whose dots must take the 16-bit storage type (an fp32 upcast compiles to tf32 MMAs)
+MMA_KERNELS = ("tree_attention", "woq_int8", "woq_int4", "bi_matmul", "bi_attention")
 
 
 def _mma_cell(per: dict) -> str:
@@ -444,7 +485,7 @@ def problems(rows) -> list:
         if r["shared_bytes"] > SMEM_LIMIT[TARGETS[r["target"]]]:
             bad.append(f"{what}: {r['shared_bytes']} B shared memory")
         want = _OPERAND.get(r["dtype"])
-        if r["kernel"] in ("tree_attention", "woq_int8", "woq_int4") and {m.split()[1] for m in r["mma"]} != {want}:
+        if r["kernel"] in MMA_KERNELS and {m.split()[1] for m in r["mma"]} != {want}:
             bad.append(f"{what}: MMA operands {r['mma']}, want {want}")
     return bad
 
@@ -457,7 +498,10 @@ def _parse_args(argv):
     p.add_argument("--groups", default=",".join(map(str, GROUPS)))
     p.add_argument("--targets", default=",".join(TARGETS))
     p.add_argument("--dot-f32", action="store_true", help="force the fp32-upcast dot operands (the old kernel)")
-    p.add_argument("--no-others", action="store_true", help="tree attention only (no kv_ops kernels)")
+    p.add_argument(
+        "--no-others", action="store_true", help="tree attention only (no kv_ops, woq or batch-invariant kernels)"
+    )
+    p.add_argument("--kernels", default="", help="comma list of kernel-name prefixes to keep (e.g. bi_; default all)")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: CPU count)")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file ('-': stdout only)")
     p.add_argument("--check", action="store_true", help="exit 1 on spills, shared memory over the limit or fp32 MMAs")
@@ -480,6 +524,8 @@ def main(argv=None) -> int:
         dot_f32=True if a.dot_f32 else None,
         others=not a.no_others,
     )
+    if a.kernels:
+        jobs = [j for j in jobs if j[0]["kernel"].startswith(tuple(_csv(a.kernels)))]
     rows = measure(jobs, a.workers)
     if a.json == "-":
         print(json.dumps(rows))

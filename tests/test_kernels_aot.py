@@ -6,7 +6,8 @@ attention launcher (head_dim 64/128, GQA groups 1/3/4/8; a full batch and a sing
 that splits the KV range) in fp16, the same in bf16 for group 3 (the launcher's choice does not
 depend on the dtype, and bf16 compiles to the same registers, spills and shared memory as fp16 in
 all 222 pairs of the full report in docs/benchmarks.md), plus the KV-cache kernels and the int8 /
-int4 weight-only GEMM (specd_kernels.woq) at decode, tree and prefill widths.
+int4 weight-only GEMM (specd_kernels.woq) at decode, tree and prefill widths, and the batch-invariant
+GEMM, RMSNorm and attention (specd_kernels.batch_invariant; fp16 here, bf16 in their own test).
 The tests fail on any register spill, on shared memory beyond the target's limit, and on
 tree-attention dots whose operands are not the 16-bit storage type (an fp32 upcast compiles to
 tf32 MMAs). The compiles run in a subprocess without TRITON_INTERPRET, one process per CPU;
@@ -60,7 +61,8 @@ def test_every_configuration_compiles_for_both_targets(rows):
     combine = {_what(r) for r in rows if r["kernel"] == "tree_attention_combine"}
     assert combine == {_what(dict(r, kernel="tree_attention_combine")) for r in split}
     others = {(r["kernel"], r["target"]) for r in rows if not r["kernel"].startswith("tree_attention")}
-    assert others == {(k, t) for k in ("write_kv", "copy_slots", "woq_int8", "woq_int4") for t in aot.TARGETS}
+    kinds = ("write_kv", "copy_slots", "woq_int8", "woq_int4", "bi_matmul", "bi_rms_norm", "bi_attention")
+    assert others == {(k, t) for k in kinds for t in aot.TARGETS}
 
 
 def test_weight_only_gemm_compiles_without_spills_with_16bit_mmas(rows):
@@ -71,6 +73,26 @@ def test_weight_only_gemm_compiles_without_spills_with_16bit_mmas(rows):
     assert got == {(f"woq_{f}", t, s) for f in ("int8", "int4") for t in aot.TARGETS for s in aot.WOQ_SHAPES}
     assert all(r["mma"] and {m.split()[1] for m in r["mma"]} == {WANT[r["dtype"]]} for r in woq)
     assert not [r for r in woq if r["spill_stores"] or r["spill_loads"]]
+
+
+def test_batch_invariant_kernels_compile_without_spills_with_16bit_mmas(rows):
+    """The batch-invariant GEMM (a 4096 x 4096 projection and a 128256-row LM head at decode, tree and
+    prefill widths), RMSNorm and attention (head_dim 64 / group 3 and 128 / group 4, causal and tree),
+    fp16 (in the module fixture) and bf16, both targets: 0 spills, dots on the 16-bit type."""
+    bf16 = aot.run_clean(["--shapes", "", "--dtypes", "bf16", "--kernels", "bi_"], timeout=1200)
+    assert {r["kernel"] for r in bf16} == {"bi_matmul", "bi_rms_norm", "bi_attention"}
+    inv = [r for r in rows if r["kernel"].startswith("bi_")] + bf16
+    got = {(r["kernel"], r["target"], r["dtype"], r["shape"]) for r in inv}
+    gemm = {f"{nk} {s}" for nk in aot.INVARIANT_NK for s in aot.WOQ_SHAPES}
+    for t in aot.TARGETS:
+        for dt in aot.DTYPES:
+            assert {s for k, tt, d, s in got if (k, tt, d) == ("bi_matmul", t, dt)} == gemm
+            assert {s for k, tt, d, s in got if (k, tt, d) == ("bi_attention", t, dt)} == {"decode", "tree"}
+            assert {s for k, tt, d, s in got if (k, tt, d) == ("bi_rms_norm", t, dt)} == {"d=4096", "d=576"}
+    assert not [_what(r) for r in inv if r["spill_stores"] or r["spill_loads"]]
+    dots = [r for r in inv if r["kernel"] != "bi_rms_norm"]
+    assert all(r["mma"] and {m.split()[1] for m in r["mma"]} == {WANT[r["dtype"]]} for r in dots)
+    assert not aot.problems(inv)
 
 
 def test_no_register_spills(rows):
