@@ -104,6 +104,19 @@ def _prompt_ids(tok, text: str, raw: bool) -> list:
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
+def _run(eng, ids: list, params, spec) -> tuple:
+    """Decode one request: ``(seq, decode rate)``, the rate over the steps after its first token's
+    (prefill and the first step's one-off work left out; 0.0 when one step emitted everything)."""
+    seq = eng.add_request(ids, params, spec)
+    while not seq.finished and seq.num_output == 0:
+        eng.step()
+    t0, n0 = time.perf_counter(), seq.num_output
+    while not seq.finished:
+        eng.step()
+    dt = time.perf_counter() - t0
+    return seq, round((seq.num_output - n0) / dt, 2) if dt > 0 and seq.num_output > n0 else 0.0
+
+
 def _generate_one(eng, a, text: str, params) -> None:
     """Generate for one prompt and print the text (or one JSON object with ``--json``)."""
     from specd.engine.engine import RequestError
@@ -111,7 +124,7 @@ def _generate_one(eng, a, text: str, params) -> None:
 
     t0 = time.perf_counter()
     try:
-        seq = eng.generate([_prompt_ids(eng.tokenizer, text, a.raw)], params, SpecParams(mode=a.spec))[0]
+        seq, rate = _run(eng, _prompt_ids(eng.tokenizer, text, a.raw), params, SpecParams(mode=a.spec))
     except RequestError as e:
         raise _CliError(f"{e.code}: {e}") from None
     dt = time.perf_counter() - t0
@@ -123,7 +136,8 @@ def _generate_one(eng, a, text: str, params) -> None:
         "mean_accepted_length": round(st.mean_accepted_length, 4),
         "acceptance_per_depth": st.as_dict()["acceptance_per_depth"],
         "by_proposer": st.as_dict()["by_proposer"],
-        "tokens_per_second": round(seq.num_output / dt, 2) if dt > 0 else 0.0,
+        "tokens_per_second": rate,
+        "seconds": round(dt, 4),  # the whole call: prefill and one-off start-up work included
         "finish_reason": seq.finish_reason,
     }
     out = eng.output_text(seq)
