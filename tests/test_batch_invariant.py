@@ -331,3 +331,93 @@ def test_mask_columns():
     assert [cols[i, : nvis[i]].tolist() for i in range(3)] == [[0, 2, 3], [], [1]]
     assert bi.visible_keys(3, 4, 2, 1, None, None) == [0, 1, 2, 3, 4, 5, 6]
     assert bi.visible_keys(3, 4, 4, 0, [1, 0, 1, 0], 2) == [3, 5]
+
+
+# ---------------------------------------------------------------------------------------------
+# the model's dispatch (specd.model.invariant)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_modes_pick_the_kernels_per_step():
+    from specd.model import invariant as inv
+
+    assert [inv.step_invariant(m, g) for m in ("on", "auto", "off") for g in (True, False)] == [
+        True, True, True, False, False, False,
+    ]  # fmt: skip
+    assert inv.step_ops("auto", True) is inv.ON and inv.step_ops("auto", False) is inv.OFF
+    assert inv.ops_for("auto") is inv.ON and inv.ops_for("off") is inv.OFF
+    with pytest.raises(ValueError, match="batch_invariant"):
+        inv.step_invariant("sometimes", True)
+    from specd.config import EngineConfig
+
+    assert EngineConfig(target="t").batch_invariant == "auto"
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(target="t", batch_invariant="yes")
+
+
+def test_cpu_tensors_keep_the_torch_ops_by_default():
+    """An engine on a CPU never takes the kernels, enabled or not: the ops are torch's, bit for bit."""
+    import torch.nn.functional as F
+
+    from specd.model import invariant as inv
+
+    x, w, b = torch.randn(5, 24), torch.randn(7, 24), torch.randn(7)
+    res, nw = torch.randn(5, 7), torch.randn(24)
+    assert not inv.ON.applies(x, w)
+    assert torch.equal(inv.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(inv.addmm(res, x, w.t()), torch.addmm(res, x, w.t()))
+    assert torch.equal(inv.rms_norm(x, nw, 1e-6), F.rms_norm(x, (24,), nw, 1e-6))
+    from specd.model.attention import TorchAttention
+
+    torch_backend = TorchAttention()
+    assert isinstance(inv.ON.backend(torch_backend), inv.InvariantAttention)
+    assert inv.OFF.backend(torch_backend) is torch_backend
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
+def test_enabled_ops_run_the_kernels_and_keep_rows_invariant(dtype):
+    from specd.model import invariant as inv
+
+    ops = inv.InvariantOps(True, devices=(DEVICE.type,))
+    w = _randn(45, 70, dtype=dtype, seed=40, scale=0.1)
+    w_t = w.t()  # the model keeps o / down as W^T views for addmm
+    nw = _randn(70, dtype=dtype, seed=41)
+    rows = _randn(17, 70, dtype=dtype, seed=42)
+    res = _randn(17, 45, dtype=dtype, seed=43)
+    assert ops.applies(rows, w) and not ops.applies(rows, w.float() if dtype != torch.float32 else w.half())
+    assert torch.equal(ops.linear(rows, w), bi.matmul(rows, w))
+    assert torch.equal(ops.addmm(res, rows, w_t), bi.matmul(rows, w, add=res))
+    assert torch.equal(ops.rms_norm(rows, nw, 1e-5), bi.rms_norm(rows, nw, 1e-5))
+    assert ops.linear(rows.view(1, 17, 70), w).shape == (1, 17, 45)
+    w2 = _randn(70, 70, dtype=dtype, seed=44, scale=0.1)
+    for M in (1, 3, 8):  # a layer's worth of ops: row 0 alone == row 0 among others
+        y = ops.addmm(res[:M], ops.linear(ops.rms_norm(rows[:M], nw, 1e-5), w2), w_t)  # [M, 45]
+        assert torch.equal(y[0], ops.addmm(res[:1], ops.linear(ops.rms_norm(rows[:1], nw, 1e-5), w2), w_t)[0])
+
+
+def test_invariant_attention_backend_wraps_the_kv_ops():
+    """The wrapped backend writes the KV; attention is the invariant kernel over the step's metadata."""
+    from specd.model import invariant as inv
+    from specd.model.attention import TorchAttention, build_metadata
+
+    kvh, group, d, bs = 2, 2, 16, 4
+    kv = torch.zeros(2, 8, bs, kvh, d, device=DEVICE)
+    tables = [[3, 1, 6], [2, 5]]
+    qlens, ctxs = [3, 2], [6, 4]
+    slots = [tables[0][p // bs] * bs + p % bs for p in range(6, 9)] + [tables[1][p // bs] * bs + p % bs for p in (4, 5)]
+    mask = [ancestor_rows([-1, 0, 0]), None]
+    meta = build_metadata(qlens, ctxs, tables, slots, bs, DEVICE, tree_masks=mask)
+    backend = inv.InvariantOps(True, devices=(DEVICE.type,)).backend(TorchAttention())
+    assert backend.name == "invariant(torch)"
+    g = torch.Generator().manual_seed(5)
+    for c, tab in zip(ctxs, tables):  # the prefixes, written directly
+        for p in range(c):
+            kv[:, tab[p // bs], p % bs] = torch.randn(2, kvh, d, generator=g).to(DEVICE)
+    k, v, q = (torch.randn(5, n, d, generator=g).to(DEVICE) for n in (kvh, kvh, kvh * group))
+    backend.write_kv(kv, k, v, meta.slot_mapping)
+    assert torch.equal(kv[0].view(-1, kvh, d)[meta.slot_mapping], k)
+    out = backend.attention(q, kv, meta, d**-0.5)
+    want = bi.attention(q, kv, meta.query_start_loc, meta.context_lens, meta.seq_lens, meta.block_tables,
+                        meta.tree_mask, d**-0.5)  # fmt: skip
+    assert torch.equal(out, want)
+    assert_close(out, TorchAttention.attention(q, kv, meta, d**-0.5), torch.float32, "vs the torch backend")
