@@ -158,6 +158,27 @@ def test_submit_checks_what_it_carries():
     assert (ei.value.code, ei.value.field) == ("invalid_request", "prompt")
 
 
+def _grammar():
+    from specd.structured import grammar_spec
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    return grammar_spec({"tools": [tool], "tool_choice": "required", "parallel_tool_calls": False})
+
+
+def test_a_grammar_travels_in_a_submit_and_is_checked():
+    from specd.structured import GrammarSpec
+
+    g = _grammar()
+    sub = Submit("g", [1, 2], SamplingParams(), grammar=g)
+    back = pickle.loads(pickle.dumps(sub, protocol=pickle.HIGHEST_PROTOCOL))
+    assert isinstance(back.grammar, GrammarSpec) and back.grammar.canonical() == g.canonical()
+    assert back.grammar.value.functions[0].name == "f" and back.grammar.value.parallel is False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        back.grammar.kind = "regex"
+    with pytest.raises(TypeError):
+        Submit("g", [1], SamplingParams(), grammar={"type": "json_object"})
+
+
 # both links over a spy engine --------------------------------------------------------------------
 class FakeSeq:
     """What the links read of a request's sequence."""
@@ -274,6 +295,44 @@ def test_a_submit_reaches_the_engine_unchanged_through_the_thread_link():
     assert [lp for o in outs for lp in o.logprobs] == [(-0.25, [(9, -0.25)])] * 3
     assert outs[0].seq.params is sub.params  # (in a thread the engine's own objects come back)
     assert snap.steps == 3  # a Snapshot command answered with the engine's state
+
+
+def test_a_grammar_reaches_the_engine_through_both_links():
+    """The thread link hands the engine the very spec; the process link's wire an equal one."""
+    from specd.engine.links import Pipe, PipeInlet, ProcessLink, encode_batch, pack_outputs
+    from specd.engine.loop import EngineLoop
+    from specd.serving.async_engine import AsyncEngine
+
+    g = _grammar()
+    spy = SpyEngine(n=1)
+
+    async def main():
+        ae = AsyncEngine(spy, max_queue=4)
+        await ae.start()
+        outs = [o async for o in ae.generate(Submit("t", [1, 2], SamplingParams(max_tokens=4), grammar=g))]
+        await ae.stop()
+        return outs
+
+    assert asyncio.run(asyncio.wait_for(main(), 30))[-1].finished
+    assert spy.grammars == [g]  # (in a thread: the same object)
+    spy = SpyEngine(n=1)
+    cmd_r, cmd_w = os.pipe()
+    out_r, out_w = os.pipe()
+    child_in, child_out = Pipe(cmd_r, reader=True), Pipe(out_w, reader=False)
+    loop = EngineLoop(spy, PipeInlet(child_in), lambda b: child_out.send(encode_batch(b)) or True, 0.0, pack_outputs)
+    t = threading.Thread(target=loop.run, daemon=True)
+    t.start()
+    link = ProcessLink.__new__(ProcessLink)  # (no child process: this test is both ends)
+    link._cmd, link._out = Pipe(cmd_w, reader=False), Pipe(out_r, reader=True)
+    link._send_lock, link._seqs, link._dead = threading.Lock(), {}, None
+    link.send(Submit("p", [1, 2], SamplingParams(max_tokens=4), grammar=g))
+    link.send(Submit("q", [1, 2], SamplingParams(max_tokens=4)))
+    link.send(Stop())
+    t.join(10)
+    assert not t.is_alive() and len(spy.grammars) == 2 and spy.grammars[1] is None
+    assert spy.grammars[0] is not g and spy.grammars[0].canonical() == g.canonical()
+    for p in (child_in, child_out, link._cmd, link._out):
+        p.close()
 
 
 def test_a_submit_reaches_the_engine_unchanged_through_the_process_link_wire():
@@ -477,6 +536,28 @@ def test_a_bad_value_is_refused_in_one_place_alike_at_every_door(server, field, 
     assert _grpc_error(server.grpc_port, {field: value}) == (
         grpc.StatusCode.INVALID_ARGUMENT,
         f"invalid_request: {msg}",
+    )
+
+
+@pytest.mark.parametrize(
+    "so,code",
+    [
+        ({"regex": "(("}, "invalid_regex"),  # refused by the compiler
+        ({"regex": "a", "choice": ["b"]}, "invalid_response_format"),  # refused as the request is read
+        ({"json": '{"type": "object", "properties": {"a": {"not": {}}}, "required": ["a"]}'}, "unsatisfiable_schema"),
+    ],
+)
+def test_a_bad_constraint_is_refused_alike_at_every_door(server, so, code):
+    import grpc
+
+    from specd.serving.proto.specd.v1 import specd_pb2 as pb
+
+    ws_code, msg = _ws_error(server.port, {"structured_outputs": so})
+    status, oai_code, param, http_msg = _http_error(server, {"structured_outputs": so})
+    assert ws_code == oai_code == code and (status, http_msg) == (400, msg) and param.startswith("structured_outputs")
+    assert _grpc_error(server.grpc_port, {"structured_outputs": pb.StructuredOutputs(**so)}) == (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{code}: {msg}",
     )
 
 

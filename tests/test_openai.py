@@ -303,7 +303,14 @@ def test_errors_have_openai_shape_and_status(server, client):
         ({**chat, "model": "gpt-4o"}, 404, "model_not_found"),
         ({"messages": chat["messages"]}, 400, "invalid_value"),
         ({**chat, "messages": []}, 400, "invalid_value"),
-        ({**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, "unsupported_parameter"),
+        ({**chat, "messages": [{"role": "function", "content": "x"}]}, 400, "unsupported_parameter"),
+        ({**chat, "messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_value"),  # (no tool_call_id)
+        ({**chat, "tools": [{"type": "function", "function": {"name": "f g"}}]}, 400, "invalid_tools"),
+        (
+            {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": 3}}},
+            400,
+            "invalid_schema",
+        ),
         ({**chat, "max_tokens": 100000}, 400, "context_length_exceeded"),
         ({**chat, "messages": [{"role": "user", "content": "word " * 1500}]}, 400, "context_length_exceeded"),
         ({**chat, "temperature": "hot"}, 400, "invalid_value"),
