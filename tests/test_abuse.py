@@ -474,3 +474,118 @@ def test_api_key_enforced_on_every_surface(make_server, engine):
         out = list(call(req, timeout=30, metadata=(("authorization", f"Bearer {key}"),)))
         assert out[-1].WhichOneof("event") == "done"
     assert wait_clean(srv, tasks_before) == {}
+
+
+# hostile constraints -----------------------------------------------------------------------------
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def _rf(schema) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
+def _tool(name: str, params) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": params}}
+
+
+RECURSIVE = {  # a list that nests through $ref: legal, compiled; max_tokens bounds the reply
+    "$defs": {"n": {"type": "object", "properties": {"n": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}},
+    "$ref": "#/$defs/n",
+}
+HOSTILE = [  # (fields, the refusal's code; None: accepted, the reply then valid under the grammar)
+    (_rf(_nested(100)), "grammar_too_large"),
+    (_rf({"enum": list(range(100_000))}), "grammar_too_large"),
+    (_rf({"type": "object", "properties": {"a": {"type": "quaternion"}}}), "invalid_schema"),
+    (_rf({"type": ["object"], "minProperties": 3, "maxProperties": 1}), "invalid_schema"),
+    (_rf({"type": "integer", "minimum": 5, "maximum": 1}), "unsatisfiable_schema"),
+    (_rf({"allOf": [{"type": "string"}, {"type": "integer"}]}), "unsatisfiable_schema"),
+    (_rf({"type": "string", "pattern": "a{1,2}(("}), "invalid_schema"),
+    (_rf(RECURSIVE), None),
+    ({"tools": [_tool(f"f{i}", {"type": "object"}) for i in range(2000)]}, "grammar_too_large"),
+    (
+        {"tools": [_tool("f", {"type": "object"})], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        "invalid_tools",
+    ),
+    ({"tools": [_tool("f", {"type": "object"})], "tool_choice": "sometimes"}, "invalid_tools"),
+    (
+        {"tools": [_tool("f", {"type": "object", "properties": {"x": {"type": "nope"}}})], "tool_choice": "required"},
+        "invalid_tools",
+    ),
+    ({"tools": [_tool("f", _nested(100))]}, "grammar_too_large"),
+    ({"tools": [_tool("f", {}), _tool("f", {})]}, "invalid_tools"),
+    ({"structured_outputs": {"choice": [str(i) for i in range(5000)]}}, "grammar_too_large"),
+    ({"guided_grammar": "root ::= root"}, "unsatisfiable_schema"),
+]
+
+
+def test_hostile_constraints_are_refused_at_once_and_others_keep_streaming(make_server, engine):
+    """Deep nesting, a 100k-entry enum, invalid types, unsatisfiable schemas, a huge tool list, wrong
+    tool_choice names: each a 400 naming the problem within a few seconds, over HTTP and the websocket,
+    while a long stream on another connection goes on undisturbed; health stays green and no KV block
+    is held after."""
+    import urllib.error
+    import urllib.request
+
+    srv = make_server(max_message_bytes=4 << 20)
+    tasks_before = n_tasks(srv)
+    ref = engine.generate([engine.tokenizer(PROMPTS[2])["input_ids"]], *_canary_params())[0].output_ids
+    with connect(f"ws://127.0.0.1:{srv.port}/ws") as canary, connect(f"ws://127.0.0.1:{srv.port}/ws") as ws:
+        canary.send(gen("long", PROMPTS[2], 200, ignore_eos=True))
+        for i, (fields, code) in enumerate(HOSTILE):
+            body = {
+                "model": srv.app.front.model_name,
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 40,
+            }
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{srv.port}/v1/chat/completions",
+                orjson.dumps({**body, **fields}),
+                {"Content-Type": "application/json"},
+            )
+            t0 = time.monotonic()
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    status, got = r.status, orjson.loads(r.read())
+            except urllib.error.HTTPError as e:
+                status, got = e.code, orjson.loads(e.read())
+            took = time.monotonic() - t0
+            if code is None:
+                assert status == 200 and got["choices"][0]["message"]["content"].startswith("{"), got
+            else:
+                assert (status, got["error"]["code"]) == (400, code), (i, status, got)
+                assert got["error"]["param"] and got["error"]["message"]
+                assert took < 12.0, f"refusal {i} took {took:.1f} s"
+                ws.send(
+                    orjson.dumps(
+                        {"type": "generate", "id": f"h{i}", "prompt": "Hi", "max_tokens": 4, **fields}
+                    ).decode()
+                )
+                m = orjson.loads(ws.recv(timeout=60))
+                assert (m["type"], m["id"], m["code"]) == ("error", f"h{i}", code), m
+            assert srv.app.ae.healthy()
+        deltas, done = _collect(canary, "long")
+    assert done["finish_reason"] == "length" and [t for d in deltas for t in d["token_ids"]] == ref
+    assert wait_clean(srv, tasks_before) == {}
+    assert srv.app.ae.healthy()
+
+
+def _canary_params() -> tuple:
+    from specd.engine.sequence import SpecParams
+    from specd.sampling.params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), SpecParams()
+
+
+def _collect(ws, rid) -> tuple:
+    deltas = []
+    while True:
+        m = orjson.loads(ws.recv(timeout=120))
+        if m.get("id") != rid:
+            continue
+        if m["type"] != "delta":
+            return deltas, m
+        deltas.append(m)

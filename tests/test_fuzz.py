@@ -1,6 +1,7 @@
 """Fuzzing the serving surface (loopback only) with hypothesis, against the real server on the shared
 stories260K pair: malformed and adversarial websocket frames and JSON, raw bytes after the upgrade,
-malformed protobuf bytes to gRPC Generate.
+malformed protobuf bytes to gRPC Generate; random and hostile constraints (response_format, tools,
+tool_choice, vLLM's structured_outputs / guided_*): a refusal naming the problem or a valid stream.
 
 Oracle (docs/protocol.md), checked frame by frame on one long-lived connection:
 - a binary frame -> one `error` invalid_request; a frame that is not a JSON object -> `invalid_json`;
@@ -35,6 +36,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
+
+from specd.structured.errors import CODES as GRAMMAR_CODES
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -117,7 +120,7 @@ class Probe:
         self.srv = srv
         self.ws = None
         self.n = 0
-        self.stats = {"frames": 0, "errors": {}, "streams": 0}
+        self.stats = {"frames": 0, "errors": {}, "streams": 0, "constrained": 0}
 
     def _conn(self):
         if self.ws is None:
@@ -183,7 +186,9 @@ class Probe:
         if gen is not None:
             if terminal["type"] == "done":
                 self.stats["streams"] += 1
-                assert terminal["finish_reason"] in ("stop", "length", "cancelled", "error"), terminal
+                if any(k in orjson.loads(frame) for k in CONSTRAINT_FIELDS):
+                    self.stats["constrained"] += 1
+                assert terminal["finish_reason"] in ("stop", "length", "cancelled", "error", "tool_calls"), terminal
                 got = sum(len(d["token_ids"]) for d in deltas)
                 assert terminal["usage"]["completion_tokens"] == got, (terminal, got)
                 if terminal["finish_reason"] == "error":
@@ -261,6 +266,52 @@ def _maybe(valid, bad=json_values):
 
 
 PROMPTS = ["Once upon a time", "The little dog", "Hi", "Lily and Tom went to the park"]
+# constraints: small valid ones, and hostile ones (each a 400 / error naming the problem, never a hang)
+_PET = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}, "required": ["kind"]}
+_TOOL = {"type": "function", "function": {"name": "w", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _deep(n: int) -> dict:
+    v: dict = {"type": "string"}
+    for _ in range(n):
+        v = {"type": "object", "properties": {"a": v}}
+    return v
+
+
+HOSTILE_CONSTRAINT = st.sampled_from(
+    [
+        {"type": "json_schema", "json_schema": {"name": "d", "schema": _deep(80)}},
+        {"type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": list(range(1500))}}},
+        {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "quaternion"}}},
+        {
+            "type": "json_schema",
+            "json_schema": {"name": "u", "schema": {"type": "integer", "minimum": 3, "maximum": 1}},
+        },
+        {"type": "json_schema", "json_schema": {"name": "n", "schema": {"not": {}}}},
+        [_TOOL] * 3,
+        [{"type": "function", "function": {"name": f"f{i}"}} for i in range(200)],
+        {"type": "function", "function": {"name": "nope"}},
+        {"regex": "(("},
+        {"choice": []},
+        "((",
+        ["a"] * 1500,
+    ]
+)
+CONSTRAINT_FIELDS = {
+    "response_format": st.sampled_from(
+        [
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "pet", "schema": _PET, "strict": True}},
+        ]
+    ),
+    "tools": st.sampled_from([[_TOOL], []]),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "w"}}]),
+    "parallel_tool_calls": st.booleans(),
+    "structured_outputs": st.sampled_from([{"choice": ["yes", "no"]}, {"regex": "[ab]{2,4}"}, {"json_object": True}]),
+    "guided_regex": st.sampled_from(["x+", "[0-9]{3}"]),
+    "guided_choice": st.sampled_from([["left", "right"]]),
+}
 gen_fields = {
     "prompt": _maybe(st.sampled_from(PROMPTS) | st.text(min_size=0, max_size=60)),
     "messages": _maybe(
@@ -296,6 +347,7 @@ gen_fields = {
         )
     ),
     "unknown_field": json_values,
+    **{k: _maybe(v, HOSTILE_CONSTRAINT | json_values) for k, v in CONSTRAINT_FIELDS.items()},
 }
 
 
@@ -324,6 +376,15 @@ def generate_messages(draw):
         msg["max_tokens"] = draw(st.integers(1, 12))
     # json.dumps writes NaN/Infinity tokens (invalid JSON: the server must say invalid_json)
     return json.dumps(msg, ensure_ascii=draw(st.booleans()) or _has_surrogate(msg), allow_nan=True)
+
+
+@st.composite
+def constrained_messages(draw):
+    """A valid ``generate`` with one or two constraint fields, valid or hostile."""
+    msg = {"type": "generate", "id": draw(_fresh_ids()), "prompt": draw(st.sampled_from(PROMPTS)), "max_tokens": 6}
+    for k in sorted(draw(st.sets(st.sampled_from(sorted(CONSTRAINT_FIELDS)), min_size=1, max_size=2))):
+        msg[k] = draw(gen_fields[k])
+    return json.dumps(msg)
 
 
 def _has_surrogate(obj) -> bool:
@@ -398,7 +459,7 @@ def _check_after(probe, srv):
 
 def _run_json_fuzz(probe, server, n, opts):
     @settings(max_examples=n, **opts)
-    @given(frame=st.one_of(generate_messages(), raw_text_frames))
+    @given(frame=st.one_of(generate_messages(), raw_text_frames, constrained_messages()))
     def run(frame):
         probe.exchange(frame)
 
@@ -426,6 +487,8 @@ def _run_binary_fuzz(probe, server, n, opts):
 def test_fuzz_json_frames(probe, server):
     _run_json_fuzz(probe, server, N_FAST, FAST)
     assert probe.stats["streams"] > 0 and len(probe.stats["errors"]) >= 3, probe.stats
+    # constraints were exercised both ways: refused with their codes, and streamed
+    assert set(probe.stats["errors"]) & set(GRAMMAR_CODES) and probe.stats["constrained"] > 0, probe.stats
 
 
 def test_fuzz_binary_frames(probe, server):
@@ -644,6 +707,7 @@ OAI_CODES = {
     "response_already_in_flight",
     "unknown_event_type",
     "unknown_url",
+    *GRAMMAR_CODES,  # a constraint refused
 }
 MODEL = "stories260K"
 ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
@@ -688,6 +752,8 @@ oai_fields = {
     "metadata": _maybe(st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2)),
     "speculation": gen_fields["speculation"],
     "unknown_field": json_values,
+    **{k: gen_fields[k] for k in CONSTRAINT_FIELDS},
+    "text": _maybe(st.fixed_dictionaries({"format": st.sampled_from([{"type": "json_object"}, {"type": "text"}])})),
 }
 
 
@@ -706,6 +772,18 @@ def oai_bodies(draw, path: str = "/v1/responses") -> bytes:
     return json.dumps(body, ensure_ascii=draw(st.booleans()) or _has_surrogate(body), allow_nan=True).encode(
         "utf-8", "surrogatepass"
     )
+
+
+@st.composite
+def constrained_bodies(draw, path: str) -> bytes:
+    """A valid body for ``path`` with one or two constraint fields (valid or hostile)."""
+    body = {"model": MODEL, "max_tokens": 6, "max_output_tokens": 6, "temperature": 0}
+    body[REQUIRED[path]] = [{"role": "user", "content": "Hi"}] if path == "/v1/chat/completions" else "Hi"
+    keys = sorted(CONSTRAINT_FIELDS) + (["text"] if path == "/v1/responses" else [])
+    for k in sorted(draw(st.sets(st.sampled_from(keys), min_size=1, max_size=2))):
+        body[k] = draw(oai_fields[k])
+    body["stream"] = draw(st.booleans())
+    return json.dumps(body).encode()
 
 
 raw_bodies = st.one_of(
@@ -765,6 +843,7 @@ def _check_http(port: int, path: str, body: bytes, drop_after: int | None, stats
     if status != 200:
         assert set(got) == {"error"} and set(got["error"]) == {"message", "type", "param", "code"}, got
         assert got["error"]["code"] in OAI_CODES, got
+        stats[got["error"]["code"]] = stats.get(got["error"]["code"], 0) + 1
         return
     if isinstance(got, dict):
         assert got["object"] in ("chat.completion", "text_completion", "response"), got
@@ -812,7 +891,7 @@ def _run_http_fuzz(server, n, opts):
         @settings(max_examples=n, **opts)
         @given(data=st.data(), path=st.sampled_from(ROUTES), drop=st.sampled_from([None, None, 1, 2]))
         def run(data, path, drop):
-            body = data.draw(st.one_of(oai_bodies(path), oai_bodies(path), raw_bodies))
+            body = data.draw(st.one_of(oai_bodies(path), oai_bodies(path), raw_bodies, constrained_bodies(path)))
             _check_http(server.port, path, body, drop, stats)
 
         run()
@@ -825,6 +904,7 @@ def _run_http_fuzz(server, n, opts):
 def test_fuzz_openai_http(server):
     stats = _run_http_fuzz(server, max(60, N_FAST // 3), FAST)
     assert stats.get(200, 0) > 0 and stats.get(400, 0) > 0 and stats.get(404, 0) > 0, stats
+    assert set(stats) & set(GRAMMAR_CODES), stats  # constraints refused with their codes
 
 
 # the Responses WebSocket mode ---------------------------------------------------------------------------
