@@ -5,6 +5,8 @@ gets its whole first turn from the prefix cache (ChatML: the first prompt and re
 
 from __future__ import annotations
 
+import json
+
 import openai
 import orjson
 import pytest
@@ -72,3 +74,58 @@ def test_greedy_text_is_the_same_over_http_both_websockets_and_in_process(served
     turn1 = first.usage.input_tokens + first.usage.output_tokens
     assert second.usage.input_tokens > turn1
     assert second.usage.input_tokens_details.cached_tokens >= 16 * (turn1 // 16) - 16, (second.usage, turn1)
+
+
+def test_parse_and_a_tool_round_trip_on_the_chat_model(served):
+    """The README's example on the real model: ``parse`` with a pydantic model, then a tool round trip
+    (its ChatML template does not render tools: they go into the system message, the call and its result
+    into the conversation as text)."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    from specd.serving.request_build import build_request
+    from specd.structured import grammar_spec
+
+    class City(BaseModel):
+        name: str
+        country: str
+        continent: Literal["Africa", "Americas", "Asia", "Europe", "Oceania"]
+
+    srv, _ = served
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="k", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    r = client.chat.completions.parse(
+        model=model,
+        messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+        response_format=City,
+        temperature=0,
+    )
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and city.name == "Paris" and city.continent == "Europe"
+    params = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": params}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(
+        model=model, messages=messages, tools=tools, tool_choice="required", temperature=0
+    )
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    messages += [
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C"},
+    ]
+    r2 = client.chat.completions.create(model=model, messages=messages, tools=tools, temperature=0, max_tokens=16)
+    assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    keep = ("role", "content", "tool_calls", "tool_call_id")
+    b = build_request(
+        srv.app.ae.tokenizer,
+        messages=[{k: v for k, v in m.items() if k in keep} for m in messages],
+        max_tokens=16,
+        grammar=grammar_spec({"tools": tools}),
+    )
+    text = srv.app.ae.tokenizer.decode(b.prompt_ids)
+    assert r2.usage.prompt_tokens == len(b.prompt_ids)
+    assert text.startswith("<|im_start|>system\nYou can call these functions") and call.function.arguments in text
+    assert "<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>" in text
