@@ -267,6 +267,19 @@ def test_forced_tokens_on_fixed_keys(compiler, vocab):
         assert m.advance(t)
 
 
+def test_lazily_built_masks_equal_the_eagerly_compiled_ones(compiler, vocab, closing):
+    lazy = GrammarCompiler(vocab, CompilerConfig(lazy_masks=True))
+    for r in sample_schemas(1):
+        eager_m = compiler.compile(schema_spec(r["schema"])).matcher()
+        lazy_m = lazy.compile(schema_spec(r["schema"])).matcher()
+        tokens = walk(eager_m, torch.Generator().manual_seed(2), closing)
+        eager_m.rollback(len(tokens))
+        for t in tokens:
+            assert torch.equal(lazy_m.bitmask(), eager_m.bitmask()), r["id"]
+            assert lazy_m.advance(t) and eager_m.advance(t)
+        assert lazy_m.is_terminated()
+
+
 def test_padded_vocabulary_ids_are_never_allowed(vocab):
     wide = Vocabulary.from_tokenizer(vocab.tokenizer, size=vocab.size + 128)
     g = GrammarCompiler(wide).compile(GrammarSpec("regex", r"[a-z ]{0,40}"))

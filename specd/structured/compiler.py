@@ -46,13 +46,17 @@ UNSATISFIABLE = ("cannot accept any value", "Invalid range", "must not be empty"
 @dataclass(frozen=True)
 class CompilerConfig:
     """``compile_timeout_s``: a future settles within it; ``workers``: compiles at once;
-    ``cache_entries``: grammars (and refusals) kept; ``strict_json``: objects hold only the
-    properties their schema declares (xgrammar ``strict_mode``; OpenAI strict semantics)."""
+    ``cache_entries``: grammars (and refusals) kept; ``strict_json``: objects with declared
+    properties hold only those (xgrammar ``strict_mode``; OpenAI strict semantics); ``lazy_masks``:
+    xgrammar's dynamic compilation, each grammar state's token-mask cache built on its first use
+    instead of while compiling (compiles ~20x faster, the first visit of a state costs up to ~1 ms:
+    docs/benchmarks.md, "Grammar libraries")."""
 
     compile_timeout_s: float = 10.0
     workers: int = 2
     cache_entries: int = 256
     strict_json: bool = True
+    lazy_masks: bool = False
     limits: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self):
@@ -88,11 +92,13 @@ class GrammarCompiler:
     def __init__(self, vocab: Vocabulary, config: CompilerConfig | None = None):
         self.vocab = vocab
         self.config = config or CompilerConfig()
-        self._lib = xgr.GrammarCompiler(vocab.info, max_threads=1, cache_enabled=False)
+        self._lib = xgr.GrammarCompiler(
+            vocab.info, max_threads=1, cache_enabled=False, enable_dynamic_compilation=self.config.lazy_masks
+        )
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._lock = threading.Lock()
         self._slots = threading.Semaphore(self.config.workers)
-        self._salt = json.dumps([vocab.fingerprint, self.config.strict_json, SEPARATORS])
+        self._salt = json.dumps([vocab.fingerprint, self.config.strict_json, self.config.lazy_masks, SEPARATORS])
 
     def submit(self, spec: GrammarSpec) -> Future:
         """A future of the :class:`Grammar` for ``spec``; settles within ``compile_timeout_s``."""
