@@ -18,6 +18,9 @@ waits for before its first mask: xgrammar ``compile_json_schema``; llguidance
 reported apart too).
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python -m eval.grammar_libs [--limit N] [--out DIR]
+
+llguidance is not a specd dependency: install it first (``.venv/bin/pip install llguidance==1.9.1``,
+no dependencies of its own).
 """
 
 from __future__ import annotations
