@@ -366,9 +366,14 @@ def test_tree_masks_example_from_the_docstring(vocab):
 
 
 # logits masking ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("native", [True, False], ids=["cpu-kernel", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab_size,width", [(100, 100), (100, 131), (128, 128), (77, 60)])
-def test_apply_bitmask_matches_masked_fill(dtype, vocab_size, width):
+def test_apply_bitmask_matches_masked_fill(dtype, vocab_size, width, native, monkeypatch):
+    import specd.structured.masks as masks_mod
+
+    if not native:  # the torch path (no CPU kernel, or not fp32 on the CPU)
+        monkeypatch.setattr(masks_mod, "_native", lambda *a: False)
     g = torch.Generator().manual_seed(vocab_size + width)
     allowed = torch.rand(5, vocab_size, generator=g) < 0.3  # [5, V]
     bm = pack(allowed)  # [5, ceil(V/32)]

@@ -70,15 +70,19 @@ def apply_bitmask_(
     bitmask: [N, W] int32, or [len(rows), W] with ``rows``: only those rows of ``logits``, a [k] int64
              tensor or a ``range`` (a step-1 range masks a view of the rows: no gather, no copy back)
 
-    fp32 logits are masked with integer operations on their bits, in place (``bits & keep |
-    (~keep & bits(-inf))``, ``keep`` all ones for an allowed token), ~5x faster on a CPU than
-    ``masked_fill_``; rows go ``ROWS_PER_PASS`` at a time so the temporaries stay in cache.
+    fp32 CPU logits go through specd's CPU kernel where it is built (``specd_apply_bitmask``: 17
+    rows x 49,152 in ~0.06 ms); otherwise fp32 logits are masked with integer operations on their
+    bits, in place (``bits & keep | (~keep & bits(-inf))``, ``keep`` all ones for an allowed
+    token), ~5x faster on a CPU than ``masked_fill_``; rows go ``ROWS_PER_PASS`` at a time so the
+    temporaries stay in cache.
     """
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
         raise ValueError("logits must be 2-D and bitmask 2-D int32")
     n = logits.shape[0] if rows is None else len(rows)
     if bitmask.shape[0] != n:
         raise ValueError(f"bitmask has {bitmask.shape[0]} rows for {n} logit rows")
+    if _native(logits, bitmask, rows):
+        return logits
     if rows is None:
         _apply(logits, bitmask)
         return logits
@@ -91,6 +95,25 @@ def apply_bitmask_(
     _apply(sub, bitmask)
     logits.index_copy_(0, rows, sub)
     return logits
+
+
+def _native(logits: torch.Tensor, bitmask: torch.Tensor, rows) -> bool:
+    """Masked by the CPU kernel (True), or not applicable (not fp32 on the CPU, no kernel)."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.stride(1) != 1:
+        return False
+    from specd.model.qkernel import apply_bitmask, kernel
+
+    lib = kernel()
+    if lib is None:
+        return False
+    if rows is None:
+        idx = torch.arange(logits.shape[0])
+    elif isinstance(rows, range):
+        idx = torch.arange(rows.start, rows.stop, rows.step)
+    else:
+        idx = rows.to(torch.int64)
+    apply_bitmask(lib, logits, idx, bitmask.contiguous())
+    return True
 
 
 def _apply(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
