@@ -36,6 +36,7 @@ COMMANDS = {
         "step": ("eval.step_costs", "the target's prefill chunks and W-row decode steps outside the engine"),
         "head": ("eval.head_costs", "a feature-head step piece by piece next to the target's"),
         "grammar": ("eval.grammar_libs", "xgrammar vs llguidance on JSONSchemaBench: compile and mask times"),
+        "masks": ("eval.structured_costs", "specd.structured's per-step work: tree masks, applying, forced tokens"),
     },
     "serve-check": {"": ("eval.serve_check", "start specd serve, ask /readyz and /healthz, stop it")},
     "train-demo": {"": ("eval.train_demo_pair", "train the demo pair (models/demo) on GSM8K")},
