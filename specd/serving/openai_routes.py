@@ -3,8 +3,11 @@
 Each request: the API key (``Authorization: Bearer``, 401), the body (413 / 400), its fields
 (``specd.serving.openai_params``: 400, 404 for another model), admission (503 while loading or
 draining), then the shared request builder (tokenizing off the loop; 400 for bad values or a prompt
-too long for the context) and the engine client (429 when ``--max-queue`` requests are in). Only
-then does the answer start: a JSON body, or server-sent events ending with ``data: [DONE]``.
+too long for the context), the compile of its grammar when it has one (``response_format``, tools,
+vLLM's constraints: 400 with the grammar's code) and the engine client (429 when ``--max-queue``
+requests are in). Only then does the answer start: a JSON body, or server-sent events ending with
+``data: [DONE]``. A request with tools has its reply parsed for calls (``message.tool_calls``,
+``finish_reason: "tool_calls"``; streamed as OpenAI's ``tool_calls`` deltas: ``tool_deltas``).
 A client that disconnects cancels its request at once (``specd.serving.sse.until_disconnect``).
 A request cut short by the drain deadline at shutdown ends with a 503 ``shutting_down`` error (an
 ``error`` event mid-stream); one the engine fails ends with a 500 (the same mid-stream).
