@@ -38,6 +38,7 @@ def parse_args(argv=None):
     ap.add_argument("--systems", default="free,off,auto", help="free (unconstrained plain), off, auto, ngram, ...")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--serve-flags", default="", help="extra `specd serve` flags (space separated)")
+    ap.add_argument("--llama-server", default=None, help="a llama-server binary: the peer, on the same GGUF (batch 1)")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
 
@@ -192,6 +193,10 @@ def main(argv=None) -> int:
                 [batch, system, r["tok_s"], r["steps"], r["mask_ms_per_step"], r["step_ms"], *cells, r["errors"]]
             )
             H.log(f"b{batch} {system}: {r['tok_s']:.1f} tok/s, {r['steps']} steps, {checks}")
+    if args.llama_server:
+        peer = peer_row(args, engine, use, valid)
+        results["llama-server"] = peer
+        table.append([1, "llama-server", peer["tok_s"], None, None, None, peer["json"], peer["valid"], None, None])
     out = H.out_dir(args.out, "bench_json")
     H.write_json(out / "results.json", results)
     heads = ["batch", "system", "decode tok/s", "steps", "mask ms/step", "step ms", "JSON", "valid", "= off", "errors"]
@@ -202,3 +207,83 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def peer_row(args, engine, use: list, valid) -> dict:
+    """llama-server on the GGUF specd serves (the built-in model's file unless --serve-flags names one)."""
+    gguf = engine.cfg.target
+    if not str(gguf).endswith(".gguf"):
+        raise SystemExit(f"--llama-server needs a GGUF target; specd serves {gguf}")
+    proc, url = start_llama_server(args.llama_server, str(gguf), args.threads)
+    try:
+        return run_llama_server(url, use, args.max_tokens, valid)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+# llama.cpp's server as the peer --------------------------------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 600) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def start_llama_server(binary: str, gguf: str, threads: int):
+    """``llama-server`` on ``gguf`` (one slot, ``threads`` threads), ready: ``(process, base url)``."""
+    import subprocess
+    import urllib.request
+
+    port = _free_port()
+    cmd = [binary, "-m", gguf, "--port", str(port), "--host", "127.0.0.1", "-t", str(threads), "-tb", str(threads),
+           "-c", "4096", "-np", "1", "--no-webui"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"llama-server exited ({proc.returncode}): {' '.join(cmd)}")
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("llama-server did not become ready in 300 s")
+
+
+def run_llama_server(url: str, use: list, max_tokens: int, valid) -> dict:
+    """Each schema's prompt (the same messages; llama-server applies the file's chat template) with
+    ``response_format`` json_schema, greedy: its own steady-state decode rate (``timings``)."""
+    rates, parsed, ok = [], 0, 0
+    for row, _spec in use:
+        system = SYSTEM.format(schema=json.dumps(row["schema"], separators=(",", ":"))[:3000])
+        body = {
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": USER}],
+            "max_tokens": max_tokens, "temperature": 0, "seed": 0, "cache_prompt": False,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "reply", "schema": row["schema"]}},
+        }  # fmt: skip
+        try:
+            r = _post(url + "/v1/chat/completions", body)
+        except OSError as e:  # a schema llama.cpp cannot convert: a 4xx
+            H.log(f"llama-server refused {row['id']}: {e}")
+            continue
+        rates.append(r.get("timings", {}).get("predicted_per_second") or 0.0)
+        try:
+            value = json.loads(r["choices"][0]["message"]["content"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        parsed += 1
+        ok += valid(row["schema"], value) if valid is not None else 1
+    return {"tok_s": H.median(rates), "answered": len(rates), "json": parsed, "valid": ok if valid else None}
