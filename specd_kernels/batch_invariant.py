@@ -281,9 +281,9 @@ class MatmulConfig:
 def matmul_config(N: int, K: int, dtype: torch.dtype, interpret: bool = False) -> MatmulConfig:
     """16-row tiles (decode and verification widths; a prefill chunk re-reads W tiles from L2),
     32 output columns for N < 32768 (more programs for a 1-row GEMV-like step) else 64, K in
-    steps of 128 (fp32: 32, ieee dots). Interpreter: 16 x 16 x 32 (slow launches)."""
+    steps of 128 (fp32: 32, ieee dots). Interpreter: 16 x 64 x 64 (few programs: each launch is slow)."""
     if interpret:
-        return MatmulConfig(16, 16, 32, 1, 1)
+        return MatmulConfig(16, 64, 64, 1, 1)
     if dtype == torch.float32:
         return MatmulConfig(16, 32, 32, 4, 3)
     return MatmulConfig(16, 32 if N < 32768 else 64, 128, 4, 4)

@@ -105,10 +105,11 @@ def prefill_cache(layer: InvariantLayer, ctxs, tables, seed=1):
             layer.kv[:, tab[p // BS], p % BS] = torch.randn(2, layer.kvh, layer.hd, generator=g).to(DEVICE)
 
 
-def make_runner(step, buckets=((1, 1), (1, 4), (2, 2), (2, 8), (4, 4), (4, 16)), **kw) -> GraphRunner:
+def make_runner(step, buckets=((1, 1), (1, 4), (2, 2), (2, 8), (4, 4), (4, 16)), stand_in=False, **kw) -> GraphRunner:
+    """A captured runner: CUDA graphs on a GPU, the stand-in elsewhere (or wherever ``stand_in``)."""
     cfg = GraphConfig(buckets=buckets, max_blocks=kw.pop("max_blocks", 4), block_size=BS,
                       max_region=kw.pop("max_region", 8), **kw)  # fmt: skip
-    runner = GraphRunner(step, cfg, DEVICE, make_graph=RecordedGraph if DEVICE.type == "cpu" else None)
+    runner = GraphRunner(step, cfg, DEVICE, make_graph=RecordedGraph if (stand_in or DEVICE.type == "cpu") else None)
     runner.capture()
     return runner
 
@@ -225,7 +226,8 @@ def test_static_buffers_are_reused_across_replays():
         layer.calls.clear()
         outs.append(runner.run(inp))
         assert outs[-1].data_ptr() == out_ptr  # a view of the one static output
-        assert [c is runner.graphs[key].static for c in layer.calls] == [True]  # replayed on the static inputs
+        # the stand-in replays the closure on the static inputs; a CUDA graph replays without calling it
+        assert [c is runner.graphs[key].static for c in layer.calls] == ([True] if DEVICE.type == "cpu" else [])
     assert runner.stats()["by_bucket"] == {"2x8": 2}
 
 
@@ -244,17 +246,17 @@ def test_the_memory_bound_refuses_the_larger_buckets():
     def step(inp):
         return torch.zeros(inp.num_tokens, 1000, device=inp.input_ids.device)  # 4000 bytes a token
 
-    full = make_runner(step, buckets=((1, 1), (1, 2), (2, 8)), masked=(False,))
+    full = make_runner(step, buckets=((1, 1), (1, 2), (2, 8)), masked=(False,), stand_in=True)
     per = {k: c.nbytes for k, c in full.graphs.items()}
     assert per[(1, 1, False)] < per[(1, 2, False)] < per[(2, 8, False)]
     bound = per[(1, 1, False)] + per[(1, 2, False)] + 1
-    small = make_runner(step, buckets=((1, 1), (1, 2), (2, 8)), masked=(False,), pool_bytes=bound)
+    small = make_runner(step, buckets=((1, 1), (1, 2), (2, 8)), masked=(False,), pool_bytes=bound, stand_in=True)
     assert list(small.graphs) == [(1, 1, False), (1, 2, False)] and small.refused == [(2, 8, False)]
     assert small.used_bytes <= bound
     out = small.run(make_inputs([3], [0], [[1]]))  # 3 tokens: would have been the 2x8 bucket
     assert out.shape == (3, 1000) and small.stats()["eager_steps"] == 1
     assert "1 refused by the memory bound" in small.describe() and "2 captured" in small.describe()
-    none = make_runner(step, buckets=((1, 1),), masked=(False,), pool_bytes=10)  # not even the buffers fit
+    none = make_runner(step, buckets=((1, 1),), masked=(False,), pool_bytes=10, stand_in=True)  # buffers too big
     assert not none.graphs and none.refused == [(1, 1, False)]
 
 
@@ -265,18 +267,21 @@ def test_tuple_outputs_are_sliced_per_tensor():
     assert a.tolist() == [6, 8, 0] and b.shape == (3, 1)
 
 
-def test_the_model_forward_as_a_step(shared_pair):
-    """The shared stories260K target's public forward (+ logits) as the step, under the stand-in with
-    the Triton attention backend (interpreted): replayed rows == the eager step's (fp32 CPU GEMMs
-    see another row count, so within 1e-5 rather than bitwise), and the KV cache it writes likewise."""
-    from specd.model.attention import get_backend
+def test_the_model_forward_as_a_step():
+    """The shared stories260K target's public forward (+ logits) as the step, with the Triton attention
+    backend (interpreted here; a CUDA graph on a GPU): replayed rows == the eager step's (the fp32
+    GEMMs see another row count, so within 1e-5 rather than bitwise), and the KV cache it writes likewise."""
+    from conftest import TARGET
 
-    model = shared_pair[0].model
+    from specd.model.attention import get_backend
+    from specd.model.loader import load_model
+
+    model = load_model(TARGET, DEVICE.type, "float32", with_tokenizer=False, progress=False).model
     cfg = model.cfg
-    backend = get_backend("triton", torch.device("cpu"))
+    backend = get_backend("triton", DEVICE)
 
     def kv_cache():
-        return torch.zeros(cfg.num_layers, 2, 12, BS, cfg.num_kv_heads, cfg.head_dim)
+        return torch.zeros(cfg.num_layers, 2, 12, BS, cfg.num_kv_heads, cfg.head_dim, device=DEVICE)
 
     caches = {"eager": kv_cache(), "graph": kv_cache()}
 
@@ -296,4 +301,55 @@ def test_the_model_forward_as_a_step(shared_pair):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     torch.testing.assert_close(caches["graph"], caches["eager"], atol=1e-5, rtol=1e-5)
-    assert runner.stats()["replays"] == 2 and runner.describe().startswith("graphs (recorded): 1 captured (2x8)")
+    assert runner.stats()["replays"] == 2 and "1 captured (2x8)" in runner.describe()
+
+
+# ---------------------------------------------------------------------------------------------
+# the device check's parts that run here
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gpu_step_dry_run():
+    """eval/gpu_step.py (the stages of eval/gpu_check.sh) on the CPU: every stage's smallest version
+    (interpreted kernels, the stand-in graph, the shared pair) runs and its checks hold."""
+    import subprocess
+    import sys
+
+    if DEVICE.type == "cuda":
+        pytest.skip("the dry run is for machines without a GPU")
+    r = subprocess.run([sys.executable, "-m", "eval.gpu_step", "all", "--dry-run"], capture_output=True, text=True,
+                       timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for stage in ("kernels", "graphs", "identity", "speed", "shape8b"):
+        assert f"dry run OK: {stage}" in r.stdout
+    assert "kernels: invariant rows bitwise across row counts" in r.stdout
+    assert "graphs: replay == eager" in r.stdout
+    assert "invariant engine's attention: invariant(" in r.stdout
+    assert "| 2 | ngram | 2/2 | 2/2 |" in r.stdout  # identity table: batch 2, prompt lookup == plain
+
+
+def test_gpu_check_script_prelude(tmp_path):
+    """eval/gpu_check.sh parses, and with no stage to run it finds the shared data and falls back to the
+    demo pair when the built-in GGUF it is given fails its sha256 (a fake python stands in for CUDA's)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "eval", "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/usr/bin/env bash\n"
+        'case "$2" in *"assert torch.cuda.is_available()"*) exit 0;; *get_device_name*) echo fake; exit 0;; esac\n'
+        f'exec {os.environ.get("PYTHON", __import__("sys").executable)} "$@"\n'
+    )
+    fake.chmod(0o755)
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not the model")
+    env = dict(os.environ, PY=str(fake), GPU_CHECK_STAGES="none", SPECD_GGUF=str(bad), GPU_CHECK_OUT=str(tmp_path),
+               SPECD_SHARED=str(tmp_path))  # fmt: skip
+    (tmp_path / "data" / "spec_bench").mkdir(parents=True)
+    (tmp_path / "data" / "spec_bench" / "question.jsonl").write_text("{}\n")
+    r = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"== shared data: {tmp_path}; prompts: {tmp_path}/data/spec_bench/question.jsonl" in r.stdout
+    assert "== built-in model not found" in r.stdout and "the demo pair" in r.stdout
