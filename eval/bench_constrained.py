@@ -7,7 +7,8 @@ Per schema a chat prompt asks for one JSON instance of it (the schema in the sys
 system decodes the same prompts with the same grammar, greedy, so constrained ``auto`` must give
 token for token what constrained plain gives (column "= off": replies identical to the first
 constrained system's). "decode tok/s" is steady state: the tokens
-after each group's first step over the time after it (prefill excluded), median over groups; "mask
+after each group's first step over the time after it (prefill excluded), median over groups ("(complete)": over
+the groups whose replies all ended under the grammar, i.e. none looped until max_tokens); "mask
 ms/step" is the engine's ``mask`` stage (tree masks, pruning, applying them) per step.
 
     OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 python -m eval bench json --schemas 24 --batch 1,4 --threads 2
@@ -95,14 +96,18 @@ def validator():
     return lambda schema, value: jsonschema.Draft202012Validator(schema).is_valid(value)
 
 
-def run_group(engine, items: list, mode: str | None, max_tokens: int) -> dict:
-    """One group decoded together: tokens after the first step, the time after it, the replies."""
+def run_group(engine, items: list, mode: str | None, max_tokens: int, tenant: str) -> dict:
+    """One group decoded together: tokens after the first step, the time after it, the replies.
+    ``tenant``: one per system and batch size, so model-free drafting never reads another system's
+    replies (the suffix store would replay the identical replies of the system run before it)."""
     from specd.sampling.params import SamplingParams
     from specd.speculation.request import SpecParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     seqs = [
-        engine.add_request(ids, params, SpecParams(mode=mode or "off"), grammar=None if mode is None else spec)
+        engine.add_request(
+            ids, params, SpecParams(mode=mode or "off"), tenant=tenant, grammar=None if mode is None else spec
+        )
         for ids, spec in items
     ]
     engine.step()
@@ -118,18 +123,21 @@ def run_group(engine, items: list, mode: str | None, max_tokens: int) -> dict:
 def run_system(engine, prompts: list, system: str, batch: int, max_tokens: int) -> dict:
     mode = None if system == "free" else system
     engine.timings.reset()
-    rates, replies, steps, errors = [], [], 0, 0
+    rates, done_rates, replies, steps, errors = [], [], [], 0, 0
     for i in range(0, len(prompts), batch):
-        g = run_group(engine, prompts[i : i + batch], mode, max_tokens)
+        g = run_group(engine, prompts[i : i + batch], mode, max_tokens, f"{system}-b{batch}")
         if g["seconds"] > 0 and g["tokens"] > 0:
             rates.append(g["tokens"] / g["seconds"])
+            if all(s.finish_reason == "stop" for s in g["seqs"]):  # no reply cut by max_tokens (loops)
+                done_rates.append(rates[-1])
         for s in g["seqs"]:
-            replies.append(s.output_ids)
+            replies.append((s.output_ids, s.finish_reason))
             steps += s.stats.steps
             errors += s.finish_reason == "error"
     t = engine.timings.as_dict()
     return {
         "tok_s": H.median(rates),
+        "tok_s_complete": H.median(done_rates),  # groups whose replies all ended under the grammar
         "replies": replies,
         "steps": steps,
         "errors": errors,
@@ -139,9 +147,13 @@ def run_system(engine, prompts: list, system: str, batch: int, max_tokens: int) 
 
 
 def check_replies(engine, rows: list, replies: list, valid) -> dict:
-    """Replies that parse as JSON, and (with jsonschema) that validate."""
-    parsed = ok = 0
-    for (row, _), ids in zip(rows, replies):
+    """Replies the grammar ended (``complete``: finish "stop", not cut by max_tokens), those of them
+    that parse as JSON, and (with jsonschema) that validate."""
+    parsed = ok = complete = 0
+    for (row, _), (ids, reason) in zip(rows, replies):
+        if reason != "stop":
+            continue
+        complete += 1
         text = engine.tokenizer.decode(ids, skip_special_tokens=True)
         try:
             value = json.loads(text)
@@ -149,7 +161,7 @@ def check_replies(engine, rows: list, replies: list, valid) -> dict:
             continue
         parsed += 1
         ok += valid(row["schema"], value) if valid is not None else 1
-    return {"replies": len(replies), "json": parsed, "valid": ok if valid is not None else None}
+    return {"replies": len(replies), "complete": complete, "json": parsed, "valid": ok if valid is not None else None}
 
 
 def prompts_for(engine, compiled: list) -> list:
@@ -185,10 +197,11 @@ def main(argv=None) -> int:
             replies = r.pop("replies")
             checks = check_replies(engine, use, replies, valid) if system != "free" else {}
             if system != "free":
-                ref = replies if ref is None else ref
-                checks["same_as_first"] = sum(a == b for a, b in zip(replies, ref))
+                ids = [x for x, _ in replies]
+                ref = ids if ref is None else ref
+                checks["same_as_first"] = sum(a == b for a, b in zip(ids, ref))
             results[f"b{batch}:{system}"] = {**r, **checks}
-            cells = [checks.get(k) for k in ("json", "valid", "same_as_first")]
+            cells = [checks.get(k) for k in ("complete", "json", "valid", "same_as_first")]
             table.append(
                 [batch, system, r["tok_s"], r["steps"], r["mask_ms_per_step"], r["step_ms"], *cells, r["errors"]]
             )
@@ -196,10 +209,13 @@ def main(argv=None) -> int:
     if args.llama_server:
         peer = peer_row(args, engine, use, valid)
         results["llama-server"] = peer
-        table.append([1, "llama-server", peer["tok_s"], None, None, None, peer["json"], peer["valid"], None, None])
+        cells = [peer[k] for k in ("tok_s", "tok_s_complete")] + [None] * 3
+        table.append([1, "llama-server", *cells, peer["complete"], peer["json"], peer["valid"], None, None])
     out = H.out_dir(args.out, "bench_json")
     H.write_json(out / "results.json", results)
-    heads = ["batch", "system", "decode tok/s", "steps", "mask ms/step", "step ms", "JSON", "valid", "= off", "errors"]
+    heads = "batch|system|decode tok/s|(complete)|steps|mask ms/step|step ms|complete|JSON|valid|= off|errors".split(
+        "|"
+    )
     (out / "summary.md").write_text(H.md_table(heads, table) + "\n")
     print(H.md_table(heads, table))
     return 0
@@ -266,7 +282,7 @@ def start_llama_server(binary: str, gguf: str, threads: int):
 def run_llama_server(url: str, use: list, max_tokens: int, valid) -> dict:
     """Each schema's prompt (the same messages; llama-server applies the file's chat template) with
     ``response_format`` json_schema, greedy: its own steady-state decode rate (``timings``)."""
-    rates, parsed, ok = [], 0, 0
+    rates, done_rates, parsed, ok, complete = [], [], 0, 0, 0
     for row, _spec in use:
         system = SYSTEM.format(schema=json.dumps(row["schema"], separators=(",", ":"))[:3000])
         body = {
@@ -280,10 +296,21 @@ def run_llama_server(url: str, use: list, max_tokens: int, valid) -> dict:
             H.log(f"llama-server refused {row['id']}: {e}")
             continue
         rates.append(r.get("timings", {}).get("predicted_per_second") or 0.0)
+        if r["choices"][0].get("finish_reason") != "stop":
+            continue
+        complete += 1
+        done_rates.append(rates[-1])
         try:
             value = json.loads(r["choices"][0]["message"]["content"])
         except (ValueError, KeyError, TypeError):
             continue
         parsed += 1
         ok += valid(row["schema"], value) if valid is not None else 1
-    return {"tok_s": H.median(rates), "answered": len(rates), "json": parsed, "valid": ok if valid else None}
+    return {
+        "tok_s": H.median(rates),
+        "tok_s_complete": H.median(done_rates),
+        "answered": len(rates),
+        "complete": complete,
+        "json": parsed,
+        "valid": ok if valid else None,
+    }
