@@ -242,8 +242,9 @@ class Engine:
         mark = self.timings.add("mask", mark)
         self._enter("forward", seqs)
         tp = target_pass(
-            scheduled, proposals, self.target.model, self.cache.kv, self.cache.block_size, self.backend, self.capture
-        )
+            scheduled, proposals, self.target.model, self.cache.kv, self.cache.block_size, self.backend, self.capture,
+            self.cfg.batch_invariant, any(sc.seq.params.greedy for sc in scheduled),
+        )  # fmt: skip
         mark = self.timings.add("forward", mark)
         self._enter("verify", seqs)
         self.constraints.apply(tp, masks)

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.engine.scheduler import Scheduled
+from specd.model import invariant
 from specd.model.attention import build_metadata
+from specd.model.llama import LlamaModel
 from specd.sampling.probs import logits_to_probs
 from specd.sampling.tree import DraftTree
 from specd.sampling.verify import AcceptResult, greedy_verify, verify_batch
@@ -116,19 +118,34 @@ def _assemble(scheduled: list, proposals: dict) -> _Batch:
     return b
 
 
+def step_ops_kwargs(model, device: torch.device, batch_invariant: str, any_greedy: bool) -> dict:
+    """``{"ops": ...}`` when this step runs the batch-invariant kernels (``invariant.step_ops``: mode
+    ``on``, or ``auto`` with a greedy row) on a device that has them (CUDA) and the target takes
+    them (a ``LlamaModel``); else ``{}``: the ordinary path (every CPU step; the tensor-parallel
+    ``ShardedTarget``, whose shards keep cuBLAS)."""
+    ops = invariant.step_ops(batch_invariant, any_greedy)
+    if not ops.enabled or device.type not in ops.devices or not isinstance(model, LlamaModel):
+        return {}
+    return {"ops": ops}
+
+
 def target_pass(
-    scheduled: list, proposals: dict, model, kv: torch.Tensor, block_size: int, backend, capture: tuple | None = None
-) -> TargetPass:
+    scheduled: list, proposals: dict, model, kv: torch.Tensor, block_size: int, backend, capture: tuple | None = None,
+    batch_invariant: str = "off", any_greedy: bool = False,
+) -> TargetPass:  # fmt: skip
     """One target forward over ``scheduled`` (with ``proposals``: request id -> Proposal).
     ``capture`` (a feature head's target layers): each work item also gets the features of its
-    rows (the hidden states entering those layers, concatenated) in ``feats``."""
+    rows (the hidden states entering those layers, concatenated) in ``feats``. ``batch_invariant``
+    (``EngineConfig.batch_invariant``) and ``any_greedy`` (a scheduled request is greedy): whether
+    the forward and the logits run the batch-invariant kernels (:func:`step_ops_kwargs`)."""
     b = _assemble(scheduled, proposals)
     dev = kv.device
     masks = b.masks if any(x is not None for x in b.masks) else None
     meta = build_metadata(b.qlens, b.ctxs, b.tables, b.slots, block_size, dev, tree_masks=masks)
     ids, pos = torch.tensor(b.ids, device=dev), torch.tensor(b.pos, device=dev)
     caps: dict | None = dict.fromkeys(capture) if capture else None
-    hidden = model(ids, pos, kv, meta, backend) if caps is None else model(ids, pos, kv, meta, backend, capture=caps)
+    ops_kw = step_ops_kwargs(model, dev, batch_invariant, any_greedy)
+    hidden = model(ids, pos, kv, meta, backend, **ops_kw, **({} if caps is None else {"capture": caps}))
     if caps is not None and capture is not None:
         feats = torch.cat([caps[i] for i in capture], dim=-1)  # [tokens, F]
         for w, n in zip(b.work, b.qlens):
@@ -137,7 +154,7 @@ def target_pass(
         return TargetPass(b.work, None)
     if len(b.logit_rows) < b.n:  # prefill rows carry no logits
         hidden = hidden[torch.tensor(b.logit_rows, device=dev)]
-    return TargetPass(b.work, model.compute_logits(hidden))
+    return TargetPass(b.work, model.compute_logits(hidden, **ops_kw))
 
 
 def kept_hidden(w: WorkItem, res: AcceptResult | None) -> torch.Tensor | None:

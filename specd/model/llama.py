@@ -6,6 +6,9 @@ many requests at once (prefill chunks, decode tokens, draft trees); attention go
 backend chosen in ``specd.model.attention``. q/k/v and gate/up projections are fused at load time.
 ``forward(..., capture={i: None, ...})`` also hands back the hidden state entering each layer i
 (the residual stream, Hugging Face's ``hidden_states[i]``) [T, d]: a feature head's input.
+``forward(..., ops=invariant.ON)`` / ``compute_logits(hidden, ops=...)``: the GEMMs, RMSNorms and
+attention through ``specd.model.invariant`` (batch-invariant kernels on CUDA, ``--batch-invariant``);
+the default ``invariant.OFF`` is the ordinary path, bit for bit.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specd.config import ModelConfig
+from specd.model import invariant
 from specd.model.attention import AttentionMetadata, TorchAttention
 from specd.model.fused import fused_layers
-from specd.model.quant import QuantLinear, addmm, embedding, linear
+from specd.model.quant import QuantLinear, embedding
 
 
 def base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -215,6 +219,7 @@ class LlamaModel(nn.Module):
         eps_col = torch.full((1, 1), cfg.rms_norm_eps, dtype=wt.dtype, device=wt.device)
         folded = (
             wt.dtype == torch.float32
+            and wt.device.type == "cpu"  # (the folded path calls torch.mm / addmm: no invariant ops)
             and d <= self.FOLD_MAX_HIDDEN
             and not self.quantized()
             and not cfg.o_bias
@@ -262,8 +267,9 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, backend=None,
-        capture: dict | None = None) -> torch.Tensor:  # fmt: skip
+        capture: dict | None = None, ops: invariant.InvariantOps = invariant.OFF) -> torch.Tensor:  # fmt: skip
         """Lean functional forward over the same weights as the modules (fewer dispatched ops).
+        ``ops``: the GEMMs, norms and attention of the op-by-op paths (``specd.model.invariant``).
 
         On a small model every dispatched op costs more than its arithmetic, so the fp32 path
         counts ops: RMSNorm is x * rsqrt(addmm(eps, x*x, 1/d)) (* w, or w folded into the next
@@ -281,7 +287,7 @@ class LlamaModel(nn.Module):
         T = x.shape[0]
         cos, sin = self._rope(positions, x.dtype)
         if not folded:
-            return self._unfolded(x, positions, kv, meta, backend, capture, cos, sin)
+            return self._unfolded(x, positions, kv, meta, backend, capture, cos, sin, ops)
         nq = H * D
         nqk = (H + KVH) * D
         nqkv = nqk + KVH * D
@@ -313,10 +319,12 @@ class LlamaModel(nn.Module):
         cl, sl = r.cos_local[positions].unsqueeze(1).to(dt), r.sin_local[positions].unsqueeze(1).to(dt)
         return (cos, cl), (sin, sl)
 
-    def _norm_fn(self, x_dtype: torch.dtype):
+    def _norm_fn(self, x_dtype: torch.dtype, ops: invariant.InvariantOps = invariant.OFF):
         eps = self.cfg.rms_norm_eps
 
         def norm(x, w):
+            if ops.applies(x):  # the batch-invariant kernel (w [D] or per head [heads, D])
+                return ops.rms_norm(x, w, eps)
             if x_dtype == torch.float32:  # a row-wise mean, not a GEMV: BLAS picks its kernel (and sum order)
                 # by batch shape, and a quantized model's rows are otherwise computed independently of each other
                 return x * (x * x).mean(-1, keepdim=True).add_(eps).rsqrt_() * w
@@ -327,7 +335,7 @@ class LlamaModel(nn.Module):
 
         return norm
 
-    def _unfolded(self, x, positions, kv, meta, backend, capture, cos, sin) -> torch.Tensor:
+    def _unfolded(self, x, positions, kv, meta, backend, capture, cos, sin, ops=invariant.OFF) -> torch.Tensor:
         """The layers op by op (bf16 / fp16, bigger models, quantized projections), or for a quantized
         model on a CPU all layers in one C call (``specd.model.fused``)."""
         cfg = self.cfg
@@ -335,29 +343,29 @@ class LlamaModel(nn.Module):
         _, _, layers, norm_w, rot, _, _ = self._flat_weights()
         T, inter = x.shape[0], cfg.intermediate_size
         nq, nqk = H * D, (H + KVH) * D
-        norm = self._norm_fn(x.dtype)
+        norm = self._norm_fn(x.dtype, ops)
         fused = fused_layers(self, backend, kv, x)
         if fused is not None:  # a quantized model on a CPU: every layer in one C call (specd.model.fused)
             fused.run(x, positions, kv, meta, backend, capture)
             return norm(x, norm_w)
         if cfg.beyond_kernel():
-            return self._family_layers(x, kv, meta, backend, capture, cos, sin)
+            return self._family_layers(x, kv, meta, backend, capture, cos, sin, ops)
         for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
-            qkv = linear(norm(_capture(capture, i, x), w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
+            qkv = ops.linear(norm(_capture(capture, i, x), w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
             qk = qkv[:, :nqk].reshape(T, H + KVH, D)
             qk = torch.addcmul(qk * cos, qk @ rot, sin)  # RoPE on q and k heads at once
             v = qkv[:, nqk:].view(T, KVH, D)
             kvl = kv[i]
             backend.write_kv(kvl, qk[:, H:], v, meta.slot_mapping)
-            o = backend.attention(qk[:, :H], kvl, meta, D**-0.5, self.windows[i])  # [T, H, D]
-            x = addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
+            o = ops.attention(backend, qk[:, :H], kvl, meta, D**-0.5, self.windows[i])  # [T, H, D]
+            x = ops.addmm(x, o.reshape(T, nq), w_o_t)  # x + o @ W_o^T
             if self._extras[i].o_bias is not None:  # (a QuantLinear adds its own)
                 x = x + self._extras[i].o_bias
-            gu = linear(norm(x, w_post), w_gu)
-            x = addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
+            gu = ops.linear(norm(x, w_post), w_gu)
+            x = ops.addmm(x, F.silu(gu[:, :inter]) * gu[:, inter:], w_down_t)
         return norm(x, norm_w)
 
-    def _family_layers(self, x, kv, meta, backend, capture, cos, sin) -> torch.Tensor:
+    def _family_layers(self, x, kv, meta, backend, capture, cos, sin, ops=invariant.OFF) -> torch.Tensor:
         """The layers of architectures beyond Llama's (``ModelConfig.beyond_kernel``), op by op:
         q/k norms before RoPE, Gemma's output norms, GeGLU, its attention scale and soft-capping,
         Gemma 3's local RoPE tables, partial rotary (the rotation matrix covers the rotated dims)."""
@@ -366,12 +374,12 @@ class LlamaModel(nn.Module):
         _, _, layers, norm_w, rot, _, _ = self._flat_weights()
         T, inter = x.shape[0], cfg.intermediate_size
         nq, nqk = H * D, (H + KVH) * D
-        norm = self._norm_fn(x.dtype)
+        norm = self._norm_fn(x.dtype, ops)
         act = F.silu if cfg.hidden_act == "silu" else lambda g: F.gelu(g, approximate="tanh")
         scale = cfg.attn_scale or D**-0.5
         for i, (w_in, w_qkv, b_qkv, w_o_t, w_post, w_gu, w_down_t) in enumerate(layers):
             ex = self._extras[i]
-            qkv = linear(norm(_capture(capture, i, x), w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
+            qkv = ops.linear(norm(_capture(capture, i, x), w_in), w_qkv, b_qkv)  # [T, (H + 2 KVH) D]
             qk = qkv[:, :nqk].reshape(T, H + KVH, D)
             if ex.qk_norm is not None:
                 qk = norm(qk, ex.qk_norm)  # each head over its D dims
@@ -379,12 +387,12 @@ class LlamaModel(nn.Module):
             qk = torch.addcmul(qk * c, qk @ rot, s)  # RoPE on q and k heads at once
             backend.write_kv(kv[i], qk[:, H:], qkv[:, nqk:].view(T, KVH, D), meta.slot_mapping)
             if cfg.attn_softcap is None:
-                o = backend.attention(qk[:, :H], kv[i], meta, scale, self.windows[i])  # [T, H, D]
-            else:
+                o = ops.attention(backend, qk[:, :H], kv[i], meta, scale, self.windows[i])  # [T, H, D]
+            else:  # (soft-capped scores: the torch attention, also with the invariant ops)
                 o = softcap_attention(qk[:, :H], kv[i], meta, scale, self.windows[i], cfg.attn_softcap)
-            x = _residual(x, o.reshape(T, nq), w_o_t, ex.o_bias, ex.attn_out_norm, norm)
-            gu = linear(norm(x, w_post), w_gu)
-            x = _residual(x, act(gu[:, :inter]) * gu[:, inter:], w_down_t, None, ex.mlp_out_norm, norm)
+            x = _residual(x, o.reshape(T, nq), w_o_t, ex.o_bias, ex.attn_out_norm, norm, ops)
+            gu = ops.linear(norm(x, w_post), w_gu)
+            x = _residual(x, act(gu[:, :inter]) * gu[:, inter:], w_down_t, None, ex.mlp_out_norm, norm, ops)
         return norm(x, norm_w)
 
     def embed_table(self):
@@ -405,12 +413,16 @@ class LlamaModel(nn.Module):
         self.d2t, self.head_rows = d2t, head_rows
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, ops: invariant.InvariantOps = invariant.OFF) -> torch.Tensor:
+        """``hidden [N, d]`` -> fp32 logits [N, vocab]; ``ops``: the head's GEMM (``specd.model.invariant``)."""
         cap = self.cfg.final_softcap
         if self.d2t is None:
-            out = self.lm_head(hidden).float()  # [N, vocab]
+            head = self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else self.lm_head
+            out = (
+                ops.linear(hidden, head) if ops.applies(hidden, head) else self.lm_head(hidden)
+            ).float()  # [N, vocab]
             return out if cap is None else torch.tanh(out / cap) * cap  # (Gemma 2's soft-capping)
-        small = linear(hidden, self.head_rows).float()  # [N, draft vocab]
+        small = ops.linear(hidden, self.head_rows).float()  # [N, draft vocab]
         if cap is not None:
             small = torch.tanh(small / cap) * cap
         out = torch.full((hidden.shape[0], self.cfg.vocab_size), float("-inf"), device=hidden.device)
@@ -436,12 +448,15 @@ def _plain_layer(blk) -> tuple:
     )
 
 
-def _residual(x, a, w_t, bias, out_norm, norm) -> torch.Tensor:
+def _residual(x, a, w_t, bias, out_norm, norm, ops=invariant.OFF) -> torch.Tensor:
     """x + a @ W^T (+ bias), the projection normed first where the layer says so (Gemma)."""
     if out_norm is None:
-        x = addmm(x, a, w_t)
+        x = ops.addmm(x, a, w_t)
         return x if bias is None else x + bias
-    y = torch.mm(a, w_t) if isinstance(w_t, torch.Tensor) else w_t.forward(a)
+    if ops.applies(a, w_t):
+        y = ops.linear(a, w_t.t())  # (w_t: the W^T view of a plain weight)
+    else:
+        y = torch.mm(a, w_t) if isinstance(w_t, torch.Tensor) else w_t.forward(a)
     if bias is not None:
         y = y + bias
     return x + norm(y, out_norm)
