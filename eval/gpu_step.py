@@ -17,16 +17,15 @@
 stand-in graph, the shared stories260K pair), no timings worth reading: it checks that the script
 runs where there is no GPU (tests/test_graphs.py runs it).
 
-Invariant ops in the model: until ``specd/model/llama.py`` calls ``specd.model.invariant`` itself,
-``--patch auto`` (the default) swaps them in for the run (``patched``: llama's ``linear`` /
-``addmm`` / ``_rms`` and the LM head, the engine's attention backend wrapped); ``--patch off`` runs
-whatever the engine does with ``batch_invariant``.
+Invariant ops in the model: the engine stages (identity, speed) use the engine's own setting
+(``EngineConfig.batch_invariant``: the target pass hands ``specd.model.invariant``'s ops to
+``LlamaModel.forward`` / ``compute_logits`` on CUDA); the graphs and shape8b stages pass the ops to
+the forward themselves (``model_step(..., ops)``; in a dry run forced onto CPU tensors).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -107,43 +106,21 @@ def ms(s: float) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# invariant ops inside the model (until llama.py calls specd.model.invariant itself)
+# invariant ops for the model's forward (specd.model.invariant)
 # ---------------------------------------------------------------------------------------------
 
 
-def model_wired() -> bool:
-    """Whether the model layer calls the invariant dispatch itself (llama.py imports it)."""
-    return "invariant" in (ROOT / "specd" / "model" / "llama.py").read_text()
-
-
-@contextlib.contextmanager
-def patched(ops):
-    """Llama's GEMMs, RMSNorm and LM head through ``ops`` (``specd.model.invariant.InvariantOps``) for
-    the duration; None: nothing patched. The attention backend is wrapped by the caller."""
-    if ops is None:
-        yield
-        return
-    import specd.model.llama as L
-
-    saved = (L.linear, L.addmm, L._rms, L.LlamaModel.compute_logits)
-    plain_logits = saved[3]
-
-    def compute_logits(self, hidden):
-        if self.d2t is not None or self.cfg.final_softcap is not None:
-            return plain_logits(self, hidden)
-        return ops.linear(hidden, self.lm_head.weight).float()  # [N, vocab]
-
-    L.linear, L.addmm, L._rms, L.LlamaModel.compute_logits = ops.linear, ops.addmm, ops.rms_norm, compute_logits
-    try:
-        yield
-    finally:
-        L.linear, L.addmm, L._rms, L.LlamaModel.compute_logits = saved
-
-
 def invariant_ops(dev):
+    """The invariant ops on ``dev``'s tensors (CUDA; a dry run forces them onto the CPU)."""
     from specd.model.invariant import InvariantOps
 
     return InvariantOps(True, devices=(dev.type,))
+
+
+def plain_ops():
+    from specd.model.invariant import OFF
+
+    return OFF
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,12 +190,15 @@ def random_cache(cfg, num_blocks: int, block_size: int, dtype, dev) -> torch.Ten
     return torch.randn(shape, dtype=dtype, device=dev)
 
 
-def model_step(model, kv, backend, block_size: int):
-    """The closure a graph captures: forward + logits of every row -> [T, vocab] fp32."""
+def model_step(model, kv, backend, block_size: int, ops=None):
+    """The closure a graph captures: forward + logits of every row -> [T, vocab] fp32, through ``ops``
+    (``specd.model.invariant.InvariantOps``; None: the ordinary ops). A graph bakes in its ops: one
+    capture per ops setting."""
+    ops = ops if ops is not None else plain_ops()
 
     def step(inp):
-        hidden = model.forward(inp.input_ids, inp.positions, kv, inp.to_metadata(block_size), backend)
-        return model.compute_logits(hidden)
+        hidden = model.forward(inp.input_ids, inp.positions, kv, inp.to_metadata(block_size), backend, ops=ops)
+        return model.compute_logits(hidden, ops=ops)
 
     return step
 
@@ -349,27 +329,26 @@ def graph_rows(a, model, backend, ops, dev, dtype) -> list:
     bs, cfg = 16, model.cfg
     need = max(blocks_needed(q, c, bs) for _, q, c, _ in cases)
     kv = random_cache(cfg, need, bs, dtype, dev)
-    step = model_step(model, kv, backend, bs)
+    step = model_step(model, kv, backend, bs, ops)
     # decode widths and two tree widths (every case's bucket; default_buckets(16, 128) would take 60 captures)
     buckets = ((2, 2), (1, 8)) if a.dry_run else ((1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (1, 64), (4, 128))
     gcfg = GraphConfig(buckets=buckets, max_blocks=need, block_size=bs, max_region=40, pool_bytes=a.graph_pool_gb << 30)
-    with patched(ops):
-        runner = GraphRunner(step, gcfg, dev)
-        runner.capture()
-        print(runner.describe(), flush=True)
-        rows = []
-        for name, q, c, tree in cases:
-            inp = step_inputs(q, c, bs, dev, tree=tree, vocab=cfg.vocab_size)
-            got = runner.run(inp).clone()
-            key = runner.bucket_for(inp)
-            same = step(runner.graphs[key].static)[: inp.num_tokens] if key else got
-            real = step(inp)
-            t_e = median_s(lambda inp=inp, step=step: step(inp), 2, a.iters)
-            t_g = median_s(lambda inp=inp, r=runner: r.run(inp), 2, a.iters)
-            rows.append((name, "eager" if key is None else f"{key[0]}x{key[1]}", torch.equal(got, same),
-                         torch.equal(got, real), f"{(got - real).abs().max().item():.2e}",
-                         f"{(got.argmax(-1) == real.argmax(-1)).float().mean().item():.3f}", ms(t_e), ms(t_g),
-                         f"{t_e / t_g:.1f}x"))  # fmt: skip
+    runner = GraphRunner(step, gcfg, dev)
+    runner.capture()
+    print(runner.describe(), flush=True)
+    rows = []
+    for name, q, c, tree in cases:
+        inp = step_inputs(q, c, bs, dev, tree=tree, vocab=cfg.vocab_size)
+        got = runner.run(inp).clone()
+        key = runner.bucket_for(inp)
+        same = step(runner.graphs[key].static)[: inp.num_tokens] if key else got
+        real = step(inp)
+        t_e = median_s(lambda inp=inp, step=step: step(inp), 2, a.iters)
+        t_g = median_s(lambda inp=inp, r=runner: r.run(inp), 2, a.iters)
+        rows.append((name, "eager" if key is None else f"{key[0]}x{key[1]}", torch.equal(got, same),
+                     torch.equal(got, real), f"{(got - real).abs().max().item():.2e}",
+                     f"{(got.argmax(-1) == real.argmax(-1)).float().mean().item():.3f}", ms(t_e), ms(t_g),
+                     f"{t_e / t_g:.1f}x"))  # fmt: skip
     return rows
 
 
@@ -382,7 +361,7 @@ def stage_graphs(a) -> int:
     bad = 0
     for label, ops in (("cuBLAS + tree attention", None), ("invariant ops", invariant_ops(dev))):
         print(f"## graphs: {lm.path.name} {str(dtype).removeprefix('torch.')} on {dev.type}, {label}\n")
-        rows = graph_rows(a, lm.model, backend if ops is None else ops.backend(backend), ops, dev, dtype)
+        rows = graph_rows(a, lm.model, backend, ops, dev, dtype)
         table(["step", "bucket", "replay == eager, same padded inputs", "replay == eager unpadded (bitwise)",
                "max |replay - eager unpadded|", "argmax agree", "eager ms", "graph ms", "speedup"], rows)  # fmt: skip
         bad += sum(not r[2] for r in rows) + (sum(not r[3] for r in rows) if ops is not None else 0)
@@ -421,14 +400,7 @@ def build_engine(a, pair, mode, use_head: bool, invariant: str, batch: int):
         scheduler=SchedulerConfig(max_num_seqs=max(batch, 1), enable_prefix_cache=False),
         cache=CacheConfig(memory_bytes=(64 << 20) if a.dry_run else (2 << 30)),
     )  # fmt: skip
-    engine = Engine(cfg, target=target, draft=use_draft)
-    if invariant == "on" and want_patch(a):
-        engine.backend = invariant_ops(target.device).backend(engine.backend)
-    return engine
-
-
-def want_patch(a) -> bool:
-    return a.patch == "on" or (a.patch == "auto" and not model_wired())
+    return Engine(cfg, target=target, draft=use_draft)  # (its target pass picks the ops by batch_invariant)
 
 
 def generate_all(engine, ids_list: list, batch: int, max_tokens: int, mode) -> tuple:
@@ -461,25 +433,23 @@ def identity_runs(a, pair, ids, setting: str, t_end: float) -> list:
     from eval.harness.modes import Mode
 
     rows, ref1 = [], None
-    ctx = patched(invariant_ops(pair[0].device)) if setting == "on" and want_patch(a) else contextlib.nullcontext()
-    with ctx:
-        for batch in a.batches:
-            plain = Mode.parse("off")
-            ref, secs, _ = generate_all(build_engine(a, pair, plain, False, setting, batch), ids, batch, a.max_tokens,
-                                        plain)  # fmt: skip
-            ref1 = ref if ref1 is None else ref1
-            n = len(ids)
-            rows.append((setting, batch, "plain", f"{n}/{n}", f"{sum(x == y for x, y in zip(ref, ref1))}/{n}",
-                         f"{sum(map(len, ref)) / secs:.1f}"))  # fmt: skip
-            for label, mode, use_head in engine_modes(a, a.head is not None):
-                if time.perf_counter() > t_end:
-                    rows.append((setting, batch, label, "skipped (budget)", "", ""))
-                    continue
-                engine = build_engine(a, pair, mode, use_head, setting, batch)
-                outs, secs, _ = generate_all(engine, ids, batch, a.max_tokens, mode)
-                same = sum(x == y for x, y in zip(outs, ref))
-                rows.append((setting, batch, label, f"{same}/{n}", f"{sum(x == y for x, y in zip(outs, ref1))}/{n}",
-                             f"{sum(map(len, outs)) / secs:.1f}"))  # fmt: skip
+    for batch in a.batches:
+        plain = Mode.parse("off")
+        ref, secs, _ = generate_all(build_engine(a, pair, plain, False, setting, batch), ids, batch, a.max_tokens,
+                                    plain)  # fmt: skip
+        ref1 = ref if ref1 is None else ref1
+        n = len(ids)
+        rows.append((setting, batch, "plain", f"{n}/{n}", f"{sum(x == y for x, y in zip(ref, ref1))}/{n}",
+                     f"{sum(map(len, ref)) / secs:.1f}"))  # fmt: skip
+        for label, mode, use_head in engine_modes(a, a.head is not None):
+            if time.perf_counter() > t_end:
+                rows.append((setting, batch, label, "skipped (budget)", "", ""))
+                continue
+            engine = build_engine(a, pair, mode, use_head, setting, batch)
+            outs, secs, _ = generate_all(engine, ids, batch, a.max_tokens, mode)
+            same = sum(x == y for x, y in zip(outs, ref))
+            rows.append((setting, batch, label, f"{same}/{n}", f"{sum(x == y for x, y in zip(outs, ref1))}/{n}",
+                         f"{sum(map(len, outs)) / secs:.1f}"))  # fmt: skip
     return rows
 
 
@@ -487,7 +457,7 @@ def stage_identity(a) -> int:
     dev, dtype = device_and_dtype(a)
     n, t_end = (2 if a.dry_run else a.num_prompts), time.perf_counter() + a.budget_s
     pair, ids = load_pair_and_prompts(a, dev, dtype, n, a.max_tokens)
-    how = "patched into the model by this script" if want_patch(a) else "the engine's own"
+    how = "the engine's own (batch_invariant)"
     print(f"## greedy identity: {pair[0].path.name} + {'head ' + str(a.head) if a.head else pair[1].path.name}, "
           f"{len(ids)} prompts x {a.max_tokens} tokens, {str(dtype).removeprefix('torch.')} on {dev.type}; "
           f"invariant kernels: {how}\n")  # fmt: skip
@@ -496,13 +466,25 @@ def stage_identity(a) -> int:
         rows += identity_runs(a, pair, ids, setting, t_end)
     table(["batch_invariant", "batch", "mode", "== plain (same batch)", "== plain batch 1", "tok/s"], rows)
     if a.dry_run:
-        from eval.harness.modes import Mode
-
-        print("invariant engine's attention:", build_engine(a, pair, Mode.parse("off"), False, "on", 1).backend.name)
+        print("invariant engine's attention:", engine_invariant_attention(a, pair))
     bad = [r for r in rows if r[0] == "on" and "/" in r[3] and (r[3].split("/")[0] != r[3].split("/")[1])]
     if "on" in a.settings:
         print("identity: every mode == plain with invariant kernels" if not bad else f"identity: {len(bad)} differ")
     return 1 if (bad and "on" in a.settings) else 0
+
+
+def engine_invariant_attention(a, pair) -> str:
+    """The attention an engine with ``batch_invariant on`` runs in a CUDA step with a greedy row: its
+    target pass's ops (``stages.step_ops_kwargs``) wrapped around its backend (a dry run checks the
+    wiring on the CPU, where no step takes the kernels)."""
+    from eval.harness.modes import Mode
+    from specd.engine.stages import step_ops_kwargs
+
+    engine = build_engine(a, pair, Mode.parse("off"), False, "on", 1)
+    ops = step_ops_kwargs(engine.target.model, torch.device("cuda"), engine.cfg.batch_invariant, True).get("ops")
+    if ops is None:
+        return f"{engine.backend.name} (the ordinary ops: NOT wired)"
+    return f"{ops.backend(engine.backend).name} (target_pass on CUDA, batch_invariant on, a greedy row)"
 
 
 def stage_speed(a) -> int:
@@ -583,17 +565,15 @@ def stage_shape8b(a) -> int:
     buckets = tuple(sorted({(len(q), sum(q)) for _, q, _ in cases}, key=lambda x: (x[1], x[0])))
     rows = {name: [name] for name, _, _ in cases}
     for label, ops in (("cuBLAS", None), ("invariant", invariant_ops(dev))):
-        with patched(ops):
-            be = backend if ops is None else ops.backend(backend)
-            step = model_step(model, kv, be, bs)
-            gcfg = GraphConfig(buckets=buckets, max_blocks=need, block_size=bs, max_region=40, pool_bytes=8 << 30)
-            runner = GraphRunner(step, gcfg, dev)
-            runner.capture()
-            print(f"{label}: {runner.describe()}", flush=True)
-            for name, q, tree in cases:
-                inp = step_inputs(q, [ctx] * len(q), bs, dev, tree=tree, vocab=cfg.vocab_size)
-                rows[name] += [ms(median_s(lambda inp=inp, step=step: step(inp), 2, a.iters)),
-                               ms(median_s(lambda inp=inp, r=runner: r.run(inp), 2, a.iters))]  # fmt: skip
+        step = model_step(model, kv, backend, bs, ops)  # (one capture per ops setting)
+        gcfg = GraphConfig(buckets=buckets, max_blocks=need, block_size=bs, max_region=40, pool_bytes=8 << 30)
+        runner = GraphRunner(step, gcfg, dev)
+        runner.capture()
+        print(f"{label}: {runner.describe()}", flush=True)
+        for name, q, tree in cases:
+            inp = step_inputs(q, [ctx] * len(q), bs, dev, tree=tree, vocab=cfg.vocab_size)
+            rows[name] += [ms(median_s(lambda inp=inp, step=step: step(inp), 2, a.iters)),
+                           ms(median_s(lambda inp=inp, r=runner: r.run(inp), 2, a.iters))]  # fmt: skip
     out = []
     for name, q, _ in cases:
         floor = (w_bytes + len(q) * ctx * kv_tok) / bw  # every weight and cached K/V read once
@@ -619,12 +599,6 @@ def parse_args(argv=None):
     ap.add_argument("--speed-tokens", type=int, default=128, help="speed: tokens per prompt")
     ap.add_argument("--batches", default="1,8", help="identity: batch sizes")
     ap.add_argument("--settings", default="on,off", help="identity: batch_invariant settings to run")
-    ap.add_argument(
-        "--patch",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="swap the invariant ops into llama.py for the run (auto: unless llama.py calls them)",
-    )
     ap.add_argument("--context", type=int, default=512, help="graphs / shape8b: cached tokens per request")
     ap.add_argument("--graph-pool-gb", type=int, default=4)
     ap.add_argument("--iters", type=int, default=20)
