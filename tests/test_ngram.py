@@ -12,8 +12,8 @@ from specd.engine.engine import Engine
 from specd.engine.sequence import SpecParams
 from specd.sampling.params import SamplingParams
 from specd.speculation.ngram import NgramConfig, NgramIndex, trie
-from specd.speculation.suffix import SuffixConfig, SuffixStore
 from specd.speculation.request import SpecState
+from specd.speculation.suffix import SuffixConfig, SuffixStore
 from tests.conftest import DRAFT, TARGET
 from tests.test_spec_sampling import TEMP, TOPK, assert_follows, two_token_joint
 

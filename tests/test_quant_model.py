@@ -14,9 +14,9 @@ import torch
 
 from specd.config import CacheConfig, EngineConfig, SpecConfig
 from specd.engine.engine import Engine
+from specd.engine.perplexity import perplexity
 from specd.engine.sequence import SpecParams
 from specd.model.loader import LoadError, load_model
-from specd.engine.perplexity import perplexity
 from specd.model.quant import QuantLinear
 from specd.sampling.params import SamplingParams
 from tests.conftest import DRAFT, ROOT, TARGET

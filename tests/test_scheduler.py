@@ -514,7 +514,9 @@ def test_lookup_length_follows_the_outcomes_not_one_lucky_match():
     fresh = _seq(clock, "b", n=3, mode="ngram")  # no outcomes of its own: the engine's
     assert pol.lookup_expected(fresh, 1) == pol.lookup_expected(seq, 1)
     empty, _ = _sched(spec=SpecConfig(mode="ngram", adaptive=True))
-    assert empty.policy.lookup_expected(fresh, 2) == 1 + fresh.spec_state.ngram_accept + fresh.spec_state.ngram_accept**2  # no history
+    assert (
+        empty.policy.lookup_expected(fresh, 2) == 1 + fresh.spec_state.ngram_accept + fresh.spec_state.ngram_accept**2
+    )  # no history
     assert pol.lookup_expected(fresh, 2) == 1 + 4 / 6
     seq.spec_state.lookup_outcomes.clear()
     for _ in range(6):

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specd.sampling.tree import DraftTree
 from specd.config import TreeChoices, static_tree_choices
+from specd.sampling.tree import DraftTree
 
 # 5 (0) -> 7 (1) -> 3 (3)
 #       -> 9 (2)

@@ -32,6 +32,7 @@ import logging
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -60,7 +61,7 @@ class Constraints:
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.compile_timeout_s = compile_timeout_s
-        self._compiler = None
+        self._compiler: Any = None  # a specd.structured.GrammarCompiler, built on first use
         self.waiting: list = []  # (seq, Future[Grammar]) not compiled yet
 
     @property

@@ -48,6 +48,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from specd.engine.client import limits_of
 from specd.engine.commands import (
@@ -232,7 +233,7 @@ class Pipe:
         self.fd = fd
         self.eof = False
         self._buf = bytearray()
-        self._poll = None
+        self._poll: Any = None  # a select.poll for the reading end
         if reader:
             os.set_blocking(fd, False)
             self._poll = select.poll()
@@ -457,9 +458,9 @@ class ProcessLink:
         self._seqs: dict[str, RemoteSeq] = {}  # requests sent and not finished (event loop)
         self._loop = None
         self._deliver: Callable[[Batch], None] | None = None
-        self._died: Callable[[str], None] | None = None
+        self._died: Callable[[str], None] = lambda msg: None
         self._dead: str | None = None
-        self._compiler = None  # (grammar_compiler)
+        self._compiler: Any = None  # (grammar_compiler)
         self._compiler_lock = threading.Lock()
         self._cmd.send(Start(cfg, logging.getLogger().level, stream_interval_s))
         self.limits = self._handshake(load_timeout_s)
@@ -594,7 +595,7 @@ class ProcessLink:
         msgs = self.read_raw()
         for msg in msgs:
             b = self.decode(msg)
-            if b is not None:
+            if b is not None and self._deliver is not None:
                 self._deliver(b)
         # (end of file arrives as a read with no messages: only then ask about the process)
         if not msgs and (self._out.eof or self.proc.poll() is not None):

@@ -4,6 +4,7 @@ text they complete, honouring stop strings (a suffix that may start one is held 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ class RequestOutput:
     text: str  # text completed this step
     finished: bool
     finish_reason: str | None
-    seq: Sequence
+    seq: Any  # the engine's Sequence, or the process link's RemoteSeq mirror of it
     error: str | None = None  # finish_reason "error": what failed (stage and exception)
     logprobs: list | None = None  # with params.logprobs: per token of token_ids, see token_logprobs
 

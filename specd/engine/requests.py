@@ -112,7 +112,12 @@ def check_priority(priority) -> str:
 
 
 def validate_request(
-    prompt_ids: list, params: SamplingParams, max_model_len: int, block_size: int, num_blocks: int, vocab_size: int
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    max_model_len: int,
+    block_size: int,
+    num_blocks: int,
+    vocab_size: int,
 ) -> None:
     """Refuse (RequestError) a request that can never run: empty, too long for the context or the KV
     cache, token ids outside the vocabulary. Before any compute (the engine, and
