@@ -3,7 +3,7 @@
 
 A tiny random-weight fp32 Llama (transformers' ``LlamaConfig``: 2 layers, hidden 64, vocabulary 128),
 saved and loaded through specd's loader, runs op by op (``FOLD_MAX_HIDDEN = 0``: the folded fp32 path
-is CPU-only and calls torch.mm itself) with the invariant kernels forced onto CPU tensors
+is CPU-only and calls torch.mm itself) with the invariant kernels forced onto CPU tensors without CUDA
 (``InvariantOps(True, devices=("cpu",))``, under the Triton interpreter; in production only CUDA
 tensors take them). Shown: the invariant forward equals the ordinary one within fp32 tolerance; a
 token's logits row has the same bits whether it is decoded alone, among other requests, or verified
@@ -24,6 +24,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+import specd_kernels as sk  # noqa: E402
 from specd.engine import stages  # noqa: E402
 from specd.model import invariant  # noqa: E402
 from specd.model.attention import TorchAttention, build_metadata  # noqa: E402
@@ -31,7 +32,9 @@ from specd.model.loader import load_model  # noqa: E402
 
 TOL = 1e-4
 BS = 4  # KV block size
-CPU_OPS = invariant.InvariantOps(True, devices=("cpu",))
+# without CUDA the interpreted kernels on CPU tensors (forced: production takes them for CUDA tensors only)
+DEVICE = torch.device("cuda" if (torch.cuda.is_available() and not sk.interpreting()) else "cpu")
+OPS = invariant.InvariantOps(True, devices=(DEVICE.type,))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def lm(tmp_path_factory):
     )  # fmt: skip
     path = tmp_path_factory.mktemp("tiny_llama")
     tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    loaded = load_model(path, "cpu", "float32", progress=False, with_tokenizer=False)
+    loaded = load_model(path, DEVICE.type, "float32", progress=False, with_tokenizer=False)
     m = loaded.model
     m.FOLD_MAX_HIDDEN = 0  # op by op, as a bf16 model on a GPU runs
     m._flat = None
@@ -79,7 +82,7 @@ def kernel_calls(monkeypatch):
 
 def new_cache(m, blocks: int = 16) -> torch.Tensor:
     c = m.cfg
-    return torch.zeros((c.num_layers, 2, blocks, BS, c.num_kv_heads, c.head_dim))  # [L, 2, NB, BS, KVH, D]
+    return torch.zeros((c.num_layers, 2, blocks, BS, c.num_kv_heads, c.head_dim), device=DEVICE)  # [L,2,NB,BS,KVH,D]
 
 
 class Req:
@@ -99,9 +102,9 @@ def step(m, kv, reqs: list, ops=invariant.OFF) -> torch.Tensor:
     slots = [s for r in reqs for s in r.slots()]
     masks = [r.mask for r in reqs] if any(r.mask is not None for r in reqs) else None
     meta = build_metadata([len(r.tokens) for r in reqs], [r.ctx for r in reqs], [r.table for r in reqs], slots, BS,
-                          torch.device("cpu"), tree_masks=masks)  # fmt: skip
-    ids = torch.tensor([t for r in reqs for t in r.tokens])
-    pos = torch.tensor([p for r in reqs for p in r.positions])
+                          DEVICE, tree_masks=masks)  # fmt: skip
+    ids = torch.tensor([t for r in reqs for t in r.tokens], device=DEVICE)
+    pos = torch.tensor([p for r in reqs for p in r.positions], device=DEVICE)
     return m.compute_logits(m(ids, pos, kv, meta, TorchAttention(), ops=ops), ops=ops)
 
 
@@ -124,22 +127,23 @@ def test_invariant_forward_matches_the_default_forward(model, kernel_calls):
     kv_ref, kv_inv = new_cache(model), new_cache(model)
     ref = step(model, kv_ref, reqs)
     assert not kernel_calls
-    got = step(model, kv_inv, reqs, CPU_OPS)
+    got = step(model, kv_inv, reqs, OPS)
     # per layer: qkv, gate/up (matmul), o, down (matmul with add), 2 norms, attention; final norm, head
     assert kernel_calls == {"matmul": 4 * 2 + 1, "rms_norm": 2 * 2 + 1, "attention": 2}
     assert got.shape == ref.shape == (len(PROMPT_A) + len(PROMPT_B) + len(PROMPT_C), 128)
     torch.testing.assert_close(got, ref, atol=TOL, rtol=TOL)
     torch.testing.assert_close(kv_inv, kv_ref, atol=TOL, rtol=TOL)
     dec = [Req([11], TABLE_A, len(PROMPT_A)), Req([12], TABLE_C, len(PROMPT_C))]
-    torch.testing.assert_close(step(model, kv_inv, dec, CPU_OPS), step(model, kv_ref, dec), atol=TOL, rtol=TOL)
+    torch.testing.assert_close(step(model, kv_inv, dec, OPS), step(model, kv_ref, dec), atol=TOL, rtol=TOL)
     assert ref.abs().max() > 0.01  # (logits worth comparing)
 
 
 def test_ops_off_is_the_default_path_bit_for_bit(model):
     reqs = [Req(PROMPT_A, TABLE_A, 0), Req(PROMPT_B, TABLE_B, 0)]
     kv1, kv2 = new_cache(model), new_cache(model)
-    meta_args = ([7, 5], [0, 0], [TABLE_A, TABLE_B], reqs[0].slots() + reqs[1].slots(), BS, torch.device("cpu"))
-    ids, pos = torch.tensor(PROMPT_A + PROMPT_B), torch.tensor(list(range(7)) + list(range(5)))
+    meta_args = ([7, 5], [0, 0], [TABLE_A, TABLE_B], reqs[0].slots() + reqs[1].slots(), BS, DEVICE)
+    ids = torch.tensor(PROMPT_A + PROMPT_B, device=DEVICE)
+    pos = torch.tensor(list(range(7)) + list(range(5)), device=DEVICE)
     plain = model.compute_logits(model(ids, pos, kv1, build_metadata(*meta_args), TorchAttention()))
     assert torch.equal(plain, step(model, kv2, reqs, invariant.OFF))
     assert torch.equal(kv1, kv2)
@@ -152,25 +156,25 @@ def test_a_tokens_logits_keep_their_bits_alone_in_a_batch_and_in_a_tree(model, k
     step. Every row of those tokens has the same bits in all three."""
     n = len(PROMPT_A)
     path = [11, 23, 50]
-    base = prefilled(model, CPU_OPS)
+    base = prefilled(model, OPS)
     kv = base.clone()
-    alone = [step(model, kv, [Req([t], TABLE_A, n + d)], CPU_OPS)[0] for d, t in enumerate(path)]
+    alone = [step(model, kv, [Req([t], TABLE_A, n + d)], OPS)[0] for d, t in enumerate(path)]
     kv = base.clone()
     batched = []
     for d, t in enumerate(path):
         reqs = [Req([100 + d], TABLE_B, len(PROMPT_B) + d), Req([t], TABLE_A, n + d), Req([60 + d], TABLE_C, 9 + d)]
-        batched.append(step(model, kv, reqs, CPU_OPS)[1])
+        batched.append(step(model, kv, reqs, OPS)[1])
     # tree: 0 = 11 (root), 1 = 90 (child of 0), 2 = 23 (child of 0), 3 = 91 (child of 2), 4 = 50 (child of 2)
     parents, tokens = [-1, 0, 0, 2, 2], [11, 90, 23, 91, 50]
     depth = [0, 1, 1, 2, 2]
-    mask = torch.zeros((5, 5), dtype=torch.bool)
+    mask = torch.zeros((5, 5), dtype=torch.bool, device=DEVICE)
     for i in range(5):
         j = i
         while j >= 0:
             mask[i, j], j = True, parents[j]
     kv = base.clone()
     tree_req = Req(tokens, TABLE_A, n, positions=[n + d for d in depth], mask=mask)
-    tree = step(model, kv, [Req([101], TABLE_B, len(PROMPT_B)), tree_req], CPU_OPS)[1:]
+    tree = step(model, kv, [Req([101], TABLE_B, len(PROMPT_B)), tree_req], OPS)[1:]
     tree_rows = [tree[0], tree[2], tree[4]]
     for d in range(3):
         assert torch.equal(alone[d], batched[d]), f"depth {d}: alone vs batched"
@@ -207,7 +211,7 @@ def test_target_pass_takes_the_kernels_where_the_setting_and_the_device_say(mode
 
 
 def test_the_engine_runs_greedy_steps_through_the_invariant_ops(lm, monkeypatch, kernel_calls):
-    """An engine with ``batch_invariant="on"`` / ``"auto"``, the kernels forced onto the CPU: the
+    """An engine with ``batch_invariant="on"`` / ``"auto"``, the kernels forced onto the CPU without CUDA: the
     target's forward and logits get the ops (counted) and the greedy output equals the plain
     engine's with ``off``; ``auto`` with a sampled request does not take them."""
     from specd.config import CacheConfig, EngineConfig
@@ -221,12 +225,12 @@ def test_the_engine_runs_greedy_steps_through_the_invariant_ops(lm, monkeypatch,
     def forced(mode, any_greedy):
         ops = real_step_ops(mode, any_greedy)
         seen.append(ops.enabled)
-        return CPU_OPS if ops.enabled else ops
+        return OPS if ops.enabled else ops
 
     monkeypatch.setattr(invariant, "step_ops", forced)  # (stages calls invariant.step_ops)
 
     def run(setting: str, temperature: float) -> list:
-        cfg = EngineConfig(target=str(lm.path), device="cpu", dtype="float32", batch_invariant=setting,
+        cfg = EngineConfig(target=str(lm.path), device=DEVICE.type, dtype="float32", batch_invariant=setting,
                            attention_backend="torch", cache=CacheConfig(num_blocks=32))  # fmt: skip
         eng = Engine(cfg, target=lm)
         params = SamplingParams(temperature=temperature, max_tokens=3, ignore_eos=True, seed=1)
