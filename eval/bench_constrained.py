@@ -24,6 +24,8 @@ from pathlib import Path
 
 from eval import harness as H
 
+COMMAND = "bench json"  # python -m eval bench json (this module's ``main``)
+
 DATA = H.ROOT.parent / "shared" / "data" / "jsonschemabench" / "schemas.jsonl"
 SYSTEM = "Reply with one JSON value that is valid under this JSON schema, and nothing else.\nSchema: {schema}"
 USER = "Give a realistic example."
@@ -186,7 +188,7 @@ def main(argv=None) -> int:
     prompts = prompts_for(engine, use)
     valid = validator()
     results = {
-        "meta": H.run_meta("bench json", argv),
+        "meta": H.run_meta(COMMAND, argv),
         "compile": {"schemas": len(rows), "compiled": len(compiled), "refused": refused, "seconds": H.p50_p99(secs)},
     }
     table = []

@@ -18,6 +18,8 @@ import time
 
 from eval import harness as H
 
+COMMAND = "costs masks"  # python -m eval costs masks (this module's ``main``)
+
 SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "pet": {"enum": ["cat", "dog"]}},

@@ -332,7 +332,7 @@ def test_every_command_resolves_to_a_tool_that_records_it(capsys):
             mod = importlib.import_module(module)
             assert callable(mod.main), module
             recorded = getattr(mod, "COMMAND", None)
-            if module not in ("eval.train_demo_pair", "eval.grammar_libs", "eval.bench_constrained"):  # (no COMMAND)
+            if module not in ("eval.train_demo_pair", "eval.grammar_libs"):  # (no COMMAND)
                 assert recorded in (words, cmd) and resolve(recorded.split())[1] == module, (module, recorded)
     assert H.command_line("load soak", ["--clients", "2"]).endswith("-m eval load soak --clients 2")
     assert H.command_line("eval.x", []).endswith("-m eval.x")
