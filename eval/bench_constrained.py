@@ -205,7 +205,17 @@ def main(argv=None) -> int:
             results[f"b{batch}:{system}"] = {**r, **checks}
             cells = [checks.get(k) for k in ("complete", "json", "valid", "same_as_first")]
             table.append(
-                [batch, system, r["tok_s"], r["steps"], r["mask_ms_per_step"], r["step_ms"], *cells, r["errors"]]
+                [
+                    batch,
+                    system,
+                    r["tok_s"],
+                    r["tok_s_complete"],
+                    r["steps"],
+                    r["mask_ms_per_step"],
+                    r["step_ms"],
+                    *cells,
+                    r["errors"],
+                ]
             )
             H.log(f"b{batch} {system}: {r['tok_s']:.1f} tok/s, {r['steps']} steps, {checks}")
     if args.llama_server:
