@@ -660,3 +660,31 @@ def test_the_tools_system_prompt_names_the_tools_and_the_format():
     assert "must call add" in tools_system_prompt(
         tool_spec({"type": "function", "function": {"name": "add"}}, False).value
     )
+
+
+def test_object_allof_is_merged_so_every_branchs_required_keys_hold(compiler, vocab):
+    """An object extended through ``allOf`` (a ``$ref`` base + its own properties) needs the keys of
+    both branches: the library alone kept one branch (a sample reply lacked the extension's key)."""
+    from specd.structured.allof import merge_object_allof
+
+    base = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    more = {"type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}
+    schema = {
+        "definitions": {"pet": base},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/definitions/pet"}, "b": {"allOf": [{"$ref": "#/definitions/pet"}, more]}},
+        "required": ["a", "b"],
+    }
+    b = merge_object_allof(schema)["properties"]["b"]
+    assert b == {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                 "required": ["name", "age"]}  # fmt: skip
+    assert "allOf" in schema["properties"]["b"]  # the request's own schema is not changed
+    clash = {"allOf": [base, {"properties": {"name": {"type": "integer"}}}]}
+    assert merge_object_allof(clash) == clash  # a property both define differently: left to the library
+
+    def accepts(text: str) -> bool:
+        m = compiler.compile(schema_spec(schema)).matcher()
+        return all(m.advance(t) for t in vocab.encode(text)) and m.can_end()
+
+    assert accepts('{"a": {"name": "x"}, "b": {"name": "y", "age": 3}}')
+    assert not accepts('{"a": {"name": "x"}, "b": {"name": "y"}}')  # b's "age" is required

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import xgrammar as xgr
 
+from specd.structured.allof import merge_object_allof
 from specd.structured.errors import GrammarError
 from specd.structured.limits import GrammarLimits, check
 from specd.structured.matcher import Matcher
@@ -187,9 +188,12 @@ class GrammarCompiler:
         lib, v = self._lib, spec.value
         if spec.kind == "json_object":
             return lib.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=SEPARATORS)
-        if spec.kind == "json_schema":
+        if spec.kind == "json_schema":  # (object allOf merged first: the library keeps one branch)
             return lib.compile_json_schema(
-                json.dumps(v), any_whitespace=False, separators=SEPARATORS, strict_mode=self.config.strict_json
+                json.dumps(merge_object_allof(v)),
+                any_whitespace=False,
+                separators=SEPARATORS,
+                strict_mode=self.config.strict_json,
             )
         if spec.kind == "regex":
             return lib.compile_regex(v)
