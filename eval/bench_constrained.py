@@ -46,19 +46,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def serve_engine(flags: list):
-    """An engine as ``specd serve FLAGS`` builds it, the built-in model (and head) when no --target."""
-    from specd.engine.engine import Engine
-    from specd.engine.warmup import warm_up
-    from specd.options import engine_config, fill_default_models, serve_parser
-
-    a = serve_parser().parse_args(flags)
-    fill_default_models(a)
-    engine = Engine(engine_config(a))
-    warm_up(engine)
-    return engine
-
-
 def load_rows(path: Path, n: int) -> list:
     """``n`` rows of the sample, round-robin over its categories (file order within each)."""
     by_cat = collections.defaultdict(list)
@@ -180,7 +167,7 @@ def prompts_for(engine, compiled: list) -> list:
 def main(argv=None) -> int:
     args = parse_args(argv)
     H.set_threads(args.threads)
-    engine = serve_engine(["--threads", str(args.threads), *args.serve_flags.split()])
+    engine = H.engine_from_flags(["--threads", str(args.threads), *args.serve_flags.split()], warm=True)
     rows = load_rows(args.data, 0 if args.compile_all else args.schemas * 2)
     compiled, refused, secs = compile_rows(engine, rows)
     H.log(f"compiled {len(compiled)}/{len(rows)} schemas; refused {refused}")

@@ -118,7 +118,7 @@ def attention_ref(q, kv_layer, query_start_loc, context_lens, seq_lens, block_ta
 # ---------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    from .tree_attention import _online_softmax_step
+    from .tree_attention import _online_softmax_step, _paged_kv_tile
 
     @triton.jit
     def _bi_matmul_kernel(
@@ -236,22 +236,8 @@ if HAS_TRITON:
                 new = valid & (lg >= ctx)
                 col = tl.load(cols_ptr + t64 * stride_ct + (lg - ctx), mask=new, other=0)
                 pos = tl.where(new, ctx + col, lg)
-            blk_idx = tl.minimum(pos // BLOCK_SIZE, max_blocks - 1)
-            blk = tl.load(bt_row + blk_idx, mask=valid, other=0).to(tl.int64)
-            off = (pos % BLOCK_SIZE).to(tl.int64)
-            kt = tl.load(
-                k_head + blk[None, :] * stride_kb + off[None, :] * stride_ks + offs_d[:, None],
-                mask=valid[None, :] & d_mask[:, None],
-                other=0.0,
-            )
-            v = tl.load(
-                v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :],
-                mask=valid[:, None] & d_mask[None, :],
-                other=0.0,
-            )
-            if DOT_F32:
-                kt = kt.to(tl.float32)
-                v = v.to(tl.float32)
+            kt, v = _paged_kv_tile(k_head, v_head, bt_row, pos, valid, offs_d, d_mask, max_blocks, stride_kb, stride_ks,
+                                   stride_vb, stride_vs, BLOCK_SIZE, DOT_F32)  # fmt: skip
             vis = valid[None, :] & row_valid[:, None]
             acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, kt, v, vis, qk_scale, PREC)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

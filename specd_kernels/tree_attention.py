@@ -75,6 +75,29 @@ if HAS_TRITON:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         return acc, m_new, l_i
 
+    @triton.jit
+    def _paged_kv_tile(k_head, v_head, bt_row, pos, valid, offs_d, d_mask, max_blocks, stride_kb, stride_ks,
+                       stride_vb, stride_vs, BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr):  # fmt: skip
+        # the keys (transposed, [D, N]) and values ([N, D]) at logical positions ``pos`` [N] of one KV
+        # head, read through the sequence's block table ``bt_row``; invalid positions read 0
+        blk_idx = tl.minimum(pos // BLOCK_SIZE, max_blocks - 1)
+        blk = tl.load(bt_row + blk_idx, mask=valid, other=0).to(tl.int64)
+        off = (pos % BLOCK_SIZE).to(tl.int64)
+        kt = tl.load(
+            k_head + blk[None, :] * stride_kb + off[None, :] * stride_ks + offs_d[:, None],
+            mask=valid[None, :] & d_mask[:, None],
+            other=0.0,
+        )
+        v = tl.load(
+            v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :],
+            mask=valid[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        if DOT_F32:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        return kt, v
+
     # integer arguments that change from step to step (the block-table and tree-mask widths): not
     # specialized on (== 1, % 16), so a growing context or a new tree size does not compile a new
     # variant mid-stream (seen on an H200: a JIT compile per new combination). The split partials'
@@ -193,22 +216,8 @@ if HAS_TRITON:
         for start in range(kv_lo, pre_hi, BLOCK_N):
             pos = start + offs_n
             valid = pos < pre_hi
-            blk_idx = tl.minimum(pos // BLOCK_SIZE, max_blocks - 1)
-            blk = tl.load(bt_row + blk_idx, mask=valid, other=0).to(tl.int64)
-            off = (pos % BLOCK_SIZE).to(tl.int64)
-            kt = tl.load(
-                k_head + blk[None, :] * stride_kb + off[None, :] * stride_ks + offs_d[:, None],
-                mask=valid[None, :] & d_mask[:, None],
-                other=0.0,
-            )
-            v = tl.load(
-                v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :],
-                mask=valid[:, None] & d_mask[None, :],
-                other=0.0,
-            )
-            if DOT_F32:
-                kt = kt.to(tl.float32)
-                v = v.to(tl.float32)
+            kt, v = _paged_kv_tile(k_head, v_head, bt_row, pos, valid, offs_d, d_mask, max_blocks, stride_kb, stride_ks,
+                                   stride_vb, stride_vs, BLOCK_SIZE, DOT_F32)  # fmt: skip
             vis = valid[None, :] & row_valid[:, None]
             acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, kt, v, vis, qk_scale, PREC)
 
@@ -222,22 +231,8 @@ if HAS_TRITON:
             pos = start + offs_n
             valid = pos < kv_hi
             j = pos - ctx  # local index of the new token
-            blk_idx = tl.minimum(pos // BLOCK_SIZE, max_blocks - 1)
-            blk = tl.load(bt_row + blk_idx, mask=valid, other=0).to(tl.int64)
-            off = (pos % BLOCK_SIZE).to(tl.int64)
-            kt = tl.load(
-                k_head + blk[None, :] * stride_kb + off[None, :] * stride_ks + offs_d[:, None],
-                mask=valid[None, :] & d_mask[:, None],
-                other=0.0,
-            )
-            v = tl.load(
-                v_head + blk[:, None] * stride_vb + off[:, None] * stride_vs + offs_d[None, :],
-                mask=valid[:, None] & d_mask[None, :],
-                other=0.0,
-            )
-            if DOT_F32:
-                kt = kt.to(tl.float32)
-                v = v.to(tl.float32)
+            kt, v = _paged_kv_tile(k_head, v_head, bt_row, pos, valid, offs_d, d_mask, max_blocks, stride_kb, stride_ks,
+                                   stride_vb, stride_vs, BLOCK_SIZE, DOT_F32)  # fmt: skip
             if HAS_MASK:
                 # one mask row per query token, shared by its GROUP_P head rows (row = tok * GROUP_P + g):
                 # GROUP_P times fewer byte loads and live registers than loading it per row

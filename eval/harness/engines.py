@@ -60,9 +60,12 @@ def engine_from_flags(flags: list, target=None, draft=None, warm: bool = False):
     ``draft`` (``LoadedModel``) share weights already loaded; ``warm``: run the server's warm-up
     (first-call costs paid, speculation totals reset afterwards)."""
     from specd.engine.engine import Engine
-    from specd.options import engine_config, serve_parser
+    from specd.options import engine_config, fill_default_models, serve_parser
 
-    engine = Engine(engine_config(serve_parser().parse_args(list(flags))), target=target, draft=draft)
+    a = serve_parser().parse_args(list(flags))
+    if target is None:
+        fill_default_models(a)  # no --target: the built-in model (and its head), as `specd serve` does
+    engine = Engine(engine_config(a), target=target, draft=draft)
     if warm:
         from specd.engine.warmup import warm_up
 
