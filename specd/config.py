@@ -454,6 +454,9 @@ class EngineConfig:
     # CUDA GEMMs / RMSNorm whose reduction order does not depend on the step's rows (specd.model.invariant):
     # on | off | auto (on in any step that holds a greedy row); a CPU is batch-invariant already
     batch_invariant: str = "auto"
+    # constrained requests' grammar masks filled on a worker thread while the target's forward runs
+    # (specd.engine.constraints): on | off | auto (on where the forward does not run on the CPU)
+    mask_overlap: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -473,6 +476,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer in 1..64, got {self.tensor_parallel_size!r}")
         if self.batch_invariant not in ("auto", "on", "off"):
             raise ValueError(f"batch_invariant must be auto|on|off, got {self.batch_invariant!r}")
+        if self.mask_overlap not in ("auto", "on", "off"):
+            raise ValueError(f"mask_overlap must be auto|on|off, got {self.mask_overlap!r}")
         if self.tensor_parallel_lm_head not in ("split", "rank0"):
             raise ValueError(f"tensor_parallel_lm_head must be split|rank0, got {self.tensor_parallel_lm_head!r}")
         if self.tensor_parallel_size > 1 and self.quantization in ("int8", "int4", "gguf"):

@@ -149,6 +149,13 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
         "for token; auto: in every step that holds a greedy request; off: cuBLAS (a CPU is invariant anyway)",
     )
     p.add_argument(
+        "--mask-overlap",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="fill constrained requests' grammar masks on a worker thread while the target's forward runs; "
+        "auto: where the forward does not run on the CPU (on a CPU its threads already use every core)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -231,6 +238,7 @@ def engine_config(a):
         threads=getattr(a, "threads", None),
         tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
         batch_invariant=getattr(a, "batch_invariant", "auto"),
+        mask_overlap=getattr(a, "mask_overlap", "auto"),
         cache=CacheConfig(
             block_size=a.block_size,
             num_blocks=a.num_blocks,

@@ -271,3 +271,201 @@ def quantize(w: torch.Tensor, fmt: str, bias=None) -> QuantLinear:
     if fmt == "int4":
         return quantize_int4(w, bias)
     raise ValueError(f"unknown quantized format {fmt!r}; supported: {', '.join(FORMATS)}")
+
+
+# GGUF K-quants kept as they are ---------------------------------------------------------------------
+KQ_KINDS = ("Q4_K", "Q5_K", "Q6_K")  # the kq layout's kind codes 0, 1, 2 (cpu_kernel/gemm_kq.h)
+KQ_SUPER = 256  # weights per K-quant super-block
+KQ_HDR = 32  # a tile's super-block header: d[8], dmin[8] halves
+
+
+def kq_block_bytes(kind: int) -> int:
+    """Bytes of one 32-weight block of one 8-row tile in the kq layout (codes, high bits, scales)."""
+    return 128 + (0, 32, 64)[kind] + 16
+
+
+class KQFields:
+    """A K-quant weight's numbers, unpacked: codes ``u`` uint8 [N, K] (Q4_K 0..15, Q5_K 0..31, Q6_K
+    0..63), per 32-block ``s1`` / ``s2`` uint8 [N, K/32] (Q4_K / Q5_K: the 6-bit scale and min; Q6_K:
+    the int8 scales of the block's two halves, as their bytes) and per super-block ``d`` / ``dmin``
+    fp16 [N, K/256] (Q6_K: dmin zero). A weight is ``(d * sc) * u - dmin * m`` (Q4_K / Q5_K) or
+    ``(d * sc) * (u - 32)`` (Q6_K) in fp32, as the ``gguf`` package computes it."""
+
+    def __init__(self, kind: int, u, s1, s2, d, dmin):
+        self.kind, self.u, self.s1, self.s2, self.d, self.dmin = kind, u, s1, s2, d, dmin
+
+    def dequantize(self) -> torch.Tensor:
+        N, K = self.u.shape
+        u = self.u.float().view(N, K // 32, 32)
+        d = self.d.float().repeat_interleave(8, dim=1).unsqueeze(-1)  # per 32-block
+        if self.kind == 2:
+            sc = torch.stack([self.s1.view(torch.int8), self.s2.view(torch.int8)], -1).float()  # [N, K/32, 2]
+            w = (d.unsqueeze(-1) * sc.unsqueeze(-1)) * (u.view(N, K // 32, 2, 16) - 32.0)
+            return w.view(N, K)
+        dm = self.dmin.float().repeat_interleave(8, dim=1).unsqueeze(-1)
+        return ((d * self.s1.float().unsqueeze(-1)) * u - dm * self.s2.float().unsqueeze(-1)).view(N, K)
+
+
+def pack_kq(f: KQFields) -> torch.Tensor:
+    """``f``'s rows in the kq layout (cpu_kernel/gemm_kq.h): uint8 [tiles, tile bytes] (zero rows pad
+    the last tile)."""
+    N, K = f.u.shape
+    T, nsb = (N + 7) // 8, K // KQ_SUPER
+    pad = lambda t: F.pad(t, (0, 0, 0, 8 * T - N))  # noqa: E731
+    u = pad(f.u).view(T, 8, nsb, 8, 2, 4, 4).permute(0, 2, 3, 4, 5, 1, 6)  # [T, s, b, half, v, c, i]
+    lo, hi = u[:, :, :, 0], u[:, :, :, 1]  # [T, s, b, v, c, i]
+    parts = [((lo & 15) | ((hi & 15) << 4)).reshape(T, nsb, 8, 128)]
+    shifts = torch.arange(4, dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)
+    if f.kind == 1:
+        bits = (((lo >> 4) & 1) << shifts).sum(3) | ((((hi >> 4) & 1) << (shifts + 4)).sum(3))
+        parts.append(bits.to(torch.uint8).reshape(T, nsb, 8, 32))
+    elif f.kind == 2:
+        for half in (lo, hi):
+            parts.append((((half >> 4) & 3).int() << (2 * shifts).int()).sum(3).to(torch.uint8).reshape(T, nsb, 8, 32))
+    per_row = lambda t: pad(t).view(T, 8, nsb, 8).permute(0, 2, 3, 1)  # noqa: E731  [T, s, b, c]
+    parts += [per_row(f.s1), per_row(f.s2)]
+    blocks = torch.cat(parts, dim=-1).reshape(T, nsb, -1)
+    halves = lambda t: pad(t).view(T, 8, nsb).permute(0, 2, 1).contiguous().view(torch.uint8)  # noqa: E731
+    return torch.cat([halves(f.d), halves(f.dmin), blocks], dim=-1).reshape(T, -1).contiguous()
+
+
+def unpack_kq(kind: int, tiles: torch.Tensor, K: int) -> KQFields:
+    """Inverse of ``pack_kq`` for tiles uint8 [T, tile bytes] of one kind: fields of T * 8 rows."""
+    T, nsb, bb = tiles.shape[0], K // KQ_SUPER, kq_block_bytes(kind)
+    t = tiles.view(T, nsb, KQ_HDR + 8 * bb)
+    halves = lambda a: a.contiguous().view(torch.float16).view(T, nsb, 8).permute(0, 2, 1).reshape(8 * T, nsb)  # noqa: E731
+    d, dmin = halves(t[..., :16]), halves(t[..., 16:32])
+    blk = t[..., KQ_HDR:].reshape(T, nsb, 8, bb)
+    nib = blk[..., :128].reshape(T, nsb, 8, 4, 8, 4)  # [T, s, b, v, c, i]
+    lo, hi = nib & 15, nib >> 4
+    shifts = torch.arange(4, dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)
+    if kind == 1:
+        bits = blk[..., 128:160].reshape(T, nsb, 8, 1, 8, 4)
+        lo, hi = lo | (((bits >> shifts) & 1) << 4), hi | (((bits >> (shifts + 4)) & 1) << 4)
+    elif kind == 2:
+        h0, h1 = (blk[..., a : a + 32].reshape(T, nsb, 8, 1, 8, 4) for a in (128, 160))
+        lo, hi = lo | (((h0 >> (2 * shifts)) & 3) << 4), hi | (((h1 >> (2 * shifts)) & 3) << 4)
+    u = torch.stack([lo, hi], dim=3).permute(0, 5, 1, 2, 3, 4, 6).reshape(8 * T, K)  # [T, c, s, b, half, v, i]
+    s1 = blk[..., bb - 16 : bb - 8].permute(0, 3, 1, 2).reshape(8 * T, K // 32)
+    s2 = blk[..., bb - 8 :].permute(0, 3, 1, 2).reshape(8 * T, K // 32)
+    return KQFields(kind, u, s1, s2, d, dmin)
+
+
+def kq_tile_table(kinds: list, tile_bytes: list) -> torch.Tensor:
+    """The kernel's tile table (int64 per tile: byte offset << 2 | kind) of tiles laid end to end."""
+    off = torch.tensor([0, *tile_bytes], dtype=torch.int64).cumsum(0)[:-1]
+    return (off << 2) | torch.tensor(kinds, dtype=torch.int64)
+
+
+class KQuantLinear(QuantLinear):
+    """``y = x @ W^T (+ bias)`` with W [N, K] in GGUF K-quant blocks (Q4_K / Q5_K / Q6_K, parts of
+    several kinds stacked by rows: a fused projection) kept in the kq layout of the CPU kernel
+    (cpu_kernel/gemm_kq.h): every number of the file as it is, about the file's bytes.
+
+    Buffers: ``qweight`` uint8 [bytes] (the tiles end to end), ``scale`` int64 [tiles] (the tile
+    table), ``bias`` [N] or None. ``parts``: (kind name, rows) in row order, each but the last a
+    multiple of 8 rows. Always int8 activations (the kernel has no fp32-activation path for these
+    blocks, as llama.cpp's); without the kernel (or on CUDA, or above ``KERNEL_MAX_ROWS`` rows) one
+    dequantization into a float matmul."""
+
+    fmt = "kquant"
+
+    def __init__(self, parts: list, tiles: torch.Tensor, table: torch.Tensor, in_features: int, bias=None):
+        nn.Module.__init__(self)
+        self.parts = tuple((str(k), int(n)) for k, n in parts)
+        self.group, self.in_features = KQ_SUPER, int(in_features)
+        self.out_features = sum(n for _, n in self.parts)
+        self.register_buffer("qweight", tiles.contiguous())
+        self.register_buffer("scale", table.contiguous())
+        self.register_buffer("minv", None)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    @classmethod
+    def from_fields(cls, parts: list, bias=None) -> KQuantLinear:
+        """From ``(kind name, KQFields)`` parts stacked by rows (each but the last a multiple of 8 rows)."""
+        packed, kinds, sizes = [], [], []
+        for i, (name, f) in enumerate(parts):
+            if i < len(parts) - 1 and f.u.shape[0] % 8:
+                raise ValueError(f"a {name} part of {f.u.shape[0]} rows inside a fused projection: not a multiple of 8")
+            p = pack_kq(f)
+            packed.append(p.view(-1))
+            kinds += [f.kind] * p.shape[0]
+            sizes += [p.shape[1]] * p.shape[0]
+        rows = [(name, f.u.shape[0]) for name, f in parts]
+        return cls(rows, torch.cat(packed), kq_tile_table(kinds, sizes), parts[0][1].u.shape[1], bias)
+
+    @property
+    def k_pad(self) -> int:
+        return self.in_features
+
+    @property
+    def act_int8(self) -> bool:  # (set_act_int8 may set it; these blocks only run with int8 activations)
+        return True
+
+    @act_int8.setter
+    def act_int8(self, on: bool) -> None:
+        pass
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(f"{k}x{n}" for k, n in self.parts)
+        return f"{kinds}, in={self.in_features}, out={self.out_features}"
+
+    def _apply(self, fn, recurse=True):
+        nn.Module._apply(self, fn, recurse)  # (the tiles and table are integers: a float dtype leaves them)
+        if self.bias is not None and self.bias.dtype != torch.float32:
+            self.bias = self.bias.float()
+        return self
+
+    def fields(self) -> list:
+        """``(kind name, KQFields)`` per part, unpacked from the tiles."""
+        out, tile, K = [], 0, self.in_features
+        for name, n in self.parts:
+            kind, nt = KQ_KINDS.index(name), (n + 7) // 8
+            off = int(self.scale[tile]) >> 2
+            size = nt * (K // KQ_SUPER) * (KQ_HDR + 8 * kq_block_bytes(kind))
+            f = unpack_kq(kind, self.qweight[off : off + size].view(nt, -1), K)
+            out.append((name, KQFields(kind, *(t[:n] for t in (f.u, f.s1, f.s2, f.d, f.dmin)))))
+            tile += nt
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([f.dequantize() for _, f in self.fields()])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 rows ``W[ids]``: only the tiles holding them are unpacked."""
+        ids = ids.reshape(-1)
+        tiles, inv = torch.unique(ids // 8, return_inverse=True)
+        kinds = self.scale[tiles] & 3
+        w = torch.empty((tiles.numel() * 8, self.in_features), dtype=torch.float32)
+        for kind in kinds.unique().tolist():
+            pick = (kinds == kind).nonzero()[:, 0]
+            size = (self.in_features // KQ_SUPER) * (KQ_HDR + 8 * kq_block_bytes(kind))
+            start = (self.scale[tiles[pick]] >> 2).unsqueeze(1)
+            data = self.qweight[start + torch.arange(size)]  # [n, tile bytes]
+            rows8 = (pick.unsqueeze(1) * 8 + torch.arange(8)).reshape(-1)
+            w[rows8] = unpack_kq(kind, data, self.in_features).dequantize()
+        return w[inv * 8 + ids % 8]
+
+    def select(self, idx: torch.Tensor) -> KQuantLinear:
+        """The rows ``idx`` (one kind only) as a new K-quant projection (their blocks, repacked)."""
+        if len(self.parts) != 1:
+            raise ValueError(f"selecting rows of a fused K-quant projection ({self.extra_repr()}) is unsupported")
+        name, f = self.fields()[0]
+        pick = [t.index_select(0, idx) for t in (f.u, f.s1, f.s2, f.d, f.dmin)]
+        bias = None if self.bias is None else self.bias.index_select(0, idx)
+        return KQuantLinear.from_fields([(name, KQFields(f.kind, *pick))], bias)
+
+    def x8_pack(self) -> tuple:
+        """The kernel's operands: the tiles, the tile table and no mins (``qkernel.x8_fmt``: X8_KQ)."""
+        return self.qweight, self.scale, None
+
+    def _matmul(self, x, add):
+        from specd.model.qkernel import kernel, qgemm_x8
+
+        lib = kernel() if not x.is_cuda and x.shape[0] <= self.KERNEL_MAX_ROWS else None
+        if lib is None:
+            b = None if self.bias is None else self.bias.to(x.device)
+            y = F.linear(x.float(), self.dequantize().to(x.device), b)
+            return y if add is None else y.add_(add.float())
+        a = None if add is None else add.float()
+        return qgemm_x8(lib, x.float().contiguous(), self.x8_pack(), self.out_features, False, a, self.bias)

@@ -3,10 +3,12 @@ a GGUF file's blocks repacked into ``QuantLinear`` layouts one tensor at a time 
 
 ``--quantization`` (``resolve``): ``none`` keeps floats; ``int8`` (per channel) and ``int4`` (groups
 of 32) quantize every decoder projection; ``gguf`` keeps a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks
-(bit-exact: the kernels dequantize to exactly what the ``gguf`` package does) and refuses other
-types; ``auto`` is ``gguf`` for a GGUF file, with any other quantized type converted to the nearest
-supported format (Q5_x, Q6_K, Q8_K -> int8; Q2_K..Q4_K -> int4; float tensors stay float), and
-``none`` for a Hugging Face folder.
+and its K-quants Q4_K / Q5_K / Q6_K (``KQuantLinear``: each tensor of a fused projection keeps its
+own type; bit-exact: the kernels dequantize to exactly what the ``gguf`` package does) and refuses
+other types; ``auto`` is ``gguf`` for a GGUF file, with any other quantized type converted to the
+nearest supported format (Q5_0, Q5_1, Q8_K -> int8; Q2_K, Q3_K -> int4; a fused projection mixing
+kept types of two families likewise; float tensors stay float), and ``none`` for a Hugging Face
+folder.
 
 What stays in floats: RMSNorm weights (tiny) and, for a folder, untied token embeddings (a lookup
 reads one row per token). The LM head is quantized to int8 per channel under ``int8`` and
@@ -27,11 +29,13 @@ import torch
 import torch.nn as nn
 
 from specd.model.errors import LoadError
-from specd.model.quant import QuantLinear, quantize, quantize_int8
+from specd.model.moe import load_gguf_experts, mlp_projections
+from specd.model.quant import KQ_KINDS, KQ_SUPER, KQFields, KQuantLinear, QuantLinear, quantize, quantize_int8
 
 log = logging.getLogger("specd.quant")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
-KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # GGUF block types kept as they are
+KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # GGUF block types kept as they are (QuantLinear)
+KEPT_TYPES = KERNEL_TYPES + KQ_KINDS  # ... and with the K-quants (KQuantLinear)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 INT8_NEAREST = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_1", "Q8_K")
 
@@ -55,7 +59,7 @@ def quantize_model(model, fmt: str, head: bool = True) -> None:
     the LM head too (int8 per channel; with tied embeddings it then serves lookups as well)."""
     with torch.no_grad():
         for blk in model.layers:
-            for parent, name in ((blk.attn, "qkv"), (blk.attn, "o"), (blk.mlp, "gate_up"), (blk.mlp, "down")):
+            for parent, name in ((blk.attn, "qkv"), (blk.attn, "o"), *mlp_projections(blk.mlp)):  # (MoE: experts)
                 lin = getattr(parent, name)
                 setattr(parent, name, quantize(lin.weight, fmt, lin.bias))
         if head:
@@ -90,6 +94,53 @@ def repack(t) -> QuantLinear:
     return QuantLinear("int4", torch.from_numpy(np.ascontiguousarray(qs).reshape(N, K // 2)), d, m, 32, K)
 
 
+def _halves(raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0])
+
+
+def kq_fields(t) -> KQFields:
+    """A Q4_K / Q5_K / Q6_K GGUF tensor's numbers (torch shape [N, K]) unpacked as the ``gguf``
+    package's dequantization reads them (``gguf.quants``; llama.cpp's block_q4_K, block_q5_K,
+    block_q6_K): nothing rounded."""
+    from gguf.quants import Q4_K
+
+    kind = t.tensor_type.name
+    N, K = (int(n) for n in reversed(t.shape.tolist()))
+    nsb = K // KQ_SUPER
+    raw = np.asarray(t.data).reshape(N, nsb, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind])
+    if kind == "Q6_K":
+        ql = (raw[..., :128].reshape(N, nsb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15
+        qh = (raw[..., 128:192].reshape(N, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
+        u = ql.reshape(N, K) | (qh.reshape(N, K) << 4)
+        sc = raw[..., 192:208].reshape(N, K // 32, 2)
+        d = _halves(raw[..., 208:210])
+        s1, s2, dmin = sc[..., 0], sc[..., 1], torch.zeros_like(d)
+    else:
+        d, dmin = _halves(raw[..., 0:2]), _halves(raw[..., 2:4])
+        sc, m = Q4_K.get_scale_min(np.ascontiguousarray(raw[..., 4:16]).reshape(N * nsb, 12))
+        s1, s2 = sc.reshape(N, K // 32), m.reshape(N, K // 32)
+        qs = raw[..., -128:].reshape(N, nsb, 4, 1, 32)
+        u = ((qs >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15).reshape(N, nsb, 8, 32)
+        if kind == "Q5_K":
+            qh = raw[..., 16:48].reshape(N, nsb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+            u = u | ((qh & 1) << 4)
+        u = u.reshape(N, K)
+    as_t = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.uint8))  # noqa: E731
+    return KQFields(KQ_KINDS.index(kind), as_t(u), as_t(s1), as_t(s2), d, dmin)
+
+
+def kquant(tensors: list, perms: list) -> KQuantLinear:
+    """GGUF K-quant tensors stacked by rows as one ``KQuantLinear`` (``perms``: row orders to apply)."""
+    parts = []
+    for t, p in zip(tensors, perms):
+        f = kq_fields(t)
+        if p is not None:
+            idx = torch.from_numpy(p)
+            f = KQFields(f.kind, *(a.index_select(0, idx) for a in (f.u, f.s1, f.s2, f.d, f.dmin)))
+        parts.append((t.tensor_type.name, f))
+    return KQuantLinear.from_fields(parts)
+
+
 def _cat(ops: list) -> QuantLinear:
     """Row-wise concatenation of QuantLinears of one format and group (a fused projection)."""
     a = ops[0]
@@ -97,16 +148,24 @@ def _cat(ops: list) -> QuantLinear:
     return QuantLinear(a.fmt, cat("qweight"), cat("scale"), cat("minv"), a.group, a.in_features, cat("bias"))
 
 
-def _target_format(types: list, mode: str, names: list, path: Path) -> str:
-    """What a projection of GGUF tensors of ``types`` becomes: ``repack``, ``float``, int8 or int4."""
+def _target_format(types: list, mode: str, names: list, path: Path, rows: list) -> str:
+    """What a projection of GGUF tensors of ``types`` (``rows`` each) becomes: ``repack``,
+    ``kquant``, ``float``, int8 or int4."""
     if mode in ("int8", "int4"):
         return "repack" if all(_exact(t, mode) for t in types) else mode
     if all(t in KERNEL_TYPES for t in types) and len({_fmt_of(t) for t in types}) == 1:
         return "repack"
+    if all(t in KQ_KINDS for t in types) and all(n % 8 == 0 for n in rows[:-1]):
+        return "kquant"
     if mode == "gguf":
-        bad = next((n, t) for n, t in zip(names, types) if t not in KERNEL_TYPES)
+        bad = next(((n, t) for n, t in zip(names, types) if t not in KEPT_TYPES), None)
+        if bad is None:
+            raise LoadError(
+                f"{path}: --quantization gguf cannot keep {', '.join(f'{n} ({t})' for n, t in zip(names, types))} "
+                f"as one fused projection; use --quantization auto, int8, int4 or none"
+            )
         raise LoadError(
-            f"{path}: --quantization gguf keeps Q8_0/Q4_0/Q4_1 blocks, but {bad[0]} is {bad[1]}; "
+            f"{path}: --quantization gguf keeps {'/'.join(KEPT_TYPES)} blocks, but {bad[0]} is {bad[1]}; "
             f"use --quantization auto, int8, int4 or none"
         )
     if all(t in FLOAT_TYPES for t in types):
@@ -128,7 +187,10 @@ def projection(tensors: list, mode: str, path: Path, row_perms: list | None = No
     from specd.model.gguf import _dequantize
 
     perms = row_perms or [None] * len(tensors)
-    how = _target_format([t.tensor_type.name for t in tensors], mode, [t.name for t in tensors], path)
+    rows = [int(t.shape[-1]) for t in tensors]  # (ggml dims are innermost first)
+    how = _target_format([t.tensor_type.name for t in tensors], mode, [t.name for t in tensors], path, rows)
+    if how == "kquant":
+        return kquant(tensors, perms)
     if how == "repack":
         ops = [repack(t) for t in tensors]
         ops = [o if p is None else o.select(torch.from_numpy(p)) for o, p in zip(ops, perms)]
@@ -172,8 +234,11 @@ def _layer(blk, i: int, tensors: dict, mode: str, path: Path, perm_heads: dict |
         bias = torch.cat(bs)
     _set_linear(blk.attn, "qkv", projection([t(n) for n in qkv], mode, path, [perm(n) for n in qkv]), bias)
     _set_linear(blk.attn, "o", projection([t("attn_output")], mode, path), None)
-    _set_linear(blk.mlp, "gate_up", projection([t(n) for n in gate_up], mode, path), None)
-    _set_linear(blk.mlp, "down", projection([t("ffn_down")], mode, path), None)
+    if f"blk.{i}.ffn_gate_inp.weight" in tensors:  # a mixture of experts: its router and experts
+        load_gguf_experts(blk.mlp, i, tensors, mode, path)
+    else:
+        _set_linear(blk.mlp, "gate_up", projection([t(n) for n in gate_up], mode, path), None)
+        _set_linear(blk.mlp, "down", projection([t("ffn_down")], mode, path), None)
     for norm, name in layer_norms(blk):  # (Qwen3's q/k norms, Gemma's four: the file's 1 + w as they are)
         norm.weight = nn.Parameter(torch.from_numpy(_dequantize(t(name), path)), requires_grad=False)
 

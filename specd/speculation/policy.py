@@ -343,7 +343,7 @@ class SpecPolicy:
     def budget(self, seq: SpecRequest, plan: StepPlan) -> tuple[int, int]:
         """(draft tokens wanted, tree depth allowed; 0 = the configured depth) for ``seq`` this step."""
         if self.mode_of(seq) == SpecMode.NGRAM:
-            return self.ngram_budget(seq, plan.batch), 0
+            return max(self.ngram_budget(seq, plan.batch), self._forced_budget(seq, plan.batch)), 0
         auto = seq.spec.mode == SpecMode.AUTO
         if plan.depth == 0 and not self.probing and auto:  # the model does not pay this step: free lookup only
             full = self.spec.ngram_tokens * self.spec.ngram_branches
@@ -354,6 +354,7 @@ class SpecPolicy:
                 n = min(full, seq.spec.max_draft_tokens if seq.spec.max_draft_tokens is not None else full)
             else:
                 n = self.ngram_budget(seq, plan.batch, full)
+            n = max(n, self._forced_budget(seq, plan.batch))
             return (n, LOOKUP_ONLY) if n > 0 else (0, 0)
         want = self.desired_budget(seq)
         if plan.depth is None or not auto or want <= 0:
@@ -419,6 +420,15 @@ class SpecPolicy:
         the plain step, in most steps; spacing them was neutral within noise in what was measured
         at batch 16, and keeps the share of probing steps bounded as batches grow.)"""
         return self.probe_min * max(1, -(-batch // 4))
+
+    def _forced_budget(self, seq: SpecRequest, batch: int) -> int:
+        """Draft tokens reserved for a constrained request's grammar-forced text (the ``grammar``
+        proposer drafts only what its grammar forces, so a reservation it does not fill costs
+        nothing): priced at that proposer's own acceptance, never at prompt lookup's, which may not
+        pay while forced text nearly always does."""
+        if getattr(seq, "matcher", None) is None:
+            return 0
+        return self.free_len(seq, "grammar", self.desired_budget(seq), batch)
 
     def _lookup_probe(self, seq: SpecRequest, want: int, batch: int) -> int:
         """``LOOKUP_PROBE`` tokens (at most ``want``) on every ``lookup_probe_every(batch)``-th

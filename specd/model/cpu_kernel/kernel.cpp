@@ -2,7 +2,8 @@
 // one translation unit, with g++ -O3 -mavx2 -mfma -mf16c -fopenmp and loads it with ctypes; AVX512 and
 // AMX functions carry their own target attributes and run where the CPU has them). Its C API:
 //   specd_qgemm_i8 / specd_qgemm_i4  fp32-activation weight-only GEMMs (gemm_f32.h)
-//   specd_qgemm_x8                   int8-activation GEMM (quantize.h, gemm_x8*.h: AVX2, AVX512-VNNI, AMX)
+//   specd_qgemm_x8                   int8-activation GEMM (quantize.h, gemm_x8*.h: AVX2, AVX512-VNNI, AMX;
+//                                    gemm_kq.h: GGUF's K-quants as they are)
 //   specd_x8_isa                     the instruction set those and the attention use (common.h)
 //   specd_attention                  attention over gathered keys (attention*.h, softmax.h, weighted_sums.h)
 //   specd_head_layer / specd_layers  whole decoder layers: norms, RoPE, SiLU, KV writes, paged attention
@@ -18,6 +19,7 @@
 #include "gemm_x8_avx512.h"
 #include "gemm_x8_amx.h"
 #include "gemm_x8.h"
+#include "gemm_kq.h"
 #include "attention_scores.h"
 #include "softmax.h"
 #include "weighted_sums.h"
@@ -58,7 +60,8 @@ void specd_qgemm_i4(const float* x, int64_t M, int64_t K, const uint8_t* q, cons
 }
 
 // The interleaved layout (see gemm_x8_avx2.h): w, scale [, mins] packed by the caller (quant.pack_x8); fmt:
-// X8_INT4 (int4 codes, else int8) | X8_HALF (scale and mins are halves, else fp32).
+// X8_INT4 (int4 codes, else int8) | X8_HALF (scale and mins are halves, else fp32); or X8_KQ alone:
+// w the kq layout's tiles, scale their table (gemm_kq.h).
 void specd_qgemm_x8(const float* x, int64_t M, int64_t K, const uint8_t* w, const void* scale, const void* mins,
                     int64_t N, int fmt, const float* add, const float* bias, float* y) {
     const Lin L{2 + fmt, N, K, 32, K, w, scale, mins, bias};

@@ -15,12 +15,14 @@
 #include "attention.h"
 #include "common.h"
 #include "gemm_f32.h"
+#include "gemm_kq.h"
 #include "gemm_x8.h"
 #include "quantize.h"
 #include "softmax.h"
 
 // kind 0 int8 / 1 int4 (fp32 activations); 2 int8 / 3 int4 (x8 layout, int8 activations), fp32 scales
-// and mins; 4 / 5: the same with half scales and mins (X8_HALF)
+// and mins; 4 / 5: the same with half scales and mins (X8_HALF); 6: GGUF K-quants in the kq layout
+// (gemm_kq.h; int8 activations): w the tiles' bytes, scale the tile table (int64 per tile), mins unused
 struct Lin {
     int64_t kind, N, K, G, Kin;  // K: the padded row length (a multiple of 32), Kin <= K: x's row length
     const void* w;
@@ -30,6 +32,19 @@ struct Lin {
 };
 #define X8_INT4 1  // kinds 2-5 less 2: bit 0 int4, bit 1 half scales (specd_qgemm_x8's fmt)
 #define X8_HALF 2
+#define X8_KQ 4  // kind 6
+
+// the K-quant kinds' projection: x's int8 codes, their scales and their sums per 16
+static void lin_kq(const Lin& L, const float* x, int64_t M, const float* add, float* y, std::vector<float>& fs,
+                   std::vector<int8_t>& qs) {
+    static thread_local std::vector<int32_t> xs16;
+    const int64_t K = L.K;
+    fs.resize(M * (K / 32)), qs.resize(M * K);
+    if ((int64_t)xs16.size() < M * (K / 16)) xs16.resize(M * (K / 16));
+    quantize_q8(x, M, K, qs.data(), fs.data());
+    code_sums16(qs.data(), M, K, xs16.data());
+    gemm_kq(qs.data(), fs.data(), xs16.data(), M, K, (const uint8_t*)L.w, (const int64_t*)L.scale, L.N, add, L.bias, y);
+}
 
 template <class S>
 static void lin_x8(const Lin& L, const int8_t* qs, const float* dx, const float* xs, int64_t M, const float* add,
@@ -50,7 +65,9 @@ static void lin(const Lin& L, const float* x, int64_t M, const float* add, float
         for (int64_t m = 0; m < M; m++) memcpy(xp.data() + m * K, x + m * L.Kin, L.Kin * sizeof(float));
         x = xp.data();
     }
-    if (L.kind >= 2) {
+    if (L.kind == 2 + X8_KQ) {
+        lin_kq(L, x, M, add, y, fs, qs);
+    } else if (L.kind >= 2) {
         fs.resize(2 * M * nbk);
         qs.resize(M * K);
         float *xs = fs.data(), *dx = xs + M * nbk;
