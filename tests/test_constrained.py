@@ -77,16 +77,85 @@ def test_plain_constrained_replies_are_valid_and_end_at_the_grammar(engine, refe
         assert out[-1] in engine.eos_ids  # the grammar allowed only a stop token once complete
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree", "ngram", "hybrid", "auto"])
-@pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_constrained_speculation_equals_plain(engine, reference, mode, batch):
-    prompts, outs = reference
+@pytest.fixture
+def overlapped(engine):
+    """The engine with its masks filled on the worker thread during the forward (as on a GPU)."""
+    engine.constraints.overlap = True
+    yield engine
+    engine.constraints.overlap = False
+
+
+def _greedy_replies(engine, prompts, mode, batch) -> list:
     g = GrammarSpec("json_schema", SCHEMA)
     got = []
     for i in range(0, len(prompts), batch):
         got += [s.output_ids for s in engine.generate(prompts[i : i + batch], GREEDY, SpecParams(mode=mode), grammar=g)]
-    assert got == outs
+    return got
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree", "ngram", "hybrid", "auto"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_constrained_speculation_equals_plain(engine, reference, mode, batch):
+    prompts, outs = reference
+    assert _greedy_replies(engine, prompts, mode, batch) == outs
     assert engine.kv_blocks_used() == (0, 0)
+
+
+@pytest.mark.parametrize("mode", ["off", "tree", "auto"])
+def test_overlapped_masks_give_the_same_replies(overlapped, reference, mode):
+    prompts, outs = reference
+    assert _greedy_replies(overlapped, prompts, mode, 4) == outs
+    assert overlapped.kv_blocks_used() == (0, 0)
+
+
+def test_overlapped_masks_are_filled_while_the_forward_runs(overlapped, reference, monkeypatch):
+    """The forward waits (bounded) for the step's mask fills to finish on the worker thread: were
+    the fills run after the forward, or on the engine thread, the wait would time out."""
+    import threading
+
+    import specd.engine.constraints as C
+    import specd.engine.engine as E
+
+    filled, threads, waits = threading.Event(), set(), []
+    fill, forward = C._fill_masks, E.target_pass
+
+    def traced_fill(jobs):
+        threads.add(threading.current_thread().name)
+        out = fill(jobs)
+        filled.set()
+        return out
+
+    def waiting_forward(*a, **k):
+        waits.append(filled.wait(timeout=10))
+        filled.clear()
+        return forward(*a, **k)
+
+    monkeypatch.setattr(C, "_fill_masks", traced_fill)
+    monkeypatch.setattr(E, "target_pass", waiting_forward)
+    prompts, outs = reference
+    assert _greedy_replies(overlapped, prompts[:1], "tree", 1) == outs[:1]
+    assert waits and all(waits)
+    assert threads and all(t.startswith("specd-masks") for t in threads)
+
+
+def test_a_failed_step_waits_for_its_mask_fills_before_rolling_back(overlapped, reference):
+    """A forward that fails for the whole batch (then succeeds for its halves) while the worker
+    still fills masks: the matchers are rolled back only after the fills, so the replies and the
+    matchers' states are what they are without the failure."""
+    prompts, outs = reference
+    failures = []
+
+    def hook(stage, seqs):
+        if stage == "forward" and len(seqs) > 1 and len(failures) < 3:
+            failures.append(len(seqs))
+            raise RuntimeError("injected")
+
+    overlapped.fault_hook = hook
+    try:
+        assert _greedy_replies(overlapped, prompts, "tree", 4) == outs
+    finally:
+        overlapped.fault_hook = None
+    assert failures and overlapped.kv_blocks_used() == (0, 0)
 
 
 def test_the_matcher_after_a_speculative_reply_equals_a_replay_of_it(engine, reference):
@@ -110,10 +179,13 @@ def _run(engine, prompts, mode, grammar, tenant):
     return seqs
 
 
-def test_forced_tokens_are_drafted_and_accepted(engine):
+def test_forced_tokens_are_drafted_and_accepted(shared_pair):
     """Once a choice grammar's first token is written the rest is forced: digits, which this
     tokenizer only writes one per token, so the forced tokens are the only tokenization and the
-    target must accept all of them. (A new tenant: the suffix store has nothing of theirs.)"""
+    target must accept all of them. (A new tenant: the suffix store has nothing of theirs.) A fresh
+    engine: forced text is drafted even where prompt lookup has never paid (its budget is priced at
+    the grammar proposer's acceptance, not lookup's)."""
+    engine = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), *shared_pair)
     prompts = [engine.tokenizer(s)["input_ids"] for s in STORIES[:2]]
     g = GrammarSpec("choice", ("0123456789012", "x"))
     plain = [s.output_ids for s in _run(engine, prompts, "off", g, "forced-plain")]

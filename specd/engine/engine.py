@@ -73,7 +73,8 @@ class Engine:
         self._policy_clock = p.policy_clock
         self.eos_ids = set(p.target.config.eos_token_ids)
         self.vocab_size = p.target.config.vocab_size
-        self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids)  # grammars (lazy)
+        overlap = cfg.mask_overlap == "on" or (cfg.mask_overlap == "auto" and self.device.type != "cpu")
+        self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids, overlap=overlap)  # (lazy)
         self.seqs: dict[str, Sequence] = {}
         self._inbox: list = []
         self._lock = threading.Lock()
@@ -269,6 +270,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - isolate the culprit, never fail the engine
             stage = self._stage
             self.health.stage_failed(stage)
+            self.constraints.settle()  # (mask fills still running hold matchers the restore rolls back)
             for sc in scheduled:
                 self.ledger.restore(sc.seq, cps[id(sc.seq)])
             if len(scheduled) == 1:

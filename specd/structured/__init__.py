@@ -29,7 +29,7 @@ from specd.structured.request import grammar_spec, response_format_spec, structu
 from specd.structured.spec import GrammarSpec
 from specd.structured.tool_parser import ToolCall, ToolCallDelta, ToolCallParser, parse_tool_calls
 from specd.structured.tools import TOOL_CLOSE, TOOL_OPEN, ToolCallSpec, ToolFunction, tools_system_prompt
-from specd.structured.tree import prune_tree, tree_masks
+from specd.structured.tree import prune_tree, tree_alive, tree_masks
 from specd.structured.vocab import Vocabulary, builtin_vocabulary
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "structured_outputs_spec",
     "text_format_spec",
     "tools_system_prompt",
+    "tree_alive",
     "tree_masks",
     "unpack",
 ]

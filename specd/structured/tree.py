@@ -16,7 +16,9 @@ Example (the grammar allows only ``"ab"`` then the stop token; root = the last c
     alive:    T     T     F     T                         row 3: {stop}
 
 Computed depth-first with one matcher: advance into a node, fill its row, visit its children, roll
-back; the matcher ends in the state it started in.
+back; the matcher ends in the state it started in. :func:`tree_alive` walks the same way without
+filling (~1 us a node against ~9 with the fill): the engine prunes with it first and fills the
+pruned tree's masks on another thread while the target's forward runs.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from specd.structured.masks import words
 from specd.structured.matcher import Matcher
 
-__all__ = ["prune_tree", "tree_masks"]
+__all__ = ["prune_tree", "tree_alive", "tree_masks"]
 
 
 def _children(parents: Sequence[int], n: int) -> list:
@@ -51,14 +53,28 @@ def tree_masks(
     ``out``: a preallocated ``[>= n, W]`` int32 tensor to fill (its first n rows). The matcher is
     left as it was (also when this raises)."""
     n = len(tokens)
+    bm = torch.empty((n, words(matcher.vocab.size)), dtype=torch.int32) if out is None else out
+    bm[:n] = 0
+    alive = _walk(matcher, parents, tokens, lambda i: matcher.fill(bm, i))
+    return bm[:n], alive
+
+
+def tree_alive(matcher: Matcher, parents: Sequence[int], tokens: Sequence[int]) -> list:
+    """``alive`` [n] list of bool, as :func:`tree_masks` gives it, without computing a mask."""
+    return _walk(matcher, parents, tokens, None)
+
+
+def _walk(matcher: Matcher, parents: Sequence[int], tokens: Sequence[int], visit) -> list:
+    """Depth-first over the tree with ``matcher`` (advance, ``visit(i)`` at each alive node, roll
+    back); which nodes are alive. The matcher ends as it started (also when this raises)."""
+    n = len(tokens)
     if len(parents) != n:
         raise ValueError(f"{len(parents)} parents for {n} tokens")
     kids = _children(parents, n)
-    bm = torch.empty((n, words(matcher.vocab.size)), dtype=torch.int32) if out is None else out
-    bm[:n] = 0
     alive = [False] * n
     alive[0] = True
-    matcher.fill(bm, 0)
+    if visit is not None:
+        visit(0)
     depth = [0] * n
     consumed = 0  # tokens the matcher holds beyond the root's state
     stack = list(reversed(kids[0]))
@@ -71,11 +87,12 @@ def tree_masks(
             if matcher.advance(tokens[i]):
                 consumed += 1
                 alive[i] = True
-                matcher.fill(bm, i)
+                if visit is not None:
+                    visit(i)
                 stack.extend(reversed(kids[i]))
     finally:
         matcher.rollback(consumed)
-    return bm[:n], alive
+    return alive
 
 
 def prune_tree(parents: Sequence[int], tokens: Sequence[int], alive: Sequence[bool]) -> tuple:
