@@ -16,7 +16,20 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+# mixtures of experts specd does not run, and what they add that it does not compute
+_OTHER_MOE = {
+    "Qwen2MoeForCausalLM": "shared experts",
+    "DeepseekV2ForCausalLM": "shared experts and multi-head latent attention",
+    "DeepseekV3ForCausalLM": "shared experts and multi-head latent attention",
+    "GptOssForCausalLM": "gpt-oss's router biases, clamped SwiGLU and attention sinks",
+    "OlmoeForCausalLM": "OLMoE's q/k norms over all heads",
+    "PhimoeForCausalLM": "Phi-MoE's sparsemixer routing",
+    "Qwen3NextForCausalLM": "shared experts and linear attention",
+}
 _MODEL_TYPES = {  # config.json's model_type -> architecture, where "architectures" is missing
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -25,9 +38,12 @@ _MODEL_TYPES = {  # config.json's model_type -> architecture, where "architectur
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
-# q/k/v biases whatever attention_bias says (transformers' Qwen2 always has them, Mistral and Phi-3 never)
-_FIXED_BIAS = {"Qwen2ForCausalLM": True, "MistralForCausalLM": False, "Phi3ForCausalLM": False}
+# q/k/v biases whatever attention_bias says (transformers' Qwen2 always has them, Mistral, Mixtral and Phi-3 never)
+_FIXED_BIAS = {"Qwen2ForCausalLM": True, "MistralForCausalLM": False, "Phi3ForCausalLM": False,
+               "MixtralForCausalLM": False}  # fmt: skip
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
@@ -41,7 +57,8 @@ class ModelConfig:
     norm on the attention's and on the MLP's output before each residual add, GeGLU, embeddings
     scaled by sqrt(d), its own attention scale, tanh soft-capping of attention scores and logits
     (Gemma 2), a second RoPE base for the sliding layers (Gemma 3); Phi-3's partial rotary and
-    LongRoPE tables (``rope_scaling``)."""
+    LongRoPE tables (``rope_scaling``); a mixture of experts in place of the MLP in the layers
+    ``moe_layers`` (Qwen3-MoE, Mixtral: ``specd.model.moe``)."""
 
     architecture: str
     vocab_size: int
@@ -72,6 +89,11 @@ class ModelConfig:
     final_softcap: float | None = None  # the same on the logits (Gemma 2)
     rope_local_theta: float | None = None  # the sliding layers' RoPE base (Gemma 3), unscaled
     partial_rotary: float = 1.0  # the share of each head's dims RoPE rotates (the first ones)
+    num_experts: int = 0  # experts of each MoE layer (0: every layer has a dense MLP)
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # each expert's gate/up width
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum 1 (Mixtral: always)
+    moe_layers: tuple = ()  # indices of the layers whose MLP is a mixture of experts
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -109,6 +131,26 @@ class ModelConfig:
             raise ValueError(
                 f"config.json: partial_rotary_factor {self.partial_rotary} gives an odd or empty rotary part"
             )
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if not self.moe_layers:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
+                f"({self.num_experts})"
+            )
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(
+                f"config.json: the experts' intermediate size must be positive, got {self.moe_intermediate_size}"
+            )
+        if not all(0 <= i < self.num_layers for i in self.moe_layers):
+            raise ValueError(f"config.json: MoE layers {self.moe_layers} outside 0..{self.num_layers - 1}")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is a mixture of experts."""
+        return layer in self.moe_layers
 
     @property
     def rotary_dim(self) -> int:
@@ -139,6 +181,7 @@ class ModelConfig:
             (self.final_softcap is not None, "logit soft-capping"),
             (self.rope_local_theta is not None, "two RoPE bases"),
             (self.rotary_dim != self.head_dim, "partial rotary embeddings"),
+            (bool(self.moe_layers), "a mixture of experts"),
         ):
             if on:
                 out.append(what)
@@ -184,6 +227,7 @@ class ModelConfig:
                 rope_local_theta=local,
                 partial_rotary=float(cfg.get("partial_rotary_factor", 1.0)),
                 **_family_fields(cfg, arch, hidden),
+                **_moe_fields(cfg, arch),
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None
@@ -192,6 +236,11 @@ class ModelConfig:
 def _architecture(cfg: dict) -> str:
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else _MODEL_TYPES.get(cfg.get("model_type", ""), "?")
+    if arch in _OTHER_MOE:
+        raise ValueError(
+            f"unsupported architecture {arch!r}: a mixture of experts with {_OTHER_MOE[arch]}; supported "
+            f"mixtures of experts: {', '.join(MOE_ARCHITECTURES)}"
+        )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch!r} (model_type {cfg.get('model_type')!r}); "
@@ -228,7 +277,7 @@ def _rope(cfg: dict, arch: str) -> tuple:
 
 def _family_fields(cfg: dict, arch: str, hidden: int) -> dict:
     """The fields only some families set: q/k norms (Qwen3, Gemma 3) and Gemma's layer."""
-    out: dict = {"qk_norm": arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM")}
+    out: dict = {"qk_norm": arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM")}
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     out["hidden_act"] = "gelu_pytorch_tanh" if act in ("gelu_pytorch_tanh", "gelu_tanh") else act
     if arch in GEMMA:
@@ -242,6 +291,27 @@ def _family_fields(cfg: dict, arch: str, hidden: int) -> dict:
                 if cfg.get(key) is not None:
                     out[name] = float(cfg[key])
     return out
+
+
+def _moe_fields(cfg: dict, arch: str) -> dict:
+    """A mixture of experts' fields as transformers reads them: Qwen3-MoE's experts sit in the layers
+    not in ``mlp_only_layers`` whose number (from 1) is a multiple of ``decoder_sparse_step``, the
+    others keep a dense MLP of ``intermediate_size``; Mixtral's in every layer, ``intermediate_size``
+    wide, their top-k weights always renormalised. Shared experts (Qwen2-MoE's) are refused."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    n = int(cfg["num_hidden_layers"])
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or (8 if arch == "MixtralForCausalLM" else 0))
+    top_k = int(cfg.get("num_experts_per_tok") or 2)
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                    moe_intermediate_size=int(cfg["intermediate_size"]), moe_layers=tuple(range(n)))  # fmt: skip
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("config.json: shared experts (shared_expert_intermediate_size) are unsupported in Qwen3-MoE")
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    layers = tuple(i for i in range(n) if experts > 0 and i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0), moe_layers=layers)  # fmt: skip
 
 
 def _eos_ids(cfg: dict, generation_config: dict | None) -> tuple:

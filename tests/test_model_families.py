@@ -496,8 +496,8 @@ def test_family_gguf_matches_transformers(tmp_path, name, monkeypatch):
 
 
 def test_unsupported_architectures_are_one_line_load_errors(tmp_path, monkeypatch):
-    """A family specd does not run (a mixture of experts here) is refused in one line naming what is
-    supported, from a folder and from a GGUF file."""
+    """A family specd does not run (Falcon here; mixtures of experts: tests/test_moe.py) is refused in
+    one line naming what is supported, from a folder and from a GGUF file."""
     import gguf
 
     from tests.test_gguf import write_gguf
@@ -505,17 +505,17 @@ def test_unsupported_architectures_are_one_line_load_errors(tmp_path, monkeypatc
     monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
     folder, _ = hf_folder(tmp_path, "qwen3")
     cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3MoeForCausalLM"]}))
+    (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["FalconForCausalLM"]}))
     with pytest.raises(
-        LoadError, match=r"unsupported architecture 'Qwen3MoeForCausalLM'.*Qwen3ForCausalLM, Gemma2"
+        LoadError, match=r"unsupported architecture 'FalconForCausalLM'.*Qwen3ForCausalLM, Gemma2"
     ) as e:
         load_model(folder, "cpu", "float32")
     assert "\n" not in str(e.value)
     model = hf_model("llama")
     weights = {k: v.numpy() for k, v in model.state_dict().items()}
-    path = write_gguf(tmp_path / "moe.gguf", "qwen3moe", {**model.config.to_dict(), "rope_theta": 1e4}, weights,
+    path = write_gguf(tmp_path / "falcon.gguf", "falcon", {**model.config.to_dict(), "rope_theta": 1e4}, weights,
                       gguf.GGMLQuantizationType.F32)  # fmt: skip
-    with pytest.raises(LoadError, match=r"unsupported architecture 'qwen3moe'.*qwen3, gemma2, gemma3") as e:
+    with pytest.raises(LoadError, match=r"unsupported architecture 'falcon'.*qwen3, gemma2, gemma3") as e:
         load_model(path, "cpu", "float32")
     assert "\n" not in str(e.value)
 

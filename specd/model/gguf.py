@@ -29,6 +29,13 @@ GGUF layout facts this module relies on (llama.cpp's docs/gguf.md, the ``gguf`` 
   rest of Gemma's hyper-parameters are llama.cpp's fixed ones (sliding layers: every other one for
   Gemma 2, five of six for Gemma 3, whose local RoPE base is 10000; attention scale 1/sqrt(head
   size), 1/sqrt(d / heads) for the 27B models).
+* Mixtures of experts (Qwen3-MoE as "qwen3moe", Mixtral as "llama" with ``llama.expert_count``) keep
+  per layer a router ``ffn_gate_inp`` [E, d] and the experts' projections stacked in 3-D tensors
+  ``ffn_gate_exps`` / ``ffn_up_exps`` [E, I, d] and ``ffn_down_exps`` [E, d, I] (ggml dims innermost
+  first, so one expert's rows are a contiguous slab); ``{arch}.expert_count``,
+  ``expert_used_count`` and (qwen3moe) ``expert_feed_forward_length`` size them. llama.cpp routes
+  both with a softmax and renormalises the top k (``expert_weights_norm``, default on), and puts
+  experts in every layer.
 """
 
 from __future__ import annotations
@@ -48,7 +55,16 @@ from specd.model.errors import LoadError
 GGUF_MAGIC = b"GGUF"
 FORMAT_VERSION = 1  # part of the cache key: bump when the conversion output changes
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # general.architecture (Mistral: "llama")
+# general.architecture (Mistral and Mixtral: "llama")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe")
+OTHER_MOE = {  # mixtures of experts specd does not run, and what they add
+    "qwen2moe": "shared experts",
+    "deepseek2": "shared experts and multi-head latent attention",
+    "gpt-oss": "router biases, clamped SwiGLU and attention sinks",
+    "olmoe": "q/k norms over all heads",
+    "phimoe": "sparsemixer routing",
+    "qwen3next": "shared experts and linear attention",
+}
 HF_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -57,10 +73,13 @@ HF_CLASSES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
-MODEL_TYPES = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the GGUF architecture
+# config.json's model_type where it is not the GGUF architecture
+MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
 GEMMA = ("gemma2", "gemma3")
-PERMUTED_QK = ("llama", "mistral")  # model types whose q/k rows llama.cpp stores permuted
+PERMUTED_QK = ("llama", "mistral", "mixtral")  # model types whose q/k rows llama.cpp stores permuted
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -79,6 +98,12 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}  # Qwen3, Gemma 3
+_EXPERTS = {  # a mixture's tensors; "{e}": one HF tensor per expert, stacked in the GGUF tensor
+    "qwen3moe": {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+                 "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj"},
+    "mixtral": {"ffn_gate_inp": "block_sparse_moe.gate", "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+                "ffn_up_exps": "block_sparse_moe.experts.{e}.w3", "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
+}  # fmt: skip
 _GEMMA_NORMS = {  # Gemma's four norms per layer
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
@@ -89,8 +114,9 @@ _GEMMA_NORMS = {  # Gemma's four norms per layer
 def layer_names(arch: str | None = None) -> dict:
     """GGUF layer tensor kinds -> HF module names for a GGUF architecture (Llama's by default)."""
     names = dict(_LAYER_NAMES)
-    if arch in ("qwen3", "gemma3"):
+    if arch in ("qwen3", "gemma3", "qwen3moe"):
         names.update(_QK_NORMS)
+    names.update(_EXPERTS.get(arch or "", {}))
     if arch in GEMMA:
         names.update(_GEMMA_NORMS)
     if arch == "phi3":  # fused as transformers' Phi-3 keeps them (llama.cpp's ffn_up is gate and up)
@@ -258,12 +284,19 @@ def _architecture(meta: dict, path: Path) -> tuple[str, str]:
     """(GGUF architecture, HF model type). llama.cpp writes Mistral models as "llama"; like
     transformers, a "mistral" in ``general.name`` / ``general.basename`` makes them Mistral again."""
     arch = meta.get("general.architecture")
+    if arch in OTHER_MOE:
+        raise LoadError(
+            f"{path}: unsupported architecture {arch!r} (general.architecture): a mixture of experts with "
+            f"{OTHER_MOE[arch]}; supported mixtures of experts: qwen3moe, llama with experts (Mixtral)"
+        )
     if arch not in ARCHITECTURES:
         raise LoadError(
             f"{path}: unsupported architecture {arch!r} (general.architecture); supported: "
             f"{', '.join(ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3)"
         )
     names = f"{meta.get('general.name', '')} {meta.get('general.basename', '')}".lower()
+    if arch == "llama" and int(meta.get("llama.expert_count", 0)) > 0:
+        return arch, "mixtral"
     return arch, ("mistral" if arch == "llama" and "mistral" in names else MODEL_TYPES.get(arch, arch))
 
 
@@ -342,7 +375,7 @@ def hf_config(meta: dict, reader, path: Path) -> tuple[dict, dict]:
         "model_type": model_type,
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
+        "intermediate_size": int(_ffn_length(meta, arch) or need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
@@ -355,16 +388,23 @@ def hf_config(meta: dict, reader, path: Path) -> tuple[dict, dict]:
         "dtype": "float32",
     }
     cfg.update(_family_config(meta, arch, model_type, cfg, tensors))
+    if model_type in ("qwen3_moe", "mixtral"):
+        cfg.update(_moe_config(meta, arch, model_type, cfg, path))
     gen = _special_ids(meta)
     cfg.update(gen)
     _validate(cfg, gen, path)
     return cfg, gen
 
 
+def _ffn_length(meta: dict, arch: str) -> int:
+    """The dense MLP's width; a Qwen3-MoE file (experts in every layer) may name its experts' only."""
+    return int(meta.get(f"{arch}.feed_forward_length") or meta.get(f"{arch}.expert_feed_forward_length") or 0)
+
+
 def _family_config(meta: dict, arch: str, model_type: str, cfg: dict, tensors: dict) -> dict:
     """config.json keys only some families have (biases, windows, Gemma's hyper-parameters)."""
     out: dict = {}
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3moe"):
         out.update(use_sliding_window=False, sliding_window=None)
     elif model_type == "mistral":
         out["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")  # llama.cpp keeps none
@@ -391,6 +431,31 @@ def _family_config(meta: dict, arch: str, model_type: str, cfg: dict, tensors: d
             out["rope_parameters"] = {"full_attention": cfg["rope_parameters"], "sliding_attention": local}
             out["layer_types"] = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
     return out
+
+
+def _moe_config(meta: dict, arch: str, model_type: str, cfg: dict, path: Path) -> dict:
+    """A mixture of experts' config.json keys as llama.cpp runs it: experts in every layer, softmax
+    routing, the top k renormalised unless ``expert_weights_norm`` says otherwise (Mixtral: always).
+    Shared experts and other gating functions are refused in one line."""
+    experts, used = int(meta.get(f"{arch}.expert_count", 0)), int(meta.get(f"{arch}.expert_used_count", 0))
+    if not 0 < used <= experts:
+        raise LoadError(f"{path}: {arch}.expert_used_count ({used}) must be in 1..{arch}.expert_count ({experts})")
+    if int(meta.get(f"{arch}.expert_shared_count", 0)) > 0:
+        raise LoadError(f"{path}: shared experts ({arch}.expert_shared_count) are unsupported")
+    if int(meta.get(f"{arch}.expert_gating_func", 1)) != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise LoadError(
+            f"{path}: expert gating function {meta[f'{arch}.expert_gating_func']} is unsupported (softmax only)"
+        )
+    norm = bool(meta.get(f"{arch}.expert_weights_norm", True))
+    if model_type == "mixtral":
+        if not norm:
+            raise LoadError(f"{path}: Mixtral without renormalised expert weights is unsupported")
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    ff = int(meta.get(f"{arch}.expert_feed_forward_length") or 0)
+    if ff <= 0:
+        raise LoadError(f"{path}: metadata {arch}.expert_feed_forward_length missing")
+    return {"num_experts": experts, "num_experts_per_tok": used, "moe_intermediate_size": ff, "norm_topk_prob": norm,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
 
 
 def _phi3_config(meta: dict, cfg: dict, tensors: dict) -> dict:
@@ -463,7 +528,7 @@ def expected_shapes(cfg: dict) -> dict:
     bias = cfg.get("attention_bias", cfg["model_type"] == "qwen2")
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        if cfg["model_type"] in ("qwen3", "gemma3_text"):
+        if cfg["model_type"] in ("qwen3", "gemma3_text", "qwen3_moe"):
             out.update({p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)})
         if cfg["model_type"] in ("gemma2", "gemma3_text"):
             out.update({p + n + ".weight": (d,) for n in _GEMMA_NORMS.values()})
@@ -488,6 +553,10 @@ def expected_shapes(cfg: dict) -> dict:
             out.update(
                 {p + "self_attn.qkv_proj.weight": (q + 2 * kv, d), p + "mlp.gate_up_proj.weight": (2 * inter, d)}
             )
+        if cfg["model_type"] in ("qwen3_moe", "mixtral"):  # experts in place of the dense MLP
+            for n in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+                del out[p + n + ".weight"]
+            out.update(_expert_shapes(cfg, i))
         if bias:
             out.update(
                 {
@@ -497,6 +566,19 @@ def expected_shapes(cfg: dict) -> dict:
                 }
             )
     return out
+
+
+def _expert_shapes(cfg: dict, i: int) -> dict:
+    """Layer i of a mixture (experts in every layer, as llama.cpp has them): its router and 3-D expert
+    tensors under their "{e}" names."""
+    p, d = f"model.layers.{i}.", cfg["hidden_size"]
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    names = _EXPERTS["mixtral" if cfg["model_type"] == "mixtral" else "qwen3moe"]
+    return {p + names["ffn_gate_inp"] + ".weight": (experts, d),
+            p + names["ffn_gate_exps"] + ".weight": (experts, inter, d),
+            p + names["ffn_up_exps"] + ".weight": (experts, inter, d),
+            p + names["ffn_down_exps"] + ".weight": (experts, d, inter)}  # fmt: skip
 
 
 def check_tensors(reader, cfg: dict, path: Path) -> None:
@@ -564,7 +646,11 @@ def hf_state_dict(reader, cfg: dict, path: Path, progress: bool = False) -> dict
             w = unpermute_qk(w, heads[kind])
         if arch in GEMMA and t.name.endswith("norm.weight"):  # stored as 1 + w; transformers adds the 1
             w = w - np.float32(1.0)
-        out[hf_name(t.name, arch)] = torch.from_numpy(np.ascontiguousarray(w))
+        name = hf_name(t.name, arch)
+        if "{e}" in name:  # a mixture's experts stacked in one tensor: one HF tensor each
+            out.update({name.format(e=e): torch.from_numpy(np.ascontiguousarray(x)) for e, x in enumerate(w)})
+        else:
+            out[name] = torch.from_numpy(np.ascontiguousarray(w))
     return out
 
 

@@ -1,5 +1,6 @@
 """Llama-family decoder over a flat token batch and a paged KV cache: Llama, Qwen2, Mistral, Qwen3,
-Gemma 2 / 3 and Phi-3 (what their layers add to Llama's: ``specd.config.ModelConfig``).
+Gemma 2 / 3, Phi-3 and the mixtures of experts Qwen3-MoE and Mixtral (what their layers add to
+Llama's: ``specd.config.ModelConfig``; a mixture's MLP: ``specd.model.moe``).
 
 ``forward(input_ids [T], positions [T], kv [L,2,NB,BS,KVH,D], meta) -> hidden [T, d]``: tokens of
 many requests at once (prefill chunks, decode tokens, draft trees); attention goes through the
@@ -24,6 +25,7 @@ from specd.config import ModelConfig
 from specd.model import invariant
 from specd.model.attention import AttentionMetadata, TorchAttention
 from specd.model.fused import fused_layers
+from specd.model.moe import SparseMoE
 from specd.model.quant import QuantLinear, embedding
 
 
@@ -158,14 +160,15 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One decoder layer's parameters: the modules hold weights for loading; the one forward path is
     ``LlamaModel.forward``. Gemma's layer also norms the attention's and the MLP's outputs before
-    their residual adds (``attn_out_norm``, ``mlp_out_norm``); its pre-MLP norm is ``post_norm``."""
+    their residual adds (``attn_out_norm``, ``mlp_out_norm``); its pre-MLP norm is ``post_norm``.
+    A mixture of experts' layer ``i`` (``ModelConfig.moe_layers``) has a ``SparseMoE`` for its MLP."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, i: int = 0):
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg)
         self.post_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe(i) else MLP(cfg)
         if cfg.gemma_norms:
             self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -186,7 +189,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -368,7 +371,8 @@ class LlamaModel(nn.Module):
     def _family_layers(self, x, kv, meta, backend, capture, cos, sin, ops=invariant.OFF) -> torch.Tensor:
         """The layers of architectures beyond Llama's (``ModelConfig.beyond_kernel``), op by op:
         q/k norms before RoPE, Gemma's output norms, GeGLU, its attention scale and soft-capping,
-        Gemma 3's local RoPE tables, partial rotary (the rotation matrix covers the rotated dims)."""
+        Gemma 3's local RoPE tables, partial rotary (the rotation matrix covers the rotated dims), a
+        mixture of experts' MLP (``w_gu`` the layer's ``SparseMoE``)."""
         cfg = self.cfg
         H, KVH, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         _, _, layers, norm_w, rot, _, _ = self._flat_weights()
@@ -391,6 +395,9 @@ class LlamaModel(nn.Module):
             else:  # (soft-capped scores: the torch attention, also with the invariant ops)
                 o = softcap_attention(qk[:, :H], kv[i], meta, scale, self.windows[i], cfg.attn_softcap)
             x = _residual(x, o.reshape(T, nq), w_o_t, ex.o_bias, ex.attn_out_norm, norm, ops)
+            if isinstance(w_gu, SparseMoE):
+                x = x + w_gu(norm(x, w_post), ops)  # only each token's chosen experts run
+                continue
             gu = ops.linear(norm(x, w_post), w_gu)
             x = _residual(x, act(gu[:, :inter]) * gu[:, inter:], w_down_t, None, ex.mlp_out_norm, norm, ops)
         return norm(x, norm_w)
@@ -434,7 +441,8 @@ def _plain_layer(blk) -> tuple:
     """(input norm fp32, qkv, its bias, W_o^T, post norm fp32, gate/up, W_down^T) for the op-by-op
     forward: o and down are used through addmm (residual + x @ W^T in one op), so W^T views; a
     QuantLinear is its own op (the forward dispatches in quant.linear / addmm) and adds its own bias;
-    norm weights in fp32 once (a bf16 RMSNorm computes in fp32: no cast per call)."""
+    norm weights in fp32 once (a bf16 RMSNorm computes in fp32: no cast per call). A mixture of
+    experts' MLP: (the ``SparseMoE``, None) for gate/up and down."""
     w_qkv, b_qkv = _op(blk.attn.qkv), blk.attn.qkv.bias
     b_qkv = b_qkv if isinstance(w_qkv, torch.Tensor) else None
     return (
@@ -443,8 +451,7 @@ def _plain_layer(blk) -> tuple:
         b_qkv,
         _op(blk.attn.o, t=True),
         blk.post_norm.weight.float(),
-        _op(blk.mlp.gate_up),
-        _op(blk.mlp.down, t=True),
+        *((blk.mlp, None) if isinstance(blk.mlp, SparseMoE) else (_op(blk.mlp.gate_up), _op(blk.mlp.down, t=True))),
     )
 
 
@@ -513,8 +520,9 @@ def hf_layer_names(i: int, cfg: ModelConfig | None = None) -> dict:
         "input_norm.weight": p + "input_layernorm.weight",
         "post_norm.weight": p + "post_attention_layernorm.weight",
         "attn.o.weight": p + "self_attn.o_proj.weight",
-        "mlp.down.weight": p + "mlp.down_proj.weight",
     }
+    if cfg is None or not cfg.is_moe(i):  # (a mixture's experts: specd.model.moe.expert_tensors)
+        names["mlp.down.weight"] = p + "mlp.down_proj.weight"
     if cfg is not None and cfg.qk_norm:
         names.update(
             {"attn.q_norm.weight": p + "self_attn.q_norm.weight", "attn.k_norm.weight": p + "self_attn.k_norm.weight"}

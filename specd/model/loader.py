@@ -17,6 +17,7 @@ import torch
 from specd.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from specd.model.errors import LoadError
 from specd.model.llama import NORM_WEIGHTS, LlamaModel, hf_layer_names
+from specd.model.moe import expert_tensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -137,6 +138,8 @@ def _our_names(tensors: dict, cfg: ModelConfig, path: Path, shared_embeddings: b
             ours["lm_head.weight"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
         _layer_names(ours, i, cfg, take)
+        if cfg.is_moe(i):  # the router and each expert's gate | up, down (specd.model.moe)
+            expert_tensors(ours, cfg, i, take, tensors.__contains__)
     _check_all_used(tensors, used, cfg, path)
     if cfg.gemma_norms:  # Gemma applies its norms as 1 + w: stored so, the forward is every family's
         for name in ours:
@@ -159,9 +162,10 @@ def _layer_names(ours: dict, i: int, cfg: ModelConfig, take) -> None:
         ours[f"layers.{i}.attn.qkv.bias"] = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"], 0)
     if cfg.o_bias:
         ours[f"layers.{i}.attn.o.bias"] = take(p + "self_attn.o_proj.bias")
-    ours[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
-        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0
-    )
+    if not cfg.is_moe(i):
+        ours[f"layers.{i}.mlp.gate_up.weight"] = torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0
+        )
 
 
 def _check_all_used(tensors: dict, used: set, cfg: ModelConfig, path: Path) -> None:
