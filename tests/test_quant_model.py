@@ -50,24 +50,26 @@ def test_bad_quantization_requests_are_one_line_errors(tmp_path):
         load_model(TARGET, "cpu", "float32", quantization="gguf")
     with pytest.raises(ValueError, match="quantization must be"):
         EngineConfig(target=str(TARGET), quantization="fp8")
-    path, _ = model_gguf(tmp_path, "llama", Q.Q6_K, layers=1)
+    path, _ = model_gguf(tmp_path, "llama", Q.Q5_0, layers=1)
     with pytest.raises(
-        LoadError, match=r"--quantization gguf keeps Q8_0/Q4_0/Q4_1 blocks, but blk\.0\.\w+\.weight is Q6_K"
+        LoadError,
+        match=r"--quantization gguf keeps Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks, but blk\.0\.\w+\.weight is Q5_0",
     ):
         load_model(path, "cpu", "float32", quantization="gguf")
 
 
 def test_gguf_blocks_are_kept_and_other_types_converted(tmp_path):
-    """auto: Q8_0 / Q4_1 blocks as they are (fused q/k/v un-permuted); Q6_K -> int8; Q4_K -> int4;
-    F16 -> float. Each projection's weights equal gguf's dequantization (quantized ones within a step)."""
+    """auto: Q8_0 / Q4_1 blocks as they are (fused q/k/v un-permuted); Q5_0 -> int8; Q3_K -> int4;
+    F16 -> float. Each projection's weights equal gguf's dequantization (quantized ones within a step).
+    (K-quants kept: tests/test_kquants.py.)"""
     from specd.model.gguf import hf_state_dict, open_gguf
 
     model = model_gguf(tmp_path, "llama", Q.F32, layers=1)[1]
     p = "model.layers.0."
     types = {p + "self_attn.q_proj.weight": Q.Q4_1, p + "self_attn.k_proj.weight": Q.Q4_1,
              p + "self_attn.v_proj.weight": Q.Q4_1, p + "self_attn.o_proj.weight": Q.Q8_0,
-             p + "mlp.gate_proj.weight": Q.Q6_K, p + "mlp.up_proj.weight": Q.Q6_K,
-             p + "mlp.down_proj.weight": Q.Q4_K, "lm_head.weight": Q.F16}  # fmt: skip
+             p + "mlp.gate_proj.weight": Q.Q5_0, p + "mlp.up_proj.weight": Q.Q5_0,
+             p + "mlp.down_proj.weight": Q.Q3_K, "lm_head.weight": Q.F16}  # fmt: skip
     cfg = model.config.to_dict()
     cfg["rope_theta"] = model.config.rope_parameters["rope_theta"]
     weights = {k: v.detach().numpy() for k, v in model.state_dict().items()}
