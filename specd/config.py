@@ -524,6 +524,9 @@ class EngineConfig:
     # CUDA GEMMs / RMSNorm whose reduction order does not depend on the step's rows (specd.model.invariant):
     # on | off | auto (on in any step that holds a greedy row); a CPU is batch-invariant already
     batch_invariant: str = "auto"
+    # the target's step, the draft model's / feature head's forwards as CUDA graphs at bucketed widths
+    # (specd.model.graphs, captured when the engine is built): on | off | auto (on for CUDA + Triton)
+    cuda_graphs: str = "auto"
     # constrained requests' grammar masks filled on a worker thread while the target's forward runs
     # (specd.engine.constraints): on | off | auto (on where the forward does not run on the CPU)
     mask_overlap: str = "auto"
@@ -546,6 +549,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer in 1..64, got {self.tensor_parallel_size!r}")
         if self.batch_invariant not in ("auto", "on", "off"):
             raise ValueError(f"batch_invariant must be auto|on|off, got {self.batch_invariant!r}")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"cuda_graphs must be auto|on|off, got {self.cuda_graphs!r}")
         if self.mask_overlap not in ("auto", "on", "off"):
             raise ValueError(f"mask_overlap must be auto|on|off, got {self.mask_overlap!r}")
         if self.tensor_parallel_lm_head not in ("split", "rank0"):

@@ -156,6 +156,14 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
         "auto: where the forward does not run on the CPU (on a CPU its threads already use every core)",
     )
     p.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="CUDA: capture the target's step (decode rows, verification trees) and the draft model's / "
+        "feature head's forwards as CUDA graphs at bucketed widths when the engine starts (eager outside "
+        "them); auto: on for CUDA with the triton attention backend; on: refuse to start where they cannot run",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -238,6 +246,7 @@ def engine_config(a):
         threads=getattr(a, "threads", None),
         tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
         batch_invariant=getattr(a, "batch_invariant", "auto"),
+        cuda_graphs=getattr(a, "cuda_graphs", "auto"),
         mask_overlap=getattr(a, "mask_overlap", "auto"),
         cache=CacheConfig(
             block_size=a.block_size,

@@ -14,9 +14,19 @@ of ``group``, so one scale per row per step): it loads the codes, dequantizes th
 activations' dtype and feeds ``tl.dot`` (fp16 / bf16 operands: tensor cores; fp32 activations:
 ``input_precision="ieee"``, no tf32; under the interpreter always fp32, whose bf16 arithmetic is
 wrong). ``woq_matmul_ref`` is the pure-torch oracle.
+
+Batch invariance (``--batch-invariant``, ``specd.model.invariant``): the tiles chosen by M change a
+row's reduction order (``BLOCK_K``) and its MMA instructions (``BLOCK_M``), so a token's bits would
+depend on how many rows share its step. With ``invariant`` (an argument, else the :func:`fixed_tiles`
+context the engine's target pass opens for a batch-invariant step) every M gets the decode tile
+(16 x 64, ``BLOCK_K`` a function of the group alone): row i of y is the same bits for M = 1 and M =
+300, at the price of re-reading W tiles (from L2) on prefill widths.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 
@@ -99,13 +109,34 @@ if HAS_TRITON:
         )
 
 
-def launch_config(M: int, N: int, group: int, interpret: bool = False) -> dict:
+_INVARIANT = contextvars.ContextVar("specd_woq_invariant", default=False)
+
+
+@contextlib.contextmanager
+def fixed_tiles(on: bool = True):
+    """Within the block, :func:`woq_matmul` calls without an explicit ``invariant`` use the fixed,
+    M-independent tiles when ``on`` (the engine's target pass, in a batch-invariant step)."""
+    token = _INVARIANT.set(bool(on))
+    try:
+        yield
+    finally:
+        _INVARIANT.reset(token)
+
+
+def fixed_tiles_on() -> bool:
+    """Whether the current context asks for the fixed tiles (:func:`fixed_tiles`)."""
+    return _INVARIANT.get()
+
+
+def launch_config(M: int, N: int, group: int, interpret: bool = False, invariant: bool = False) -> dict:
     """Tile sizes for an M x N problem: 16-row tiles for decode / verification widths (memory-bound:
-    wide N tiles, more K per step), larger M tiles for prefill chunks. BLOCK_K divides the group."""
+    wide N tiles, more K per step), larger M tiles for prefill chunks. BLOCK_K divides the group.
+    ``invariant``: the decode tile for every M (a function of the group alone: batch-invariant rows).
+    The interpreter's tile is fixed too (small: slow launches)."""
     block_k = next(b for b in (128, 64, 32) if group % b == 0)
     if interpret:
         return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 1, "num_stages": 1}
-    if M <= 16:
+    if M <= 16 or invariant:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
     if M <= 64:
         return {"BLOCK_M": next_pow2(max(M, 16)), "BLOCK_N": 64, "BLOCK_K": min(block_k, 64), "num_warps": 4,
@@ -113,12 +144,15 @@ def launch_config(M: int, N: int, group: int, interpret: bool = False) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": min(block_k, 64), "num_warps": 8, "num_stages": 3}
 
 
-def _launch_plan(x, qweight, scale, minv, bias, add, y, group: int, fmt: str, interpret: bool = False) -> list:
+def _launch_plan(
+    x, qweight, scale, minv, bias, add, y, group: int, fmt: str, interpret: bool = False, invariant: bool = False,
+    cfg: dict | None = None,
+) -> list:  # fmt: skip
     """``[(kernel, grid, args, kwargs)]`` of one :func:`woq_matmul` (nothing launched; used by
-    ``specd_kernels.aot`` on meta-device tensors)."""
+    ``specd_kernels.aot`` on meta-device tensors); ``cfg``: tiles other than :func:`launch_config`'s."""
     M, K = x.shape
     N = qweight.shape[0]
-    cfg = launch_config(M, N, group, interpret)
+    cfg = cfg or launch_config(M, N, group, interpret, invariant)
     grid = (cdiv(M, cfg["BLOCK_M"]), cdiv(N, cfg["BLOCK_N"]))
     args = (x, qweight, scale, minv if minv is not None else scale, bias if bias is not None else scale,
             add if add is not None else y, y, M, N, K, scale.shape[1], x.stride(0), qweight.stride(0),
@@ -135,9 +169,11 @@ def _launch_plan(x, qweight, scale, minv, bias, add, y, group: int, fmt: str, in
     return [(_woq_kernel, grid, args, kw)]
 
 
-def woq_matmul(x, qweight, scale, minv, group: int, fmt: str, bias=None, add=None) -> torch.Tensor:
+def woq_matmul(x, qweight, scale, minv, group: int, fmt: str, bias=None, add=None, invariant=None) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias [N]) (+ add [M, N])`` -> [M, N] in x's dtype (fp16 / bf16 / fp32
-    activations); W as in the module doc. Same signature as :func:`woq_matmul_ref`."""
+    activations); W as in the module doc. Same signature as :func:`woq_matmul_ref`, plus
+    ``invariant`` (None: the :func:`fixed_tiles` context's choice): tiles independent of M."""
+    invariant = fixed_tiles_on() if invariant is None else bool(invariant)
     what = "woq_matmul"
     check_launchable(x, qweight, scale, what=what)
     if fmt not in FORMATS:
@@ -150,6 +186,7 @@ def woq_matmul(x, qweight, scale, minv, group: int, fmt: str, bias=None, add=Non
     y = torch.empty((x.shape[0], qweight.shape[0]), dtype=x.dtype, device=x.device)
     if add is not None:
         add = add.contiguous()
-    for kernel, grid, args, kw in _launch_plan(x, qweight, scale, minv, bias, add, y, group, fmt, interpreting()):
+    plan = _launch_plan(x, qweight, scale, minv, bias, add, y, group, fmt, interpreting(), invariant)
+    for kernel, grid, args, kw in plan:
         kernel[grid](*args, **kw)
     return y

@@ -15,9 +15,11 @@ from typing import Any, cast
 import torch
 
 from specd.config import EngineConfig
+from specd.engine import step_graphs
 from specd.engine.kv_cache import KVCache, PrefixCache
 from specd.engine.ledger import KVLedger
 from specd.engine.scheduler import Scheduler
+from specd.engine.step_graphs import StepGraphs
 from specd.engine.tensor_parallel import ShardedTarget, per_rank_threads
 from specd.model.attention import get_backend
 from specd.model.cpu import usable_cpus
@@ -54,6 +56,7 @@ class EngineParts:
     speculator: Speculator  # the proposers (model and model-free) and the policy that prices them
     policy_clock: Callable[[], float]  # seconds: the engine thread's CPU time on a CPU, wall time on a GPU
     tp: ShardedTarget | None = None  # the target's ranks (--tensor-parallel-size > 1); target.model is it
+    graphs: StepGraphs | None = None  # the captured forwards (--cuda-graphs); target.model is its GraphedModel
 
 
 def load_models(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | None) -> tuple:
@@ -227,9 +230,10 @@ def build(cfg: EngineConfig, target: LoadedModel | None, draft: LoadedModel | No
         drafter.clock = policy_clock
     free = build_free(ProposerContext(cfg.spec, tc.vocab_size, target.tokenizer))
     speculator = Speculator(policy, drafter, free, policy_clock, max_len)
+    graphs = step_graphs.setup(cfg, target, cache, backend, drafter, tp, max_len)  # (CUDA graphs: captured now)
     return EngineParts(
-        target, draft, max_len, backend, cache, draft_cache, prefix_cache, draft_prefix_cache, ledger, policy,
-        scheduler, speculator, policy_clock, tp,
+        step_graphs.replace_target(target, graphs), draft, max_len, backend, cache, draft_cache, prefix_cache,
+        draft_prefix_cache, ledger, policy, scheduler, speculator, policy_clock, tp, graphs,
     )  # fmt: skip
 
 

@@ -38,6 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 from specd.engine.commands import Batch, Command, EngineLimits, EngineSnapshot, Submit
 from specd.engine.output import RequestOutput
 from specd.engine.sequence import SpecStats
+from specd.engine.step_graphs import graph_stats
 
 __all__ = ["EngineClient", "EngineLink", "StreamSink", "limits_of", "snapshot_of"]
 
@@ -80,6 +81,7 @@ def snapshot_of(engine, loop_failures: int = 0) -> EngineSnapshot:
         health=engine.health_snapshot(),
         loop_failures=loop_failures,
         time=time.monotonic(),
+        graphs=graph_stats(engine),
     )
 
 

@@ -20,6 +20,7 @@ import torch
 from specd.engine.scheduler import Scheduled
 from specd.model import invariant
 from specd.model.attention import build_metadata
+from specd.model.graphs import GraphedModel, invariant_tiles
 from specd.model.llama import LlamaModel
 from specd.sampling.probs import logits_to_probs
 from specd.sampling.tree import DraftTree
@@ -124,7 +125,8 @@ def step_ops_kwargs(model, device: torch.device, batch_invariant: str, any_greed
     them (a ``LlamaModel``); else ``{}``: the ordinary path (every CPU step; the tensor-parallel
     ``ShardedTarget``, whose shards keep cuBLAS)."""
     ops = invariant.step_ops(batch_invariant, any_greedy)
-    if not ops.enabled or device.type not in ops.devices or not isinstance(model, LlamaModel):
+    inner = model.model if isinstance(model, GraphedModel) else model  # (a target captured as graphs)
+    if not ops.enabled or device.type not in ops.devices or not isinstance(inner, LlamaModel):
         return {}
     return {"ops": ops}
 
@@ -145,7 +147,8 @@ def target_pass(
     ids, pos = torch.tensor(b.ids, device=dev), torch.tensor(b.pos, device=dev)
     caps: dict | None = dict.fromkeys(capture) if capture else None
     ops_kw = step_ops_kwargs(model, dev, batch_invariant, any_greedy)
-    hidden = model(ids, pos, kv, meta, backend, **ops_kw, **({} if caps is None else {"capture": caps}))
+    with invariant_tiles(ops_kw.get("ops")):  # (quantized GEMMs: M-independent tiles in an invariant step)
+        hidden = model(ids, pos, kv, meta, backend, **ops_kw, **({} if caps is None else {"capture": caps}))
     if caps is not None and capture is not None:
         feats = torch.cat([caps[i] for i in capture], dim=-1)  # [tokens, F]
         for w, n in zip(b.work, b.qlens):
@@ -154,7 +157,8 @@ def target_pass(
         return TargetPass(b.work, None)
     if len(b.logit_rows) < b.n:  # prefill rows carry no logits
         hidden = hidden[torch.tensor(b.logit_rows, device=dev)]
-    return TargetPass(b.work, model.compute_logits(hidden, **ops_kw))
+    with invariant_tiles(ops_kw.get("ops")):
+        return TargetPass(b.work, model.compute_logits(hidden, **ops_kw))
 
 
 def kept_hidden(w: WorkItem, res: AcceptResult | None) -> torch.Tensor | None:

@@ -47,12 +47,14 @@ a device.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, fields
 
 import torch
 
+from specd.model import invariant
 from specd.model.attention import AttentionMetadata
 
 BucketKey = tuple  # (batch rows, tokens, masked)
@@ -77,7 +79,8 @@ class GraphConfig:
     """What to capture: ``buckets`` (batch rows, tokens) pairs; block tables ``max_blocks`` columns
     wide (of ``block_size`` slots); tree masks ``max_region`` columns (0: causal graphs only);
     ``masked``: the mask variants to capture; ``pool_bytes``: the bound on static buffers + graphs;
-    ``pad_slot``: the KV slot padded tokens write (-1: none)."""
+    ``pad_slot``: the KV slot padded tokens write (-1: none); ``row_width`` / ``row_dtype``: the
+    per-token float input of a step that takes one (``StepInputs.rows``; 0: none)."""
 
     buckets: tuple
     max_blocks: int
@@ -86,13 +89,15 @@ class GraphConfig:
     pool_bytes: int = 1 << 30
     pad_slot: int = -1
     masked: tuple = (False, True)
+    row_width: int = 0
+    row_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
         for b, t in self.buckets:
             if not (isinstance(b, int) and isinstance(t, int) and 1 <= b <= t):
                 raise ValueError(f"a bucket is (batch, tokens) with 1 <= batch <= tokens, got {(b, t)}")
-        if self.max_blocks < 1 or self.block_size < 1 or self.max_region < 0 or self.pool_bytes < 0:
-            raise ValueError("max_blocks and block_size must be >= 1, max_region and pool_bytes >= 0")
+        if self.max_blocks < 1 or self.block_size < 1 or min(self.max_region, self.pool_bytes, self.row_width) < 0:
+            raise ValueError("max_blocks and block_size must be >= 1, max_region, pool_bytes and row_width >= 0")
         if not set(self.masked) <= {False, True}:
             raise ValueError(f"masked holds False (causal) and/or True (tree masks), got {self.masked}")
 
@@ -117,6 +122,13 @@ class StepInputs:
     tree_mask: torch.Tensor | None  # [T, R] bool, None = causal
     max_query_len: int
     max_seq_len: int
+    rows: torch.Tensor | None = None  # [T, d] per-token float input (a feature head's hidden input), or None
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows=None) -> StepInputs:
+        """A model call's inputs (tokens, positions, its attention metadata and any per-token rows)."""
+        return cls(input_ids, positions, meta.slot_mapping, meta.query_start_loc, meta.context_lens, meta.seq_lens,
+                   meta.block_tables, meta.tree_mask, meta.max_query_len, meta.max_seq_len, rows)  # fmt: skip
 
     @property
     def num_tokens(self) -> int:
@@ -166,6 +178,7 @@ def static_inputs(key: BucketKey, cfg: GraphConfig, device) -> StepInputs:
         tree_mask=torch.zeros(T, cfg.max_region, dtype=torch.bool, device=device) if masked else None,
         max_query_len=T,
         max_seq_len=cfg.max_blocks * cfg.block_size,
+        rows=torch.zeros(T, cfg.row_width, dtype=cfg.row_dtype, device=device) if cfg.row_width else None,
     )
 
 
@@ -189,6 +202,9 @@ def fill(static: StepInputs, inp: StepInputs, pad_slot: int) -> None:
         static.tree_mask.zero_()
         if inp.tree_mask is not None:
             static.tree_mask[:T, : inp.tree_mask.shape[1]].copy_(inp.tree_mask, non_blocking=True)
+    if static.rows is not None and inp.rows is not None:
+        static.rows[:T].copy_(inp.rows, non_blocking=True)
+        static.rows[T:].zero_()
 
 
 class RecordedGraph:
@@ -306,6 +322,8 @@ class GraphRunner:
         masked = inp.tree_mask is not None
         if inp.block_tables.shape[1] > self.cfg.max_blocks:
             return None
+        if (inp.rows.shape[1] if inp.rows is not None else 0) != self.cfg.row_width:
+            return None
         if masked and inp.tree_mask.shape[1] > self.cfg.max_region:
             return None
         for key in self.graphs:  # in capture order: smallest first
@@ -360,3 +378,85 @@ class GraphRunner:
 
 def _name(key: BucketKey) -> str:
     return f"{key[0]}x{key[1]}{'+mask' if key[2] else ''}"
+
+
+def invariant_tiles(ops):
+    """The context a forward with ``ops`` runs in: the quantized GEMMs' fixed tiles
+    (``specd_kernels.woq.fixed_tiles``) when ``ops`` are enabled (batch-invariant), else nothing."""
+    if ops is None or not ops.enabled:
+        return contextlib.nullcontext()
+    from specd_kernels.woq import fixed_tiles
+
+    return fixed_tiles(True)
+
+
+class GraphedModel:
+    """A target model whose forward goes through :class:`GraphRunner` s: one runner per forward variant
+    (the ops it runs, ``specd.model.invariant``, and the layers whose inputs it captures), each bound
+    to the engine's KV cache and attention backend. A call that matches a captured variant replays
+    (or falls back eagerly outside its buckets); any other call (another cache, backend or variant)
+    runs the model eagerly. Everything else (``compute_logits``, ``cfg``, ...) is the model's.
+
+    The returned rows, and captured features, are views of a graph's static output: valid until the
+    next call (the target pass indexes or copies them at once)."""
+
+    def __init__(self, model, kv: torch.Tensor, backend, block_size: int):
+        self.model, self.kv, self.backend, self.block_size = model, kv, backend, block_size
+        self.runners: dict = {}  # (InvariantOps, capture layers) -> GraphRunner
+
+    def closure(self, ops, layers: tuple):
+        """The step a graph captures: the forward over the static inputs with ``ops``, returning the
+        hidden rows [T, d] (then the features entering each of ``layers``, when there are any)."""
+
+        def step(inp: StepInputs):
+            caps = dict.fromkeys(layers) if layers else None
+            meta = inp.to_metadata(self.block_size)
+            with invariant_tiles(ops):  # (a graph bakes in the tiles its capture launched)
+                h = self.model(inp.input_ids, inp.positions, self.kv, meta, self.backend, capture=caps, ops=ops)
+            return (h, *(caps[i] for i in layers)) if caps is not None else h
+
+        return step
+
+    def add(self, ops, layers: tuple, cfg: GraphConfig, make_graph=None) -> GraphRunner:
+        """Capture the variant (``ops``, ``layers``) at ``cfg``'s buckets; returns its runner."""
+        runner = GraphRunner(self.closure(ops, tuple(layers)), cfg, self.kv.device, make_graph)
+        runner.capture()
+        self.runners[(ops, tuple(layers))] = runner
+        return runner
+
+    def __call__(self, input_ids, positions, kv, meta, backend=None, capture: dict | None = None, ops=None):
+        kw = {} if ops is None else {"ops": ops}
+        layers = tuple(capture) if capture else ()
+        runner = self.runners.get((ops if ops is not None else invariant.OFF, layers))
+        if runner is None or kv is not self.kv or (backend is not None and backend is not self.backend):
+            return self.model(input_ids, positions, kv, meta, backend, capture=capture, **kw)
+        out = runner.run(StepInputs.of(input_ids, positions, meta))
+        if not layers:
+            return out
+        for i, f in zip(layers, out[1:]):
+            capture[i] = f
+        return out[0]
+
+    def compute_logits(self, hidden: torch.Tensor, **kw) -> torch.Tensor:
+        return self.model.compute_logits(hidden, **kw)
+
+    def __getattr__(self, name: str):
+        if name == "model":  # (not set yet: unpickling, or __init__ not run)
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+
+def merged_stats(runners) -> dict:
+    """The flat counters of several runners summed (``by_bucket`` merged), for the log and /metrics."""
+    out: dict = {"graphs": 0, "refused": 0, "memory_bytes": 0, "capture_s": 0.0, "replays": 0, "eager_steps": 0,
+                 "padded_tokens": 0, "by_bucket": {}}  # fmt: skip
+    for r in runners:
+        s = r.stats()
+        for k in out:
+            if k == "by_bucket":
+                for b, n in s[k].items():
+                    out[k][b] = out[k].get(b, 0) + n
+            else:
+                out[k] += s[k]
+    out["capture_s"] = round(out["capture_s"], 3)
+    return out

@@ -179,6 +179,7 @@ class Metrics:
             snap = client.snapshot()
             _engine_metrics(out, snap, client.limits)
             _spec_metrics(out, snap)
+            _graph_metrics(out, getattr(snap, "graphs", None) or {})
         out.metric("specd_engine_steps", "counter", "engine steps that emitted outputs", [({}, self.steps)])
         if client is not None:
             _health_metrics(out, client)
@@ -296,6 +297,26 @@ def _spec_metrics(out: _Text, snap) -> None:
         )
     ):
         out.metric(name, "counter", what, [({"proposer": k}, row[i]) for k, row in by])
+
+
+GRAPH_METRICS = (  # (key of specd.model.graphs.merged_stats, metric, kind, help)
+    ("graphs", "specd_cuda_graphs", "gauge", "step widths captured as CUDA graphs at start-up, by forward"),
+    ("refused", "specd_cuda_graphs_refused", "gauge", "bucketed widths the graph memory bound left eager"),
+    ("memory_bytes", "specd_cuda_graph_memory_bytes", "gauge", "static buffers and graphs, by forward"),
+    ("capture_s", "specd_cuda_graph_capture_seconds", "gauge", "time capturing the graphs at start-up"),
+    ("replays", "specd_cuda_graph_replays", "counter", "forwards replayed from a captured graph"),
+    ("eager_steps", "specd_cuda_graph_eager_steps", "counter", "forwards outside every captured bucket (eager)"),
+    ("padded_tokens", "specd_cuda_graph_padded_tokens", "counter", "padding rows replayed up to the buckets"),
+)
+
+
+def _graph_metrics(out: _Text, graphs: dict) -> None:
+    """The captured forwards' counters (``specd.engine.step_graphs.graph_stats``): one sample per
+    forward (``target``, ``draft``); nothing where the engine runs eagerly."""
+    if not graphs:
+        return
+    for key, name, kind, what in GRAPH_METRICS:
+        out.metric(name, kind, what, [({"forward": f}, s.get(key, 0)) for f, s in sorted(graphs.items())])
 
 
 def _health_metrics(out: _Text, client) -> None:

@@ -35,6 +35,7 @@ import torch
 
 from specd.config import SpecMode, TreeChoices, static_tree_choices
 from specd.model.attention import build_metadata
+from specd.model.graphs import StepInputs
 from specd.sampling.probs import logits_to_probs
 from specd.sampling.tree import DraftTree
 from specd.speculation.proposal import DraftRequest, Proposal
@@ -130,6 +131,7 @@ class Drafter:
         # cache up, a cost that varies with how far it lags): the per-level cost the policy models
         self.level_time = 0.0
         self.clock = time.perf_counter  # the engine sets its policy clock (thread CPU time on CPU)
+        self.graphs = None  # a GraphRunner over graph_step (CUDA graphs; the builder captures it), or None
 
     def observe(self, seq, proposal: Proposal, accepted_nodes: list[int]) -> None:
         """(The policy learns its acceptance: ``SpecPolicy.observe``.)"""
@@ -153,7 +155,22 @@ class Drafter:
             return Shape("chain", budget, 1, budget)
         return Shape("tree", budget, topk, depth)
 
-    # forward helper -----------------------------------------------------------------------------
+    # forward helpers ----------------------------------------------------------------------------
+    def graph_step(self, inp: StepInputs) -> torch.Tensor:
+        """One draft forward over a step's inputs (``specd.model.graphs``: what a graph captures)."""
+        meta = inp.to_metadata(self.cache.block_size)
+        return self.model(inp.input_ids, inp.positions, self.cache.kv, meta, self.backend)
+
+    def _rows(self, ids: torch.Tensor, pos: torch.Tensor, meta, x: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's output rows [T, d] for one forward: through ``graphs`` (a ``GraphRunner`` over
+        :meth:`graph_step`, set by the engine's builder on CUDA; a view of its static output, valid
+        until the next forward) or eagerly."""
+        if self.graphs is not None:
+            return self.graphs.run(StepInputs.of(ids, pos, meta, x))
+        if x is None:
+            return self.model(ids, pos, self.cache.kv, meta, self.backend)
+        return self.model(ids, pos, x, self.cache.kv, meta, self.backend)
+
     def _forward(self, rows, need_logits):
         """rows: list of (seq, tokens, positions, slots, ctx, seqlen, mask|None). Returns logits rows."""
         ids, pos, slots, qlens, ctxs, slens, masks, tables = [], [], [], [], [], [], [], []
@@ -178,9 +195,7 @@ class Drafter:
         )
         dev = self.device
         t0, c0 = time.perf_counter(), time.thread_time()
-        hidden = self.model(
-            torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.cache.kv, meta, self.backend
-        )
+        hidden = self._rows(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta)
         self.forwards += 1
         self.forward_wall += time.perf_counter() - t0
         self.forward_cpu += time.thread_time() - c0

@@ -24,6 +24,7 @@ import torch
 
 from specd.config import SpecMode
 from specd.model.attention import build_metadata
+from specd.model.graphs import StepInputs
 from specd.speculation.drafter import Drafter, _Build
 from specd.speculation.proposal import Proposal
 
@@ -68,14 +69,19 @@ class HeadDrafter(Drafter):
         bs, dev = self.cache.block_size, self.device
         meta = build_metadata(qlens, ctxs, tables, slots, bs, dev, tree_masks=tree_masks, seq_lens=slens)
         t0, c0 = time.perf_counter(), time.thread_time()
-        out = self.model(
-            torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), x, self.cache.kv, meta, self.backend
-        )
+        out = self._rows(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, x)
+        if self.graphs is not None:
+            out = out.clone()  # (the nodes keep their rows across levels: not views of a static output)
         logits = self.model.compute_logits(out[torch.tensor(need, device=dev)], reduced=True)
         self.forwards += 1
         self.forward_wall += time.perf_counter() - t0
         self.forward_cpu += time.thread_time() - c0
         return out, logits
+
+    def graph_step(self, inp: StepInputs) -> torch.Tensor:
+        """One head forward over a step's inputs, its hidden inputs in ``inp.rows`` (what a graph captures)."""
+        meta = inp.to_metadata(self.cache.block_size)
+        return self.model(inp.input_ids, inp.positions, inp.rows, self.cache.kv, meta, self.backend)
 
     def _features(self, seq, p0: int, p1: int) -> torch.Tensor:
         """The kept target features of positions [p0, p1) [p1 - p0, F]; zeros where none are kept."""

@@ -1,0 +1,164 @@
+"""The engine's forwards through the graph runner (``--cuda-graphs``, ``specd.engine.step_graphs``):
+the target's step (decode rows, chains and tree verification), the draft model's and the feature
+head's forwards, captured when the engine is built, replayed per step, eager outside the buckets.
+
+On a CPU the stand-in graph (``specd.model.graphs.RecordedGraph``: the closure recorded at capture and
+replayed on the same static buffers) takes the place of CUDA graphs through the engine's test hook
+``step_graphs.STAND_IN``; the engine runs the Triton backend under the interpreter (padded rows past
+the last request, as on CUDA). Small buckets (batch 2, 16 target tokens, 8 draft rows, contexts to
+64 tokens) keep the interpreted captures few. Shown: greedy output through the graphs == the eager
+engine's, token for token, for plain decoding, chain and tree verification, the draft model and the
+feature head; replays, eager steps and padding counted per forward and reported in the engine
+snapshot and ``/metrics``; a CPU engine takes no graphs unless asked, and ``on`` refuses there.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from specd.config import EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
+from specd.engine import step_graphs  # noqa: E402
+from specd.engine.client import snapshot_of  # noqa: E402
+from specd.engine.engine import Engine  # noqa: E402
+from specd.engine.sequence import SpecParams  # noqa: E402
+from specd.model.graphs import GraphedModel, RecordedGraph  # noqa: E402
+from specd.model.loader import LoadError  # noqa: E402
+from specd.sampling.params import SamplingParams  # noqa: E402
+from tests.conftest import DRAFT, TARGET  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+PROMPTS = ("Once upon a time, there was a little", "The cat and the dog")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+SPEC = dict(adaptive=False, tree_budget=5, tree_topk=2, tree_depth=3, num_draft_tokens=3)
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """Engines built in this test capture with the CPU stand-in, at small buckets."""
+    pytest.importorskip("triton")
+    for name, value in (("STAND_IN", RecordedGraph), ("GRAPH_MAX_BATCH", 2), ("GRAPH_MAX_TOKENS", 16),
+                        ("DRAFT_MAX_TOKENS", 8), ("GRAPH_MAX_CONTEXT", 64)):  # fmt: skip
+        monkeypatch.setattr(step_graphs, name, value)
+
+
+def engine(pair, graphs: str, head=None, max_seqs: int = 2, **spec) -> Engine:
+    target, draft = pair
+    cfg = EngineConfig(
+        target=str(TARGET), draft=None if head else str(DRAFT), head=head, dtype="float32",
+        attention_backend="triton", cuda_graphs=graphs, spec=SpecConfig(**{**SPEC, **spec}),
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=256),
+    )  # fmt: skip
+    return Engine(cfg, target=target, draft=None if head else draft)
+
+
+def prompts(eng: Engine) -> list:
+    return [eng.tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+def run(eng: Engine, mode: str, ps=None) -> list:
+    return [s.output_ids for s in eng.generate(ps or prompts(eng), GREEDY, SpecParams(mode=mode))]
+
+
+@pytest.fixture(scope="module")
+def eager_outputs(shared_pair):
+    """The eager Triton engine's greedy outputs per mode (what the graphs must reproduce)."""
+    eng = engine(shared_pair, "off")
+    assert not isinstance(eng.target.model, GraphedModel) and eng.drafter.graphs is None
+    return {mode: run(eng, mode) for mode in ("off", "chain", "tree")}
+
+
+def test_the_target_step_and_the_draft_model_replay_token_identically(shared_pair, eager_outputs, stand_in):
+    eng = engine(shared_pair, "auto")
+    assert isinstance(eng.target.model, GraphedModel) and eng.drafter.graphs is not None
+    (ops, layers), runner = next(iter(eng.target.model.runners.items()))
+    assert len(eng.target.model.runners) == 1 and not ops.enabled and layers == ()  # (a CPU: no invariant ops)
+    assert runner.stats()["graphs"] == 18 and eng.drafter.graphs.stats()["graphs"] == 14  # 9 and 7 buckets x mask
+    before = snapshot_of(eng).graphs
+    assert before["target"]["replays"] == before["draft"]["replays"] == 0
+    seen = {}
+    for mode in ("off", "chain", "tree"):
+        assert run(eng, mode) == eager_outputs[mode], mode
+        seen[mode] = snapshot_of(eng).graphs
+    t_off, t_chain, t_tree = (seen[m]["target"] for m in ("off", "chain", "tree"))
+    assert t_off["replays"] > 0 and t_off["eager_steps"] > 0  # decode rows replayed; the 2-prompt prefill (>16) eager
+    assert set(t_off["by_bucket"]) == {"2x2"}  # plain decoding of two requests: the 2x2 bucket only
+    assert seen["off"]["draft"]["replays"] == 0  # no drafting without speculation
+    assert t_chain["replays"] > t_off["replays"] and seen["chain"]["draft"]["replays"] > 0
+    masked = {k for k in t_tree["by_bucket"] if k.endswith("+mask")}
+    assert masked and not {k for k in t_chain["by_bucket"] if k.endswith("+mask")}  # trees, and only trees, masked
+    assert seen["tree"]["draft"]["by_bucket"] != seen["chain"]["draft"]["by_bucket"]
+    assert t_tree["padded_tokens"] > 0  # 2 x (1 + up to 5 nodes) in a 2x16 bucket
+    assert eng.kv_blocks_used() == (0, 0)
+
+
+def test_steps_beyond_the_buckets_run_eagerly_with_the_same_output(shared_pair, eager_outputs, stand_in):
+    """Three requests decoding together (the buckets hold two): every step eager, the output unchanged."""
+    eager = engine(shared_pair, "off", max_seqs=4)
+    graphed = engine(shared_pair, "auto", max_seqs=4)
+    ps = prompts(graphed) + [graphed.tokenizer("Tom had a big red ball")["input_ids"]]
+    assert run(graphed, "off", ps) == run(eager, "off", ps)
+    s = snapshot_of(graphed).graphs["target"]
+    assert (s["replays"], s["eager_steps"]) == (0, graphed.num_steps) and graphed.num_steps >= GREEDY.max_tokens
+
+
+def test_the_feature_head_and_the_target_features_replay_token_identically(shared_pair, stand_in, tmp_path):
+    """A (random) feature head: the target's captured variant returns the features the head reads,
+    the head's levels replay with their hidden inputs as static rows."""
+    from specd.model.head_files import save_head
+    from specd.training.head import new_head
+
+    torch.manual_seed(0)
+    save_head(new_head(shared_pair[0], torch.arange(256)), tmp_path, {"test": True}, dtype=torch.float32)
+    want = run(engine(shared_pair, "off", head=str(tmp_path), mode="head"), "head")
+    eng = engine(shared_pair, "auto", head=str(tmp_path), mode="head")
+    ((_, layers),) = eng.target.model.runners
+    assert layers == tuple(eng.drafter.capture)
+    assert eng.drafter.graphs.cfg.row_width == eng.drafter.model.cfg.hidden_size
+    assert run(eng, "head") == want
+    s = snapshot_of(eng).graphs
+    assert s["target"]["replays"] > 0 and s["draft"]["replays"] > 0
+    assert eng.stats.draft_tokens > 0
+
+
+def test_a_cpu_engine_takes_no_graphs_unless_asked_and_on_refuses(shared_pair):
+    eng = engine(shared_pair, "auto")  # (no stand-in: a plain CPU engine)
+    assert not isinstance(eng.target.model, GraphedModel) and eng.drafter.graphs is None
+    assert snapshot_of(eng).graphs == {}
+    with pytest.raises(LoadError, match="--cuda-graphs on: they need a CUDA device"):
+        engine(shared_pair, "on")
+    with pytest.raises(ValueError, match="cuda_graphs must be auto|on|off"):
+        EngineConfig(target="x", cuda_graphs="yes")
+
+
+def test_the_graph_counters_reach_metrics():
+    from types import SimpleNamespace
+
+    from specd.engine.commands import EngineSnapshot
+    from specd.serving.metrics import _graph_metrics, _Text
+
+    out = _Text({})
+    stats = {"graphs": 18, "refused": 2, "memory_bytes": 4096, "capture_s": 1.5, "replays": 7, "eager_steps": 3,
+             "padded_tokens": 11, "by_bucket": {"2x2": 7}}  # fmt: skip
+    _graph_metrics(out, EngineSnapshot(graphs={"target": stats, "draft": dict(stats, replays=5)}).graphs)
+    text = "\n".join(out.lines)
+    assert 'specd_cuda_graph_replays_total{forward="target"} 7' in text
+    assert 'specd_cuda_graph_replays_total{forward="draft"} 5' in text
+    assert 'specd_cuda_graphs{forward="target"} 18' in text and 'specd_cuda_graphs_refused{forward="draft"} 2' in text
+    assert 'specd_cuda_graph_eager_steps_total{forward="target"} 3' in text
+    empty = _Text({})
+    _graph_metrics(empty, SimpleNamespace(graphs={}).graphs)
+    assert empty.lines == []
+
+
+def test_the_flag_reaches_the_engine_config():
+    from specd.options import engine_config, serve_parser
+
+    assert engine_config(serve_parser().parse_args([])).cuda_graphs == "auto"
+    assert engine_config(serve_parser().parse_args(["--cuda-graphs", "off"])).cuda_graphs == "off"
