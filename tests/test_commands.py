@@ -297,10 +297,128 @@ def test_a_submit_reaches_the_engine_unchanged_through_the_thread_link():
     assert snap.steps == 3  # a Snapshot command answered with the engine's state
 
 
+def _parent_end(cmd_w: int, out_r: int):
+    """A ``ProcessLink`` without a child process (the test runs the child's loop on a thread)."""
+    from specd.engine.links import Pipe, ProcessLink, RemoteGrammars
+
+    link = ProcessLink.__new__(ProcessLink)
+    link._cmd, link._out = Pipe(cmd_w, reader=False), Pipe(out_r, reader=True)
+    link._send_lock, link._seqs, link._dead = threading.Lock(), {}, None
+    link._grammars = RemoteGrammars(link.send)
+    return link
+
+
+def _child_end(engine):
+    """The engine loop of a child process, on a thread, over fresh pipes: (thread, parent link, pipes)."""
+    from specd.engine.links import Pipe, PipeInlet, encode_batch, pack_outputs
+    from specd.engine.loop import EngineLoop
+
+    cmd_r, cmd_w = os.pipe()
+    out_r, out_w = os.pipe()
+    child_in, child_out = Pipe(cmd_r, reader=True), Pipe(out_w, reader=False)
+    loop = EngineLoop(engine, PipeInlet(child_in), lambda b: child_out.send(encode_batch(b)) or True, 0.0, pack_outputs)
+    t = threading.Thread(target=loop.run, daemon=True)
+    t.start()
+    link = _parent_end(cmd_w, out_r)
+    return t, link, (child_in, child_out, link._cmd, link._out)
+
+
+class CountingCompiler:
+    """Grammar checks as an engine's compiler answers them: a settled future per spec (a refusal
+    for a regex), counted."""
+
+    def __init__(self):
+        self.specs = []
+
+    def submit(self, spec):
+        from concurrent.futures import Future
+
+        from specd.structured import GrammarError
+
+        self.specs.append(spec)
+        fut = Future()
+        if spec.kind == "regex":
+            fut.set_exception(GrammarError("invalid_regex", "regex: unclosed group", "response_format"))
+        else:
+            fut.set_result(object())
+        return fut
+
+
+def test_a_grammar_is_checked_once_in_the_engine_process():
+    """The server's check of a request's grammar travels to the engine process's compiler
+    (``CheckGrammar``) and its answer back in a batch: compiled (None) or the refusal with its code,
+    message and field; the server process compiles nothing. A check pending when the engine
+    process dies fails as ``internal``."""
+    from types import SimpleNamespace
+
+    from specd.structured import GrammarError, GrammarSpec
+
+    spy = SpyEngine(n=1)
+    spy.constraints = SimpleNamespace(compiler=CountingCompiler())
+    t, link, pipes = _child_end(spy)
+    ok, bad = GrammarSpec("json_object", None), GrammarSpec("regex", "(x")
+    futs = [link.grammar_compiler().submit(g) for g in (ok, bad)]
+    end = time.monotonic() + 20
+    while not all(f.done() for f in futs) and time.monotonic() < end:
+        link._out.wait(1.0)
+        for msg in link.read_raw():
+            link.decode(msg)
+    assert futs[0].result(0) is None
+    err = futs[1].exception(0)
+    assert isinstance(err, GrammarError) and (err.code, err.field) == ("invalid_regex", "response_format")
+    assert err.message == "regex: unclosed group"
+    assert [g.kind for g in spy.constraints.compiler.specs] == ["json_object", "regex"]
+    link.send(Stop())
+    t.join(10)
+    pending = link.grammar_compiler().submit(ok)  # (nobody answers: the loop has stopped)
+    link._grammars.fail_all("engine process died (exit code 1)")
+    assert isinstance(pending.exception(0), RequestError) and pending.exception(0).code == "internal"
+    for p in pipes:
+        p.close()
+
+
+def test_requests_being_checked_count_against_max_queue():
+    """A grammar check holds a place in ``max_queue``: with two checks compiling, a third request
+    (checked or not) is ``overloaded``; once they finish, requests are admitted again."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from specd.serving.async_engine import AsyncEngine
+    from specd.structured import GrammarSpec
+
+    slow: list = []
+
+    def submit(spec):
+        slow.append(Future())
+        return slow[-1]
+
+    spy = SpyEngine(n=1)
+    spy.constraints = SimpleNamespace(compiler=SimpleNamespace(submit=submit))
+    g = GrammarSpec("json_object", None)
+
+    async def main():
+        ae = AsyncEngine(spy, max_queue=2)
+        await ae.start()
+        checks = [asyncio.ensure_future(ae.check_grammar(g)) for _ in range(2)]
+        while len(slow) < 2:
+            await asyncio.sleep(0.01)
+        with pytest.raises(RequestError) as third_check:
+            await ae.check_grammar(g)
+        with pytest.raises(RequestError) as submit:
+            ae.stream(Submit("x", [1], SamplingParams(max_tokens=1)))
+        for f in slow:
+            f.set_result(None)
+        await asyncio.gather(*checks)
+        outs = [o async for o in ae.generate(Submit("y", [1], SamplingParams(max_tokens=1)))]
+        await ae.stop()
+        return third_check.value.code, submit.value.code, outs
+
+    third, sub, outs = asyncio.run(asyncio.wait_for(main(), 30))
+    assert third == sub == "overloaded" and outs[-1].finished
+
+
 def test_a_grammar_reaches_the_engine_through_both_links():
     """The thread link hands the engine the very spec; the process link's wire an equal one."""
-    from specd.engine.links import Pipe, PipeInlet, ProcessLink, encode_batch, pack_outputs
-    from specd.engine.loop import EngineLoop
     from specd.serving.async_engine import AsyncEngine
 
     g = _grammar()
@@ -316,43 +434,25 @@ def test_a_grammar_reaches_the_engine_through_both_links():
     assert asyncio.run(asyncio.wait_for(main(), 30))[-1].finished
     assert spy.grammars == [g]  # (in a thread: the same object)
     spy = SpyEngine(n=1)
-    cmd_r, cmd_w = os.pipe()
-    out_r, out_w = os.pipe()
-    child_in, child_out = Pipe(cmd_r, reader=True), Pipe(out_w, reader=False)
-    loop = EngineLoop(spy, PipeInlet(child_in), lambda b: child_out.send(encode_batch(b)) or True, 0.0, pack_outputs)
-    t = threading.Thread(target=loop.run, daemon=True)
-    t.start()
-    link = ProcessLink.__new__(ProcessLink)  # (no child process: this test is both ends)
-    link._cmd, link._out = Pipe(cmd_w, reader=False), Pipe(out_r, reader=True)
-    link._send_lock, link._seqs, link._dead = threading.Lock(), {}, None
+    t, link, pipes = _child_end(spy)
     link.send(Submit("p", [1, 2], SamplingParams(max_tokens=4), grammar=g))
     link.send(Submit("q", [1, 2], SamplingParams(max_tokens=4)))
     link.send(Stop())
     t.join(10)
     assert not t.is_alive() and len(spy.grammars) == 2 and spy.grammars[1] is None
     assert spy.grammars[0] is not g and spy.grammars[0].canonical() == g.canonical()
-    for p in (child_in, child_out, link._cmd, link._out):
+    for p in pipes:
         p.close()
 
 
 def test_a_submit_reaches_the_engine_unchanged_through_the_process_link_wire():
     """The process link's code on both ends of real OS pipes (``ProcessLink.send`` / ``decode``,
     the child's ``PipeInlet``, ``pack_outputs`` / ``encode_batch``), in one process instead of two."""
-    from specd.engine.links import RECORD, Pipe, PipeInlet, ProcessLink, encode_batch, pack_outputs
+    from specd.engine.links import RECORD
 
     spy = SpyEngine(n=2)
     sub = Submit("p1", [4, 5], MinPParams(min_p=0.05, **SAMPLES), SpecParams("tree", 16), "interactive", "k2")
-    cmd_r, cmd_w = os.pipe()
-    out_r, out_w = os.pipe()
-    child_in, child_out = Pipe(cmd_r, reader=True), Pipe(out_w, reader=False)
-    from specd.engine.loop import EngineLoop
-
-    loop = EngineLoop(spy, PipeInlet(child_in), lambda b: child_out.send(encode_batch(b)) or True, 0.0, pack_outputs)
-    t = threading.Thread(target=loop.run, daemon=True)
-    t.start()
-    link = ProcessLink.__new__(ProcessLink)  # (no child process: this test is both ends)
-    link._cmd, link._out = Pipe(cmd_w, reader=False), Pipe(out_r, reader=True)
-    link._send_lock, link._seqs, link._dead = threading.Lock(), {}, None
+    t, link, pipes = _child_end(spy)
     link.send(sub)
     link.send(Snapshot())
     outs, snaps, end = [], [], time.monotonic() + 20
@@ -374,7 +474,7 @@ def test_a_submit_reaches_the_engine_unchanged_through_the_process_link_wire():
     seq = outs[-1].seq  # a RemoteSeq with the child's figures
     assert (seq.num_prompt, seq.num_output, seq.priority, seq.spec) == (2, 2, "interactive", sub.spec)
     assert snaps and isinstance(snaps[0], EngineSnapshot)
-    for p in (child_in, child_out, link._cmd, link._out):
+    for p in pipes:
         p.close()
 
 
@@ -414,6 +514,39 @@ def test_the_engine_process_streams_what_the_engine_thread_and_the_engine_produc
     assert thread == want and proc == want
     assert len(thread_lps) == len(want[0]) and all(len(alts) == 2 for _, alts in thread_lps)
     assert _close(proc_lps, thread_lps)
+
+
+def test_an_engine_process_checks_and_follows_a_grammar(shared_pair):
+    """Through a real engine process: a bad grammar is refused by the check (a GrammarError with its
+    code, before any request), a schema is checked there (the server holds no compiler of its own)
+    and the constrained reply equals the engine's own."""
+    from specd.cli import engine_config
+    from specd.engine.engine import Engine
+    from specd.engine.links import ProcessLink, RemoteGrammars
+    from specd.serving.async_engine import AsyncEngine
+    from specd.structured import GrammarError, GrammarSpec
+
+    cfg = engine_config(serve_args(num_blocks=128))
+    eng = Engine(cfg, *shared_pair)
+    ids = eng.tokenizer("Once upon a time")["input_ids"]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    g, params = GrammarSpec("json_schema", schema), SamplingParams(temperature=0, max_tokens=24)
+    want = eng.generate([ids], params, SpecParams("tree"), grammar=g)[0].output_ids
+
+    async def through(link):
+        ae = AsyncEngine(link, max_queue=4)
+        await ae.start()
+        try:
+            with pytest.raises(GrammarError) as bad:
+                await ae.check_grammar(GrammarSpec("regex", "(unclosed"))
+            await ae.check_grammar(g)
+            outs = [o async for o in ae.generate(Submit("s", ids, params, SpecParams("tree"), grammar=g))]
+            return bad.value.code, isinstance(ae._compiler, RemoteGrammars), [t for o in outs for t in o.token_ids]
+        finally:
+            await ae.stop()
+
+    code, remote, got = asyncio.run(asyncio.wait_for(through(ProcessLink(cfg)), 120))
+    assert code == "invalid_regex" and remote and got == want
 
 
 def _close(a: list, b: list, tol: float = 1e-5) -> bool:

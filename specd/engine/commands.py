@@ -37,9 +37,11 @@ from specd.sampling.params import SamplingParams
 __all__ = [
     "Batch",
     "Cancel",
+    "CheckGrammar",
     "Command",
     "EngineLimits",
     "EngineSnapshot",
+    "GrammarChecked",
     "LoadFailed",
     "Ready",
     "Refused",
@@ -83,6 +85,28 @@ class Submit:
 
 
 @dataclass(frozen=True)
+class CheckGrammar:
+    """Compile ``grammar`` (a ``GrammarSpec``) in the engine's own compiler and answer with a
+    ``GrammarChecked`` in a later batch: how an engine process checks a request's grammar before
+    its answer starts, so that each grammar is compiled once, where it is used (the compiler's cache
+    then hands the ``Submit`` its grammar at once)."""
+
+    check_id: int
+    grammar: Any
+
+
+@dataclass(frozen=True)
+class GrammarChecked:
+    """The answer to ``CheckGrammar``: ``code`` None when the grammar compiled, else the
+    ``GrammarError``'s code, message and field."""
+
+    check_id: int
+    code: str | None = None
+    message: str = ""
+    field: str | None = None
+
+
+@dataclass(frozen=True)
 class Cancel:
     request_id: str
 
@@ -106,7 +130,7 @@ class Start:
     stream_interval_s: float
 
 
-Command = Submit | Cancel | Snapshot | Stop
+Command = Submit | Cancel | Snapshot | Stop | CheckGrammar
 
 
 # engine loop -> client -----------------------------------------------------------------------------
@@ -164,7 +188,6 @@ class EngineSnapshot:
     health: dict | None = None
     loop_failures: int = 0
     time: float = 0.0
-    graphs: dict = field(default_factory=dict)  # CUDA graph counters per forward (specd.engine.step_graphs)
 
 
 @dataclass(frozen=True)
@@ -235,3 +258,4 @@ class Batch:
     snapshot: EngineSnapshot | None = None
     errors: list = field(default_factory=list)  # [str]
     refused: list = field(default_factory=list)  # [Refused]
+    checked: list = field(default_factory=list)  # [GrammarChecked]

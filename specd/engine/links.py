@@ -36,6 +36,7 @@ itself (plain log lines) or a module that sets up its own logs (``specd.serving.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import pickle
@@ -47,6 +48,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,7 @@ from specd.engine.client import limits_of
 from specd.engine.commands import (
     SEQ_FIELDS,
     Batch,
+    CheckGrammar,
     Command,
     EngineLimits,
     LoadFailed,
@@ -66,6 +69,7 @@ from specd.engine.commands import (
 )
 from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S, EngineLoop, HandOff
 from specd.engine.output import RequestOutput
+from specd.engine.requests import RequestError
 from specd.engine.sequence import SpecStats
 from specd.model.loader import LoadError, load_tokenizer
 
@@ -322,7 +326,7 @@ def pack_outputs(outs: list) -> list:
 
 def encode_batch(b: Batch) -> tuple:
     """A ``Batch`` (its steps' outputs already packed) as the wire's builtins."""
-    return ([(s.outputs, s.seconds) for s in b.steps], b.snapshot, b.errors, b.refused)
+    return ([(s.outputs, s.seconds) for s in b.steps], b.snapshot, b.errors, b.refused, b.checked)
 
 
 def _send(conn: Pipe, msg) -> bool:
@@ -421,6 +425,52 @@ class RemoteSeq:
             setattr(self, k, getattr(state, k))
 
 
+class RemoteGrammars:
+    """The engine process's grammar compiler seen from the server: ``submit(spec)`` sends a
+    ``CheckGrammar`` and returns a future that the answer (``GrammarChecked``, in a batch) settles:
+    None when the grammar compiled, else the ``GrammarError`` (a ``RequestError`` when the engine
+    could not check it: no tokenizer, or the engine process died)."""
+
+    def __init__(self, send: Callable[[Command], None]):
+        self._send = send
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future] = {}
+
+    def submit(self, spec) -> Future:
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        with self._lock:
+            cid = next(self._ids)
+            self._pending[cid] = fut
+        self._send(CheckGrammar(cid, spec))
+        return fut
+
+    def answered(self, checked: list) -> None:
+        """Settle the futures of these ``GrammarChecked`` answers."""
+        from specd.structured import GrammarError
+        from specd.structured.errors import CODES
+
+        for c in checked:
+            with self._lock:
+                fut = self._pending.pop(c.check_id, None)
+            if fut is None:
+                continue
+            if c.code is None:
+                fut.set_result(None)
+            elif c.code in CODES:
+                fut.set_exception(GrammarError(c.code, c.message, c.field))
+            else:
+                fut.set_exception(RequestError(c.code, c.message))
+
+    def fail_all(self, why: str) -> None:
+        """The engine process is gone: every check waiting for it fails (``internal``)."""
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            fut.set_exception(RequestError("internal", why))
+
+
 class ProcessLink:
     """``EngineLink`` to an engine process (see the module docstring). Construct (blocks until the
     models are loaded and warmed up; raises ``LoadError``), hand to ``AsyncEngine``, which
@@ -460,8 +510,7 @@ class ProcessLink:
         self._deliver: Callable[[Batch], None] | None = None
         self._died: Callable[[str], None] = lambda msg: None
         self._dead: str | None = None
-        self._compiler: Any = None  # (grammar_compiler)
-        self._compiler_lock = threading.Lock()
+        self._grammars = RemoteGrammars(self.send)
         self._cmd.send(Start(cfg, logging.getLogger().level, stream_interval_s))
         self.limits = self._handshake(load_timeout_s)
         try:
@@ -500,18 +549,10 @@ class ProcessLink:
     def pid(self) -> int:
         return self.proc.pid
 
-    def grammar_compiler(self):
-        """A ``GrammarCompiler`` in this process on the same tokenizer, logits width and stop ids as the
-        engine's (the same grammars, refusals and cache keys); the engine process compiles its own.
-        Built once, blocking (the vocabulary is built)."""
-        with self._compiler_lock:
-            if self._compiler is None:
-                from specd.structured import GrammarCompiler, Vocabulary
-
-                lim = self.limits
-                stops = lim.stop_ids or None
-                self._compiler = GrammarCompiler(Vocabulary.from_tokenizer(self._tokenizer, lim.vocab_size, stops))
-            return self._compiler
+    def grammar_compiler(self) -> RemoteGrammars:
+        """What checks a request's grammar: the engine process's own compiler, asked over the pipe
+        (``CheckGrammar``), so each grammar is compiled once, in the process that uses it."""
+        return self._grammars
 
     def fileno(self) -> int:
         """The pipe the child writes to (readable when ``read_raw()`` has something)."""
@@ -571,10 +612,11 @@ class ProcessLink:
         any other message)."""
         if type(msg) is not tuple:
             return None
-        steps, snapshot, errors, refused = msg
+        steps, snapshot, errors, refused, checked = msg
         for r in refused:
             self._seqs.pop(r.request_id, None)
-        return Batch([Step(self._outputs(records), dt) for records, dt in steps], snapshot, errors, refused)
+        self._grammars.answered(checked)
+        return Batch([Step(self._outputs(records), dt) for records, dt in steps], snapshot, errors, refused, checked)
 
     def _outputs(self, records: list) -> list:
         outs = []
@@ -602,6 +644,7 @@ class ProcessLink:
             self._stop_reading()
             self._dead = self._dead or f"engine process died (exit code {self.proc.poll()})"
             self._seqs.clear()
+            self._grammars.fail_all(self._dead)
             self._died(self._dead)
 
     def _stop_reading(self) -> None:

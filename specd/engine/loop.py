@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 from specd.engine.client import snapshot_of
-from specd.engine.commands import Batch, Cancel, Refused, Snapshot, Step, Stop, Submit
+from specd.engine.commands import Batch, Cancel, CheckGrammar, GrammarChecked, Refused, Snapshot, Step, Stop, Submit
 from specd.engine.health import RateLimitedLog, backoff_s
 from specd.engine.requests import RequestError
 
@@ -35,6 +35,7 @@ __all__ = ["DEFAULT_STREAM_INTERVAL_S", "EngineLoop", "HandOff"]
 
 DEFAULT_STREAM_INTERVAL_S = 0.002
 IDLE_WAIT_S = 0.5  # an idle loop wakes this often to check its inlet (no busy-wait)
+CHECK_WAIT_S = 0.005  # ... and this often while a CheckGrammar compiles
 SNAPSHOT_EVERY_S = 0.05
 HEARTBEAT_S = 0.25
 
@@ -94,6 +95,8 @@ class EngineLoop:
         self._held: list = []  # [Step] (packed outputs) not handed over yet
         self._errors: list = []
         self._refused: list = []
+        self._checks: list = []  # (check_id, Future[Grammar]) of CheckGrammar commands not answered yet
+        self._checked: list = []  # [GrammarChecked] to hand over
         self._force = False  # a snapshot was asked for
         self._last_snap = float("-inf")
         self._last_sent = time.monotonic()
@@ -103,9 +106,10 @@ class EngineLoop:
         eng = self.engine
         while True:
             if not eng.has_work():
+                self._answer_checks()
                 if not self.flush():  # anything held goes out before the loop sleeps
                     return
-                self.inlet.wait(IDLE_WAIT_S)
+                self.inlet.wait(CHECK_WAIT_S if self._checks else IDLE_WAIT_S)
             cmds = self.inlet.take()
             if not self._apply(cmds) or self.inlet.closed:
                 self.flush()
@@ -127,6 +131,8 @@ class EngineLoop:
                     eng.add_request(ids, cmd.params, cmd.spec, cmd.priority, rid, tenant=cmd.tenant, grammar=g)
                 except (RequestError, ValueError) as e:  # the client validated: only races land here
                     self._refused.append(Refused(cmd.request_id, getattr(e, "code", "invalid_request"), str(e)))
+            elif isinstance(cmd, CheckGrammar):
+                self._check(cmd)
             elif isinstance(cmd, Cancel):
                 eng.abort(cmd.request_id)
             elif isinstance(cmd, Snapshot):
@@ -137,9 +143,32 @@ class EngineLoop:
                 log.error("ignored a message that is not an engine command: %.200r", cmd)
         return True
 
+    def _check(self, cmd: CheckGrammar) -> None:
+        """Start compiling a ``CheckGrammar``'s grammar in the engine's compiler (its cache)."""
+        try:
+            self._checks.append((cmd.check_id, self.engine.constraints.compiler.submit(cmd.grammar)))
+        except Exception as e:  # noqa: BLE001 - e.g. no tokenizer: this check's answer, not the loop's end
+            self._checked.append(GrammarChecked(cmd.check_id, "invalid_request", f"{type(e).__name__}: {e}"))
+
+    def _answer_checks(self) -> None:
+        """The compiled (or refused) grammars of ``CheckGrammar`` commands, into the next batch."""
+        left = []
+        for cid, fut in self._checks:
+            if not fut.done():
+                left.append((cid, fut))
+                continue
+            e = fut.exception()
+            if e is None:
+                self._checked.append(GrammarChecked(cid))
+            else:  # (a GrammarError: code, message, field)
+                code, msg = getattr(e, "code", "invalid_grammar"), getattr(e, "message", str(e))
+                self._checked.append(GrammarChecked(cid, code, msg, getattr(e, "field", None)))
+        self._checks = left
+
     def _step(self) -> bool:
         """One engine step with the failure policy; False once the outlet fails."""
         eng = self.engine
+        self._answer_checks()
         t0 = time.monotonic()
         try:
             outs = eng.step()
@@ -171,14 +200,14 @@ class EngineLoop:
         """Hand over what is held (with a snapshot when asked for, when idle, or 50 ms after the
         last one); False once the outlet fails."""
         force = snapshot or self._force
-        if not (self._held or self._errors or self._refused or force):
+        if not (self._held or self._errors or self._refused or self._checked or force):
             return True
         self._force = False
         now = time.monotonic()
         snap = None
         if force or now - self._last_snap >= SNAPSHOT_EVERY_S or not self.engine.has_work():
             snap, self._last_snap = self.snapshot(self.engine, self.failures), now
-        batch = Batch(self._held, snap, self._errors, self._refused)
-        self._held, self._errors, self._refused = [], [], []
+        batch = Batch(self._held, snap, self._errors, self._refused, self._checked)
+        self._held, self._errors, self._refused, self._checked = [], [], [], []
         self._last_sent = now
         return self.outlet(batch)

@@ -174,6 +174,7 @@ class AsyncEngine:
         self._draining = False
         self._stopping = False
         self._compiler = None  # the link's GrammarCompiler, once a request had a grammar
+        self._checking = 0  # requests whose grammar is being checked (check_grammar): they count as queued
         self._compiler_ready: asyncio.Future | None = None
 
     # lifecycle -----------------------------------------------------------------------------------
@@ -318,11 +319,7 @@ class AsyncEngine:
             raise RequestError("shutting_down", "the server is shutting down")
         if not self._alive():
             raise RequestError("shutting_down", "the engine is not running")
-        if len(self._streams) >= self.max_queue:
-            raise RequestError(
-                "overloaded",
-                f"server busy: {len(self._streams)} requests queued or running (max {self.max_queue}); retry later",
-            )
+        self._check_room()
         if req.request_id in self._streams:
             raise RequestError("duplicate_id", f"request id {req.request_id!r} is already running")
         self.link.limits.validate(req)  # too_long / invalid_request, before anything is queued
@@ -330,16 +327,32 @@ class AsyncEngine:
         self.last_progress = time.monotonic()
         self.link.send(req)
 
+    def _check_room(self) -> None:
+        """``overloaded`` when ``max_queue`` requests are admitted or having their grammar checked."""
+        held = len(self._streams) + self._checking
+        if held >= self.max_queue:
+            raise RequestError(
+                "overloaded",
+                f"server busy: {held} requests queued, running or compiling (max {self.max_queue}); retry later",
+            )
+
     async def check_grammar(self, spec) -> None:
-        """Compile ``spec`` (a ``GrammarSpec``) for the engine's vocabulary and wait for it, so that a
+        """Compile ``spec`` (a ``GrammarSpec``) in the engine's compiler and wait for it, so that a
         refusal (``GrammarError``: invalid, unsatisfiable, too large, compile timeout) comes before the
-        request starts; the grammar is cached (in a thread link, in the engine's own compiler)."""
-        if self._compiler is None:
-            if self._compiler_ready is None:
-                loop = asyncio.get_running_loop()
-                self._compiler_ready = loop.run_in_executor(None, self.link.grammar_compiler)
-            self._compiler = await asyncio.shield(self._compiler_ready)
-        await asyncio.shield(asyncio.wrap_future(self._compiler.submit(spec)))
+        request starts; the grammar is cached there, ready for the request. A request being checked
+        counts against ``max_queue`` (``overloaded`` past it), so a flood of schemas cannot queue
+        compiles without bound."""
+        self._check_room()
+        self._checking += 1
+        try:
+            if self._compiler is None:
+                if self._compiler_ready is None:
+                    loop = asyncio.get_running_loop()
+                    self._compiler_ready = loop.run_in_executor(None, self.link.grammar_compiler)
+                self._compiler = await asyncio.shield(self._compiler_ready)
+            await asyncio.shield(asyncio.wrap_future(self._compiler.submit(spec)))
+        finally:
+            self._checking -= 1
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (any thread); its stream ends with finish_reason ``cancelled``."""
