@@ -19,7 +19,9 @@ COMMANDS = {
         "groups": ("eval.bench_groups", "groups of B requests started together: makespan and each one's completion"),
         "tp": ("eval.bench_tp", "tensor parallelism: TP=2 vs TP=1, decode tokens/s and the collectives' cost"),
         "json": ("eval.bench_constrained", "structured outputs on JSONSchemaBench: validity, mask cost, auto vs plain"),
+        "scale": ("eval.bench_scale", "1.7-8B random-weight GGUFs: plain decode vs llama.cpp, row costs, the floor"),
     },
+    "perplexity": {"": ("eval.perplexity", "perplexity of a GGUF on a text as llama-perplexity scores it, and vs it")},
     "accept": {
         "rates": ("eval.acceptance", "acceptance per category and mode, speedup over target-only, theory check"),
         "methods": ("eval.bench_head", "head / draft / prompt lookup / hybrid / auto per category (built-in model)"),
@@ -42,7 +44,8 @@ COMMANDS = {
     "train-demo": {"": ("eval.train_demo_pair", "train the demo pair (models/demo) on GSM8K")},
     "gpu": {"": ("eval.gpu_check", "paged tree-attention timings on a GPU (--dry-run: Triton interpreter, CPU)")},
 }
-MAKE = {"bench": "make bench", "accept": "make eval", "load": "make soak: load soak", "serve-check": "make run SMOKE=1"}
+MAKE = {"bench": "make bench, make bench-scale", "accept": "make eval", "load": "make soak: load soak"}
+MAKE["serve-check"] = "make run SMOKE=1"
 
 
 def usage() -> str:

@@ -21,6 +21,12 @@ not distort them; wall time on a GPU):
   this batch size; rows beyond cost a plain step's average row until measured (widths are explored
   by doubling).
 
+Before serving, the warm-up measures a target step of 1, 2, 4, ... 32 rows on this machine
+(``specd.engine.warmup.seed_costs``) and ``seed`` takes them as if steps that wide had been measured
+twice at batch 1 (the line and the widths trusted): where rows are cheap (a 1-8B model on a CPU is
+memory-bound: 8 rows ~1.4x one) ``auto`` drafts deep from the first request instead of exploring widths
+by doubling. Steps the engine measures then move the same EMAs and fit as ever.
+
 Costs are kept per context bucket (``ctx_bucket``: the batch's total context, <512, <1k, <2k, ...
 tokens): at 2k tokens of context a row costs ~2.7x what it does at 32 (attention over the context),
 so costs measured on short prompts must not price a long one's steps. Lookup-only steps at a batch
@@ -62,13 +68,16 @@ class CostFit:
                 sum(x * x for x, _ in obs),
                 sum(x * y for x, y in obs),
             ]
-        n = len(obs)
-        sx, sy, sxx, sxy = self.sums
-        nvx = n * sxx - sx * sx  # n * variance of x: exact for integer token counts
-        if n < 8 or nvx <= 0:
-            return None
-        b = max(0.0, (n * sxy - sx * sy) / nvx)
-        return max(sy / n - b * sx / n, 1e-6), b
+        return None if len(obs) < 8 else _solve(len(obs), *self.sums)
+
+
+def _solve(n: int, sx: float, sy: float, sxx: float, sxy: float) -> tuple[float, float] | None:
+    """Least squares (fixed >= 1e-6, per_token >= 0) from the sums of n points; None when x never varies."""
+    nvx = n * sxx - sx * sx  # n * variance of x: exact for integer token counts
+    if nvx <= 0:
+        return None
+    b = max(0.0, (n * sxy - sx * sy) / nvx)
+    return max(sy / n - b * sx / n, 1e-6), b
 
 
 def ctx_bucket(tokens: int) -> int:
@@ -204,6 +213,27 @@ class CostModel:
             line[2] = True
             t_target = max(1e-6, t_target - line[1] * tokens)  # the line's intercept
         line[0] = t_target if line[0] is None else (1 - a) * line[0] + a * t_target
+
+    def seed(self, batch: int, costs: dict) -> None:
+        """Costs measured before serving (``costs``: target tokens -> seconds of a step verifying
+        that many over ``batch`` requests, the plain step's tokens == ``batch`` included), in context
+        bucket 0 (short contexts; longer ones borrow its line until measured): each width counts as
+        seen twice, the line is their least-squares fit, and a plain step's cost is kept where one
+        was measured already. ValueError for fewer than two widths above ``batch``."""
+        wide = sorted((n, s) for n, s in costs.items() if n > batch)
+        if len(wide) < 2 or any(s <= 0 for _, s in costs.items()):
+            raise ValueError(f"seed needs positive costs of 2+ widths above batch {batch}, got {costs}")
+        bucket, self.ctx_bucket = self.ctx_bucket, 0
+        if batch in costs and batch not in self.t_plain:
+            self.t_plain[batch] = costs[batch]
+        for n, s in wide:
+            self.t_width[(batch, n)] = [s, 2]
+            self.note_width(batch, n)
+        line = _solve(len(wide), *(sum(v) for v in zip(*((n, s, n * n, n * s) for n, s in wide))))
+        assert line is not None  # (2+ distinct widths)
+        self._line_by_ctx[0] = [line[0], line[1], True]
+        self.ctx_bucket = bucket
+        self._vcost.clear()
 
     def note_width(self, batch: int, tokens: int) -> None:
         """A step verifying ``tokens`` target tokens over ``batch`` requests was measured (in this
