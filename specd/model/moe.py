@@ -174,20 +174,22 @@ class _ExpertSlice:
         self.n_bytes = t.n_bytes // int(t.shape[2])
 
 
-def load_gguf_experts(moe: SparseMoE, i: int, tensors: dict, mode: str, path) -> None:
-    """Layer i's router (dequantized to floats: routing as transformers computes it) and experts from
-    a GGUF file's ``ffn_gate_inp`` and 3-D ``ffn_{gate,up,down}_exps`` tensors: each expert's slice of
-    the blocks kept (``mode`` gguf / auto: Q8_0, Q4_0, Q4_1 as they are) or converted, as
-    ``specd.model.quant_load`` does for a dense projection."""
+def gguf_experts(moe: SparseMoE, i: int, tensors: dict, path) -> list:
+    """Layer i's router from a GGUF file's ``ffn_gate_inp`` (dequantized to floats: routing as
+    transformers computes it), and per expert ``(expert, "gate_up", [gate, up])`` and ``(expert,
+    "down", [down])``: its slices of the 3-D ``ffn_{gate,up,down}_exps`` tensors, which
+    ``specd.model.quant_load`` turns into projections as it does a dense layer's (Q8_0 / Q4_0 / Q4_1
+    blocks kept as they are under gguf / auto)."""
     from specd.model.gguf import _dequantize
-    from specd.model.quant_load import _set_linear, projection
 
     def t(kind):
         return tensors[f"blk.{i}.{kind}.weight"]
 
-    moe.router = nn.Linear(1, 1, bias=False)  # (replaced: its weight is the file's)
-    moe.router.weight = nn.Parameter(torch.from_numpy(_dequantize(t("ffn_gate_inp"), path)), requires_grad=False)
+    router = torch.from_numpy(_dequantize(t("ffn_gate_inp"), path))  # [E, d]
+    moe.router = nn.Linear(router.shape[1], router.shape[0], bias=False)
+    moe.router.weight = nn.Parameter(router, requires_grad=False)
+    out = []
     for e, ex in enumerate(moe.experts):
         gate_up = [_ExpertSlice(t("ffn_gate_exps"), e), _ExpertSlice(t("ffn_up_exps"), e)]
-        _set_linear(ex, "gate_up", projection(gate_up, mode, path), None)
-        _set_linear(ex, "down", projection([_ExpertSlice(t("ffn_down_exps"), e)], mode, path), None)
+        out += [(ex, "gate_up", gate_up), (ex, "down", [_ExpertSlice(t("ffn_down_exps"), e)])]
+    return out

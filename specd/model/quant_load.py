@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from specd.model.errors import LoadError
-from specd.model.moe import load_gguf_experts, mlp_projections
+from specd.model.moe import gguf_experts, mlp_projections
 from specd.model.quant import KQ_KINDS, KQ_SUPER, KQFields, KQuantLinear, QuantLinear, quantize, quantize_int8
 
 log = logging.getLogger("specd.quant")
@@ -234,8 +234,9 @@ def _layer(blk, i: int, tensors: dict, mode: str, path: Path, perm_heads: dict |
         bias = torch.cat(bs)
     _set_linear(blk.attn, "qkv", projection([t(n) for n in qkv], mode, path, [perm(n) for n in qkv]), bias)
     _set_linear(blk.attn, "o", projection([t("attn_output")], mode, path), None)
-    if f"blk.{i}.ffn_gate_inp.weight" in tensors:  # a mixture of experts: its router and experts
-        load_gguf_experts(blk.mlp, i, tensors, mode, path)
+    if f"blk.{i}.ffn_gate_inp.weight" in tensors:  # a mixture of experts: its router, each expert's projections
+        for parent, name, parts in gguf_experts(blk.mlp, i, tensors, path):
+            _set_linear(parent, name, projection(parts, mode, path), None)
     else:
         _set_linear(blk.mlp, "gate_up", projection([t(n) for n in gate_up], mode, path), None)
         _set_linear(blk.mlp, "down", projection([t("ffn_down")], mode, path), None)
