@@ -172,13 +172,16 @@ def _other_plans(dname, d):
 
 
 # weight-only GEMM (specd_kernels.woq): a 4096 x 4096 projection (a 7B model's q/o) in GGUF-style
-# groups of 32, at decode, tree-verification and prefill-chunk widths
+# groups of 32, at decode, tree-verification and prefill-chunk widths; in a batch-invariant step
+# (woq.fixed_tiles) the decode tile at every width: the "invariant" shapes (decode's is decode's own)
 WOQ_SHAPES = {"decode": 1, "tree": 17, "prefill": 256}
+WOQ_INVARIANT_SHAPES = ("tree", "prefill")
 WOQ_NK = (4096, 4096)
 
 
 def _woq_plans(dname):
-    """``[(kernel label, shape, plan)]`` for the int8 and int4 weight-only GEMM at every width."""
+    """``[(kernel label, shape, plan)]`` for the int8 and int4 weight-only GEMM at every width, and
+    with the fixed tiles of a batch-invariant step at the widths where they differ."""
     from . import woq
 
     dt, (n, k), g = DTYPES[dname], WOQ_NK, 32
@@ -193,6 +196,9 @@ def _woq_plans(dname):
             x = torch.empty(m, k, dtype=dt, device="meta")
             y = torch.empty(m, n, dtype=dt, device="meta")
             out.append((f"woq_{fmt}", sname, woq._launch_plan(x, q, scale, minv, None, y, y, g, fmt)))
+            if sname in WOQ_INVARIANT_SHAPES:
+                plan = woq._launch_plan(x, q, scale, minv, None, y, y, g, fmt, invariant=True)
+                out.append((f"woq_{fmt}", f"{sname} invariant", plan))
     return out
 
 

@@ -421,3 +421,127 @@ def test_invariant_attention_backend_wraps_the_kv_ops():
                         meta.tree_mask, d**-0.5)  # fmt: skip
     assert torch.equal(out, want)
     assert_close(out, TorchAttention.attention(q, kv, meta, d**-0.5), torch.float32, "vs the torch backend")
+
+
+# ---------------------------------------------------------------------------------------------
+# the quantized (weight-only) GEMM in a batch-invariant step: fixed tiles (specd_kernels.woq)
+# ---------------------------------------------------------------------------------------------
+
+
+def _woq_case(fmt: str, N=70, K=256, group=128, M=40, seed=30):
+    from specd.model.quant import quantize_int4, quantize_int8
+
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * 0.1
+    op = quantize_int8(w, group=group) if fmt == "int8" else quantize_int4(w, group=group)
+    x = torch.randn(M, K, generator=g)
+    return op, x
+
+
+def _woq_run(op, x, cfg: dict):
+    """The weight-only GEMM with the compiled tiles ``cfg`` (interpreted without CUDA: fp32 dots)."""
+    from specd_kernels import woq
+
+    x = x.to(DEVICE).contiguous()
+    q, s, m = (t.to(DEVICE) if t is not None else None for t in (op.qweight, op.scale, op.minv))
+    y = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype, device=DEVICE)
+    for kernel, grid, args, kw in woq._launch_plan(x, q, s, m, None, None, y, op.group, op.fmt, sk.interpreting(),
+                                                   cfg=cfg):  # fmt: skip
+        kernel[grid](*args, **kw)
+    return y
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_woq_rows_are_bitwise_the_same_in_any_batch_with_the_fixed_tiles(fmt):
+    """The compiled tiles of a batch-invariant step (``launch_config(..., invariant=True)``, run here
+    under the interpreter where there is no GPU): a row's result has the same bits for M = 1, 3, 17
+    and 40, equal to the reference within fp32 tolerance. Control: the tiles chosen by M (16 x 64 x
+    128 for one row, 64 x 64 x 64 for 40) change the last bits of the same row."""
+    from specd_kernels import woq
+
+    op, x = _woq_case(fmt)
+    N, group = op.qweight.shape[0], op.group
+    full = _woq_run(op, x, woq.launch_config(40, N, group, invariant=True))
+    ref = woq.woq_matmul_ref(x, op.qweight, op.scale, op.minv, group, fmt)
+    torch.testing.assert_close(full.cpu(), ref, atol=1e-5, rtol=1e-5)
+    for M in (1, 3, 17):
+        for start in (0, 40 - M):
+            part = _woq_run(op, x[start : start + M], woq.launch_config(M, N, group, invariant=True))
+            assert torch.equal(part, full[start : start + M]), (M, start)
+    one = _woq_run(op, x[:1], woq.launch_config(1, N, group))
+    many = _woq_run(op, x, woq.launch_config(40, N, group))
+    assert torch.equal(one[0], full[0]) and not torch.equal(one[0], many[0]), "tiles by M change the bits"
+
+
+def test_woq_configuration_never_depends_on_the_rows_with_fixed_tiles():
+    from specd_kernels import woq
+
+    def plan(M, invariant):
+        meta = dict(device="meta")
+        x, y = torch.empty(M, 4096, dtype=torch.bfloat16, **meta), torch.empty(M, 4096, dtype=torch.bfloat16, **meta)
+        q, s = torch.empty(4096, 2048, dtype=torch.uint8, **meta), torch.empty(4096, 128, **meta)
+        return woq._launch_plan(x, q, s, s, None, None, y, 32, "int4", invariant=invariant)[0]
+
+    fixed = [plan(M, True) for M in (1, 17, 64, 300)]
+    assert all(p[3] == fixed[0][3] for p in fixed)  # every constexpr and launch option
+    assert [p[1] for p in fixed] == [(1, 64), (2, 64), (4, 64), (19, 64)]  # only the grid's M axis grows
+    assert len({str(sorted(plan(M, False)[3].items())) for M in (1, 17, 64, 300)}) == 4  # (by M otherwise)
+
+
+def test_the_target_pass_opens_the_fixed_tiles_in_an_invariant_step(monkeypatch, shared_pair):
+    """``woq_matmul`` takes the fixed tiles inside ``woq.fixed_tiles`` (the launcher reads the context);
+    the engine's target pass opens it for the forward and the logits of a step that runs the
+    invariant ops, and only then (on a CPU the ops never run: forced here)."""
+    from specd.config import EngineConfig
+    from specd.engine import stages
+    from specd.engine.engine import Engine
+    from specd.model import invariant
+    from specd.model.graphs import invariant_tiles
+    from specd.sampling.params import SamplingParams
+    from specd_kernels import woq
+
+    seen = []
+    real = woq.launch_config
+
+    def spy(M, N, group, interpret=False, invariant=False):
+        seen.append(invariant)
+        return real(M, N, group, interpret, invariant)
+
+    monkeypatch.setattr(woq, "launch_config", spy)
+    op, x = _woq_case("int4", M=3)
+    args = [t.to(DEVICE) for t in (op.qweight, op.scale, op.minv)]
+    woq.woq_matmul(x.to(DEVICE), *args, op.group, "int4")
+    with woq.fixed_tiles():
+        woq.woq_matmul(x.to(DEVICE), *args, op.group, "int4")
+        assert woq.woq_matmul(x.to(DEVICE), *args, op.group, "int4", invariant=False).shape == (3, 70)
+    assert seen == [False, True, False] and not woq.fixed_tiles_on()
+    with invariant_tiles(invariant.ON):
+        assert woq.fixed_tiles_on()
+    with invariant_tiles(invariant.OFF):
+        assert not woq.fixed_tiles_on()
+
+    target, _ = shared_pair
+    eng = Engine(EngineConfig(target=str(target.path), dtype="float32", attention_backend="torch"), target=target)
+    model, states = eng.target.model, []
+
+    class Spy:  # the target as the target pass sees it, recording the context of each call
+        cfg = model.cfg
+
+        def __call__(self, *a, **kw):
+            states.append(("forward", woq.fixed_tiles_on(), "ops" in kw))
+            return model(*a, **{k: v for k, v in kw.items() if k != "ops"})
+
+        def compute_logits(self, h, **kw):
+            states.append(("logits", woq.fixed_tiles_on(), "ops" in kw))
+            return model.compute_logits(h)
+
+    monkeypatch.setattr(eng.target, "model", Spy())
+    greedy = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    eng.generate([[1, 2, 3]], greedy)
+    assert states and all(not on and not ops for _, on, ops in states)  # a CPU step: no invariant ops
+    states.clear()
+    forced = {"ops": invariant.InvariantOps(True, devices=("cpu",))}
+    monkeypatch.setattr(stages, "step_ops_kwargs", lambda *a: forced)
+    eng.generate([[1, 2, 3]], greedy)
+    assert {s[0] for s in states} == {"forward", "logits"} and all(on and ops for _, on, ops in states)
+    assert not woq.fixed_tiles_on()

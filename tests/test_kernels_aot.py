@@ -66,11 +66,13 @@ def test_every_configuration_compiles_for_both_targets(rows):
 
 
 def test_weight_only_gemm_compiles_without_spills_with_16bit_mmas(rows):
-    """The int8 / int4 weight-only GEMMs (issue 19) at decode, tree and prefill widths, both targets:
-    no spills (test_no_register_spills covers every row) and dots on the 16-bit activation type."""
+    """The int8 / int4 weight-only GEMMs (issue 19) at decode, tree and prefill widths, and with the
+    fixed tiles of a batch-invariant step (issue 43) at tree and prefill widths, both targets: no
+    spills (test_no_register_spills covers every row) and dots on the 16-bit activation type."""
     woq = [r for r in rows if r["kernel"].startswith("woq_")]
     got = {(r["kernel"], r["target"], r["shape"]) for r in woq}
-    assert got == {(f"woq_{f}", t, s) for f in ("int8", "int4") for t in aot.TARGETS for s in aot.WOQ_SHAPES}
+    shapes = [*aot.WOQ_SHAPES, "tree invariant", "prefill invariant"]
+    assert got == {(f"woq_{f}", t, s) for f in ("int8", "int4") for t in aot.TARGETS for s in shapes}
     assert all(r["mma"] and {m.split()[1] for m in r["mma"]} == {WANT[r["dtype"]]} for r in woq)
     assert not [r for r in woq if r["spill_stores"] or r["spill_loads"]]
 
