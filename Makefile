@@ -40,9 +40,17 @@ SOAK_CLIENTS := 1
 SOAK_MINUTES := 0.1
 SOAK_ARGS := --max-tokens-set 8
 SOAK_JSON := $(SMOKE_OUT)/soak.json
+SCALE_SIZES := tiny
+SCALE_FORMATS := f16
+SCALE_THREADS := 1
+SCALE_ARGS := --tokens 8 --reps 1
+SCALE_CACHE := $(SMOKE_OUT)/scale-cache
+SCALE_OUT := $(SMOKE_OUT)/scale
+SCALE_PPL := --ctx 64 --chunks 1
+SCALE_PPL_FILES :=
 endif
 
-.PHONY: install run test lint test-slow bench bench-deps eval soak proto sysdeps clean
+.PHONY: install run test lint test-slow bench bench-deps bench-scale eval soak proto sysdeps clean
 
 ifeq ($(SMOKE),1)
 install:
@@ -121,16 +129,65 @@ LLAMA_CMAKE_ARGS ?= -DGGML_OPENMP=ON $(LLAMA_ISA) -DLLAVA_BUILD=OFF -DLLAMA_BUIL
 LLAMA_UNINSTALL = $(BIN)/pip uninstall -q -y llama-cpp-python
 LLAMA_BUILD = CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc)} \
 	$(BIN)/pip install --no-cache-dir --no-binary llama-cpp-python 'llama-cpp-python>=0.3'
+# ...and llama.cpp's tools (issue #42: llama-bench, llama-batched-bench, llama-quantize, llama-perplexity,
+# llama-tokenize, llama-server) from the same sdist's vendored sources, same flags, into LLAMA_TOOLS
+# (outside the repository; bench-scale and `python -m eval perplexity` look there), source in LLAMA_SRC
+# (downloaded once: an existing one is reused, so the build is incremental)
+LLAMA_TOOLS ?= $(HOME)/.cache/specd/llama.cpp
+LLAMA_SRC ?= $(LLAMA_TOOLS)/src
+LLAMA_TOOL_TARGETS := llama-bench llama-batched-bench llama-quantize llama-perplexity llama-tokenize llama-server
+LLAMA_TOOLS_CMAKE_ARGS ?= -DCMAKE_BUILD_TYPE=Release -DGGML_OPENMP=ON $(LLAMA_ISA) -DLLAMA_CURL=OFF \
+	-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+LLAMA_FETCH = test -d $(LLAMA_SRC)/vendor/llama.cpp || { mkdir -p $(LLAMA_SRC) && \
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(LLAMA_SRC) 'llama-cpp-python>=0.3' && \
+	tar xzf $(LLAMA_SRC)/llama_cpp_python-*.tar.gz -C $(LLAMA_SRC) --strip-components=1; }
+LLAMA_TOOLS_BUILD = cmake -S $(LLAMA_SRC)/vendor/llama.cpp -B $(LLAMA_TOOLS)/build $(LLAMA_TOOLS_CMAKE_ARGS) && \
+	cmake --build $(LLAMA_TOOLS)/build -j$${CMAKE_BUILD_PARALLEL_LEVEL:-$$(nproc)} --target $(LLAMA_TOOL_TARGETS)
 bench-deps:
 ifeq ($(SMOKE),1)
 	$(info bench-deps (smoke): would run: $(LLAMA_UNINSTALL))
 	$(info bench-deps (smoke): would run: $(LLAMA_BUILD))
+	$(info bench-deps (smoke): would run: $(LLAMA_FETCH))
+	$(info bench-deps (smoke): would run: $(LLAMA_TOOLS_BUILD))
 	@test -x $(BIN)/python || echo "bench-deps (smoke): would create $(VENV) first ($(PY) -m venv $(VENV))"
 else
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(LLAMA_UNINSTALL)  # (a cached wheel would keep the old build flags)
 	$(LLAMA_BUILD)
+	$(LLAMA_FETCH)
+	$(LLAMA_TOOLS_BUILD)
 endif
+
+# issue #42 item 5: shape-true random-weight GGUFs (SmolLM2-1.7B, Llama-3.2-3B, Llama-3.1-8B; f16 from the
+# gguf package into SCALE_CACHE, quantized by llama-quantize): specd plain decode vs llama-bench /
+# llama-batched-bench at batch 1 and 4, 1 and 2 threads, the cost of 1..32 verification rows and the
+# depth auto picks from them, each step against the memory-bandwidth floor measured in the same run;
+# then perplexity as llama-perplexity scores it vs llama-perplexity on the built-in model and
+# SCALE_PPL_FILES (eval/out/bench_scale/{summary.md,results.json}, eval/out/perplexity-*). The llama.cpp
+# tools are built by bench-deps when missing (if they cannot be, their columns are left empty with a
+# note). The 8B f16 file is 16 GB: SCALE_SIZES=1.7b,3b leaves it out. Smoke: a tiny shape, f16, 8 tokens.
+SCALE_SIZES ?= 1.7b,3b,8b
+SCALE_FORMATS ?= q4_0,q4_k_m,q8_0
+SCALE_THREADS ?= 1,2
+SCALE_ARGS ?=
+SCALE_CACHE ?= $(HOME)/.cache/specd/bench-scale
+SCALE_OUT ?= eval/out/bench_scale
+SCALE_PPL ?= --ctx 512 --chunks 8
+SCALE_PPL_FILES ?= $(SCALE_CACHE)/1.7b-q4_k_m.gguf
+bench-scale: install
+ifeq ($(SMOKE),1)
+	@test -x $(LLAMA_TOOLS)/build/bin/llama-bench || \
+		echo "bench-scale (smoke): no llama.cpp tools under $(LLAMA_TOOLS): make bench-deps would build them"
+else
+	@test -x $(LLAMA_TOOLS)/build/bin/llama-bench || $(MAKE) bench-deps || \
+		echo "note: llama.cpp's tools did not build: the llama.cpp columns will be empty"
+endif
+	$(BIN)/python -m eval bench scale --sizes $(SCALE_SIZES) --formats $(SCALE_FORMATS) --threads $(SCALE_THREADS) \
+		--cache $(SCALE_CACHE) --llama-tools $(LLAMA_TOOLS) --out $(SCALE_OUT) $(SCALE_ARGS)
+	for f in $(BUILTIN) $(SCALE_PPL_FILES); do \
+		$(BIN)/python -m eval perplexity --target $$f --threads $(THREADS) --llama-tools $(LLAMA_TOOLS) $(SCALE_PPL) \
+			--out $(SCALE_OUT)/perplexity-$$(basename $$f .gguf) || exit 1; \
+	done
 
 # acceptance and speedup per category on the built-in pair (Spec-Bench and MT-bench), with the theory check;
 # then the feature head, prompt lookup and `auto` per Spec-Bench category as served (int8 activations)

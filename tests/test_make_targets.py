@@ -21,7 +21,7 @@ import pytest
 from conftest import ROOT
 
 TARGETS = ("install", "run", "test", "lint", "test-slow", "bench", "bench-deps", "eval", "soak", "proto", "sysdeps")
-TARGETS += ("clean",)
+TARGETS += ("clean", "bench-scale")
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
 
@@ -122,9 +122,32 @@ def test_bench_deps(tmp_path):
     out = smoke("bench-deps", tmp_path)
     build = next(ln for ln in out.splitlines() if "would run: CMAKE_ARGS=" in ln)
     assert "-DGGML_OPENMP=ON" in build and "--no-binary llama-cpp-python" in build
+    tools = next(ln for ln in out.splitlines() if "would run: cmake -S" in ln)  # llama.cpp's tools, same ISA flags
+    assert "--target llama-bench llama-batched-bench llama-quantize llama-perplexity llama-tokenize" in tools
+    assert "-DGGML_OPENMP=ON" in tools and ("-DGGML_NATIVE=ON" in build) == ("-DGGML_NATIVE=ON" in tools)
     amx = "amx_int8" in Path("/proc/cpuinfo").read_text().split()
     assert ("-DGGML_NATIVE=OFF" in build and "-DGGML_AVX512=ON" in build) if amx else "-DGGML_NATIVE=ON" in build
     assert [bool(list(s.glob("llama_cpp*"))) for s in site] == had  # nothing installed or removed
+
+
+def test_bench_scale(tmp_path):
+    """A tiny random-weight shape in f16 (written into the smoke folder, nothing under ~/.cache): specd
+    plain at batch 1 and 4 and its rows; llama.cpp's columns where its tools are built (else the smoke
+    mode says bench-deps would build them); then perplexity on the built-in model, scored as
+    llama-perplexity scores it. Outside smoke mode the issue's sizes, formats and threads."""
+    out = smoke("bench-scale", tmp_path)
+    res = json.loads((tmp_path / "scale" / "results.json").read_text())
+    (run,) = res["results"][0]["runs"]
+    assert res["results"][0]["model"].startswith("tiny") and run["threads"] == 1
+    assert run["specd"]["1"] > 0 and run["specd"]["4"] > 0 and run["read_GBps"] > 0
+    assert set(run["rows_ms"]) == {"1", "2", "4", "8", "16", "32"}
+    assert (run["llama_bench_b1"] or 0) > 0 or "bench-deps would build them" in out
+    assert (tmp_path / "scale-cache" / "tiny-f16.gguf").exists()
+    ppl = json.loads(next((tmp_path / "scale").glob("perplexity-*/results.json")).read_text())
+    assert ppl["tokens_scored"] == 31 and ppl["specd_ppl"] > 1
+    out = make("-n", "bench-scale", "LLAMA_TOOLS=/nonexistent")
+    assert "-m eval bench scale --sizes 1.7b,3b,8b --formats q4_0,q4_k_m,q8_0 --threads 1,2" in out
+    assert "-m eval perplexity --target" in out and "--ctx 512 --chunks 8" in out
 
 
 def test_eval(tmp_path):
