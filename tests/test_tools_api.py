@@ -397,6 +397,15 @@ REFUSED = [
         },
         "grammar_too_large",
     ),
+    (  # strict: a keyword the grammar cannot hold a reply to (specd.structured.exactness)
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "strict": True, "schema": {"type": "array", "uniqueItems": True}},
+            }
+        },
+        "invalid_schema",
+    ),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "invalid_tools"),
     ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "conflicting_constraints"),
 ]
@@ -413,8 +422,8 @@ def test_a_bad_constraint_is_a_400_before_the_stream_starts(client, server, fiel
 
 
 def test_the_engine_process_constrains_and_refuses_alike(engine):
-    """The default daemon (an engine process): its server compiles on its own tokenizer (the same
-    grammars and refusals), the engine process constrains the reply."""
+    """The default daemon (an engine process): the engine process checks each grammar for the server
+    (``CheckGrammar``: compiled once, there) and constrains the reply."""
     from specd.serving.app import ServerThread
 
     srv = ServerThread(serve_args(num_blocks=256)).start()

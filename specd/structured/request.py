@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from specd.structured.errors import GrammarError
+from specd.structured.exactness import refuse_unenforced
 from specd.structured.spec import GrammarSpec
 from specd.structured.tools import tool_call_spec
 
@@ -71,7 +72,10 @@ def _json_schema(obj: Mapping, field: str) -> GrammarSpec:
         raise _bad(f"{field}.strict must be a boolean", f"{field}.strict")
     if obj.get("schema") is None:
         return GrammarSpec("json_object", None, field)
-    return GrammarSpec("json_schema", _schema(obj["schema"], f"{field}.schema"), f"{field}.schema")
+    schema = _schema(obj["schema"], f"{field}.schema")
+    if strict:  # (keywords a grammar cannot hold a reply to are refused, as OpenAI's strict mode does)
+        refuse_unenforced(schema, f"{field}.schema")
+    return GrammarSpec("json_schema", schema, f"{field}.schema")
 
 
 def response_format_spec(rf: Any, field: str = "response_format") -> GrammarSpec | None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specd.structured.errors import GrammarError
+from specd.structured.exactness import refuse_unenforced
 
 __all__ = [
     "ARGS_KEY",
@@ -116,6 +117,14 @@ def _function(i: int, tool: Any) -> ToolFunction:
     desc = fn.get("description") or ""
     if not isinstance(desc, str):
         raise GrammarError("invalid_tools", f"{where}.function.description must be a string", "tools")
+    strict = fn.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise GrammarError("invalid_tools", f"{where}.function.strict must be a boolean", "tools")
+    if strict:
+        try:
+            refuse_unenforced(params, f"{where}.function.parameters")
+        except GrammarError as e:
+            raise GrammarError("invalid_tools", e.message, "tools") from None
     return ToolFunction(name, dict(params), desc)
 
 
