@@ -137,8 +137,11 @@ def run_system(engine, prompts: list, system: str, batch: int, max_tokens: int) 
 
 def check_replies(engine, rows: list, replies: list, valid) -> dict:
     """Replies the grammar ended (``complete``: finish "stop", not cut by max_tokens), those of them
-    that parse as JSON, and (with jsonschema) that validate."""
-    parsed = ok = complete = 0
+    that parse as JSON, and (with jsonschema) that validate; ``invalid_relaxed``: invalid replies whose
+    schema uses a keyword the grammar relaxes (``specd.structured.exactness``; strict refuses those)."""
+    from specd.structured.exactness import unenforced
+
+    parsed = ok = complete = relaxed = 0
     for (row, _), (ids, reason) in zip(rows, replies):
         if reason != "stop":
             continue
@@ -149,8 +152,12 @@ def check_replies(engine, rows: list, replies: list, valid) -> dict:
         except ValueError:
             continue
         parsed += 1
-        ok += valid(row["schema"], value) if valid is not None else 1
-    return {"replies": len(replies), "complete": complete, "json": parsed, "valid": ok if valid is not None else None}
+        good = valid(row["schema"], value) if valid is not None else True
+        ok += good
+        relaxed += not good and bool(unenforced(row["schema"]))
+    checked = valid is not None
+    return {"replies": len(replies), "complete": complete, "json": parsed, "valid": ok if checked else None,
+            "invalid_relaxed": relaxed if checked else None}  # fmt: skip
 
 
 def prompts_for(engine, compiled: list) -> list:
