@@ -4,7 +4,8 @@ verification rows, and each step against the memory-bandwidth floor.
 
     OMP_NUM_THREADS=2 python -m eval bench scale --sizes 1.7b --formats q4_0 --threads 1,2
 
-Per size: an f16 GGUF written with the ``gguf`` package (normal weights, std ``--std``; RMSNorm weights
+Per size: an f16 GGUF written with the ``gguf`` package (normal weights, std ``--std``: each matrix a
+random window of one pool of 2^26 normals, so an 8B file takes as long as its writes; RMSNorm weights
 1; the built-in model's byte-level BPE tokenizer, padded with reserved control tokens up to the shape's
 vocabulary, so specd and llama.cpp both load it; RoPE without Llama 3's frequency scaling, which costs
 nothing per step) into ``--cache`` (default ``~/.cache/specd/bench-scale``, outside the repository),
@@ -79,6 +80,7 @@ SHAPES = {
     "8b": Shape("Llama-3.1-8B", 4096, 14336, 32, 32, 8, 128256, False, 500000.0),
 }
 CONTEXT = 8192  # the files' context length (the step's cost does not depend on it)
+POOL = 1 << 26  # random normals drawn per file; each weight matrix is a random window of them
 
 
 # the files --------------------------------------------------------------------------------------
@@ -167,14 +169,26 @@ def write_f16(path: Path, s: Shape, std: float = 0.02, seed: int = 0) -> Path:
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
+    pool = rng.standard_normal(min(POOL, max(int(np.prod(x)) for _, x, _ in plan)), dtype=np.float32) * std
+    pool = pool.astype(np.float16)
     for _, shape, half in plan:
-        if half:
-            w.write_tensor_data((rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float16))
+        if half:  # a random window (rotation) of one pool of normals (drawing 8B normals takes minutes)
+            w.write_tensor_data(_window(pool, shape, rng))
         else:
             w.write_tensor_data(np.ones(shape, dtype=np.float32))
     w.close()
     tmp.rename(path)
     return path
+
+
+def _window(pool: np.ndarray, shape: tuple, rng) -> np.ndarray:
+    """``shape`` values from ``pool`` starting at a random offset: a view when they fit, else the pool
+    rotated and repeated."""
+    n = int(np.prod(shape))
+    if n <= len(pool):
+        start = int(rng.integers(len(pool) - n + 1))
+        return pool[start : start + n].reshape(shape)
+    return np.resize(np.roll(pool, -int(rng.integers(len(pool)))), shape)
 
 
 def tool(name: str, tools: Path = LLAMA_TOOLS) -> Path | None:
