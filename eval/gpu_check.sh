@@ -6,9 +6,10 @@
 #            the GPU (no interpreter) against their torch references, rows bitwise across batch sizes,
 #            CUDA-graph capture; then `eval.gpu_step kernels`: the invariant GEMM / RMSNorm / attention
 #            against cuBLAS / torch / tree attention at Llama-3.1-8B shapes (time, GB/s, row bits)
-#   graphs   `eval.gpu_step graphs`: the model's forward + logits captured by specd.model.graphs per
-#            bucket; replay == the eager step (bitwise, same padded inputs), real rows vs the unpadded
-#            eager step, eager vs replayed step time; cuBLAS and the invariant ops
+#   graphs   `eval.gpu_step graphs`: the engine's target step as its start-up captured it (--cuda-graphs
+#            on, the default buckets, both ops variants); replay == the eager step (bitwise, same padded
+#            inputs), real rows vs the unpadded eager step (bitwise with the invariant ops), eager vs
+#            replayed step time; the identity and speed stages' engines run their CUDA graphs too
 #   identity `eval.gpu_step identity`: the engine (device cuda, bf16) greedy, every speculative mode
 #            (chain / tree / head / ngram / auto) == plain per prompt, batch 1 and 8, invariant on / off
 #   speed    `eval.gpu_step speed`: plain / auto / head / ngram tokens/s at batch 1, 4 and 16
@@ -124,7 +125,7 @@ if want kernels; then
     run_stage kernels_timing "${GPU_CHECK_KERNEL_TIMING_S:-60}" "$PYBIN" -m eval.gpu_step kernels
 fi
 if want graphs; then
-    run_stage graphs "${GPU_CHECK_GRAPHS_S:-75}" "$PYBIN" -m eval.gpu_step graphs "${MODEL_ARGS[@]}"
+    run_stage graphs "${GPU_CHECK_GRAPHS_S:-120}" "$PYBIN" -m eval.gpu_step graphs "${MODEL_ARGS[@]}"
 fi
 if want identity; then
     if [ -f "$PROMPTS" ]; then

@@ -2,9 +2,10 @@
 
     python -m eval.gpu_step kernels    # invariant GEMM / RMSNorm / attention vs cuBLAS / torch / tree attention:
                                        # time, GB/s, row 0 bitwise across row counts (Llama-3.1-8B shapes)
-    python -m eval.gpu_step graphs     # GraphRunner over the model's forward + logits: replay == the eager step on
-                                       # the same padded inputs (bitwise), real rows vs the unpadded eager step,
-                                       # step time eager vs replayed; cuBLAS and invariant ops
+    python -m eval.gpu_step graphs     # the engine's target step as its start-up captured it (--cuda-graphs on:
+                                       # GraphedModel, the logits after it): replay == the eager step on the same
+                                       # padded inputs (bitwise), real rows vs the unpadded eager step (bitwise
+                                       # with the invariant ops), step time eager vs replayed; cuBLAS and invariant
     python -m eval.gpu_step identity   # the engine, greedy: every speculative mode's tokens == plain's, per prompt,
                                        # batch 1 and 8, invariant kernels on and off
     python -m eval.gpu_step speed      # the engine's tokens/s: plain / auto / head / ngram at batch 1, 4, 16
@@ -19,13 +20,16 @@ runs where there is no GPU (tests/test_graphs.py runs it).
 
 Invariant ops in the model: the engine stages (identity, speed) use the engine's own setting
 (``EngineConfig.batch_invariant``: the target pass hands ``specd.model.invariant``'s ops to
-``LlamaModel.forward`` / ``compute_logits`` on CUDA); the graphs and shape8b stages pass the ops to
-the forward themselves (``model_step(..., ops)``; in a dry run forced onto CPU tensors).
+``LlamaModel.forward`` / ``compute_logits`` on CUDA) and its CUDA graphs (``--cuda-graphs``, buckets
+up to ``--graph-tokens``); the graphs stage calls the engine's captured target with each ops variant,
+the shape8b stage passes the ops to the forward itself (``model_step(..., ops)``); in a dry run they
+are forced onto CPU tensors.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -321,52 +325,94 @@ def graph_cases(a) -> list:
             ("tree 17, B=4", [17] * 4, [c] * 4, True)]  # fmt: skip
 
 
-def graph_rows(a, model, backend, ops, dev, dtype) -> list:
-    """Capture the model's step and compare / time each case (see the module doc)."""
-    from specd.model.graphs import GraphConfig, GraphRunner
+def small_graphs(a) -> None:
+    """The engine's graph buckets for the identity / speed stages (``--graph-tokens``: each engine's
+    start-up captures one graph per bucket); in a dry run the CPU stand-in graph and a few small
+    buckets (interpreted kernels)."""
+    from specd.engine import step_graphs
+    from specd.model.graphs import RecordedGraph
 
-    cases = graph_cases(a)
-    bs, cfg = 16, model.cfg
-    need = max(blocks_needed(q, c, bs) for _, q, c, _ in cases)
-    kv = random_cache(cfg, need, bs, dtype, dev)
-    step = model_step(model, kv, backend, bs, ops)
-    # decode widths and two tree widths (every case's bucket; default_buckets(16, 128) would take 60 captures)
-    buckets = ((2, 2), (1, 8)) if a.dry_run else ((1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (1, 64), (4, 128))
-    gcfg = GraphConfig(buckets=buckets, max_blocks=need, block_size=bs, max_region=40, pool_bytes=a.graph_pool_gb << 30)
-    runner = GraphRunner(step, gcfg, dev)
-    runner.capture()
-    print(runner.describe(), flush=True)
+    step_graphs.GRAPH_MAX_TOKENS = min(step_graphs.GRAPH_MAX_TOKENS, a.graph_tokens)
+    step_graphs.DRAFT_MAX_TOKENS = min(step_graphs.DRAFT_MAX_TOKENS, a.graph_tokens)
+    if a.dry_run:
+        step_graphs.STAND_IN, step_graphs.GRAPH_MAX_BATCH, step_graphs.GRAPH_MAX_CONTEXT = RecordedGraph, 2, 64
+
+
+def graph_engine(a, lm, need_blocks: int):
+    """The engine whose start-up captures the target's step (``--cuda-graphs on``, the default buckets,
+    ``batch_invariant auto``: the cuBLAS and the invariant variant), its KV cache random."""
+    from specd.config import CacheConfig, EngineConfig, SchedulerConfig
+    from specd.engine.engine import Engine
+    from specd.model.graphs import RecordedGraph
+
+    if a.dry_run:
+        small_graphs(a)
+    cfg = EngineConfig(target=str(lm.path), device=str(lm.device), attention_backend="triton", cuda_graphs="on",
+                       batch_invariant="auto", cache=CacheConfig(num_blocks=need_blocks),
+                       scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256))  # fmt: skip
+    engine = Engine(cfg, target=lm)
+    engine.cache.kv.normal_()
+    if a.dry_run:  # (no CUDA: the builder captured the cuBLAS variant only; the invariant one forced, at the
+        graphed = engine.target.model  # cases' buckets: an interpreted invariant forward takes seconds)
+        cfg0 = next(iter(graphed.runners.values())).cfg
+        graphed.add(invariant_ops(lm.device), (), dataclasses.replace(cfg0, buckets=((2, 2), (1, 8))), RecordedGraph)
+    return engine
+
+
+def graph_rows(a, engine, ops, dev) -> list:
+    """Each case through the engine's captured target (``GraphedModel``, then the logits eagerly, as
+    the target pass runs it) against the model run eagerly: the same padded inputs (bitwise), the real
+    unpadded step, and the time of both."""
+    graphed = engine.target.model
+    model, kv, backend, bs = graphed.model, engine.cache.kv, engine.backend, engine.cache.block_size
+    runner = graphed.runners[(ops, ())]
+    kw = {"ops": ops}
+
+    def eager(inp):
+        return model.compute_logits(model(inp.input_ids, inp.positions, kv, inp.to_metadata(bs), backend, **kw), **kw)
+
+    def replay(inp):
+        return model.compute_logits(graphed(inp.input_ids, inp.positions, kv, inp.to_metadata(bs), backend, **kw), **kw)
+
     rows = []
-    for name, q, c, tree in cases:
-        inp = step_inputs(q, c, bs, dev, tree=tree, vocab=cfg.vocab_size)
-        got = runner.run(inp).clone()
+    for name, q, c, tree in graph_cases(a):
+        inp = step_inputs(q, c, bs, dev, tree=tree, vocab=model.cfg.vocab_size)
         key = runner.bucket_for(inp)
-        same = step(runner.graphs[key].static)[: inp.num_tokens] if key else got
-        real = step(inp)
-        t_e = median_s(lambda inp=inp, step=step: step(inp), 2, a.iters)
-        t_g = median_s(lambda inp=inp, r=runner: r.run(inp), 2, a.iters)
-        rows.append((name, "eager" if key is None else f"{key[0]}x{key[1]}", torch.equal(got, same),
-                     torch.equal(got, real), f"{(got - real).abs().max().item():.2e}",
+        got = replay(inp).clone()
+        same = eager(runner.graphs[key].static)[: inp.num_tokens] if key else got
+        real = eager(inp)
+        t_e = median_s(lambda inp=inp: eager(inp), 2, a.iters)
+        t_g = median_s(lambda inp=inp: replay(inp), 2, a.iters)
+        rows.append((name, "eager" if key is None else f"{key[0]}x{key[1]}{'+mask' if key[2] else ''}",
+                     torch.equal(got, same), torch.equal(got, real), f"{(got - real).abs().max().item():.2e}",
                      f"{(got.argmax(-1) == real.argmax(-1)).float().mean().item():.3f}", ms(t_e), ms(t_g),
                      f"{t_e / t_g:.1f}x"))  # fmt: skip
     return rows
 
 
 def stage_graphs(a) -> int:
-    from specd.model.attention import get_backend
-
     dev, dtype = device_and_dtype(a)
     lm = load_target(a, dev, dtype)
-    backend = get_backend("triton", dev)
+    need = max(blocks_needed(q, c, 16) for _, q, c, _ in graph_cases(a)) + 1
+    engine = graph_engine(a, lm, need)
+    for line in engine_graph_lines(engine):
+        print(line, flush=True)
     bad = 0
-    for label, ops in (("cuBLAS + tree attention", None), ("invariant ops", invariant_ops(dev))):
-        print(f"## graphs: {lm.path.name} {str(dtype).removeprefix('torch.')} on {dev.type}, {label}\n")
-        rows = graph_rows(a, lm.model, backend, ops, dev, dtype)
+    for label, ops in (("cuBLAS + tree attention", plain_ops()), ("invariant ops", invariant_ops(dev))):
+        print(f"\n## graphs: the engine's target step, {lm.path.name} {str(dtype).removeprefix('torch.')} on "
+              f"{dev.type}, {label}\n")  # fmt: skip
+        rows = graph_rows(a, engine, ops, dev)
         table(["step", "bucket", "replay == eager, same padded inputs", "replay == eager unpadded (bitwise)",
                "max |replay - eager unpadded|", "argmax agree", "eager ms", "graph ms", "speedup"], rows)  # fmt: skip
-        bad += sum(not r[2] for r in rows) + (sum(not r[3] for r in rows) if ops is not None else 0)
+        bad += sum(not r[2] for r in rows) + (sum(not r[3] for r in rows) if ops.enabled else 0)
     print("graphs: replay == eager" if not bad else f"graphs: {bad} mismatches")
     return 1 if bad else 0
+
+
+def engine_graph_lines(engine) -> list:
+    """The engine's captured target runners, one line each (the builder logs the same)."""
+    return [f"captured at start-up ({'invariant' if ops.enabled else 'default'} ops): {r.describe()}"
+            for (ops, _), r in engine.target.model.runners.items()]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,7 +442,7 @@ def build_engine(a, pair, mode, use_head: bool, invariant: str, batch: int):
     use_draft = draft if (drafts and head is None) else None
     cfg = EngineConfig(
         target=str(target.path), draft=str(use_draft.path) if use_draft is not None else None, head=head,
-        device=str(target.device), spec=mode.spec_config(), batch_invariant=invariant,
+        device=str(target.device), spec=mode.spec_config(), batch_invariant=invariant, cuda_graphs=a.cuda_graphs,
         scheduler=SchedulerConfig(max_num_seqs=max(batch, 1), enable_prefix_cache=False),
         cache=CacheConfig(memory_bytes=(64 << 20) if a.dry_run else (2 << 30)),
     )  # fmt: skip
@@ -455,12 +501,14 @@ def identity_runs(a, pair, ids, setting: str, t_end: float) -> list:
 
 def stage_identity(a) -> int:
     dev, dtype = device_and_dtype(a)
+    if not a.dry_run:  # (a dry run's engines are eager: the graphs stage runs the stand-in)
+        small_graphs(a)
     n, t_end = (2 if a.dry_run else a.num_prompts), time.perf_counter() + a.budget_s
     pair, ids = load_pair_and_prompts(a, dev, dtype, n, a.max_tokens)
     how = "the engine's own (batch_invariant)"
     print(f"## greedy identity: {pair[0].path.name} + {'head ' + str(a.head) if a.head else pair[1].path.name}, "
           f"{len(ids)} prompts x {a.max_tokens} tokens, {str(dtype).removeprefix('torch.')} on {dev.type}; "
-          f"invariant kernels: {how}\n")  # fmt: skip
+          f"invariant kernels: {how}; CUDA graphs: {a.cuda_graphs} (steps to {a.graph_tokens} tokens)\n")  # fmt: skip
     rows = []
     for setting in a.settings:
         rows += identity_runs(a, pair, ids, setting, t_end)
@@ -491,6 +539,8 @@ def stage_speed(a) -> int:
     from eval.harness.modes import Mode
 
     dev, dtype = device_and_dtype(a)
+    if not a.dry_run:
+        small_graphs(a)
     batches = (1, 2) if a.dry_run else (1, 4, 16)
     pair, ids = load_pair_and_prompts(a, dev, dtype, max(batches) if a.dry_run else max(16, a.num_prompts), 0)
     modes = [("plain", Mode.parse("off"), False), ("auto", Mode.parse("auto"), a.head is not None),
@@ -498,7 +548,8 @@ def stage_speed(a) -> int:
     if a.head is not None:
         modes.insert(2, ("head", Mode.parse("tree:32"), True))
     print(f"## speed: {pair[0].path.name}, greedy, {a.speed_tokens} tokens, {str(dtype).removeprefix('torch.')} "
-          f"on {dev.type} (batch_invariant off; JIT warmed up first)\n")  # fmt: skip
+          f"on {dev.type} (batch_invariant off; CUDA graphs {a.cuda_graphs}, steps up to {a.graph_tokens} tokens; "
+          "JIT warmed up first)\n")  # fmt: skip
     rows = []
     for b in batches:
         group = ids[: max(b, 4)] if b == 1 else ids[:b]
@@ -601,6 +652,15 @@ def parse_args(argv=None):
     ap.add_argument("--settings", default="on,off", help="identity: batch_invariant settings to run")
     ap.add_argument("--context", type=int, default=512, help="graphs / shape8b: cached tokens per request")
     ap.add_argument("--graph-pool-gb", type=int, default=4)
+    ap.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="identity / speed: the engines' --cuda-graphs (auto: on for CUDA)",
+    )
+    ap.add_argument("--graph-tokens", type=int, default=64,
+                    help="identity / speed: tokens of the largest captured step (the capture at each engine's "
+                    "start costs one graph per bucket; wider steps run eagerly)")  # fmt: skip
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--budget-s", type=float, default=150.0, help="identity: start no run after this")
     a = ap.parse_args(argv)
@@ -608,6 +668,7 @@ def parse_args(argv=None):
     a.settings = [x for x in a.settings.split(",") if x]
     if a.dry_run:  # (an invariant engine run is interpreted kernel by kernel: minutes; its wiring is checked)
         a.batches, a.settings, a.iters, a.max_tokens, a.speed_tokens = [1, 2], ["off"], 2, 6, 6
+        a.graph_tokens = 8
     return a
 
 
