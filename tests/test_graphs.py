@@ -353,3 +353,82 @@ def test_gpu_check_script_prelude(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"== shared data: {tmp_path}; prompts: {tmp_path}/data/spec_bench/question.jsonl" in r.stdout
     assert "== built-in model not found" in r.stdout and "the demo pair" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# per-token rows (a feature head's hidden inputs) and the engine's GraphedModel
+# ---------------------------------------------------------------------------------------------
+
+
+def test_per_token_rows_are_copied_padded_and_bucketed_by_width():
+    cfg = GraphConfig(buckets=((2, 4),), max_blocks=4, block_size=BS, row_width=3)
+    static = static_inputs((2, 4, False), cfg, DEVICE)
+    assert static.rows.shape == (4, 3) and static.rows.dtype == torch.float32
+    inp = make_inputs([2, 1], [3, 0], [[1, 2], [3]])
+    rows = torch.arange(9, dtype=torch.float32, device=DEVICE).view(3, 3) + 1
+    static.rows.fill_(7.0)
+    fill(static, StepInputs(**{**inp.__dict__, "rows": rows}), cfg.pad_slot)
+    assert static.rows.tolist() == rows.tolist() + [[0.0, 0.0, 0.0]]
+    runner = make_runner(lambda i: i.rows * 2, buckets=((2, 4),), masked=(False,), row_width=3)
+    assert runner.bucket_for(StepInputs(**{**inp.__dict__, "rows": rows})) == (2, 4, False)
+    assert runner.bucket_for(inp) is None  # no rows where the graph takes them: eager
+    assert runner.bucket_for(StepInputs(**{**inp.__dict__, "rows": rows[:, :2]})) is None  # another width
+    assert runner.run(StepInputs(**{**inp.__dict__, "rows": rows})).tolist() == (rows * 2).tolist()
+
+
+def test_step_inputs_of_a_model_call_share_its_tensors():
+    from specd.model.attention import build_metadata
+
+    meta = build_metadata([2, 1], [3, 0], [[1, 2], [3]], [13, 14, 12], BS, DEVICE)
+    ids, pos = torch.tensor([5, 6, 7], device=DEVICE), torch.tensor([3, 4, 0], device=DEVICE)
+    inp = StepInputs.of(ids, pos, meta)
+    assert inp.input_ids is ids and inp.slot_mapping is meta.slot_mapping and inp.block_tables is meta.block_tables
+    assert (inp.num_seqs, inp.num_tokens, inp.max_query_len, inp.max_seq_len, inp.rows) == (2, 3, 2, 5, None)
+
+
+class _SpyModel:
+    """A model's call signature, recording calls; rows = positions * 10 (+ features: positions + layer)."""
+
+    cfg = "the model's cfg"
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, ids, pos, kv, meta, backend=None, capture=None, ops=None):
+        self.calls.append((kv, ops))
+        if capture is not None:
+            for i in capture:
+                capture[i] = (pos + i).float()[:, None]
+        return (pos * 10).float()[:, None]
+
+    def compute_logits(self, hidden, **kw):
+        return hidden + 1
+
+
+def test_a_graphed_model_replays_its_variants_and_runs_anything_else_eagerly():
+    from specd.model import invariant
+    from specd.model.graphs import GraphedModel
+
+    model, kv, other_kv = _SpyModel(), torch.zeros(1, device=DEVICE), torch.zeros(1, device=DEVICE)
+    graphed = GraphedModel(model, kv, "backend", BS)
+    cfg = GraphConfig(buckets=((2, 4),), max_blocks=4, block_size=BS, masked=(False,))
+    inv = invariant.InvariantOps(True, devices=(DEVICE.type,))
+    graphed.add(invariant.OFF, (), cfg, RecordedGraph)
+    graphed.add(inv, (1, 3), cfg, RecordedGraph)
+    inp = make_inputs([2, 1], [3, 0], [[1, 2], [3]])
+    meta = inp.to_metadata(BS)
+    model.calls.clear()
+    assert graphed(inp.input_ids, inp.positions, kv, meta, "backend").tolist() == [[30.0], [40.0], [0.0]]
+    caps = {1: None, 3: None}
+    out = graphed(inp.input_ids, inp.positions, kv, meta, "backend", capture=caps, ops=inv)
+    assert out.tolist() == [[30.0], [40.0], [0.0]] and caps[3].tolist() == [[6.0], [7.0], [3.0]]
+    assert [ops for _, ops in model.calls] == [invariant.OFF, inv]  # the stand-in replays each variant's closure
+    stats = {k: r.stats()["replays"] for k, r in graphed.runners.items()}
+    assert stats == {(invariant.OFF, ()): 1, (inv, (1, 3)): 1}
+    model.calls.clear()
+    graphed(inp.input_ids, inp.positions, other_kv, meta, "backend")  # another cache (a cost probe): eager
+    graphed(inp.input_ids, inp.positions, kv, meta, "another backend")
+    graphed(inp.input_ids, inp.positions, kv, meta, "backend", capture={2: None})  # a variant not captured
+    assert [c[0] is other_kv for c in model.calls] == [True, False, False]
+    assert sum(r.stats()["replays"] for r in graphed.runners.values()) == 2
+    assert graphed.cfg == "the model's cfg" and graphed.compute_logits(torch.ones(1)).tolist() == [2.0]
