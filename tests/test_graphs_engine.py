@@ -8,8 +8,10 @@ replayed on the same static buffers) takes the place of CUDA graphs through the 
 the last request, as on CUDA). Small buckets (batch 2, 16 target tokens, 8 draft rows, contexts to
 64 tokens) keep the interpreted captures few. Shown: greedy output through the graphs == the eager
 engine's, token for token, for plain decoding, chain and tree verification, the draft model and the
-feature head; replays, eager steps and padding counted per forward and reported in the engine
-snapshot and ``/metrics``; a CPU engine takes no graphs unless asked, and ``on`` refuses there.
+feature head; with the batch-invariant kernels (forced onto CPU tensors) the invariant variant is
+the one captured and replayed, and speculative output through it == plain output through it;
+replays, eager steps and padding counted per forward and reported in the engine snapshot and
+``/metrics``; a CPU engine takes no graphs unless asked, and ``on`` refuses there.
 """
 
 from __future__ import annotations
@@ -162,3 +164,49 @@ def test_the_flag_reaches_the_engine_config():
 
     assert engine_config(serve_parser().parse_args([])).cuda_graphs == "auto"
     assert engine_config(serve_parser().parse_args(["--cuda-graphs", "off"])).cuda_graphs == "off"
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A tiny random Llama (2 layers, hidden 64, vocabulary 128; saved by transformers, loaded by
+    specd) op by op, as a bf16 model runs on a GPU, as target and as its own draft."""
+    import transformers as tf
+
+    from specd.model.loader import load_model
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    pair = []
+    for _ in range(2):
+        lm = load_model(path, "cpu", "float32", progress=False, with_tokenizer=False)
+        lm.model.FOLD_MAX_HIDDEN, lm.model._flat = 0, None
+        pair.append(lm)
+    return tuple(pair)
+
+
+def test_batch_invariant_steps_replay_their_own_variant_and_speculation_equals_plain(tiny_pair, stand_in, monkeypatch):
+    """``--batch-invariant on`` with the invariant kernels forced onto CPU tensors (in production only
+    CUDA tensors take them): the builder captures the invariant variant only, every target step
+    replays it, and greedy chain / tree output through the graphs == plain output through them."""
+    from specd.model import invariant
+
+    monkeypatch.setattr(invariant, "ON", invariant.InvariantOps(True, devices=("cpu",)))
+    target, draft = tiny_pair
+    cfg = EngineConfig(target=str(target.path), draft=str(draft.path), dtype="float32", attention_backend="triton",
+                       batch_invariant="on", spec=SpecConfig(**SPEC), scheduler=SchedulerConfig(2))  # fmt: skip
+    eng = Engine(cfg, target=target, draft=draft)
+    ((ops, _),) = eng.target.model.runners
+    assert ops == invariant.ON
+    ps = [[5, 17, 33, 2, 90], [7, 7, 64]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = [s.output_ids for s in eng.generate(ps, params, SpecParams(mode="off"))]
+    for mode in ("chain", "tree"):
+        assert [s.output_ids for s in eng.generate(ps, params, SpecParams(mode=mode))] == plain, mode
+    s = snapshot_of(eng).graphs
+    assert s["target"]["replays"] > 0 and any(k.endswith("+mask") for k in s["target"]["by_bucket"])
+    assert eng.stats.accepted_tokens > 0
