@@ -102,9 +102,11 @@ class GraphConfig:
             raise ValueError(f"masked holds False (causal) and/or True (tree masks), got {self.masked}")
 
     def keys(self) -> list:
-        """Every bucket to capture, smallest first (tokens, then batch; causal before masked)."""
+        """Every bucket to capture, smallest first (tokens, then batch; causal before masked). No
+        masked bucket of one token per request (a tree has several: such steps pad to the next one)."""
         variants = [m for m in (False, True) if m in self.masked and (not m or self.max_region > 0)]
-        return sorted(((b, t, m) for b, t in self.buckets for m in variants), key=lambda k: (k[1], k[0], k[2]))
+        keys = [(b, t, m) for b, t in self.buckets for m in variants if not (m and t == b)]
+        return sorted(keys, key=lambda k: (k[1], k[0], k[2]))
 
 
 @dataclass(frozen=True)
