@@ -188,6 +188,7 @@ class EngineSnapshot:
     health: dict | None = None
     loop_failures: int = 0
     time: float = 0.0
+    graphs: dict = field(default_factory=dict)  # CUDA graph counters per forward (specd.engine.step_graphs)
 
 
 @dataclass(frozen=True)
