@@ -506,9 +506,7 @@ def test_unsupported_architectures_are_one_line_load_errors(tmp_path, monkeypatc
     folder, _ = hf_folder(tmp_path, "qwen3")
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["FalconForCausalLM"]}))
-    with pytest.raises(
-        LoadError, match=r"unsupported architecture 'FalconForCausalLM'.*Qwen3ForCausalLM, Gemma2"
-    ) as e:
+    with pytest.raises(LoadError, match=r"unsupported architecture 'FalconForCausalLM'.*Qwen3ForCausalLM, Gemma2") as e:
         load_model(folder, "cpu", "float32")
     assert "\n" not in str(e.value)
     model = hf_model("llama")
