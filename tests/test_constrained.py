@@ -97,14 +97,18 @@ def _greedy_replies(engine, prompts, mode, batch) -> list:
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_constrained_speculation_equals_plain(engine, reference, mode, batch):
     prompts, outs = reference
+    failures = engine.health.stage_failures
     assert _greedy_replies(engine, prompts, mode, batch) == outs
     assert engine.kv_blocks_used() == (0, 0)
+    assert engine.health.stage_failures == failures  # (no step failed and was retried in halves)
 
 
 @pytest.mark.parametrize("mode", ["off", "tree", "auto"])
 def test_overlapped_masks_give_the_same_replies(overlapped, reference, mode):
     prompts, outs = reference
+    failures = overlapped.health.stage_failures
     assert _greedy_replies(overlapped, prompts, mode, 4) == outs
+    assert overlapped.health.stage_failures == failures
     assert overlapped.kv_blocks_used() == (0, 0)
 
 

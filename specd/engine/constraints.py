@@ -189,8 +189,8 @@ class Constraints:
                 bm = rows.get(w.sc.seq.request_id)
                 if bm is None or w.tree is None:
                     continue
-                rows = torch.arange(w.row0, w.row0 + w.tree.num_nodes, device=tp.logits.device)
-                apply_bitmask_(tp.logits, bm.to(tp.logits.device), rows)
+                at = torch.arange(w.row0, w.row0 + w.tree.num_nodes, device=tp.logits.device)
+                apply_bitmask_(tp.logits, bm.to(tp.logits.device), at)
 
 
 def _fill_masks(jobs: list) -> dict:

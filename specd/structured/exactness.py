@@ -31,8 +31,8 @@ from specd.structured.errors import GrammarError
 
 __all__ = ["refuse_unenforced", "unenforced"]
 
-RELAXED = ("not", "if", "dependencies", "dependentRequired", "dependentSchemas", "contains", "minContains")
-RELAXED += ("maxContains",)
+RELAXED = ("not", "if", "dependencies", "dependentRequired", "dependentSchemas", "contains", "minContains",
+           "maxContains")  # fmt: skip
 # keywords whose value is one subschema / a map or list of subschemas (the walk descends into them)
 ONE = ("additionalProperties", "items", "additionalItems", "propertyNames", "unevaluatedProperties")
 MANY = ("properties", "patternProperties", "$defs", "definitions")
