@@ -86,7 +86,7 @@ def router_outputs(model, ids: list) -> dict:
             hooks.append(gate.register_forward_hook(hook))
     try:
         with torch.no_grad():
-            model(torch.tensor([ids]))
+            model(torch.tensor([ids], device=model.device))
     finally:
         for h in hooks:
             h.remove()
@@ -141,6 +141,27 @@ def test_routing_equals_transformers_router(tmp_path, name):
     w, idx = lm.model.layers[i].mlp.route(h)
     assert ((idx_ref == 0).any(-1) & (idx_ref == 1).any(-1)).any()  # some token chose both tied experts
     assert torch.equal(idx, idx_ref) and torch.allclose(w, w_ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_bf16_routing_is_transformers_bit_for_bit(tmp_path, name):
+    """In bf16 (CUDA's default dtype; the test runs on CUDA where present) the router's logits are bf16
+    and its softmax fp32, as in transformers: on transformers' router inputs the chosen experts and
+    their weights are equal bit for bit (Qwen3-MoE's weights rounded to bf16, Mixtral's kept in fp32),
+    and the block's output is within bf16 rounding of transformers' block."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    folder, model = moe_folder(tmp_path, name)
+    model = model.to(device=device, dtype=torch.bfloat16)
+    lm = load_model(folder, device, "bfloat16", with_tokenizer=False)
+    ids = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    for i, (h, w_ref, idx_ref) in router_outputs(model, ids).items():
+        moe = lm.model.layers[i].mlp
+        w, idx = moe.route(h)
+        assert w.dtype == (torch.float32 if name == "mixtral" else torch.bfloat16) == w_ref.dtype
+        assert torch.equal(idx, idx_ref) and torch.equal(w, w_ref), i
+        with torch.no_grad():
+            ref = model.model.layers[i].mlp(h.unsqueeze(0))[0].float()
+        assert (moe(h).float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
 
 
 def test_only_the_chosen_experts_run_on_their_tokens_rows(tmp_path, monkeypatch):

@@ -171,7 +171,7 @@ class _ExpertSlice:
         self.tensor_type, self.name = t.tensor_type, f"{t.name}[{e}]"
         self.shape = t.shape[:2].copy()  # ggml dims, innermost first: (K, N)
         self.data = t.data[e]  # [N, bytes per row] (block-quantized) or [N, K]
-        self.n_bytes = t.n_bytes // int(t.shape[2])
+        self.n_bytes = self.data.nbytes
 
 
 def gguf_experts(moe: SparseMoE, i: int, tensors: dict, path) -> list:
