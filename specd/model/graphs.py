@@ -38,6 +38,10 @@ Contracts:
   take the total past ``pool_bytes`` is refused (with every larger bucket): those widths run
   eagerly, and ``stats()`` counts them.
 
+The engine (``specd.engine.step_graphs``) uses it through :class:`GraphedModel` (the target: one
+runner per forward variant behind the model's own call signature) and ``Drafter.graphs`` (the draft
+model, or the feature head whose hidden inputs travel as ``StepInputs.rows``, padded with zeros).
+
 On CUDA the graph is ``torch.cuda.CUDAGraph`` (two warm-up runs on a side stream compile the
 Triton kernels first). Elsewhere :class:`RecordedGraph` stands in: it records the closure at
 capture and replays the same closure on the same static buffers, copying into the same output
