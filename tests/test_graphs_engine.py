@@ -210,3 +210,21 @@ def test_batch_invariant_steps_replay_their_own_variant_and_speculation_equals_p
     s = snapshot_of(eng).graphs
     assert s["target"]["replays"] > 0 and any(k.endswith("+mask") for k in s["target"]["by_bucket"])
     assert eng.stats.accepted_tokens > 0
+
+
+def test_where_graphs_cannot_run_says_why(shared_pair, monkeypatch):
+    from types import SimpleNamespace
+
+    from specd.model.attention import TorchAttention, TritonAttention
+
+    model, cpu = shared_pair[0].model, torch.device("cpu")
+    pytest.importorskip("triton")
+    triton = TritonAttention()
+    assert "need a CUDA device" in step_graphs.refusal(model, cpu, triton, None)
+    monkeypatch.setattr(step_graphs, "STAND_IN", RecordedGraph)  # (as if on CUDA)
+    assert step_graphs.refusal(model, cpu, triton, None) is None
+    assert "triton attention backend (not torch)" in step_graphs.refusal(model, cpu, TorchAttention(), None)
+    assert "tensor-parallel" in step_graphs.refusal(model, cpu, triton, object())
+    assert "has no captured forward" in step_graphs.refusal(SimpleNamespace(), cpu, triton, None)
+    monkeypatch.setattr(model, "windows", (None, 32) + model.windows[2:])
+    assert "sliding windows" in step_graphs.refusal(model, cpu, triton, None)
