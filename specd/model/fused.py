@@ -50,6 +50,7 @@ def _lin(op: QuantLinear) -> tuple[Lin, tuple]:
         lin = Lin(2 + x8_fmt(int4, scale), op.out_features, op.k_pad, 32, op.in_features, _ptr(w), _ptr(scale),
                   _ptr(mins), _ptr(op.bias))  # fmt: skip
         return lin, (w, scale, mins, op.bias)
+    op.expand()  # (a compact op, ``QuantLinear.compact``: fp32 activations read the row layout)
     lin = Lin(1 if int4 else 0, op.out_features, op.k_pad, op.group, op.in_features, _ptr(op.qweight), _ptr(op.scale),
               _ptr(op.minv), _ptr(op.bias))  # fmt: skip
     return lin, (op.qweight, op.scale, op.minv, op.bias)

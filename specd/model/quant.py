@@ -35,7 +35,8 @@ class QuantLinear(nn.Module):
     """``y = x @ W^T (+ bias)`` with W [N, K] kept quantized (see the module doc for the formats).
 
     Buffers: ``qweight`` int8 [N, K_pad] or uint8 [N, K_pad / 2]; ``scale`` fp32 [N, K_pad / group];
-    ``minv`` fp32 like scale (int4) or None; ``bias`` [N] or None.
+    ``minv`` fp32 like scale (int4) or None; ``bias`` [N] or None. After ``compact`` (``layout``
+    "x8"): the CPU kernel's interleaved layout instead (``pack_x8``; scale and min as their bytes).
     """
 
     # Up to this many rows the quantized kernel runs; above it one dequantization into an fp32 matmul.
@@ -45,6 +46,7 @@ class QuantLinear(nn.Module):
     # int8 activations in the CPU kernel (``LlamaModel.set_act_int8``): faster, row-independent, not
     # equal to the fp32-activation result (see cpu_kernel/gemm_x8_avx2.h). A class default, set per layer.
     act_int8 = False
+    layout = "rows"  # "x8": the buffers hold the kernel's interleaved layout only (``compact``)
 
     def __init__(self, fmt: str, qweight, scale, minv, group: int, in_features: int, bias=None):
         super().__init__()
@@ -59,6 +61,8 @@ class QuantLinear(nn.Module):
 
     @property
     def k_pad(self) -> int:
+        if self.layout == "x8":
+            return self._k_pad
         return self.qweight.shape[1] * (2 if self.fmt == "int4" else 1)
 
     def extra_repr(self) -> str:
@@ -66,11 +70,61 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # .to(dtype) must not turn the fp32 scales into bf16
-        for name in ("scale", "minv", "bias"):
+        for name in ("bias",) if self.layout == "x8" else ("scale", "minv", "bias"):  # (x8: bytes)
             t = getattr(self, name)
             if t is not None and t.dtype != torch.float32:
                 setattr(self, name, t.float())
+        if self.layout == "x8" and self.qweight.device.type != "cpu":
+            self.expand()  # (the GPU kernels read the row layout)
         return self
+
+    # one copy: the kernel's layout ----------------------------------------------------------------
+    @classmethod
+    def from_x8(cls, fmt: str, group: int, in_features: int, N: int, w, scale, mins, bias=None) -> QuantLinear:
+        """A compact QuantLinear (``compact``) of N rows from ``pack_x8``'s three tensors."""
+        op = cls.__new__(cls)
+        nn.Module.__init__(op)
+        op.fmt, op.group, op.in_features, op.out_features = fmt, int(group), int(in_features), int(N)
+        op._k_pad, op._x8, op._sdt, op.layout = scale.shape[1] * BLOCK, None, scale.dtype, "x8"
+        as_bytes = lambda t: None if t is None else t.contiguous().view(torch.uint8)  # noqa: E731
+        op.register_buffer("qweight", w.contiguous())
+        op.register_buffer("scale", as_bytes(scale))
+        op.register_buffer("minv", as_bytes(mins))
+        op.register_buffer("bias", None if bias is None else bias.float().contiguous())
+        return op
+
+    def compact(self) -> QuantLinear:
+        """Keep the weight in the CPU kernel's interleaved layout only (``pack_x8``; its scales and
+        mins stored as bytes, so no dtype change touches them): one copy, about the GGUF file's bytes
+        (the row layout with fp32 scales is 1.33x a Q4_0 file, both layouts together 2.4x). Lookups,
+        dequantization and row selection read the tiles; the row layout comes back (``expand``) for
+        fp32 activations or another device. Returns self."""
+        if self.layout != "x8":
+            w, scale, mins = self.x8_pack()
+            self._k_pad, self._x8, self._sdt = self.k_pad, None, scale.dtype
+            as_bytes = lambda t: None if t is None else t.contiguous().view(torch.uint8)  # noqa: E731
+            self.qweight, self.scale, self.minv = w, as_bytes(scale), as_bytes(mins)
+            self.layout = "x8"
+        return self
+
+    def expand(self) -> None:
+        """Back to the row layout (buffers as at construction) from the interleaved one."""
+        if self.layout == "x8":
+            q, scale, mins = self._x8_rows(torch.arange(self.out_features, device=self.qweight.device))
+            self.layout, self._x8 = "rows", None
+            self.qweight, self.scale, self.minv = q, scale, mins
+
+    def _x8_rows(self, ids: torch.Tensor) -> tuple:
+        """Rows ``ids`` of a compact weight in the row layout: (packed codes, fp32 scale, fp32 min)."""
+        nbk, n = self._k_pad // BLOCK, ids.numel()
+        t, c = ids // 8, ids % 8
+        if self.fmt == "int4":  # a tile's block byte 4c + i of vector v is the row's byte 4v + i: as packed
+            q = self.qweight.view(-1, nbk, 4, 8, 4)[t, :, :, c, :].reshape(n, self._k_pad // 2)
+        else:
+            q = self.qweight.view(-1, nbk, 8, 8, 4)[t, :, :, c, :].reshape(n, self._k_pad).view(torch.int8)
+        step = self.group // BLOCK
+        per_row = lambda b: None if b is None else b.view(self._sdt).view(-1, nbk, 8)[t, :, c][:, ::step].float()  # noqa: E731
+        return q.contiguous(), per_row(self.scale).contiguous(), per_row(self.minv)
 
     def nbytes(self) -> int:
         """Bytes one full read of the weight costs (packed weights, scales, mins)."""
@@ -92,24 +146,32 @@ class QuantLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """fp32 W [N, K]: the reference every kernel is tested against."""
+        if self.layout == "x8":
+            return self._dequant(*self._x8_rows(torch.arange(self.out_features, device=self.qweight.device)))
         return self._dequant(self.qweight, self.scale, self.minv)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows ``W[ids]`` [len(ids), K] (an embedding lookup on a tied, quantized table)."""
+        if self.layout == "x8":
+            return self._dequant(*self._x8_rows(ids.reshape(-1))).view(*ids.shape, self.in_features)
         m = None if self.minv is None else self.minv[ids]
         return self._dequant(self.qweight[ids], self.scale[ids], m)
 
     def select(self, idx: torch.Tensor) -> QuantLinear:
-        """A QuantLinear of the rows ``idx`` of this one (quantized, copied)."""
+        """A QuantLinear of the rows ``idx`` of this one (quantized, copied; in the row layout)."""
         pick = lambda t: None if t is None else t.index_select(0, idx).contiguous()  # noqa: E731
-        return QuantLinear(self.fmt, pick(self.qweight), pick(self.scale), pick(self.minv), self.group,
-                           self.in_features, pick(self.bias))  # fmt: skip
+        q, scale, mins = self._x8_rows(idx) if self.layout == "x8" else map(pick, (self.qweight, self.scale, self.minv))
+        return QuantLinear(self.fmt, q, scale, mins, self.group, self.in_features, pick(self.bias))
 
     def x8_pack(self) -> tuple:
         """The weight in the CPU kernel's interleaved layout for int8 activations (``gemm_x8``,
         cpu_kernel/gemm_x8_avx2.h): ``(w uint8, scale [tiles, K_pad/32, 8], min or None)``, scale and min in fp16
         where every one of them is a half exactly (GGUF's Q4_0 / Q4_1 / Q8_0 blocks), else fp32; built
-        on first use and kept (a second copy of the codes: same size as ``qweight``)."""
+        on first use and kept (a second copy of the codes: same size as ``qweight``; none after
+        ``compact``)."""
+        if self.layout == "x8":
+            view = lambda b: None if b is None else b.view(self._sdt).view(-1, self._k_pad // BLOCK, 8)  # noqa: E731
+            return self.qweight, view(self.scale), view(self.minv)
         if getattr(self, "_x8", None) is None:
             self._x8 = pack_x8(self)
         return self._x8
@@ -127,6 +189,8 @@ class QuantLinear(nn.Module):
 
     def _matmul(self, x, add):
         M = x.shape[0]
+        if self.layout == "x8" and (x.is_cuda or not self.act_int8):
+            self.expand()  # (fp32 activations, or another device: the row layout from now on)
         if x.is_cuda:
             from specd.model.quant_gpu import woq_matmul
 
@@ -454,6 +518,9 @@ class KQuantLinear(QuantLinear):
         pick = [t.index_select(0, idx) for t in (f.u, f.s1, f.s2, f.d, f.dmin)]
         bias = None if self.bias is None else self.bias.index_select(0, idx)
         return KQuantLinear.from_fields([(name, KQFields(f.kind, *pick))], bias)
+
+    def compact(self) -> KQuantLinear:
+        return self  # (one copy already: the kq tiles)
 
     def x8_pack(self) -> tuple:
         """The kernel's operands: the tiles, the tile table and no mins (``qkernel.x8_fmt``: X8_KQ)."""

@@ -21,8 +21,10 @@ plus one projection's temporaries (the file is memory-mapped; nothing is dequant
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -30,7 +32,20 @@ import torch.nn as nn
 
 from specd.model.errors import LoadError
 from specd.model.moe import gguf_experts, mlp_projections
-from specd.model.quant import KQ_KINDS, KQ_SUPER, KQFields, KQuantLinear, QuantLinear, quantize, quantize_int8
+from specd.model.quant import (
+    KQ_HDR,
+    KQ_KINDS,
+    KQ_SUPER,
+    KQFields,
+    KQuantLinear,
+    QuantLinear,
+    kq_block_bytes,
+    kq_tile_table,
+    pack_kq,
+    pack_x8,
+    quantize,
+    quantize_int8,
+)
 
 log = logging.getLogger("specd.quant")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
@@ -76,13 +91,21 @@ def _f16(raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
 
 
-def repack(t) -> QuantLinear:
-    """A Q8_0 / Q4_0 / Q4_1 GGUF tensor (a ``GGUFReader`` tensor, torch shape [N, K]) as a
-    ``QuantLinear`` of the same blocks: no value is rounded."""
+def _dims(t) -> tuple[int, int]:
+    *rows, K = (int(n) for n in reversed(t.shape.tolist()))  # (ggml dims are innermost first)
+    return int(np.prod(rows)), K  # (a 3-D tensor, a mixture's experts: all its matrices' rows)
+
+
+def repack(t, rows=None) -> QuantLinear:
+    """A Q8_0 / Q4_0 / Q4_1 GGUF tensor (a ``GGUFReader`` tensor, torch shape [N, K]; ``rows``: an
+    index of the rows to take) as a ``QuantLinear`` of the same blocks: no value is rounded."""
     kind = t.tensor_type.name
-    N, K = (int(n) for n in reversed(t.shape.tolist()))
+    N, K = _dims(t)
     size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
     raw = np.asarray(t.data).reshape(N, K // 32, size)
+    if rows is not None:
+        raw = raw[rows]
+        N = len(raw)
     if kind == "Q8_0":
         q = torch.from_numpy(np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(N, K))
         return QuantLinear("int8", q, _f16(raw[..., 0:2]), None, 32, K)
@@ -98,16 +121,19 @@ def _halves(raw: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0])
 
 
-def kq_fields(t) -> KQFields:
-    """A Q4_K / Q5_K / Q6_K GGUF tensor's numbers (torch shape [N, K]) unpacked as the ``gguf``
-    package's dequantization reads them (``gguf.quants``; llama.cpp's block_q4_K, block_q5_K,
-    block_q6_K): nothing rounded."""
+def kq_fields(t, rows=None) -> KQFields:
+    """A Q4_K / Q5_K / Q6_K GGUF tensor's numbers (torch shape [N, K]; ``rows``: an index of the
+    rows to take) unpacked as the ``gguf`` package's dequantization reads them (``gguf.quants``;
+    llama.cpp's block_q4_K, block_q5_K, block_q6_K): nothing rounded."""
     from gguf.quants import Q4_K
 
     kind = t.tensor_type.name
-    N, K = (int(n) for n in reversed(t.shape.tolist()))
+    N, K = _dims(t)
     nsb = K // KQ_SUPER
     raw = np.asarray(t.data).reshape(N, nsb, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind])
+    if rows is not None:
+        raw = raw[rows]
+        N = len(raw)
     if kind == "Q6_K":
         ql = (raw[..., :128].reshape(N, nsb, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15
         qh = (raw[..., 128:192].reshape(N, nsb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3
@@ -129,16 +155,88 @@ def kq_fields(t) -> KQFields:
     return KQFields(KQ_KINDS.index(kind), as_t(u), as_t(s1), as_t(s2), d, dmin)
 
 
+CHUNK_BYTES = 256 << 10  # the file's bytes repacked at a time: a load's temporaries are a few times one chunk
+
+
+def _chunk_rows(t) -> int:
+    """Rows of ``t`` per chunk: a multiple of 8 (whole tiles), about CHUNK_BYTES of the file."""
+    row = t.data.nbytes // _dims(t)[0]
+    return max(8, CHUNK_BYTES // row // 8 * 8)
+
+
+def _release(t, perm, r0: int, r1: int) -> None:
+    """Rows r0 .. r1 - 1 of ``t`` are repacked: their pages leave the resident set (``TensorFile``;
+    a permuted tensor's rows are scattered: all of it once its last rows are done)."""
+    release = getattr(t, "release", None)
+    if release is not None and perm is None:
+        release(r0, r1)
+    elif release is not None and r1 >= len(perm):
+        release()
+
+
+def _order(t, perm) -> np.ndarray:
+    return np.arange(_dims(t)[0]) if perm is None else perm
+
+
 def kquant(tensors: list, perms: list) -> KQuantLinear:
-    """GGUF K-quant tensors stacked by rows as one ``KQuantLinear`` (``perms``: row orders to apply)."""
-    parts = []
+    """GGUF K-quant tensors stacked by rows as one ``KQuantLinear`` (``perms``: row orders to
+    apply), packed a chunk of rows at a time into the final buffer."""
+    K = _dims(tensors[0])[1]
+    kinds = [KQ_KINDS.index(t.tensor_type.name) for t in tensors]
+    tiles = [(_dims(t)[0] + 7) // 8 for t in tensors]
+    tile_bytes = [K // KQ_SUPER * (KQ_HDR + 8 * kq_block_bytes(k)) for k in kinds]
+    buf = torch.empty(sum(n * b for n, b in zip(tiles, tile_bytes)), dtype=torch.uint8)
+    at = 0
     for t, p in zip(tensors, perms):
-        f = kq_fields(t)
-        if p is not None:
-            idx = torch.from_numpy(p)
-            f = KQFields(f.kind, *(a.index_select(0, idx) for a in (f.u, f.s1, f.s2, f.d, f.dmin)))
-        parts.append((t.tensor_type.name, f))
-    return KQuantLinear.from_fields(parts)
+        order, step = _order(t, p), _chunk_rows(t)
+        for r0 in range(0, len(order), step):
+            packed = pack_kq(kq_fields(t, order[r0 : r0 + step])).view(-1)
+            buf[at : at + packed.numel()] = packed
+            at += packed.numel()
+            _release(t, p, r0, r0 + step)
+    table = kq_tile_table(sum(([k] * n for k, n in zip(kinds, tiles)), []),
+                          sum(([b] * n for b, n in zip(tile_bytes, tiles)), []))  # fmt: skip
+    return KQuantLinear([(t.tensor_type.name, _dims(t)[0]) for t in tensors], buf, table, K)
+
+
+def _x8_chunks(tensors: list, perms: list):
+    """The fused projection's rows a chunk at a time as row-layout ``QuantLinear``s (each chunk
+    across the parts it spans)."""
+    orders = [_order(t, p) for t, p in zip(tensors, perms)]
+    bounds = np.cumsum([0] + [len(o) for o in orders])
+    step = min(_chunk_rows(t) for t in tensors)
+    for r0 in range(0, int(bounds[-1]), step):
+        r1 = min(r0 + step, int(bounds[-1]))
+        span = [(t, p, o, max(r0, a) - a, min(r1, b) - a) for t, p, o, a, b in
+                zip(tensors, perms, orders, bounds[:-1], bounds[1:]) if max(r0, a) < min(r1, b)]  # fmt: skip
+        ops = [repack(t, o[a:b]) for t, _, o, a, b in span]
+        yield ops[0] if len(ops) == 1 else _cat(ops)
+        for t, p, _, a, b in span:
+            _release(t, p, a, b)
+
+
+def repack_x8(tensors: list, perms: list) -> QuantLinear | None:
+    """The ``repack`` of GGUF tensors stacked by rows straight into the CPU kernel's layout
+    (``QuantLinear.compact``), a chunk of rows at a time into the final buffers; None where the
+    chunks' scales are not all halves (then the whole projection is repacked at once)."""
+    N = sum(_dims(t)[0] for t in tensors)
+    out: list = []  # w, scale, mins: the whole projection's
+    tile = 0
+    for op in _x8_chunks(tensors, perms):
+        chunk = pack_x8(op)
+        n = chunk[1].shape[0]  # tiles in this chunk
+        if not out:
+            fmt, group, K, per_tile = op.fmt, op.group, op.in_features, chunk[0].numel() // n
+            out = [torch.empty(((N + 7) // 8 * per_tile,), dtype=torch.uint8)]
+            out += [None if c is None else torch.empty(((N + 7) // 8, *c.shape[1:]), dtype=c.dtype) for c in chunk[1:]]
+        if any(c is not None and c.dtype != o.dtype for c, o in zip(chunk[1:], out[1:])):
+            return None
+        out[0][tile * per_tile : (tile + n) * per_tile] = chunk[0]
+        for c, o in zip(chunk[1:], out[1:]):
+            if c is not None:
+                o[tile : tile + n] = c
+        tile += n
+    return QuantLinear.from_x8(fmt, group, K, N, *out)
 
 
 def _cat(ops: list) -> QuantLinear:
@@ -191,13 +289,28 @@ def projection(tensors: list, mode: str, path: Path, row_perms: list | None = No
     how = _target_format([t.tensor_type.name for t in tensors], mode, [t.name for t in tensors], path, rows)
     if how == "kquant":
         return kquant(tensors, perms)
+    if how == "repack" and _kernel():
+        op = repack_x8(tensors, perms)
+        if op is not None:
+            return op
     if how == "repack":
         ops = [repack(t) for t in tensors]
         ops = [o if p is None else o.select(torch.from_numpy(p)) for o, p in zip(ops, perms)]
-        return ops[0] if len(ops) == 1 else _cat(ops)
+        return _compact(ops[0] if len(ops) == 1 else _cat(ops))
     parts = [torch.from_numpy(_dequantize(t, path)) for t in tensors]
     w = torch.cat([x if p is None else x[torch.from_numpy(p)] for x, p in zip(parts, perms)])
-    return w if how == "float" else quantize(w, how)
+    return w if how == "float" else _compact(quantize(w, how))
+
+
+def _kernel() -> bool:
+    from specd.model.qkernel import kernel
+
+    return kernel() is not None
+
+
+def _compact(op: QuantLinear) -> QuantLinear:
+    """``op`` in the CPU kernel's layout only where the kernel runs (``QuantLinear.compact``)."""
+    return op.compact() if _kernel() else op
 
 
 def _set_linear(parent: nn.Module, name: str, op, bias: torch.Tensor | None) -> None:
@@ -233,6 +346,7 @@ def _layer(blk, i: int, tensors: dict, mode: str, path: Path, perm_heads: dict |
         bs = [b if perm(n) is None else b[torch.from_numpy(perm(n))] for b, n in zip(bs, qkv)]
         bias = torch.cat(bs)
     _set_linear(blk.attn, "qkv", projection([t(n) for n in qkv], mode, path, [perm(n) for n in qkv]), bias)
+    _trim()
     _set_linear(blk.attn, "o", projection([t("attn_output")], mode, path), None)
     if f"blk.{i}.ffn_gate_inp.weight" in tensors:  # a mixture of experts: its router, each expert's projections
         for parent, name, parts in gguf_experts(blk.mlp, i, tensors, path):
@@ -262,13 +376,117 @@ def _embeddings(model, tensors: dict, mode: str, path: Path) -> None:
     _set_linear(model, "lm_head", projection([tensors["output.weight"]], head_mode, path), None)
 
 
+def _trim() -> None:
+    """Hand the allocator's free pages back (glibc's malloc_trim): a layer's temporaries are freed
+    below live blocks, where glibc keeps them resident (measured: ~2x a layer's weights per layer)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# the file's tensors, mapped ---------------------------------------------------------------------------
+class TensorFile:
+    """A GGUF file's tensors as ``GGUFReader`` gives them (name, tensor_type, shape in ggml order,
+    data: a view of one read-only memory map), read from the header without decoding the metadata
+    (``GGUFReader`` builds Python objects for every vocabulary entry: ~160 MB while a 49k-token file
+    is open, more than a small model's weights). ``release(t)`` drops a tensor's pages from this
+    process's resident set once its blocks are repacked (the file stays mapped; a later read maps
+    them again), so a load holds one projection of the file at a time, not the whole file."""
+
+    def __init__(self, path: Path):
+        import mmap
+        import struct
+
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        from specd.model.gguf import _ARRAY, _SCALARS, _STRING
+
+        self.map = np.memmap(path, dtype=np.uint8, mode="r")
+        buf, pos, align = self.map, 8, 32
+        if bytes(buf[:4]) != b"GGUF":
+            raise LoadError(f"{path}: not a GGUF file (no GGUF magic)")
+
+        def take(fmt):
+            nonlocal pos
+            out = struct.unpack_from("<" + fmt, buf, pos)[0]
+            pos += struct.calcsize("<" + fmt)
+            return out
+
+        def text() -> str:
+            nonlocal pos
+            n = take("Q")
+            pos += n
+            return bytes(buf[pos - n : pos]).decode()
+
+        def skip(kind):
+            nonlocal pos
+            if kind == _STRING:
+                n = take("Q")  # (not pos += take(...): the old pos would be read before take moves it)
+                pos += n
+            elif kind == _ARRAY:
+                item, n = take("I"), take("Q")
+                for _ in range(n):
+                    skip(item)
+            else:
+                pos += struct.calcsize("<" + _SCALARS[kind])
+
+        try:
+            n_tensors, n_kv = struct.unpack_from("<QQ", buf, pos)
+            pos += 16
+            for _ in range(n_kv):
+                key, kind = text(), take("I")
+                if key == "general.alignment" and kind == 4:
+                    align = take("I")
+                else:
+                    skip(kind)
+            infos = []
+            for _ in range(n_tensors):
+                name = text()
+                dims = [take("Q") for _ in range(take("I"))]
+                infos.append((name, dims, GGMLQuantizationType(take("I")), take("Q")))
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise LoadError(f"{path}: cannot read the GGUF header ({e})") from None
+        start = pos + (-pos % align)
+        self.page = mmap.PAGESIZE
+        self.tensors = []
+        for name, dims, kind, off in infos:
+            block, size = GGML_QUANT_SIZES[kind]
+            n = int(np.prod(dims))
+            a, b = start + off, start + off + n // block * size
+            if b > len(buf):
+                raise LoadError(f"{path}: truncated: tensor {name} ends at byte {b}, the file has {len(buf)}")
+            shape = np.array(dims, dtype=np.uint64)
+            rows = tuple(reversed(dims))
+            dt = {"F32": np.float32, "F16": np.float16}.get(kind.name)
+            data = buf[a:b].view(dt).reshape(rows) if dt else buf[a:b].reshape(*rows[:-1], -1)
+            t = SimpleNamespace(name=name, tensor_type=kind, shape=shape, data=data, span=(a, b))
+            t.release = functools.partial(self.release, t)
+            self.tensors.append(t)
+
+    def release(self, t, r0: int = 0, r1: int | None = None) -> None:
+        """Drop tensor ``t``'s pages (of its rows r0 .. r1 - 1, else all) from the resident set
+        (MADV_DONTNEED; the file is unchanged), the first page whole where it starts mid-page."""
+        import mmap
+
+        a, b = t.span
+        rows = _dims(t)[0] if len(t.shape) > 1 else 1
+        a, b = a + (b - a) * r0 // rows, a + (b - a) * (rows if r1 is None else r1) // rows
+        a -= a % self.page
+        mm = getattr(self.map, "_mmap", None)
+        if mm is not None and hasattr(mmap, "MADV_DONTNEED") and b > a:
+            mm.madvise(mmap.MADV_DONTNEED, a, b - a)
+
+
 def load_gguf(path: Path, mode: str, cfg, hf_cfg: dict, max_positions: int | None):
     """A ``LlamaModel`` (on the CPU, fp32 floats) whose projections hold the GGUF file's blocks
     (``mode`` gguf) or their conversion to int8 / int4, built one tensor at a time."""
-    from specd.model.gguf import PERMUTED_QK, _dequantize, check_tensors, open_gguf
+    from specd.model.gguf import PERMUTED_QK, _dequantize, check_tensors
     from specd.model.llama import LlamaModel, Rotary
 
-    reader = open_gguf(path)
+    reader = TensorFile(path)
     check_tensors(reader, hf_cfg, path)
     tensors = {t.name: t for t in reader.tensors}
     with torch.device("meta"):
@@ -280,9 +498,14 @@ def load_gguf(path: Path, mode: str, cfg, hf_cfg: dict, max_positions: int | Non
     with torch.no_grad():
         for i, blk in enumerate(model.layers):
             _layer(blk, i, tensors, mode, path, heads)
+            for name, t in tensors.items():
+                if name.startswith(f"blk.{i}."):
+                    reader.release(t)
+            _trim()
         model.norm.weight = nn.Parameter(torch.from_numpy(_dequantize(tensors["output_norm.weight"], path)))
         model.norm.weight.requires_grad_(False)
         _embeddings(model, tensors, mode, path)
+    _trim()
     left = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if left:
         raise LoadError(f"{path}: no weights for {left[0]} after loading the GGUF file")

@@ -32,6 +32,9 @@
 #include "gemm_x8_avx512.h"
 
 #define KQ_HDR 32
+// inlined (with v a constant once the loops over v are unrolled): out of line, GCC passed the code
+// vectors through memory and the shifts by v through branches (Q6_K 4x Q4_K's time per weight)
+#define KQ_INLINE inline __attribute__((always_inline))
 static inline constexpr int64_t kq_block_bytes(int KT) { return 128 + (KT == 1 ? 32 : KT == 2 ? 64 : 0) + 16; }
 static inline constexpr int64_t kq_sb_bytes(int KT) { return KQ_HDR + 8 * kq_block_bytes(KT); }
 
@@ -51,9 +54,14 @@ static void code_sums16(const int8_t* qx, int64_t M, int64_t K, int32_t* xs16) {
 }
 
 // ---- AVX2: one 8-row tile -------------------------------------------------------------------------
+// bits 2v, 2v + 1 of each byte moved to bits 4, 5 (shifts within 16-bit lanes: no bit crosses a byte)
+static KQ_INLINE __m256i kq_up256(__m256i h, int v) {
+    return v == 0 ? _mm256_slli_epi16(h, 4) : v == 1 ? _mm256_slli_epi16(h, 2) : v == 2 ? h : _mm256_srli_epi16(h, 2);
+}
+
 // the codes of vector v of block p (32 bytes per tile): low (k 4v..) and high (k 16 + 4v..) halves
 template <int KT>
-static inline void kq_codes(const uint8_t* p, int v, __m256i& lo, __m256i& hi) {
+static KQ_INLINE void kq_codes(const uint8_t* p, int v, __m256i& lo, __m256i& hi) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
     const __m256i W = _mm256_loadu_si256((const __m256i*)(p + 32 * v));
     lo = _mm256_and_si256(W, mask), hi = _mm256_and_si256(_mm256_srli_epi16(W, 4), mask);
@@ -67,19 +75,15 @@ static inline void kq_codes(const uint8_t* p, int v, __m256i& lo, __m256i& hi) {
     } else if (KT == 2) {
         const __m256i H0 = _mm256_loadu_si256((const __m256i*)(p + 128));
         const __m256i H1 = _mm256_loadu_si256((const __m256i*)(p + 160)), b45 = _mm256_set1_epi8(0x30);
-        auto up = [v](__m256i h) {
-            return v == 0 ? _mm256_slli_epi16(h, 4) : v == 1 ? _mm256_slli_epi16(h, 2) : v == 2 ? h
-                                                                                             : _mm256_srli_epi16(h, 2);
-        };
-        lo = _mm256_or_si256(lo, _mm256_and_si256(up(H0), b45));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(up(H1), b45));
+        lo = _mm256_or_si256(lo, _mm256_and_si256(kq_up256(H0, v), b45));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(kq_up256(H1, v), b45));
     }
 }
 
 // u8 codes (<= 63) times s8 activations, 4 vectors summed: in int16 where the sums fit (<= 31 * 127 *
 // 8 per lane pair for 5 bits), widened per vector for 6 bits
 template <int KT>
-static inline __m256i kq_dot(const __m256i* u, const int8_t* x) {
+static KQ_INLINE __m256i kq_dot(const __m256i* u, const int8_t* x) {
     const __m256i ones = _mm256_set1_epi16(1);
     if (KT == 2) {
         __m256i s = _mm256_setzero_si256();
@@ -105,6 +109,7 @@ static inline void kq_tile(const int8_t* qx, const float* dx, const int32_t* xs,
             const uint8_t* p = sb + KQ_HDR + j * kq_block_bytes(KT);
             prefetch_w(p, kq_block_bytes(KT));
             __m256i lo[4], hi[4];
+#pragma GCC unroll 4
             for (int v = 0; v < 4; v++) kq_codes<KT>(p, v, lo[v], hi[v]);
             const uint8_t* scp = p + kq_block_bytes(KT) - 16;
             const __m256i sc = KT == 2 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)scp))
@@ -173,12 +178,12 @@ static void gemm_kq_256(const int8_t* qx, const float* dx, const int32_t* xs, in
 
 // ---- AVX512-VNNI: two tiles side by side (16 output rows per vector) ---------------------------------
 // bits 2v, 2v + 1 of each byte moved to bits 4, 5 (no bit crosses a byte: see kq_codes)
-X512 static inline __m512i kq_up512(__m512i h, int v) {
+X512 static KQ_INLINE __m512i kq_up512(__m512i h, int v) {
     return v == 0 ? _mm512_slli_epi16(h, 4) : v == 1 ? _mm512_slli_epi16(h, 2) : v == 2 ? h : _mm512_srli_epi16(h, 2);
 }
 
 template <int KT>
-X512 static inline void kq_codes2(const uint8_t* pa, const uint8_t* pb, int v, __m512i& lo, __m512i& hi) {
+X512 static KQ_INLINE void kq_codes2(const uint8_t* pa, const uint8_t* pb, int v, __m512i& lo, __m512i& hi) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
     const __m512i W = cat256(pa + 32 * v, pb + 32 * v);
     lo = _mm512_and_si512(W, mask), hi = _mm512_and_si512(_mm512_srli_epi16(W, 4), mask);
@@ -219,6 +224,7 @@ X512 static inline void kq_tile2(const int8_t* qx, const float* dx, const int32_
             const uint8_t *pa = sa + KQ_HDR + j * kq_block_bytes(KT), *pb = sb + KQ_HDR + j * kq_block_bytes(KT);
             prefetch_w(pa, kq_block_bytes(KT)), prefetch_w(pb, kq_block_bytes(KT));
             __m512i lo[4], hi[4];
+#pragma GCC unroll 4
             for (int v = 0; v < 4; v++) kq_codes2<KT>(pa, pb, v, lo[v], hi[v]);
             const int64_t o = kq_block_bytes(KT) - 16;
             const __m512i sc = kq_bytes16<KT>(pa + o, pb + o), sm = kq_bytes16<KT>(pa + o + 8, pb + o + 8);
