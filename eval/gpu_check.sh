@@ -9,7 +9,9 @@
 #   graphs   `eval.gpu_step graphs`: the engine's target step as its start-up captured it (--cuda-graphs
 #            on, the default buckets, both ops variants); replay == the eager step (bitwise, same padded
 #            inputs), real rows vs the unpadded eager step (bitwise with the invariant ops), eager vs
-#            replayed step time; the identity and speed stages' engines run their CUDA graphs too
+#            replayed step time; then tests/test_graphs_engine.py on the GPU: engines whose start-up
+#            captures real CUDA graphs (target, draft model, feature head) == the eager engine, greedy;
+#            the identity and speed stages' engines run their CUDA graphs too
 #   identity `eval.gpu_step identity`: the engine (device cuda, bf16) greedy, every speculative mode
 #            (chain / tree / head / ngram / auto) == plain per prompt, batch 1 and 8, invariant on / off
 #   speed    `eval.gpu_step speed`: plain / auto / head / ngram tokens/s at batch 1, 4 and 16
@@ -126,6 +128,12 @@ if want kernels; then
 fi
 if want graphs; then
     run_stage graphs "${GPU_CHECK_GRAPHS_S:-120}" "$PYBIN" -m eval.gpu_step graphs "${MODEL_ARGS[@]}"
+    if [ -d "${SPECD_SHARED:-/nonexistent}/models/stories260K" ]; then  # the engine's wiring, real CUDA graphs
+        run_stage graphs_engine "${GPU_CHECK_GRAPHS_ENGINE_S:-120}" "$PYBIN" -m pytest -q -p no:cacheprovider \
+            tests/test_graphs_engine.py
+    else
+        echo "== graphs_engine: skipped (tests/test_graphs_engine.py needs the shared stories260K pair)"
+    fi
 fi
 if want identity; then
     if [ -f "$PROMPTS" ]; then

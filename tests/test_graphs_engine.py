@@ -6,7 +6,8 @@ On a CPU the stand-in graph (``specd.model.graphs.RecordedGraph``: the closure r
 replayed on the same static buffers) takes the place of CUDA graphs through the engine's test hook
 ``step_graphs.STAND_IN``; the engine runs the Triton backend under the interpreter (padded rows past
 the last request, as on CUDA). Small buckets (batch 2, 16 target tokens, 8 draft rows, contexts to
-64 tokens) keep the interpreted captures few. Shown: greedy output through the graphs == the eager
+64 tokens) keep the interpreted captures few. On a GPU the same tests build CUDA engines whose
+start-up captures real CUDA graphs (eval/gpu_check.sh, graphs stage). Shown: greedy output through the graphs == the eager
 engine's, token for token, for plain decoding, chain and tree verification, the draft model and the
 feature head; with the batch-invariant kernels (forced onto CPU tensors) the invariant variant is
 the one captured and replayed, and speculative output through it == plain output through it;
@@ -25,6 +26,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+import specd_kernels as sk  # noqa: E402
 from specd.config import EngineConfig, SchedulerConfig, SpecConfig  # noqa: E402
 from specd.engine import step_graphs  # noqa: E402
 from specd.engine.client import snapshot_of  # noqa: E402
@@ -39,22 +41,37 @@ pytestmark = pytest.mark.timeout(900)
 PROMPTS = ("Once upon a time, there was a little", "The cat and the dog")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SPEC = dict(adaptive=False, tree_budget=5, tree_topk=2, tree_depth=3, num_draft_tokens=3)
+# on a GPU the same tests run real CUDA graphs of compiled kernels (eval/gpu_check.sh's graphs stage)
+DEVICE = torch.device("cuda" if (torch.cuda.is_available() and not sk.interpreting()) else "cpu")
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    """Engines built in this test capture with the CPU stand-in, at small buckets."""
+    """Engines built in this test capture at small buckets (with the CPU stand-in where there is no GPU)."""
     pytest.importorskip("triton")
-    for name, value in (("STAND_IN", RecordedGraph), ("GRAPH_MAX_BATCH", 2), ("GRAPH_MAX_TOKENS", 16),
-                        ("DRAFT_MAX_TOKENS", 8), ("GRAPH_MAX_CONTEXT", 64)):  # fmt: skip
+    for name, value in (("GRAPH_MAX_BATCH", 2), ("GRAPH_MAX_TOKENS", 16), ("DRAFT_MAX_TOKENS", 8),
+                        ("GRAPH_MAX_CONTEXT", 64)):  # fmt: skip
         monkeypatch.setattr(step_graphs, name, value)
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(step_graphs, "STAND_IN", RecordedGraph)
+
+
+@pytest.fixture(scope="module")
+def pair(shared_pair):
+    """The shared stories260K pair on the test's device (fp32)."""
+    if DEVICE.type == "cpu":
+        return shared_pair
+    from specd.model.loader import load_model
+
+    return load_model(TARGET, "cuda", "float32"), load_model(DRAFT, "cuda", "float32")
 
 
 def engine(pair, graphs: str, head=None, max_seqs: int = 2, **spec) -> Engine:
     target, draft = pair
     cfg = EngineConfig(
         target=str(TARGET), draft=None if head else str(DRAFT), head=head, dtype="float32",
-        attention_backend="triton", cuda_graphs=graphs, spec=SpecConfig(**{**SPEC, **spec}),
+        device=str(target.device.type), attention_backend="triton", cuda_graphs=graphs,
+        spec=SpecConfig(**{**SPEC, **spec}),
         scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=256),
     )  # fmt: skip
     return Engine(cfg, target=target, draft=None if head else draft)
@@ -69,19 +86,20 @@ def run(eng: Engine, mode: str, ps=None) -> list:
 
 
 @pytest.fixture(scope="module")
-def eager_outputs(shared_pair):
+def eager_outputs(pair):
     """The eager Triton engine's greedy outputs per mode (what the graphs must reproduce)."""
-    eng = engine(shared_pair, "off")
+    eng = engine(pair, "off")
     assert not isinstance(eng.target.model, GraphedModel) and eng.drafter.graphs is None
     return {mode: run(eng, mode) for mode in ("off", "chain", "tree")}
 
 
-def test_the_target_step_and_the_draft_model_replay_token_identically(shared_pair, eager_outputs, stand_in):
-    eng = engine(shared_pair, "auto")
+def test_the_target_step_and_the_draft_model_replay_token_identically(pair, eager_outputs, stand_in):
+    eng = engine(pair, "auto")
     assert isinstance(eng.target.model, GraphedModel) and eng.drafter.graphs is not None
-    (ops, layers), runner = next(iter(eng.target.model.runners.items()))
-    assert len(eng.target.model.runners) == 1 and not ops.enabled and layers == ()  # (a CPU: no invariant ops)
-    assert runner.stats()["graphs"] == 16 and eng.drafter.graphs.stats()["graphs"] == 12  # 9 + 7, 7 + 5 masked
+    runners = eng.target.model.runners  # (CUDA, batch_invariant auto: the invariant and the cuBLAS variant)
+    assert {ops.enabled for ops, _ in runners} == ({False} if DEVICE.type == "cpu" else {True, False})
+    assert all(layers == () and r.stats()["graphs"] == 16 for (_, layers), r in runners.items())  # 9 + 7 masked
+    assert eng.drafter.graphs.stats()["graphs"] == 12  # 7 + 5 masked
     before = snapshot_of(eng).graphs
     assert before["target"]["replays"] == before["draft"]["replays"] == 0
     seen = {}
@@ -100,27 +118,27 @@ def test_the_target_step_and_the_draft_model_replay_token_identically(shared_pai
     assert eng.kv_blocks_used() == (0, 0)
 
 
-def test_steps_beyond_the_buckets_run_eagerly_with_the_same_output(shared_pair, eager_outputs, stand_in):
+def test_steps_beyond_the_buckets_run_eagerly_with_the_same_output(pair, eager_outputs, stand_in):
     """Three requests decoding together (the buckets hold two): every step eager, the output unchanged."""
-    eager = engine(shared_pair, "off", max_seqs=4)
-    graphed = engine(shared_pair, "auto", max_seqs=4)
+    eager = engine(pair, "off", max_seqs=4)
+    graphed = engine(pair, "auto", max_seqs=4)
     ps = prompts(graphed) + [graphed.tokenizer("Tom had a big red ball")["input_ids"]]
     assert run(graphed, "off", ps) == run(eager, "off", ps)
     s = snapshot_of(graphed).graphs["target"]
     assert (s["replays"], s["eager_steps"]) == (0, graphed.num_steps) and graphed.num_steps >= GREEDY.max_tokens
 
 
-def test_the_feature_head_and_the_target_features_replay_token_identically(shared_pair, stand_in, tmp_path):
+def test_the_feature_head_and_the_target_features_replay_token_identically(pair, stand_in, tmp_path):
     """A (random) feature head: the target's captured variant returns the features the head reads,
     the head's levels replay with their hidden inputs as static rows."""
     from specd.model.head_files import save_head
     from specd.training.head import new_head
 
     torch.manual_seed(0)
-    save_head(new_head(shared_pair[0], torch.arange(256)), tmp_path, {"test": True}, dtype=torch.float32)
-    want = run(engine(shared_pair, "off", head=str(tmp_path), mode="head"), "head")
-    eng = engine(shared_pair, "auto", head=str(tmp_path), mode="head")
-    ((_, layers),) = eng.target.model.runners
+    save_head(new_head(pair[0], torch.arange(256)), tmp_path, {"test": True}, dtype=torch.float32)
+    want = run(engine(pair, "off", head=str(tmp_path), mode="head"), "head")
+    eng = engine(pair, "auto", head=str(tmp_path), mode="head")
+    layers = next(iter(eng.target.model.runners))[1]
     assert layers == tuple(eng.drafter.capture)
     assert eng.drafter.graphs.cfg.row_width == eng.drafter.model.cfg.hidden_size
     assert run(eng, "head") == want
@@ -183,7 +201,7 @@ def tiny_pair(tmp_path_factory):
     tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
     pair = []
     for _ in range(2):
-        lm = load_model(path, "cpu", "float32", progress=False, with_tokenizer=False)
+        lm = load_model(path, DEVICE.type, "float32", progress=False, with_tokenizer=False)
         lm.model.FOLD_MAX_HIDDEN, lm.model._flat = 0, None
         pair.append(lm)
     return tuple(pair)
@@ -195,10 +213,12 @@ def test_batch_invariant_steps_replay_their_own_variant_and_speculation_equals_p
     replays it, and greedy chain / tree output through the graphs == plain output through them."""
     from specd.model import invariant
 
-    monkeypatch.setattr(invariant, "ON", invariant.InvariantOps(True, devices=("cpu",)))
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(invariant, "ON", invariant.InvariantOps(True, devices=("cpu",)))
     target, draft = tiny_pair
-    cfg = EngineConfig(target=str(target.path), draft=str(draft.path), dtype="float32", attention_backend="triton",
-                       batch_invariant="on", spec=SpecConfig(**SPEC), scheduler=SchedulerConfig(2))  # fmt: skip
+    cfg = EngineConfig(target=str(target.path), draft=str(draft.path), dtype="float32", device=DEVICE.type,
+                       attention_backend="triton", batch_invariant="on", spec=SpecConfig(**SPEC),
+                       scheduler=SchedulerConfig(2))  # fmt: skip
     eng = Engine(cfg, target=target, draft=draft)
     ((ops, _),) = eng.target.model.runners
     assert ops == invariant.ON
