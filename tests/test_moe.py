@@ -21,6 +21,7 @@ from specd.model import gguf as sg
 from specd.model.loader import LoadError, load_model
 from specd.model.moe import Expert, SparseMoE
 from specd.model.quant import QuantLinear, set_act_int8
+from specd.model.tp_shard import check_shardable
 from tests import test_model_families as fam
 from tests.test_gguf import gguf_name as base_gguf_name
 from tests.test_model_families import (
@@ -105,6 +106,8 @@ def test_moe_family_matches_transformers_and_speculates_losslessly(tmp_path, nam
     hf_moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
     assert list(cfg.moe_layers) == hf_moe and hf_moe  # the same layers are mixtures
     assert [isinstance(b.mlp, SparseMoE) for b in lm.model.layers] == [cfg.is_moe(i) for i in range(cfg.num_layers)]
+    with pytest.raises(ValueError, match="a mixture of experts: use --tensor-parallel-size 1"):
+        check_shardable(cfg, 2)  # (tensor-parallel ranks compute Llama's layers only)
     assert_rows_match(lm, model)
     eng = engine(folder)
     ps = prompts()
@@ -305,6 +308,22 @@ def test_moe_gguf_matches_transformers(tmp_path, name, monkeypatch):
     assert 0 < (moe(h) - exact).abs().max().item() < 0.02 * exact.abs().max().item()
     set_act_int8(lm.model, False)
     assert_speculation_lossless(engine(q8), prompts())
+
+
+def test_q4_0_experts_keep_their_blocks(tmp_path, monkeypatch):
+    """A Q4_0 file's experts are int4 ``QuantLinear`` of the file's own blocks (scale and -8 x scale
+    per 32 weights): specd (fp32 activations) == transformers on the converted folder within 1e-4."""
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    q4, _ = moe_gguf(tmp_path, "mixtral", gguf.GGMLQuantizationType.Q4_0)
+    sg.convert(q4, tmp_path / "q4-folder")
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "q4-folder"), dtype=torch.float32).eval()
+    lm = load_model(q4, "cpu", "float32", with_tokenizer=False, quantization="gguf")
+    down = lm.model.layers[2].mlp.experts[3].down
+    assert isinstance(down, QuantLinear) and (down.fmt, down.group) == ("int4", 32)
+    assert_rows_match(lm, ref, n=20, prompt=12, backends=("cpu",))
 
 
 def test_moe_gguf_metadata_problems_are_one_line_errors(tmp_path, monkeypatch):
