@@ -2,17 +2,20 @@
 the target's step (decode rows, chains and tree verification), the draft model's and the feature
 head's forwards, captured when the engine is built, replayed per step, eager outside the buckets.
 
-On a CPU the stand-in graph (``specd.model.graphs.RecordedGraph``: the closure recorded at capture and
-replayed on the same static buffers) takes the place of CUDA graphs through the engine's test hook
+On a CPU the stand-in graph (``specd.model.graphs.RecordedGraph``: the closure recorded at capture
+and replayed on the same static buffers; here strict: a capture whose forward reads a tensor on the
+host fails, as a CUDA capture would) takes the place of CUDA graphs through the engine's test hook
 ``step_graphs.STAND_IN``; the engine runs the Triton backend under the interpreter (padded rows past
 the last request, as on CUDA). Small buckets (batch 2, 16 target tokens, 8 draft rows, contexts to
 64 tokens) keep the interpreted captures few. On a GPU the same tests build CUDA engines whose
-start-up captures real CUDA graphs (eval/gpu_check.sh, graphs stage). Shown: greedy output through the graphs == the eager
-engine's, token for token, for plain decoding, chain and tree verification, the draft model and the
-feature head; with the batch-invariant kernels (forced onto CPU tensors) the invariant variant is
-the one captured and replayed, and speculative output through it == plain output through it;
-replays, eager steps and padding counted per forward and reported in the engine snapshot and
-``/metrics``; a CPU engine takes no graphs unless asked, and ``on`` refuses there.
+start-up captures real CUDA graphs (eval/gpu_check.sh, graphs stage).
+
+Shown: greedy output through the graphs == the eager engine's, token for token, for plain decoding,
+chain and tree verification, the draft model and the feature head; with the batch-invariant kernels
+(forced onto CPU tensors) the invariant variant is the one captured and replayed, and speculative
+output through it == plain output through it; replays, eager steps and padding counted per forward
+and reported in the engine snapshot and ``/metrics``; a CPU engine takes no graphs unless asked, and
+``on`` refuses there, saying why.
 """
 
 from __future__ import annotations
@@ -45,6 +48,38 @@ SPEC = dict(adaptive=False, tree_budget=5, tree_topk=2, tree_depth=3, num_draft_
 DEVICE = torch.device("cuda" if (torch.cuda.is_available() and not sk.interpreting()) else "cpu")
 
 
+class StrictGraph(RecordedGraph):
+    """The stand-in graph, failing a capture whose closure reads a tensor's values on the host (a CUDA
+    capture would fail on the sync, or bake in a value of the capture's padding-only step)."""
+
+    READS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+    def capture(self, fn):
+        saved = {n: getattr(torch.Tensor, n) for n in self.READS}
+
+        def refuse(name):
+            def read(t, *a, **kw):
+                raise AssertionError(f"a captured forward reads a tensor on the host (Tensor.{name})")
+
+            return read
+
+        try:
+            for n in self.READS:
+                setattr(torch.Tensor, n, refuse(n))
+            return super().capture(fn)
+        finally:
+            for n, f in saved.items():
+                setattr(torch.Tensor, n, f)
+
+
+def test_the_strict_stand_in_sees_host_reads():
+    with pytest.raises(AssertionError, match=r"Tensor.item"):
+        StrictGraph().capture(lambda: torch.ones(2) * torch.ones(2).sum().item())
+    with pytest.raises(AssertionError, match=r"Tensor.__bool__"):
+        StrictGraph().capture(lambda: torch.ones(2) if torch.ones(1) > 0 else None)
+    assert StrictGraph().capture(lambda: torch.ones(2) * 3).tolist() == [3.0, 3.0]  # (restored afterwards)
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
     """Engines built in this test capture at small buckets (with the CPU stand-in where there is no GPU)."""
@@ -53,7 +88,7 @@ def stand_in(monkeypatch):
                         ("GRAPH_MAX_CONTEXT", 64)):  # fmt: skip
         monkeypatch.setattr(step_graphs, name, value)
     if DEVICE.type == "cpu":
-        monkeypatch.setattr(step_graphs, "STAND_IN", RecordedGraph)
+        monkeypatch.setattr(step_graphs, "STAND_IN", StrictGraph)
 
 
 @pytest.fixture(scope="module")
