@@ -205,6 +205,22 @@ def test_only_the_chosen_experts_run_on_their_tokens_rows(tmp_path, monkeypatch)
         assert (a - b).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_fused_expert_checkpoints_load_too(tmp_path, name):
+    """A checkpoint saved in transformers 5's own layout (the router as ``mlp.gate``, every layer's
+    experts in 3-D ``mlp.experts.gate_up_proj`` [E, 2I, d] / ``down_proj`` [E, d, I]) loads to the
+    same model as the per-expert files of the Hub."""
+    from safetensors.torch import save_file
+
+    folder, model = moe_folder(tmp_path, name)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    (folder / "model.safetensors").unlink()
+    save_file(state, str(folder / "model.safetensors"))
+    lm = load_model(folder, "cpu", "float32", with_tokenizer=False)
+    assert_rows_match(lm, model, n=20, prompt=12, backends=("torch",))
+
+
 @pytest.mark.parametrize("act", ["none", "int8"])
 def test_int8_experts_of_a_folder(tmp_path, act):
     """``--quantization int8`` on a folder makes every expert's projections ``QuantLinear`` (the router
