@@ -177,8 +177,8 @@ def test_only_the_chosen_experts_run_on_their_tokens_rows(tmp_path, monkeypatch)
     events: list = []
     route, run = SparseMoE.route, Expert.forward
 
-    def routed(self, h):
-        w, idx = route(self, h)
+    def routed(self, h, ops=None):
+        w, idx = route(self, h, ops)
         events.append((self, idx))
         return w, idx
 
@@ -203,6 +203,28 @@ def test_only_the_chosen_experts_run_on_their_tokens_rows(tmp_path, monkeypatch)
     assert dense_rows == (30 + len(tree_ids)) * c.num_experts * len(c.moe_layers)
     for a, b in zip(sparse, dense):
         assert (a - b).abs().max().item() < TOL
+
+
+def test_batch_invariant_ops_route_and_run_the_experts(tmp_path, monkeypatch):
+    """With the batch-invariant ops (``--batch-invariant``, CUDA's greedy steps; here the Triton kernels
+    interpreted on CPU tensors, as tests/test_invariant_forward.py runs them) the router's and the
+    experts' GEMMs take the kernels: the mixture's output equals the ordinary path within 1e-4, and a
+    token's row has the same bits alone as among the others."""
+    from specd_kernels import batch_invariant as bi
+    from tests.test_invariant_forward import DEVICE, OPS
+
+    folder, _ = moe_folder(tmp_path, "qwen3_moe")
+    lm = load_model(folder, DEVICE.type, "float32", with_tokenizer=False)
+    moe = lm.model.layers[0].mlp
+    calls = []
+    matmul = bi.matmul
+    monkeypatch.setattr(bi, "matmul", lambda *a, **kw: calls.append(a[0].shape[0]) or matmul(*a, **kw))
+    h = torch.randn(5, lm.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    batched = moe(h, OPS)
+    assert calls[0] == 5 and len(calls) == 1 + 2 * len(moe.route(h)[1].unique())  # the router, then each expert
+    alone = torch.cat([moe(h[i : i + 1], OPS) for i in range(5)])
+    assert torch.equal(batched, alone)
+    assert (batched - moe(h)).abs().max().item() < TOL
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])

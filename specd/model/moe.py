@@ -70,9 +70,11 @@ class SparseMoE(nn.Module):
         self.router = nn.Linear(d, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(d, inter) for _ in range(cfg.num_experts))
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(routing weights [T, k] fp32 (Mixtral) or h's dtype, chosen experts [T, k] int64) of rows h [T, d]."""
-        logits = F.linear(h, self.router.weight.to(h.dtype))  # [T, E]
+    def route(self, h: torch.Tensor, ops: invariant.InvariantOps = invariant.OFF) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights [T, k] fp32 (Mixtral) or h's dtype, chosen experts [T, k] int64) of rows h
+        [T, d]; ``ops``: the router's GEMM batch-invariant where it applies (a CUDA greedy step), so a
+        token's choice never depends on the rows beside it."""
+        logits = ops.linear(h, self.router.weight)  # [T, E]
         probs = torch.softmax(logits.float(), dim=-1)
         w, idx = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk:
@@ -81,7 +83,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, h: torch.Tensor, ops: invariant.InvariantOps = invariant.OFF) -> torch.Tensor:
         """The mixture's output [T, d] for normed rows h [T, d] (the residual is the caller's)."""
-        w, idx = self.route(h)
+        w, idx = self.route(h, ops)
         if self.all_experts:
             return self._dense(h, w, idx, ops)
         T, k = idx.shape
