@@ -101,11 +101,13 @@ def score(path: Path, a) -> dict:
     t0 = time.perf_counter()
     bos = lm.config.bos_token_id if add_bos else None
     kvd = kv_dtype(cfg, lm, backend)  # as the engine's cache (fp16 under the CPU kernel, as llama.cpp's)
-    total, count = llamacpp_nll(lm, theirs or ids, a.ctx, bos, a.chunks, kv_dtype=kvd, backend=backend)
+    total, count, per_chunk = llamacpp_nll(lm, theirs or ids, a.ctx, bos, a.chunks, kv_dtype=kvd, backend=backend)
     res = {"file": str(path), "ctx": a.ctx, "chunks": a.chunks, "tokens_scored": count, "add_bos": add_bos,
            "specd_ppl": round(math.exp(total / count), 4), "specd_seconds": round(time.perf_counter() - t0, 1),
            "same_ids_as_llama_tokenize": same,
-           "ids_from": "llama-tokenize" if theirs else "specd's tokenizer"}  # fmt: skip
+           "ids_from": "llama-tokenize" if theirs else "specd's tokenizer",
+           "chunk_nll": [round(x, 4) for x in per_chunk],
+           "nonfinite_chunks": [i for i, x in enumerate(per_chunk) if not math.isfinite(x)]}  # fmt: skip
     ll = None if a.no_llama else llama_perplexity(path, a)
     if ll is not None:
         res.update(llama_ppl=ll["ppl"], llama_pm=ll["pm"], llama_seconds=ll["seconds"], llama_command=ll["command"])
@@ -126,6 +128,8 @@ def main(argv=None) -> int:
     diff = f"{res['rel_diff_pct']}%" if "rel_diff_pct" in res else "-"
     row = [path.name, f"{a.ctx} x {a.chunks}", res["tokens_scored"], res["specd_ppl"], llama, diff, ids]
     md = H.md_table(head, [row]) + "\n"
+    if res["nonfinite_chunks"]:
+        md += f"\nspecd's NLL was not finite in chunks {res['nonfinite_chunks']} (of {a.chunks})\n"
     out = H.out_dir(a.out, "perplexity")
     H.write_json(out / "results.json", {"meta": H.run_meta(COMMAND), **res})
     (out / "summary.md").write_text(md)

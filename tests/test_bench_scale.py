@@ -148,7 +148,7 @@ def test_llamacpp_convention_equals_transformers(shared_pair, hf_target, bos):
     ids = torch.randint(3, lm.config.vocab_size, (3 * 64 + 17,), generator=torch.Generator().manual_seed(0)).tolist()
     got = llamacpp_nll(lm, ids, 64, bos, chunks=None, chunk=24)
     want = _reference_nll(hf_target, ids, 64, bos, 3)
-    assert got[1] == want[1] == 3 * 31
+    assert got[1] == want[1] == 3 * 31 and len(got[2]) == 3 and math.isclose(sum(got[2]), got[0])
     assert math.isclose(got[0], want[0], rel_tol=1e-5)
     assert llamacpp_nll(lm, ids, 64, bos, chunks=2)[1] == 62  # --chunks 2
     with pytest.raises(ValueError, match="at least 2 x ctx"):

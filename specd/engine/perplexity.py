@@ -63,25 +63,25 @@ def nll(lm, ids: list, window: int = 256, chunk: int = 128, kv_dtype=None) -> tu
 def llamacpp_nll(
     lm, ids: list, n_ctx: int, bos: int | None = None, chunks: int | None = None, chunk: int = 512, kv_dtype=None,
     backend=None,
-) -> tuple[float, int]:  # fmt: skip
-    """(summed NLL in nats, tokens scored) of ``ids`` as ``llama-perplexity -c n_ctx`` scores them
-    (the module doc): ``bos``: the BOS id when the vocabulary adds one (each chunk's first token is
-    replaced by it), else None; ``chunks``: at most this many chunks (``--chunks``). ValueError when
-    ``ids`` hold fewer than 2 * ``n_ctx`` tokens (llama-perplexity refuses them too)."""
+) -> tuple[float, int, list]:  # fmt: skip
+    """(summed NLL in nats, tokens scored, each chunk's NLL) of ``ids`` as ``llama-perplexity -c
+    n_ctx`` scores them (the module doc): ``bos``: the BOS id when the vocabulary adds one (each
+    chunk's first token is replaced by it), else None; ``chunks``: at most this many chunks
+    (``--chunks``). ValueError when ``ids`` hold fewer than 2 * ``n_ctx`` tokens (llama-perplexity
+    refuses them too)."""
     if n_ctx < 4 or len(ids) < 2 * n_ctx:
         raise ValueError(f"perplexity needs at least 2 x ctx = {2 * n_ctx} tokens (ctx >= 4), got {len(ids)}")
     n_chunk = len(ids) // n_ctx if chunks is None else min(chunks, len(ids) // n_ctx)
     first = n_ctx // 2
-    total, count = 0.0, 0
+    per_chunk = []
     for i in range(n_chunk):
         w = list(ids[i * n_ctx : (i + 1) * n_ctx])
         if bos is not None:
             w[0] = bos
         lg = _window_logits(lm, w, chunk, kv_dtype, backend)[first : n_ctx - 1].double()  # [n_ctx - first - 1, V]
         tgt = torch.tensor(w[first + 1 :], device=lg.device)
-        total -= float(torch.log_softmax(lg, -1).gather(1, tgt[:, None]).sum())
-        count += n_ctx - first - 1
-    return total, count
+        per_chunk.append(-float(torch.log_softmax(lg, -1).gather(1, tgt[:, None]).sum()))
+    return sum(per_chunk), n_chunk * (n_ctx - first - 1), per_chunk
 
 
 def perplexity(lm, ids: list, window: int = 256, kv_dtype=None) -> float:
