@@ -9,6 +9,7 @@ plain greedy; a Q8_0 GGUF's experts run on their own blocks; unsupported mixture
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from unittest import mock
@@ -417,3 +418,24 @@ def test_unsupported_moe_gguf_architecture_is_a_one_line_error(tmp_path, monkeyp
     with pytest.raises(LoadError, match=r"unsupported architecture 'qwen2moe'.*shared experts.*qwen3moe") as e:
         load_model(path, "cpu", "float32")
     assert "\n" not in str(e.value)
+
+
+def test_the_benchmark_runs_both_paths(capsys):
+    """``python -m eval.bench_moe`` at a tiny shape: both paths decode (a table row each), the switch
+    is back on the sparse path afterwards, and the dense path's bytes per step count every expert."""
+    from eval import bench_moe
+
+    args = "--hidden 64 --layers 2 --experts 4 --top-k 2 --inter 32 --vocab 128 --prompt 4 --steps 2 --passes 2"
+    threads = torch.get_num_threads()
+    try:
+        bench_moe.main(f"{args} --threads 1 --act none".split())
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "| sparse |" in out and "| dense |" in out and "dense / sparse, median" in out
+    assert not SparseMoE.all_experts
+    shape = argparse.Namespace(hidden=64, layers=2, experts=4, top_k=2, inter=32, vocab=128)
+    model = bench_moe.build(bench_moe.config(shape))
+    ex = model.layers[0].mlp.experts[0]
+    expert = ex.gate_up.nbytes() + ex.down.nbytes()
+    assert bench_moe.bytes_per_step(model, True) - bench_moe.bytes_per_step(model, False) == 2 * (4 - 2) * expert
