@@ -10,7 +10,9 @@ row but change the numerics with the batch shape. The kernel computes in fp32 fr
 weights, reads a weight once for all rows of a call, and gives a row the same bits whatever the
 other rows are, so speculative verification stays lossless.
 
-The int8-activation GEMM runs AVX512-VNNI tiles where the CPU has them, and AMX int8 tiles for
+GGUF's K-quants (Q4_K, Q5_K, Q6_K) run as the file's numbers in their own tile layout
+(``cpu_kernel/gemm_kq.h``, int8 activations only; AVX2 and AVX512-VNNI, bitwise equal; under AMX
+the AVX512-VNNI tiles). The int8-activation GEMM runs AVX512-VNNI tiles where the CPU has them, and AMX int8 tiles for
 calls of 7 rows or more (5 with int8 weights) where it has those too (``x8_isa``; all bitwise equal to the AVX2 tiles;
 ``SPECD_QGEMM_AMX=0`` stops at AVX512-VNNI, ``SPECD_QGEMM_AVX512=0`` keeps AVX2); the paged
 attention's scores and weighted sums run on AVX512 with either of the two (bitwise equal to AVX2

@@ -15,8 +15,14 @@ reads one row per token). The LM head is quantized to int8 per channel under ``i
 ``int4`` (it is ~21% of SmolLM2-135M's weights and its fp32 read costs more than the rest of a
 1-row step's overheads; int4 on it costs more quality for little time, see docs/benchmarks.md); a
 GGUF head keeps its blocks. With tied embeddings the quantized head also serves lookups
-(``QuantLinear.rows``), so the table exists once. Peak memory of ``load_gguf``: the repacked weights
-plus one projection's temporaries (the file is memory-mapped; nothing is dequantized whole).
+(``QuantLinear.rows``), so the table exists once.
+
+Memory, where the CPU kernel runs: a GGUF file's blocks go straight into the kernel's layouts (the
+interleaved x8 layout, ``QuantLinear.compact``; the kq tiles of ``KQuantLinear``), a chunk of rows
+at a time into the final buffers, and nothing else is kept: resident memory after a load is about
+the file's size (a 1.7B Q4_0 file: 1.16x, Q4_K_M: 1.08x, docs/benchmarks.md), and so is the load's
+peak: the file is mapped (``TensorFile``, the metadata not decoded) and each chunk's pages leave
+the resident set once repacked.
 """
 
 from __future__ import annotations
