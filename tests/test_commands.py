@@ -323,14 +323,14 @@ def _child_end(engine):
     return t, link, (child_in, child_out, link._cmd, link._out)
 
 
-class CountingCompiler:
-    """Grammar checks as an engine's compiler answers them: a settled future per spec (a refusal
-    for a regex), counted."""
+class CountingConstraints:
+    """Grammar checks as an engine's ``Constraints.compile`` answers them: a settled future per spec
+    (a refusal for a regex), counted."""
 
     def __init__(self):
         self.specs = []
 
-    def submit(self, spec):
+    def compile(self, spec):
         from concurrent.futures import Future
 
         from specd.structured import GrammarError
@@ -349,12 +349,14 @@ def test_a_grammar_is_checked_once_in_the_engine_process():
     (``CheckGrammar``) and its answer back in a batch: compiled (None) or the refusal with its code,
     message and field; the server process compiles nothing. A check pending when the engine
     process dies fails as ``internal``."""
+
     from types import SimpleNamespace
 
+    from specd.engine.links import RemoteGrammars
     from specd.structured import GrammarError, GrammarSpec
 
     spy = SpyEngine(n=1)
-    spy.constraints = SimpleNamespace(compiler=CountingCompiler())
+    spy.constraints = CountingConstraints()
     t, link, pipes = _child_end(spy)
     ok, bad = GrammarSpec("json_object", None), GrammarSpec("regex", "(x")
     futs = [link.grammar_compiler().submit(g) for g in (ok, bad)]
@@ -367,12 +369,20 @@ def test_a_grammar_is_checked_once_in_the_engine_process():
     err = futs[1].exception(0)
     assert isinstance(err, GrammarError) and (err.code, err.field) == ("invalid_regex", "response_format")
     assert err.message == "regex: unclosed group"
-    assert [g.kind for g in spy.constraints.compiler.specs] == ["json_object", "regex"]
+    assert [g.kind for g in spy.constraints.specs] == ["json_object", "regex"]
     link.send(Stop())
     t.join(10)
     pending = link.grammar_compiler().submit(ok)  # (nobody answers: the loop has stopped)
-    link._grammars.fail_all("engine process died (exit code 1)")
-    assert isinstance(pending.exception(0), RequestError) and pending.exception(0).code == "internal"
+    assert not pending.done()
+    died = []
+    link._loop, link._died = None, died.append
+    link.proc = SimpleNamespace(poll=lambda: 1)  # (the child is gone: its end of the pipe closes)
+    pipes[1].close()
+    link._on_readable()
+    assert died and isinstance(pending.exception(0), RequestError) and pending.exception(0).code == "internal"
+    link._grammars = RemoteGrammars(link.send, link._why_dead)  # (as ProcessLink builds it)
+    late = link.grammar_compiler().submit(ok)  # sent to a dead process: failed at once, never hangs
+    assert isinstance(late.exception(0), RequestError) and "engine process" in str(late.exception(0))
     for p in pipes:
         p.close()
 
@@ -411,10 +421,12 @@ def test_requests_being_checked_count_against_max_queue():
         await asyncio.gather(*checks)
         outs = [o async for o in ae.generate(Submit("y", [1], SamplingParams(max_tokens=1)))]
         await ae.stop()
-        return third_check.value.code, submit.value.code, outs
+        with pytest.raises(RequestError) as stopped:
+            await ae.check_grammar(g)
+        return third_check.value.code, submit.value.code, outs, stopped.value.code
 
-    third, sub, outs = asyncio.run(asyncio.wait_for(main(), 30))
-    assert third == sub == "overloaded" and outs[-1].finished
+    third, sub, outs, stopped = asyncio.run(asyncio.wait_for(main(), 30))
+    assert third == sub == "overloaded" and outs[-1].finished and stopped == "shutting_down"
 
 
 def test_a_grammar_reaches_the_engine_through_both_links():

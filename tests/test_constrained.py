@@ -142,24 +142,46 @@ def test_overlapped_masks_are_filled_while_the_forward_runs(overlapped, referenc
     assert threads and all(t.startswith("specd-masks") for t in threads)
 
 
-def test_a_failed_step_waits_for_its_mask_fills_before_rolling_back(overlapped, reference):
-    """A forward that fails for the whole batch (then succeeds for its halves) while the worker
-    still fills masks: the matchers are rolled back only after the fills, so the replies and the
-    matchers' states are what they are without the failure."""
+def test_a_failed_step_waits_for_its_mask_fills_before_rolling_back(overlapped, reference, monkeypatch):
+    """A forward that fails for the whole batch (then succeeds for its halves) while the worker is
+    still filling masks (it is made to take 50 ms): the ledger rolls the matchers back only once the
+    fills are over, and the replies are what they are without the failure."""
+    import threading
+    import time
+
+    import specd.engine.constraints as C
+
     prompts, outs = reference
-    failures = []
+    started, done, failures, early = threading.Event(), threading.Event(), [], []
+    fill, restore = C._fill_masks, overlapped.ledger.restore
+
+    def slow_fill(jobs):
+        started.set()
+        time.sleep(0.05)
+        out = fill(jobs)
+        done.set()
+        return out
 
     def hook(stage, seqs):
         if stage == "forward" and len(seqs) > 1 and len(failures) < 3:
             failures.append(len(seqs))
+            assert started.wait(10)
+            done.clear()  # (set only when this step's fills end)
             raise RuntimeError("injected")
 
+    def checked_restore(seq, cp):
+        if failures and not done.is_set():
+            early.append(seq.request_id)
+        return restore(seq, cp)
+
+    monkeypatch.setattr(C, "_fill_masks", slow_fill)
+    monkeypatch.setattr(overlapped.ledger, "restore", checked_restore)
     overlapped.fault_hook = hook
     try:
         assert _greedy_replies(overlapped, prompts, "tree", 4) == outs
     finally:
         overlapped.fault_hook = None
-    assert failures and overlapped.kv_blocks_used() == (0, 0)
+    assert failures and not early and overlapped.kv_blocks_used() == (0, 0)
 
 
 def test_the_matcher_after_a_speculative_reply_equals_a_replay_of_it(engine, reference):
@@ -294,3 +316,32 @@ def _logits(lm, tokens: list) -> torch.Tensor:
     with torch.inference_mode():
         h = lm.model(torch.tensor(tokens), torch.arange(len(tokens)), cache.kv, meta)
         return lm.model.compute_logits(h[-1:]).clone()
+
+
+def test_the_grammar_vocabulary_is_built_off_the_callers_thread(engine, monkeypatch):
+    """The first grammar builds the compiler's vocabulary (~1 s on a real tokenizer) on a thread of
+    its own: ``compile`` returns at once (the engine loop keeps stepping), its future settles once
+    the vocabulary and the grammar are built; a vocabulary that cannot be built fails the grammar."""
+    import threading
+    import time
+
+    from specd.engine.constraints import Constraints
+    from specd.structured import Vocabulary
+
+    gate, build = threading.Event(), Vocabulary.from_tokenizer
+
+    def slow(*a, **k):
+        gate.wait(10)
+        return build(*a, **k)
+
+    monkeypatch.setattr(Vocabulary, "from_tokenizer", staticmethod(slow))
+    c = Constraints(engine.tokenizer, engine.vocab_size, engine.eos_ids)
+    t0 = time.perf_counter()
+    fut = c.compile(GrammarSpec("json_schema", SCHEMA))
+    assert time.perf_counter() - t0 < 0.5 and not fut.done()
+    gate.set()
+    assert fut.result(30).matcher().allowed().any()
+    broken = Constraints(None, engine.vocab_size, engine.eos_ids)
+    err = broken.compile(GrammarSpec("json_object")).exception(10)
+    assert isinstance(err, ValueError) and "tokenizer" in str(err)
+    c.close()

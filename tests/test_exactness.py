@@ -42,6 +42,8 @@ RELAXED = {
     "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
     "contains": ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}}, "[1]"),
     "oneOf": ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "3"),
+    "allOf": ({"allOf": [{"type": "integer", "minimum": 3}, {"type": "integer", "maximum": 5}]}, "7"),
+    "format regex": ({"type": "string", "format": "regex"}, '"(("'),  # (a format the library does not check)
 }
 ENFORCED = {
     "multipleOf": ({"type": "integer", "multipleOf": 5}, "7"),
@@ -85,9 +87,14 @@ def _grammar_takes(compiler, schema, text: str) -> bool:
 def test_relaxed_keywords_let_an_invalid_reply_through_and_are_listed(compiler, name):
     schema, bad = RELAXED[name]
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(json.loads(bad), schema)
+        jsonschema.validate(json.loads(bad), schema, format_checker=jsonschema.FormatChecker())
     assert _grammar_takes(compiler, schema, bad)  # (the library relaxes it: were it enforced, drop it here)
     assert unenforced(schema) == [f"{name} at /"]
+
+
+def test_an_object_allof_that_compiling_merges_is_enforced(compiler):
+    schema = {"allOf": [{"type": "object", "properties": AB, "required": ["a"]}, {"required": ["b"]}]}
+    assert unenforced(schema) == [] and not _grammar_takes(compiler, schema, '{"a": 1}')
 
 
 @pytest.mark.parametrize("name", ENFORCED)

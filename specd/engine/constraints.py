@@ -38,10 +38,10 @@ not run on the CPU: on a CPU the forward's threads already use every core.
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -82,24 +82,58 @@ class Constraints:
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         self.compile_timeout_s = compile_timeout_s
-        self._compiler: Any = None  # a specd.structured.GrammarCompiler, built on first use
+        self._building: Future | None = None  # the GrammarCompiler, built on first use (off the caller's thread)
+        self._build_lock = threading.Lock()
         self.waiting: list = []  # (seq, Future[Grammar]) not compiled yet
 
     @property
     def compiler(self):
-        if self._compiler is None:
-            from specd.structured import CompilerConfig, GrammarCompiler, Vocabulary
+        """The ``GrammarCompiler`` (blocks while its vocabulary is built: ~1 s, once)."""
+        return self._compiler_future().result()
 
+    def _compiler_future(self) -> Future:
+        """The compiler, built once on a thread of its own (any thread may ask first)."""
+        with self._build_lock:
+            if self._building is None:
+                self._building = Future()
+                self._building.set_running_or_notify_cancel()
+                threading.Thread(target=self._build, args=(self._building,), name="grammar-vocab", daemon=True).start()
+            return self._building
+
+    def _build(self, out: Future) -> None:
+        from specd.structured import CompilerConfig, GrammarCompiler, Vocabulary
+
+        try:
             if self.tokenizer is None:
                 raise ValueError("constrained decoding needs the model's tokenizer")
             vocab = Vocabulary.from_tokenizer(self.tokenizer, self.vocab_size, self.stop_ids)
-            self._compiler = GrammarCompiler(vocab, CompilerConfig(compile_timeout_s=self.compile_timeout_s))
-        return self._compiler
+            out.set_result(GrammarCompiler(vocab, CompilerConfig(compile_timeout_s=self.compile_timeout_s)))
+        except Exception as e:  # noqa: BLE001 - every grammar waiting on it fails with this
+            out.set_exception(e)
 
     # compiling -----------------------------------------------------------------------------------
+    def compile(self, spec) -> Future:
+        """A future of ``spec``'s compiled grammar (any thread, never blocks: the first call starts
+        building the vocabulary on a thread, so the engine loop keeps stepping meanwhile)."""
+        built = self._compiler_future()
+        if built.done() and built.exception() is None:
+            return built.result().submit(spec)
+        out: Future = Future()
+        out.set_running_or_notify_cancel()
+
+        def compiled(b: Future) -> None:
+            if b.exception() is not None:
+                out.set_exception(b.exception())
+                return
+            inner = b.result().submit(spec)
+            inner.add_done_callback(lambda f: _copy(f, out))
+
+        built.add_done_callback(compiled)
+        return out
+
     def submit(self, seq, spec) -> Future:
         """Start compiling ``seq``'s grammar (any thread; a cached grammar is ready at once)."""
-        fut = self.compiler.submit(spec)
+        fut = self.compile(spec)
         self.waiting.append((seq, fut))
         return fut
 
@@ -169,6 +203,13 @@ class Constraints:
             futures.wait([self._inflight])
             self._inflight = None
 
+    def close(self) -> None:
+        """Wait for fills in flight and stop the worker thread (idempotent)."""
+        self.settle()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
     def apply(self, tp, masks: StepMasks) -> None:
         """Each request's ``logit_bias`` added to its rows of the step's logits, then forbidden
         logits := -inf in each constrained request's rows (both before verification: greedy and
@@ -191,6 +232,14 @@ class Constraints:
                     continue
                 at = torch.arange(w.row0, w.row0 + w.tree.num_nodes, device=tp.logits.device)
                 apply_bitmask_(tp.logits, bm.to(tp.logits.device), at)
+
+
+def _copy(src: Future, dst: Future) -> None:
+    """``src``'s outcome into ``dst``."""
+    if src.exception() is not None:
+        dst.set_exception(src.exception())
+    else:
+        dst.set_result(src.result())
 
 
 def _fill_masks(jobs: list) -> dict:

@@ -422,7 +422,9 @@ class Engine:
             self.seqs.pop(seq.request_id, None)
 
     def close(self) -> None:
-        """Release what outlives the object: the tensor-parallel worker processes (idempotent)."""
+        """Release what outlives the object: the tensor-parallel worker processes and the grammar
+        masks' worker thread (idempotent)."""
+        self.constraints.close()
         if self.tp is not None:
             self.tp.close()
 

@@ -431,8 +431,9 @@ class RemoteGrammars:
     None when the grammar compiled, else the ``GrammarError`` (a ``RequestError`` when the engine
     could not check it: no tokenizer, or the engine process died)."""
 
-    def __init__(self, send: Callable[[Command], None]):
+    def __init__(self, send: Callable[[Command], None], dead: Callable[[], str | None] = lambda: None):
         self._send = send
+        self._dead = dead  # why the engine process cannot answer (None while it can)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}
@@ -444,6 +445,9 @@ class RemoteGrammars:
             cid = next(self._ids)
             self._pending[cid] = fut
         self._send(CheckGrammar(cid, spec))
+        why = self._dead()
+        if why is not None:  # (sent to a process that is gone, or the pipe broke: nobody will answer)
+            self.fail_all(why)
         return fut
 
     def answered(self, checked: list) -> None:
@@ -463,12 +467,13 @@ class RemoteGrammars:
             else:
                 fut.set_exception(RequestError(c.code, c.message))
 
-    def fail_all(self, why: str) -> None:
-        """The engine process is gone: every check waiting for it fails (``internal``)."""
+    def fail_all(self, why: str, code: str = "internal") -> None:
+        """Nobody will answer (the engine process is gone, or the link is detached): every check
+        waiting fails with ``code``."""
         with self._lock:
             pending, self._pending = self._pending, {}
         for fut in pending.values():
-            fut.set_exception(RequestError("internal", why))
+            fut.set_exception(RequestError(code, why))
 
 
 class ProcessLink:
@@ -510,7 +515,7 @@ class ProcessLink:
         self._deliver: Callable[[Batch], None] | None = None
         self._died: Callable[[str], None] = lambda msg: None
         self._dead: str | None = None
-        self._grammars = RemoteGrammars(self.send)
+        self._grammars = RemoteGrammars(self.send, self._why_dead)
         self._cmd.send(Start(cfg, logging.getLogger().level, stream_interval_s))
         self.limits = self._handshake(load_timeout_s)
         try:
@@ -579,8 +584,16 @@ class ProcessLink:
         """(A command wakes the child; there is nothing else to wake.)"""
 
     def detach(self) -> None:
-        """Stop delivering batches (on the event loop, before ``close``)."""
+        """Stop delivering batches (on the event loop, before ``close``); grammar checks still
+        waiting end (``shutting_down``)."""
         self._stop_reading()
+        self._grammars.fail_all("the engine is shutting down", "shutting_down")
+
+    def _why_dead(self) -> str | None:
+        """Why the engine process cannot answer a command, or None while it can."""
+        if self._dead is None and self.proc.poll() is not None:
+            return f"engine process died (exit code {self.proc.poll()})"
+        return self._dead
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the child and close the pipes (blocking: call it off the event loop, after ``detach``)."""

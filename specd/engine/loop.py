@@ -1,9 +1,9 @@
 """The one engine loop: steps an ``Engine`` and hands its outputs to the client, in a thread of the
 server process or in the engine's own process (``specd.engine.links``: ``ThreadLink``, ``ProcessLink``).
 
-``EngineLoop.run()`` takes commands from an inlet (``Submit`` / ``Cancel`` / ``Snapshot`` / ``Stop``,
-``specd.engine.commands``), steps the engine while it has work and hands ``Batch``es to an outlet.
-The same code in both places means one policy for both:
+``EngineLoop.run()`` takes commands from an inlet (``Submit`` / ``Cancel`` / ``Snapshot`` / ``Stop`` /
+``CheckGrammar``, ``specd.engine.commands``), steps the engine while it has work and hands ``Batch``es
+to an outlet. The same code in both places means one policy for both:
 
 - **failures**: a stage that fails inside ``Engine.step()`` fails only its request (the engine ends it
   with ``finish_reason: "error"``); an exception that escapes ``Engine.step()`` (a bug outside the
@@ -146,7 +146,7 @@ class EngineLoop:
     def _check(self, cmd: CheckGrammar) -> None:
         """Start compiling a ``CheckGrammar``'s grammar in the engine's compiler (its cache)."""
         try:
-            self._checks.append((cmd.check_id, self.engine.constraints.compiler.submit(cmd.grammar)))
+            self._checks.append((cmd.check_id, self.engine.constraints.compile(cmd.grammar)))
         except Exception as e:  # noqa: BLE001 - e.g. no tokenizer: this check's answer, not the loop's end
             self._checked.append(GrammarChecked(cmd.check_id, "invalid_request", f"{type(e).__name__}: {e}"))
 
@@ -184,7 +184,7 @@ class EngineLoop:
         steady = eng.has_work() and not eng.num_waiting and not eng.has_new_requests()
         due = bool(outs) and self.handoff.now(now, now - t0, _urgent(outs), steady)
         beat = not outs and now - self._last_sent >= HEARTBEAT_S
-        if (due or wait or beat or self._errors) and not self.flush(snapshot=bool(wait or beat)):
+        if (due or wait or beat or self._errors or self._checked) and not self.flush(snapshot=bool(wait or beat)):
             return False
         if wait:  # steps keep failing: back off instead of spinning a core (a command wakes us)
             self.inlet.wait(wait)

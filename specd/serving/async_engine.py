@@ -315,17 +315,22 @@ class AsyncEngine:
         self._admit(req, _Sink(sink))
 
     def _admit(self, req: Submit, stream) -> None:
-        if self._stopping or self._draining:
-            raise RequestError("shutting_down", "the server is shutting down")
-        if not self._alive():
-            raise RequestError("shutting_down", "the engine is not running")
-        self._check_room()
+        self._check_open()
         if req.request_id in self._streams:
             raise RequestError("duplicate_id", f"request id {req.request_id!r} is already running")
         self.link.limits.validate(req)  # too_long / invalid_request, before anything is queued
         self._streams[req.request_id] = stream
         self.last_progress = time.monotonic()
         self.link.send(req)
+
+    def _check_open(self) -> None:
+        """``shutting_down`` while stopping, draining or without a running engine; ``overloaded``
+        past ``max_queue`` (``_check_room``)."""
+        if self._stopping or self._draining:
+            raise RequestError("shutting_down", "the server is shutting down")
+        if not self._alive():
+            raise RequestError("shutting_down", "the engine is not running")
+        self._check_room()
 
     def _check_room(self) -> None:
         """``overloaded`` when ``max_queue`` requests are admitted or having their grammar checked."""
@@ -341,8 +346,8 @@ class AsyncEngine:
         refusal (``GrammarError``: invalid, unsatisfiable, too large, compile timeout) comes before the
         request starts; the grammar is cached there, ready for the request. A request being checked
         counts against ``max_queue`` (``overloaded`` past it), so a flood of schemas cannot queue
-        compiles without bound."""
-        self._check_room()
+        compiles without bound. Refused like a request while the server shuts down."""
+        self._check_open()
         self._checking += 1
         try:
             if self._compiler is None:

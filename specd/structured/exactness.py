@@ -9,7 +9,10 @@ can: ``not``, ``if`` / ``then`` / ``else``, ``dependencies`` / ``dependentRequir
 ``dependentSchemas``, ``uniqueItems``, ``contains`` (with ``minContains`` / ``maxContains``), and
 ``oneOf`` whose branches may overlap (a grammar can say "one of these", not "exactly one"). The
 library compiles such schemas with those keywords relaxed (``oneOf`` as ``anyOf``, the rest not
-enforced), so a reply may break them.
+enforced), so a reply may break them. It also keeps one branch of an ``allOf`` that specd cannot
+merge into one object (``specd.structured.allof``: strings, numbers, objects defining a property
+twice), and checks only some ``format`` s (``FORMATS``; ``iri``, ``idn-email``, ``regex`` ... are
+free text).
 
 :func:`unenforced` lists where a schema uses them (``keyword at /json/pointer``). A request with
 ``strict: true`` whose schema has any is refused (as OpenAI's strict mode refuses keywords it does
@@ -31,6 +34,8 @@ from specd.structured.errors import GrammarError
 
 __all__ = ["refuse_unenforced", "unenforced"]
 
+FORMATS = ("email", "date-time", "date", "time", "duration", "uri", "uri-reference", "uri-template", "uuid",
+           "ipv4", "ipv6", "hostname", "json-pointer", "relative-json-pointer")  # fmt: skip
 RELAXED = ("not", "if", "dependencies", "dependentRequired", "dependentSchemas", "contains", "minContains",
            "maxContains")  # fmt: skip
 # keywords whose value is one subschema / a map or list of subschemas (the walk descends into them)
@@ -41,7 +46,10 @@ LISTS = ("anyOf", "allOf", "oneOf", "prefixItems", "items")
 
 def unenforced(schema) -> list:
     """Where ``schema`` uses keywords the grammar relaxes: ``["oneOf at /properties/pet", ...]``
-    (iterative: any nesting depth)."""
+    (iterative: any nesting depth), after the ``allOf`` merge that compiling does."""
+    from specd.structured.allof import merge_object_allof
+
+    schema = merge_object_allof(schema)
     out = []
     stack = [(schema, "")]
     while stack:
@@ -51,6 +59,10 @@ def unenforced(schema) -> list:
         out += [f"{k} at {path or '/'}" for k in RELAXED if k in node]
         if node.get("uniqueItems") is True:
             out.append(f"uniqueItems at {path or '/'}")
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:  # (one the merge left)
+            out.append(f"allOf at {path or '/'}")
+        if "format" in node and node["format"] not in FORMATS:
+            out.append(f"format {node['format']} at {path or '/'}")
         if isinstance(node.get("oneOf"), list) and not _disjoint(node["oneOf"], schema):
             out.append(f"oneOf at {path or '/'}")
         stack += _children(node, path)
@@ -95,12 +107,19 @@ def _types(b) -> set | None:
 
 
 def _values(b) -> set | None:
-    """The JSON texts a branch allows when it lists them (``const`` / ``enum``), else None."""
+    """The values a branch allows when it lists them (``const`` / ``enum``), as JSON texts (numbers
+    as floats: ``1`` and ``1.0`` are one value), else None."""
     if "const" in b:
-        return {json.dumps(b["const"], sort_keys=True)}
+        return {_value_key(b["const"])}
     if isinstance(b.get("enum"), list):
-        return {json.dumps(v, sort_keys=True) for v in b["enum"]}
+        return {_value_key(v) for v in b["enum"]}
     return None
+
+
+def _value_key(v) -> str:
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        v = float(v)
+    return json.dumps(v, sort_keys=True)
 
 
 def _pairwise_disjoint(sets: list) -> bool:
@@ -122,6 +141,8 @@ def _disjoint(branches: list, root) -> bool:
 
 
 def _common_required(bs: list) -> set:
+    if not all(_types(b) == {"object"} for b in bs):  # (a discriminator tells objects apart)
+        return set()
     req = [set(r) for r in (b.get("required") for b in bs) if isinstance(r, list)]
     return set.intersection(*req) if len(req) == len(bs) and req else set()
 
