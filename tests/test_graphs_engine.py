@@ -244,8 +244,9 @@ def tiny_pair(tmp_path_factory):
 
 def test_batch_invariant_steps_replay_their_own_variant_and_speculation_equals_plain(tiny_pair, stand_in, monkeypatch):
     """``--batch-invariant on`` with the invariant kernels forced onto CPU tensors (in production only
-    CUDA tensors take them): the builder captures the invariant variant only, every target step
-    replays it, and greedy chain / tree output through the graphs == plain output through them."""
+    CUDA tensors take them): the builder captures the invariant variant only, target steps within its
+    buckets replay it (a wider tree step runs eagerly), and greedy chain / tree output through the
+    graphs == plain output through them."""
     from specd.model import invariant
 
     if DEVICE.type == "cpu":
