@@ -721,3 +721,27 @@ def test_fields_grpc_cannot_carry_are_refused_alike_over_websocket_and_http(serv
     code, msg = _ws_error(server.port, fields)
     assert code == "invalid_request" and param in msg
     assert _http_error(server, fields) == (400, "invalid_value", param, msg)
+
+
+def test_a_grammar_the_engine_cannot_check_is_a_grammar_error_through_the_thread_link():
+    """An engine without a tokenizer cannot build a grammar: the thread link's check says so as the
+    engine process's answer does (``invalid_grammar``), not as an internal error."""
+    from specd.engine.constraints import Constraints
+    from specd.serving.async_engine import AsyncEngine
+    from specd.structured import GrammarError, GrammarSpec
+
+    spy = SpyEngine(n=1)
+    spy.constraints = Constraints(None, 100, [])
+
+    async def main():
+        ae = AsyncEngine(spy, max_queue=2)
+        await ae.start()
+        try:
+            with pytest.raises(GrammarError) as e:
+                await ae.check_grammar(GrammarSpec("json_object", None, "response_format"))
+            return e.value
+        finally:
+            await ae.stop()
+
+    err = asyncio.run(asyncio.wait_for(main(), 30))
+    assert err.code == "invalid_grammar" and "tokenizer" in err.message and err.field == "response_format"

@@ -347,6 +347,8 @@ class AsyncEngine:
         request starts; the grammar is cached there, ready for the request. A request being checked
         counts against ``max_queue`` (``overloaded`` past it), so a flood of schemas cannot queue
         compiles without bound. Refused like a request while the server shuts down."""
+        from specd.structured.errors import GrammarError  # (a constrained request loaded the library)
+
         self._check_open()
         self._checking += 1
         try:
@@ -356,6 +358,10 @@ class AsyncEngine:
                     self._compiler_ready = loop.run_in_executor(None, self.link.grammar_compiler)
                 self._compiler = await asyncio.shield(self._compiler_ready)
             await asyncio.shield(asyncio.wrap_future(self._compiler.submit(spec)))
+        except (GrammarError, RequestError):
+            raise
+        except Exception as e:  # noqa: BLE001 - (e.g. no tokenizer) as an engine process answers it
+            raise GrammarError("invalid_grammar", f"{type(e).__name__}: {e}", spec.field) from None
         finally:
             self._checking -= 1
 
