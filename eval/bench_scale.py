@@ -322,8 +322,38 @@ def floor_fraction(nbytes: int, read_gbps: float, batch: int, tok_s: float | Non
     return round(nbytes / (read_gbps * 1e9) / (batch / tok_s), 3)
 
 
+def one_pass(engine, path: Path, t: int, a) -> dict:
+    """specd's plain decode at batch 1 and 4, then llama.cpp's, on ``t`` threads."""
+    return {
+        "specd": {b: decode_rate(engine, b, a.tokens) for b in (1, 4)},
+        "llama_bench_b1": llama_bench(path, t, a.tokens, a.reps, a.llama_tools),
+        "llama_batched": llama_batched(path, t, a.tokens, a.llama_tools),
+    }
+
+
+def _median(xs: list):
+    xs = [x for x in xs if x]
+    return round(statistics.median(xs), 2) if xs else None
+
+
+def merge_passes(passes: list) -> dict:
+    """Medians over alternating passes, and the median of each pass's specd / llama.cpp ratio at
+    batch 1 and 4 (on a shared machine the ratio within a pass is steadier than either rate)."""
+    b4 = [(p["specd"][4], p["llama_batched"].get(4)) for p in passes]
+    b1 = [(p["specd"][1], p["llama_bench_b1"]) for p in passes]
+    return {
+        "specd": {b: _median([p["specd"][b] for p in passes]) for b in (1, 4)},
+        "llama_bench_b1": _median([p["llama_bench_b1"] for p in passes]),
+        "llama_batched": {n: _median([p["llama_batched"].get(n) for p in passes]) for n in (1, 4)},
+        "ratio_b1": _median([x / y for x, y in b1 if y]),
+        "ratio_b4": _median([x / y for x, y in b4 if y]),
+        "passes": passes,
+    }
+
+
 def measure_file(path: Path, threads: list, a) -> list:
-    """One row per thread count: specd b1/b4, llama.cpp b1/b4, rows' costs, bandwidth and floors."""
+    """One row per thread count: specd b1/b4 and llama.cpp b1/b4 in ``a.passes`` alternating passes,
+    the rows' costs, the read bandwidth (the best of the passes') and the floor."""
     from eval.bench_real import bandwidth
     from specd.engine.warmup import row_costs
 
@@ -333,13 +363,14 @@ def measure_file(path: Path, threads: list, a) -> list:
     for t in threads:
         H.set_threads(t)
         steady_steps(engine, 1, 4)  # first-call costs at this thread count
-        bw = bandwidth(mib=256, reps=3 if a.tokens >= 16 else 1)
+        bws, passes = [], []
+        for _ in range(a.passes):
+            bws.append(bandwidth(mib=256, reps=3 if a.tokens >= 16 else 1)["read_GBps"])
+            passes.append(one_pass(engine, path, t, a))
         rows = row_costs(lm.model, engine.cache.kv.dtype, engine.backend, ROWS, reps=a.reps, clock=time.perf_counter)
-        r = {"threads": t, "read_GBps": bw["read_GBps"], "step_bytes": nbytes,
-             "floor_ms": round(nbytes / (bw["read_GBps"] * 1e9) * 1e3, 2),
-             "specd": {b: round(decode_rate(engine, b, a.tokens), 2) for b in (1, 4)},
-             "llama_bench_b1": llama_bench(path, t, a.tokens, a.reps, a.llama_tools),
-             "llama_batched": llama_batched(path, t, a.tokens, a.llama_tools),
+        bw = max(bws)
+        r = {"threads": t, "read_GBps": bw, "read_GBps_passes": bws, "step_bytes": nbytes,
+             "floor_ms": round(nbytes / (bw * 1e9) * 1e3, 2), **merge_passes(passes),
              "rows_ms": {w: round(s * 1e3, 3) for w, s in rows.items()},
              "auto_depth": {str(x): auto_depth(rows, x) for x in ACCEPT}}  # fmt: skip
         H.log(f"{path.name} t{t}: {r['specd']} tok/s specd, llama-bench {r['llama_bench_b1']}, {r['llama_batched']}")
@@ -348,16 +379,16 @@ def measure_file(path: Path, threads: list, a) -> list:
 
 
 # report -----------------------------------------------------------------------------------------
-def _ratio(x, y) -> str:
-    return f"{x / y:.2f}x" if x and y else "-"
+def _times(x) -> str:
+    return f"{x:.2f}x" if x else "-"
 
 
 def table(results: list) -> str:
     """The Markdown table: per file and thread count, decode tokens/s (specd vs llama.cpp) with each
     one's fraction of the bandwidth floor, and the cost of 2..32 rows as multiples of one row."""
     head = ["model", "format", "GB/step", "thr", "read GB/s", "floor ms", "specd b1 tok/s (floor)",
-            "llama-bench b1 (floor)", "specd/llama b1", "specd b4 tok/s (floor)", "llama b4 (floor)",
-            "specd/llama b4", "rows 2/4/8/16/32 vs 1", "auto depth a=0.6/0.8"]  # fmt: skip
+            "llama-bench b1 (floor)", "specd/llama b1 (median of passes)", "specd b4 tok/s (floor)", "llama b4 (floor)",
+            "specd/llama b4 (median of passes)", "rows 2/4/8/16/32 vs 1", "auto depth a=0.6/0.8"]  # fmt: skip
     rows = []
     for f in results:
         for r in f["runs"]:
@@ -371,9 +402,9 @@ def table(results: list) -> str:
             one = r["rows_ms"][1]
             rows.append([f["model"], f["format"], round(nb / 1e9, 2), r["threads"], bw, r["floor_ms"],
                          f"{sp[1]} ({floor_fraction(nb, bw, 1, sp[1])})",
-                         f"{lb} ({floor_fraction(nb, bw, 1, lb)})" if lb else "-", _ratio(sp[1], lb),
+                         f"{lb} ({floor_fraction(nb, bw, 1, lb)})" if lb else "-", _times(r.get("ratio_b1")),
                          f"{sp[4]} ({floor_fraction(nb, bw, 4, sp[4])})",
-                         f"{lb4} ({floor_fraction(nb, bw, 4, lb4)})" if lb4 else "-", _ratio(sp[4], lb4),
+                         f"{lb4} ({floor_fraction(nb, bw, 4, lb4)})" if lb4 else "-", _times(r.get("ratio_b4")),
                          "/".join(f"{r['rows_ms'][w] / one:.2f}" for w in ROWS[1:] if w in r["rows_ms"]),
                          "/".join(str(r["auto_depth"][str(x)]) for x in ACCEPT)])  # fmt: skip
     return H.md_table(head, rows)
@@ -386,6 +417,7 @@ def parse_args(argv=None):
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--tokens", type=int, default=64, help="decoded tokens per timing (specd and llama.cpp)")
     ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions; row-cost medians")
+    ap.add_argument("--passes", type=int, default=3, help="alternating specd / llama.cpp passes (medians)")
     ap.add_argument("--std", type=float, default=0.02, help="the random weights' standard deviation")
     ap.add_argument("--cache", type=Path, default=CACHE, help="where the GGUF files are written")
     ap.add_argument("--llama-tools", type=Path, default=LLAMA_TOOLS, help="llama.cpp's build (make bench-deps)")

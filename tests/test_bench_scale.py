@@ -103,7 +103,20 @@ def test_floor_fraction_and_ratio():
     assert bs.floor_fraction(10**9, 20.0, 1, 10.0) == 0.5
     assert bs.floor_fraction(10**9, 20.0, 4, 20.0) == 0.25
     assert bs.floor_fraction(10**9, 20.0, 1, None) is None
-    assert bs._ratio(30.0, 20.0) == "1.50x" and bs._ratio(30.0, None) == "-"
+    assert bs._times(1.5) == "1.50x" and bs._times(None) == "-"
+
+
+def test_passes_merge_to_medians_and_per_pass_ratios():
+    """Alternating passes: each rate's median, and the median of the ratios within each pass (a pass
+    where the machine was busy slows both sides); a missing llama.cpp figure is left out."""
+    passes = [
+        {"specd": {1: 2.0, 4: 6.0}, "llama_bench_b1": 4.0, "llama_batched": {1: 4.0, 4: 8.0}},
+        {"specd": {1: 1.0, 4: 3.0}, "llama_bench_b1": 1.0, "llama_batched": {1: 1.0, 4: 6.0}},
+        {"specd": {1: 3.0, 4: 9.0}, "llama_bench_b1": None, "llama_batched": {}},
+    ]
+    m = bs.merge_passes(passes)
+    assert m["specd"] == {1: 2.0, 4: 6.0} and m["llama_bench_b1"] == 2.5 and m["llama_batched"] == {1: 2.5, 4: 7.0}
+    assert m["ratio_b1"] == 0.75 and m["ratio_b4"] == 0.62  # medians of (0.5, 1.0) and (0.75, 0.5)
 
 
 def test_table_rows_and_bad_flags():
@@ -111,7 +124,7 @@ def test_table_rows_and_bad_flags():
     unknown sizes or formats are one-line errors."""
     run = {"threads": 2, "read_GBps": 20.0, "floor_ms": 50.0, "specd": {1: 10.0, 4: 30.0}, "llama_bench_b1": 12.5,
            "llama_batched": {1: 12.0, 4: 40.0}, "rows_ms": {w: 10.0 * (1 + 0.05 * (w - 1)) for w in ROWS},
-           "auto_depth": {"0.6": 3, "0.8": 7}}  # fmt: skip
+           "auto_depth": {"0.6": 3, "0.8": 7}, "ratio_b1": 0.8, "ratio_b4": 0.75}  # fmt: skip
     md = bs.table([{"model": "M", "format": "q4_0", "step_bytes": 10**9, "runs": [run]}])
     assert "| M | q4_0 | 1.000 | 2 | 20.000 | 50.000 | 10.0 (0.5) | 12.5 (0.625) | 0.80x |" in md
     assert "| 30.0 (0.375) | 40.0 (0.5) | 0.75x | 1.05/1.15/1.35/1.75/2.55 | 3/7 |" in md
