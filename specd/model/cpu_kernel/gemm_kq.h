@@ -17,9 +17,11 @@
 // kind 0 Q4_K, 1 Q5_K, 2 Q6_K), so one projection may mix kinds (llama.cpp's Q4_K_M gives v Q6_K, q
 // and k Q4_K, fused here into one q/k/v projection).
 // Per row and 32-block b, in integers: s = sum u * xq over the block (Q6_K: each 16 apart), then
-//   Q4_K / Q5_K: acc = fma(float(sc * s), d * dx, acc); acc = fnmadd(float(m * xs32), dmin * dx, acc)
+//   Q4_K / Q5_K: acc = fma(float(s), (d * sc) * dx, acc); acc = fnmadd(dmin * m, dx * float(xs32), acc)
 //   Q6_K:        acc = fma(float(sc_lo * (s_lo - 32 xs16_lo) + sc_hi * (s_hi - 32 xs16_hi)), d * dx, acc)
-// (xs: the integer sums of the row's codes; every integer is exact, below 2^24 after the scales):
+// (xs: the integer sums of the row's codes; every integer is exact, below 2^24 after the scales; d * sc
+// and dmin * m are exact in fp32, computed once per block for all rows; Q4_K / Q5_K's integer form
+// with two vpmulld per row and block cost ~1.5x the time at one row):
 // the same steps for every row whatever M is, on AVX2 (kq_tile, one tile per vector) and AVX512-VNNI
 // (kq_tile2, two tiles per vector): bitwise equal. Under AMX the AVX512-VNNI path runs (the unpacked
 // codes would feed int8 tiles too, not done: measured memory-bound at decode widths).
@@ -116,6 +118,7 @@ static inline void kq_tile(const int8_t* qx, const float* dx, const int32_t* xs,
                                        : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)scp));
             const __m256i sm = KT == 2 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(scp + 8)))
                                        : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(scp + 8)));
+            const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), dm = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(sm));
             for (int r = 0; r < R; r++) {
                 const int8_t* xb = qx + r * K + 32 * b;
                 const int32_t* xr = xs + r * (K / 16) + 2 * b;
@@ -126,11 +129,10 @@ static inline void kq_tile(const int8_t* qx, const float* dx, const int32_t* xs,
                     const __m256i c = _mm256_mullo_epi32(sm, _mm256_sub_epi32(shi, _mm256_set1_epi32(32 * xr[1])));
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, c)), ddx, acc[r]);
                 } else {
-                    const __m256i isc = _mm256_mullo_epi32(sc, _mm256_add_epi32(slo, shi));
-                    const __m256i im = _mm256_mullo_epi32(sm, _mm256_set1_epi32(xr[0] + xr[1]));
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isc), ddx, acc[r]);
-                    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dmin, _mm256_broadcast_ss(dx + r * nbk + b)),
-                                              acc[r]);
+                    const float dxr = dx[r * nbk + b], xsf = dxr * (float)(xr[0] + xr[1]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(slo, shi)),
+                                             _mm256_mul_ps(dsc, _mm256_set1_ps(dxr)), acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(xsf), acc[r]);
                 }
             }
         }
@@ -228,6 +230,7 @@ X512 static inline void kq_tile2(const int8_t* qx, const float* dx, const int32_
             for (int v = 0; v < 4; v++) kq_codes2<KT>(pa, pb, v, lo[v], hi[v]);
             const int64_t o = kq_block_bytes(KT) - 16;
             const __m512i sc = kq_bytes16<KT>(pa + o, pb + o), sm = kq_bytes16<KT>(pa + o + 8, pb + o + 8);
+            const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(sm));
             for (int r = 0; r < R; r++) {
                 const int8_t* xb = qx + r * K + 32 * b;
                 const int32_t* xr = xs + r * (K / 16) + 2 * b;
@@ -242,10 +245,9 @@ X512 static inline void kq_tile2(const int8_t* qx, const float* dx, const int32_
                     const __m512i c = _mm512_mullo_epi32(sm, _mm512_sub_epi32(shi, _mm512_set1_epi32(32 * xr[1])));
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, c)), _mm512_mul_ps(d, dxv), acc[r]);
                 } else {
-                    const __m512i isc = _mm512_mullo_epi32(sc, _mm512_add_epi32(slo, shi));
-                    const __m512i im = _mm512_mullo_epi32(sm, _mm512_set1_epi32(xr[0] + xr[1]));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isc), _mm512_mul_ps(d, dxv), acc[r]);
-                    acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dmin, dxv), acc[r]);
+                    const float xsf = dx[r * nbk + b] * (float)(xr[0] + xr[1]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(slo, shi)), _mm512_mul_ps(dsc, dxv), acc[r]);
+                    acc[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xsf), acc[r]);
                 }
             }
         }
