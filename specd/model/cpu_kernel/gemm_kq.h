@@ -1,6 +1,6 @@
 // The int8-activation GEMM on GGUF K-quant weights (Q4_K, Q5_K, Q6_K) kept as the file's numbers:
 // gemm_kq, y = x @ W^T (+ add) (+ bias), x's rows quantized to int8 blocks of 32 (quantize_q8) plus
-// each 16 codes' integer sum (code_sums16). The "kq" layout (quant.pack_kq builds it from the file's
+// the codes' sums (code_sums). The "kq" layout (quant.pack_kq builds it from the file's
 // blocks, every value kept) is the x8 layout of gemm_x8_avx2.h with the K-quants' own scales:
 // output rows in tiles of 8, a tile's bytes contiguous, per 256-weight super-block of k
 //   32 bytes   d[8], dmin[8] (halves, the file's; Q6_K: dmin zero)
@@ -18,10 +18,9 @@
 // and k Q4_K, fused here into one q/k/v projection).
 // Per row and 32-block b, in integers: s = sum u * xq over the block (Q6_K: each 16 apart), then
 //   Q4_K / Q5_K: acc = fma(float(s), (d * sc) * dx, acc); acc = fnmadd(dmin * m, dx * float(xs32), acc)
-//   Q6_K:        acc = fma(float(sc_lo * (s_lo - 32 xs16_lo) + sc_hi * (s_hi - 32 xs16_hi)), d * dx, acc)
-// (xs: the integer sums of the row's codes; every integer is exact, below 2^24 after the scales; d * sc
-// and dmin * m are exact in fp32, computed once per block for all rows; Q4_K / Q5_K's integer form
-// with two vpmulld per row and block cost ~1.5x the time at one row):
+//   Q6_K:        acc = fma(float(s_lo - 32 xs16_lo), (d * sc_lo) * dx, acc), then the same for the high half
+// (xs: the integer sums of the row's codes; every integer is exact; d * sc and dmin * m are exact in
+// fp32, computed once per block for all rows, where an integer form took two vpmulld per row and block):
 // the same steps for every row whatever M is, on AVX2 (kq_tile, one tile per vector) and AVX512-VNNI
 // (kq_tile2, two tiles per vector): bitwise equal. Under AMX the AVX512-VNNI path runs (the unpacked
 // codes would feed int8 tiles too, not done: measured memory-bound at decode widths).
@@ -40,18 +39,21 @@
 static inline constexpr int64_t kq_block_bytes(int KT) { return 128 + (KT == 1 ? 32 : KT == 2 ? 64 : 0) + 16; }
 static inline constexpr int64_t kq_sb_bytes(int KT) { return KQ_HDR + 8 * kq_block_bytes(KT); }
 
-// sums of the int8 codes of x per 16 (xs16 [M, K/16])
-static void code_sums16(const int8_t* qx, int64_t M, int64_t K, int32_t* xs16) {
+// the activations' side of the K-quant terms, per row: xs [M, K/16] 32 x the sum of each 16 codes (Q6_K's
+// -32 offset), xsf [M, K/32] dx * the sum of each block's 32 codes (Q4_K / Q5_K's mins), computed once
+// per row instead of once per row and tile
+static void code_sums(const int8_t* qx, const float* dx, int64_t M, int64_t K, int32_t* xs, float* xsf) {
     for_rows(M, [&](int64_t m) {
         for (int64_t j = 0; j < K / 16; j++) {
             const __m128i v = _mm_loadu_si128((const __m128i*)(qx + m * K + 16 * j));
-            const __m256i w = _mm256_cvtepi8_epi16(v);
-            const __m256i s = _mm256_madd_epi16(w, _mm256_set1_epi16(1));
+            const __m256i s = _mm256_madd_epi16(_mm256_cvtepi8_epi16(v), _mm256_set1_epi16(1));
             __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
             t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
             t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-            xs16[m * (K / 16) + j] = _mm_cvtsi128_si32(t);
+            xs[m * (K / 16) + j] = 32 * _mm_cvtsi128_si32(t);
         }
+        for (int64_t b = 0; b < K / 32; b++)
+            xsf[m * (K / 32) + b] = dx[m * (K / 32) + b] * (float)((xs[m * (K / 16) + 2 * b] + xs[m * (K / 16) + 2 * b + 1]) / 32);
     });
 }
 
@@ -98,8 +100,8 @@ static KQ_INLINE __m256i kq_dot(const __m256i* u, const int8_t* x) {
 }
 
 template <int KT, int R>
-static inline void kq_tile(const int8_t* qx, const float* dx, const int32_t* xs, int64_t K, const uint8_t* w,
-                           float* out /* [R, 8] */) {
+static inline void kq_tile(const int8_t* qx, const float* dx, const int32_t* xs, const float* xsf, int64_t K,
+                           const uint8_t* w, float* out /* [R, 8] */) {
     const int64_t nbk = K / 32, nsb = K / 256;
     __m256 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
@@ -118,21 +120,21 @@ static inline void kq_tile(const int8_t* qx, const float* dx, const int32_t* xs,
                                        : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)scp));
             const __m256i sm = KT == 2 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(scp + 8)))
                                        : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(scp + 8)));
-            const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), dm = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(sm));
+            const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), dm = _mm256_mul_ps(KT == 2 ? d : dmin, _mm256_cvtepi32_ps(sm));  // Q6_K: the high half's d * sc
             for (int r = 0; r < R; r++) {
                 const int8_t* xb = qx + r * K + 32 * b;
                 const int32_t* xr = xs + r * (K / 16) + 2 * b;
-                const __m256 ddx = _mm256_mul_ps(d, _mm256_broadcast_ss(dx + r * nbk + b));
                 const __m256i slo = kq_dot<KT>(lo, xb), shi = kq_dot<KT>(hi, xb + 16);
                 if (KT == 2) {
-                    const __m256i a = _mm256_mullo_epi32(sc, _mm256_sub_epi32(slo, _mm256_set1_epi32(32 * xr[0])));
-                    const __m256i c = _mm256_mullo_epi32(sm, _mm256_sub_epi32(shi, _mm256_set1_epi32(32 * xr[1])));
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(a, c)), ddx, acc[r]);
+                    const __m256 dxv = _mm256_broadcast_ss(dx + r * nbk + b);
+                    const __m256i a = _mm256_sub_epi32(slo, _mm256_set1_epi32(xr[0]));
+                    const __m256i c = _mm256_sub_epi32(shi, _mm256_set1_epi32(xr[1]));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dsc, dxv), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_mul_ps(dm, dxv), acc[r]);
                 } else {
-                    const float dxr = dx[r * nbk + b], xsf = dxr * (float)(xr[0] + xr[1]);
                     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(slo, shi)),
-                                             _mm256_mul_ps(dsc, _mm256_set1_ps(dxr)), acc[r]);
-                    acc[r] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(xsf), acc[r]);
+                                             _mm256_mul_ps(dsc, _mm256_broadcast_ss(dx + r * nbk + b)), acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(dm, _mm256_broadcast_ss(xsf + r * nbk + b), acc[r]);
                 }
             }
         }
@@ -141,13 +143,13 @@ static inline void kq_tile(const int8_t* qx, const float* dx, const int32_t* xs,
 }
 
 template <int KT>
-static inline void kq_pass(int64_t r, const int8_t* xm, const float* dm, const int32_t* sm, int64_t K,
-                           const uint8_t* wt, float* acc) {
+static inline void kq_pass(int64_t r, const int8_t* xm, const float* dm, const int32_t* sm, const float* fm,
+                           int64_t K, const uint8_t* wt, float* acc) {
 #define KQ_CASE(n) \
-    case n: kq_tile<KT, n>(xm, dm, sm, K, wt, acc); break;
+    case n: kq_tile<KT, n>(xm, dm, sm, fm, K, wt, acc); break;
     switch (r) {
         KQ_CASE(8) KQ_CASE(7) KQ_CASE(6) KQ_CASE(5) KQ_CASE(4) KQ_CASE(3) KQ_CASE(2)
-        default: kq_tile<KT, 1>(xm, dm, sm, K, wt, acc);
+        default: kq_tile<KT, 1>(xm, dm, sm, fm, K, wt, acc);
     }
 #undef KQ_CASE
 }
@@ -155,8 +157,8 @@ static inline void kq_pass(int64_t r, const int8_t* xm, const float* dm, const i
 static inline int kq_kind(int64_t entry) { return (int)(entry & 3); }
 static inline int64_t kq_off(int64_t entry) { return entry >> 2; }
 
-static void gemm_kq_256(const int8_t* qx, const float* dx, const int32_t* xs, int64_t M, int64_t K, const uint8_t* w,
-                        const int64_t* tiles, int64_t N, const float* add, const float* bias, float* y) {
+static void gemm_kq_256(const int8_t* qx, const float* dx, const int32_t* xs, const float* xsf, int64_t M, int64_t K,
+                        const uint8_t* w, const int64_t* tiles, int64_t N, const float* add, const float* bias, float* y) {
     const int64_t nbk = K / 32, NT = (N + 7) / 8;
     const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
 #pragma omp parallel for schedule(static)
@@ -170,9 +172,10 @@ static void gemm_kq_256(const int8_t* qx, const float* dx, const int32_t* xs, in
             const int8_t* xm = qx + m0 * K;
             const float* dm = dx + m0 * nbk;
             const int32_t* sm = xs + m0 * (K / 16);
-            if (kt == 0) kq_pass<0>(r, xm, dm, sm, K, wt, acc);
-            else if (kt == 1) kq_pass<1>(r, xm, dm, sm, K, wt, acc);
-            else kq_pass<2>(r, xm, dm, sm, K, wt, acc);
+            const float* fm = xsf + m0 * nbk;
+            if (kt == 0) kq_pass<0>(r, xm, dm, sm, fm, K, wt, acc);
+            else if (kt == 1) kq_pass<1>(r, xm, dm, sm, fm, K, wt, acc);
+            else kq_pass<2>(r, xm, dm, sm, fm, K, wt, acc);
             x8_store(acc, r, m0, n0, nc, N, add, bias, y);
         }
     }
@@ -212,8 +215,8 @@ X512 static inline __m512i kq_bytes16(const uint8_t* pa, const uint8_t* pb) {
 }
 
 template <int KT, int R>
-X512 static inline void kq_tile2(const int8_t* qx, const float* dx, const int32_t* xs, int64_t K, const uint8_t* wa,
-                                 const uint8_t* wb, float* out /* [R, 16] */) {
+X512 static inline void kq_tile2(const int8_t* qx, const float* dx, const int32_t* xs, const float* xsf, int64_t K,
+                                 const uint8_t* wa, const uint8_t* wb, float* out /* [R, 16] */) {
     const int64_t nbk = K / 32, nsb = K / 256;
     __m512 acc[R];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
@@ -230,7 +233,7 @@ X512 static inline void kq_tile2(const int8_t* qx, const float* dx, const int32_
             for (int v = 0; v < 4; v++) kq_codes2<KT>(pa, pb, v, lo[v], hi[v]);
             const int64_t o = kq_block_bytes(KT) - 16;
             const __m512i sc = kq_bytes16<KT>(pa + o, pb + o), sm = kq_bytes16<KT>(pa + o + 8, pb + o + 8);
-            const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(sm));
+            const __m512 dsc = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)), dm = _mm512_mul_ps(KT == 2 ? d : dmin, _mm512_cvtepi32_ps(sm));  // Q6_K: the high half's d * sc
             for (int r = 0; r < R; r++) {
                 const int8_t* xb = qx + r * K + 32 * b;
                 const int32_t* xr = xs + r * (K / 16) + 2 * b;
@@ -241,13 +244,13 @@ X512 static inline void kq_tile2(const int8_t* qx, const float* dx, const int32_
                     shi = _mm512_dpbusd_epi32(shi, hi[v], bcast4_512(xb + 16 + 4 * v));
                 }
                 if (KT == 2) {
-                    const __m512i a = _mm512_mullo_epi32(sc, _mm512_sub_epi32(slo, _mm512_set1_epi32(32 * xr[0])));
-                    const __m512i c = _mm512_mullo_epi32(sm, _mm512_sub_epi32(shi, _mm512_set1_epi32(32 * xr[1])));
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, c)), _mm512_mul_ps(d, dxv), acc[r]);
+                    const __m512i a = _mm512_sub_epi32(slo, _mm512_set1_epi32(xr[0]));
+                    const __m512i c = _mm512_sub_epi32(shi, _mm512_set1_epi32(xr[1]));
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(dsc, dxv), acc[r]);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(dm, dxv), acc[r]);
                 } else {
-                    const float xsf = dx[r * nbk + b] * (float)(xr[0] + xr[1]);
                     acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(slo, shi)), _mm512_mul_ps(dsc, dxv), acc[r]);
-                    acc[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xsf), acc[r]);
+                    acc[r] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xsf[r * nbk + b]), acc[r]);
                 }
             }
         }
@@ -256,21 +259,21 @@ X512 static inline void kq_tile2(const int8_t* qx, const float* dx, const int32_
 }
 
 template <int KT>
-X512 static inline void kq_pass2(int64_t r, const int8_t* xm, const float* dm, const int32_t* sm, int64_t K,
-                                 const uint8_t* wa, const uint8_t* wb, float* acc) {
+X512 static inline void kq_pass2(int64_t r, const int8_t* xm, const float* dm, const int32_t* sm, const float* fm,
+                                 int64_t K, const uint8_t* wa, const uint8_t* wb, float* acc) {
 #define KQ_CASE(n) \
-    case n: kq_tile2<KT, n>(xm, dm, sm, K, wa, wb, acc); break;
+    case n: kq_tile2<KT, n>(xm, dm, sm, fm, K, wa, wb, acc); break;
     switch (r) {
         KQ_CASE(8) KQ_CASE(7) KQ_CASE(6) KQ_CASE(5) KQ_CASE(4) KQ_CASE(3) KQ_CASE(2)
-        default: kq_tile2<KT, 1>(xm, dm, sm, K, wa, wb, acc);
+        default: kq_tile2<KT, 1>(xm, dm, sm, fm, K, wa, wb, acc);
     }
 #undef KQ_CASE
 }
 
 // tile pairs as gemm_x8_512's; a pair of two kinds (a part boundary inside it) runs as two tiles, each
 // paired with itself
-X512 static void gemm_kq_512(const int8_t* qx, const float* dx, const int32_t* xs, int64_t M, int64_t K,
-                             const uint8_t* w, const int64_t* tiles, int64_t N, const float* add, const float* bias,
+X512 static void gemm_kq_512(const int8_t* qx, const float* dx, const int32_t* xs, const float* xsf, int64_t M,
+                             int64_t K, const uint8_t* w, const int64_t* tiles, int64_t N, const float* add, const float* bias,
                              float* y) {
     const int64_t nbk = K / 32, NT = (N + 7) / 8, NP = (NT + 1) / 2;
     const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
@@ -289,9 +292,10 @@ X512 static void gemm_kq_512(const int8_t* qx, const float* dx, const int32_t* x
                 const int8_t* xm = qx + m0 * K;
                 const float* dm = dx + m0 * nbk;
                 const int32_t* sm = xs + m0 * (K / 16);
-                if (kt == 0) kq_pass2<0>(r, xm, dm, sm, K, wa, wb, acc);
-                else if (kt == 1) kq_pass2<1>(r, xm, dm, sm, K, wa, wb, acc);
-                else kq_pass2<2>(r, xm, dm, sm, K, wa, wb, acc);
+                const float* fm = xsf + m0 * nbk;
+                if (kt == 0) kq_pass2<0>(r, xm, dm, sm, fm, K, wa, wb, acc);
+                else if (kt == 1) kq_pass2<1>(r, xm, dm, sm, fm, K, wa, wb, acc);
+                else kq_pass2<2>(r, xm, dm, sm, fm, K, wa, wb, acc);
                 x8_store16(acc, r, m0, n0, nc, N, add, bias, y);
             }
         }
@@ -299,8 +303,8 @@ X512 static void gemm_kq_512(const int8_t* qx, const float* dx, const int32_t* x
 }
 
 // the call on the instruction set x8_isa chose (AMX: the AVX512-VNNI tiles, see the top)
-static void gemm_kq(const int8_t* qx, const float* dx, const int32_t* xs, int64_t M, int64_t K, const uint8_t* w,
-                    const int64_t* tiles, int64_t N, const float* add, const float* bias, float* y) {
-    if (x8_isa() >= 1) return gemm_kq_512(qx, dx, xs, M, K, w, tiles, N, add, bias, y);
-    gemm_kq_256(qx, dx, xs, M, K, w, tiles, N, add, bias, y);
+static void gemm_kq(const int8_t* qx, const float* dx, const int32_t* xs, const float* xsf, int64_t M, int64_t K,
+                    const uint8_t* w, const int64_t* tiles, int64_t N, const float* add, const float* bias, float* y) {
+    if (x8_isa() >= 1) return gemm_kq_512(qx, dx, xs, xsf, M, K, w, tiles, N, add, bias, y);
+    gemm_kq_256(qx, dx, xs, xsf, M, K, w, tiles, N, add, bias, y);
 }

@@ -39,11 +39,12 @@ static void lin_kq(const Lin& L, const float* x, int64_t M, const float* add, fl
                    std::vector<int8_t>& qs) {
     static thread_local std::vector<int32_t> xs16;
     const int64_t K = L.K;
-    fs.resize(M * (K / 32)), qs.resize(M * K);
+    fs.resize(2 * M * (K / 32)), qs.resize(M * K);
     if ((int64_t)xs16.size() < M * (K / 16)) xs16.resize(M * (K / 16));
-    quantize_q8(x, M, K, qs.data(), fs.data());
-    code_sums16(qs.data(), M, K, xs16.data());
-    gemm_kq(qs.data(), fs.data(), xs16.data(), M, K, (const uint8_t*)L.w, (const int64_t*)L.scale, L.N, add, L.bias, y);
+    float *dx = fs.data(), *xsf = dx + M * (K / 32);
+    quantize_q8(x, M, K, qs.data(), dx);
+    code_sums(qs.data(), dx, M, K, xs16.data(), xsf);
+    gemm_kq(qs.data(), dx, xs16.data(), xsf, M, K, (const uint8_t*)L.w, (const int64_t*)L.scale, L.N, add, L.bias, y);
 }
 
 template <class S>
