@@ -247,13 +247,18 @@ def test_fused_expert_checkpoints_load_too(tmp_path, name):
 @pytest.mark.parametrize("act", ["none", "int8"])
 def test_int8_experts_of_a_folder(tmp_path, act):
     """``--quantization int8`` on a folder makes every expert's projections ``QuantLinear`` (the router
-    stays in floats): fp32 activations equal the dequantized float model within 1e-4, and greedy
-    speculation with either activations is lossless."""
+    stays in floats): fp32 activations equal the dequantized float model within 1e-4; a token's
+    mixture output has the same bits decoded alone (one row) as grouped with 12 others (the CPU
+    kernel's rows are independent), and greedy speculation with either activations is lossless."""
     folder, _ = moe_folder(tmp_path, "mixtral")
     q = load_model(folder, "cpu", "float32", with_tokenizer=False, quantization="int8")
     moe = q.model.layers[0].mlp
     assert all(isinstance(p, QuantLinear) for ex in moe.experts for p in (ex.gate_up, ex.down))
     assert isinstance(moe.router, torch.nn.Linear)
+    set_act_int8(q.model, act == "int8")
+    h = torch.randn(13, q.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(moe(h), torch.cat([moe(h[i : i + 1]) for i in range(13)]))
+    set_act_int8(q.model, False)
     ref = load_model(folder, "cpu", "float32", with_tokenizer=False)
     _dequantize_into(ref.model, q.model)
     ids = torch.randint(0, V, (30,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -74,12 +74,22 @@ class SparseMoE(nn.Module):
         """(routing weights [T, k] fp32 (Mixtral) or h's dtype, chosen experts [T, k] int64) of rows h
         [T, d]; ``ops``: the router's GEMM batch-invariant where it applies (a CUDA greedy step), so a
         token's choice never depends on the rows beside it."""
-        logits = ops.linear(h, self.router.weight)  # [T, E]
+        logits = self._router_logits(h, ops)  # [T, E]
         probs = torch.softmax(logits.float(), dim=-1)
         w, idx = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk:
             w = w / w.sum(dim=-1, keepdim=True)
         return (w if self.fp32_weights else w.to(h.dtype)), idx
+
+    def _router_logits(self, h: torch.Tensor, ops: invariant.InvariantOps) -> torch.Tensor:
+        """h @ W_router^T [T, E] in h's dtype, a token's row independent of the rows beside it: the
+        batch-invariant kernel where the step's ops take it (CUDA), one GEMV per row on a CPU (a BLAS
+        GEMM picks its kernel, and its sum order, by the row count, which would make a token's routing
+        weights differ by an ulp between a decode step and a verification step)."""
+        w = self.router.weight
+        if ops.applies(h, w) or h.device.type != "cpu":
+            return ops.linear(h, w)
+        return torch.stack([torch.mv(w, row) for row in h]) if h.shape[0] > 1 else torch.mv(w, h[0]).unsqueeze(0)
 
     def forward(self, h: torch.Tensor, ops: invariant.InvariantOps = invariant.OFF) -> torch.Tensor:
         """The mixture's output [T, d] for normed rows h [T, d] (the residual is the caller's)."""
@@ -87,18 +97,26 @@ class SparseMoE(nn.Module):
         if self.all_experts:
             return self._dense(h, w, idx, ops)
         T, k = idx.shape
+        if T == 1:  # a decode row: its k experts in rank order, nothing to group
+            y = torch.cat([self.experts[e](h, ops) for e in idx[0].tolist()]).unsqueeze(0)  # [1, k, d]
+        else:
+            y = self._grouped(h, idx, ops).view(T, k, -1)  # [T, k, d]
+        return (y * w.unsqueeze(-1)).sum(dim=1).to(h.dtype)
+
+    def _grouped(self, h, idx, ops) -> torch.Tensor:
+        """Each chosen expert on the rows of the tokens that chose it: [T k, d], row j the output of
+        token j // k's slot j % k."""
+        k = idx.shape[1]
         flat = idx.reshape(-1)  # [T k]: assignment j = token j // k, slot j % k
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # (one host read per layer)
         rows = h.index_select(0, order // k)  # [T k, d]: each assignment's token row, by expert
-        out = torch.empty_like(rows)
-        start = 0
+        outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                out[start : start + n] = self.experts[e](rows[start : start + n], ops)
+                outs.append(self.experts[e](rows[start : start + n], ops))
                 start += n
-        y = torch.empty_like(out).index_copy_(0, order, out).view(T, k, -1)  # back to (token, slot)
-        return (y * w.unsqueeze(-1)).sum(dim=1).to(h.dtype)
+        return torch.empty_like(rows).index_copy_(0, order, torch.cat(outs))  # back to (token, slot) order
 
     def _dense(self, h, w, idx, ops) -> torch.Tensor:
         """Every expert on every row, the unchosen ones weighted 0 (``all_experts``)."""
