@@ -322,6 +322,16 @@ def _moe_gguf_name(hf: str) -> str:
     return base_gguf_name(hf)
 
 
+def converted_reference(path: Path, folder: Path):
+    """transformers' model (fp32, eager attention) on ``specd convert``'s folder of the GGUF file ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    sg.convert(path, folder)
+    ref = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ref.config._attn_implementation = "eager"
+    return ref
+
+
 @pytest.mark.parametrize("name", list(GGUF_MOE))
 def test_moe_gguf_matches_transformers(tmp_path, name, monkeypatch):
     """F32 file -> specd == the transformers model; Q8_0 file -> specd on each expert's own blocks
@@ -336,11 +346,7 @@ def test_moe_gguf_matches_transformers(tmp_path, name, monkeypatch):
     assert_rows_match(lm, model, backends=("cpu",))
     (tmp_path / "q8").mkdir()
     q8, _ = moe_gguf(tmp_path / "q8", name, gguf.GGMLQuantizationType.Q8_0)
-    sg.convert(q8, tmp_path / "q8-folder")
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "q8-folder"), dtype=torch.float32).eval()
-    ref.config._attn_implementation = "eager"
+    ref = converted_reference(q8, tmp_path / "q8-folder")
     lm = load_model(q8, "cpu", "float32", with_tokenizer=False, quantization="auto")
     ex = lm.model.layers[0].mlp.experts[1]
     assert isinstance(ex.gate_up, QuantLinear) and ex.gate_up.group == 32  # the file's Q8_0 blocks
@@ -358,12 +364,10 @@ def test_q4_0_experts_keep_their_blocks(tmp_path, monkeypatch):
     """A Q4_0 file's experts are int4 ``QuantLinear`` of the file's own blocks (scale and -8 x scale
     per 32 weights): specd (fp32 activations) == transformers on the converted folder within 1e-4."""
     import gguf
-    from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
     q4, _ = moe_gguf(tmp_path, "mixtral", gguf.GGMLQuantizationType.Q4_0)
-    sg.convert(q4, tmp_path / "q4-folder")
-    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path / "q4-folder"), dtype=torch.float32).eval()
+    ref = converted_reference(q4, tmp_path / "q4-folder")
     lm = load_model(q4, "cpu", "float32", with_tokenizer=False, quantization="gguf")
     down = lm.model.layers[2].mlp.experts[3].down
     assert isinstance(down, QuantLinear) and (down.fmt, down.group) == ("int4", 32)

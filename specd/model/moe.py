@@ -21,9 +21,10 @@ Worked example (E = 4, k = 2, three tokens routed to experts (2, 0), (0, 3), (2,
 tokens 0, 2; expert 3: token 1. Each expert's gate/up and down run once on its own rows (expert 0 on
 two rows, ...); an expert no token chose is never touched, so its weights (a ``QuantLinear``'s
 quantized blocks too) are not read in that step. Each result lands in its assignment's slot, and a
-token's k slots are summed in rank order: a token's bits depend on its own rows only (given
-row-independent projections, as the CPU kernel's quantized ones are), so a draft tree's rows verify
-exactly as decoding computes them.
+token's k slots are summed in rank order (a decode step's one row runs its k experts directly). A
+token's bits depend on its own row only, given row-independent projections (the CPU kernel's quantized
+ones; the router's logits one GEMV per row on a CPU, the batch-invariant kernels on CUDA greedy
+steps), so a draft tree's rows verify exactly as decoding computes them.
 
 ``SparseMoE.all_experts = True`` runs every expert on every token instead and weights the unchosen
 ones by 0 (a dense reference, for the benchmark in docs/benchmarks.md; the same result).
