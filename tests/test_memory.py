@@ -170,8 +170,9 @@ def test_a_gguf_load_is_resident_like_its_file(tmp_path, mix):
     the baseline taken after a first tiny load (imports, the kernel, first-call costs): the load
     grows the resident set by at most 1.2x the file, its peak too, and after the KV cache and a
     forward (the kernel's layouts in use) by at most 1.2x the file plus the cache (each plus
-    SLACK). Before this change the growth was ~3.2x (the row layout with fp32 scales, the kernel's
-    packed copy, the mapped file and the GGUF reader's vocabulary objects all resident at once)."""
+    SLACK). Before this change a 1.7B file grew it by 2.5x (Q4_0) to 3.3x (Q4_K_M, requantized) plus
+    the cache: the row layout with fp32 scales beside the kernel's packed copy, the mapped file and
+    the GGUF reader's vocabulary objects resident at once (docs/benchmarks.md, session 23)."""
     from tests.test_gguf import TOKENS
 
     warm = write_random_llama(tmp_path / "warm.gguf", mix, hidden=256, layers=1, heads=4, kv_heads=2, inter=512,
