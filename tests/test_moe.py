@@ -448,3 +448,17 @@ def test_the_benchmark_runs_both_paths(capsys):
     ex = model.layers[0].mlp.experts[0]
     expert = ex.gate_up.nbytes() + ex.down.nbytes()
     assert bench_moe.bytes_per_step(model, True) - bench_moe.bytes_per_step(model, False) == 2 * (4 - 2) * expert
+
+
+def test_a_feature_head_starts_from_a_mixture_target(tmp_path):
+    """``specd distill``'s head initialisation on a mixture of experts: the attention half comes from
+    the target layer, the MLP (a mixture has no one MLP to copy) keeps its random start."""
+    from specd.training.head import new_head
+
+    folder, _ = moe_folder(tmp_path, "mixtral")
+    lm = load_model(folder, "cpu", "float32", with_tokenizer=False)
+    d2t = torch.arange(64)
+    head = new_head(lm, d2t)
+    blk = lm.model.layers[head.layers[-1]]
+    assert torch.equal(head.o.weight, blk.attn.o.weight.float())
+    assert head.gate_up.weight.abs().max() < 0.2  # (random normal * 0.02, not copied)

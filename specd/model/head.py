@@ -228,5 +228,6 @@ NATIVE_KEYS = ("fc", "input_norm", "hidden_norm", "qkv", "o", "post_norm", "gate
 
 
 def head_config(target_cfg: ModelConfig, **over) -> ModelConfig:
-    """The head layer's config: the target's (width, heads, RoPE, vocabulary), one layer."""
-    return dataclasses.replace(target_cfg, num_layers=1, **over)
+    """The head layer's config: the target's (width, heads, RoPE, vocabulary), one layer with a dense
+    MLP (also for a mixture-of-experts target)."""
+    return dataclasses.replace(target_cfg, num_layers=1, **{"moe_layers": (), **over})

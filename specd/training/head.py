@@ -62,8 +62,9 @@ def _init_from_target(head: EagleHead, tm) -> None:
 
     head.qkv.weight[:, d:] = dense(blk.attn.qkv)
     head.o.weight.copy_(dense(blk.attn.o))
-    head.gate_up.weight.copy_(dense(blk.mlp.gate_up))
-    head.down.weight.copy_(dense(blk.mlp.down))
+    if hasattr(blk.mlp, "gate_up"):  # (a mixture of experts has no one MLP to start from: it stays random)
+        head.gate_up.weight.copy_(dense(blk.mlp.gate_up))
+        head.down.weight.copy_(dense(blk.mlp.down))
     head.hidden_norm.weight.copy_(blk.input_norm.weight.float())
     head.post_norm.weight.copy_(blk.post_norm.weight.float())
     head.norm.weight.copy_(tm.norm.weight.float())
