@@ -407,6 +407,59 @@ def _trim() -> None:
 
 
 # the file's tensors, mapped ---------------------------------------------------------------------------
+def _tensor_infos(buf, path: Path) -> tuple[list, int]:
+    """(name, ggml dims, type, offset) of every tensor in a GGUF header, and where their data starts;
+    the metadata is skipped, not decoded (only general.alignment is read)."""
+    import struct
+
+    from gguf import GGMLQuantizationType
+
+    from specd.model.gguf import _ARRAY, _SCALARS, _STRING
+
+    pos, align = 8, 32
+
+    def take(fmt):
+        nonlocal pos
+        out = struct.unpack_from("<" + fmt, buf, pos)[0]
+        pos += struct.calcsize("<" + fmt)
+        return out
+
+    def text() -> str:
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        return bytes(buf[pos - n : pos]).decode()
+
+    def skip(kind):
+        nonlocal pos
+        if kind == _STRING:
+            n = take("Q")  # (not pos += take(...): the old pos would be read before take moves it)
+            pos += n
+        elif kind == _ARRAY:
+            item, n = take("I"), take("Q")
+            for _ in range(n):
+                skip(item)
+        else:
+            pos += struct.calcsize("<" + _SCALARS[kind])
+
+    try:
+        n_tensors, n_kv = take("Q"), take("Q")
+        for _ in range(n_kv):
+            key, kind = text(), take("I")
+            if key == "general.alignment" and kind == 4:
+                align = take("I")
+            else:
+                skip(kind)
+        infos = []
+        for _ in range(n_tensors):
+            name = text()
+            dims = [take("Q") for _ in range(take("I"))]
+            infos.append((name, dims, GGMLQuantizationType(take("I")), take("Q")))
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise LoadError(f"{path}: cannot read the GGUF header ({e})") from None
+    return infos, pos + (-pos % align)
+
+
 class TensorFile:
     """A GGUF file's tensors as ``GGUFReader`` gives them (name, tensor_type, shape in ggml order,
     data: a view of one read-only memory map), read from the header without decoding the metadata
@@ -417,71 +470,24 @@ class TensorFile:
 
     def __init__(self, path: Path):
         import mmap
-        import struct
 
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf import GGML_QUANT_SIZES
 
-        from specd.model.gguf import _ARRAY, _SCALARS, _STRING
-
-        self.map = np.memmap(path, dtype=np.uint8, mode="r")
-        buf, pos, align = self.map, 8, 32
+        self.map = buf = np.memmap(path, dtype=np.uint8, mode="r")
         if bytes(buf[:4]) != b"GGUF":
             raise LoadError(f"{path}: not a GGUF file (no GGUF magic)")
-
-        def take(fmt):
-            nonlocal pos
-            out = struct.unpack_from("<" + fmt, buf, pos)[0]
-            pos += struct.calcsize("<" + fmt)
-            return out
-
-        def text() -> str:
-            nonlocal pos
-            n = take("Q")
-            pos += n
-            return bytes(buf[pos - n : pos]).decode()
-
-        def skip(kind):
-            nonlocal pos
-            if kind == _STRING:
-                n = take("Q")  # (not pos += take(...): the old pos would be read before take moves it)
-                pos += n
-            elif kind == _ARRAY:
-                item, n = take("I"), take("Q")
-                for _ in range(n):
-                    skip(item)
-            else:
-                pos += struct.calcsize("<" + _SCALARS[kind])
-
-        try:
-            n_tensors, n_kv = struct.unpack_from("<QQ", buf, pos)
-            pos += 16
-            for _ in range(n_kv):
-                key, kind = text(), take("I")
-                if key == "general.alignment" and kind == 4:
-                    align = take("I")
-                else:
-                    skip(kind)
-            infos = []
-            for _ in range(n_tensors):
-                name = text()
-                dims = [take("Q") for _ in range(take("I"))]
-                infos.append((name, dims, GGMLQuantizationType(take("I")), take("Q")))
-        except (struct.error, ValueError, UnicodeDecodeError) as e:
-            raise LoadError(f"{path}: cannot read the GGUF header ({e})") from None
-        start = pos + (-pos % align)
+        infos, start = _tensor_infos(buf, path)
         self.page = mmap.PAGESIZE
         self.tensors = []
         for name, dims, kind, off in infos:
             block, size = GGML_QUANT_SIZES[kind]
-            n = int(np.prod(dims))
-            a, b = start + off, start + off + n // block * size
+            a, b = start + off, start + off + int(np.prod(dims)) // block * size
             if b > len(buf):
                 raise LoadError(f"{path}: truncated: tensor {name} ends at byte {b}, the file has {len(buf)}")
-            shape = np.array(dims, dtype=np.uint64)
             rows = tuple(reversed(dims))
             dt = {"F32": np.float32, "F16": np.float16}.get(kind.name)
             data = buf[a:b].view(dt).reshape(rows) if dt else buf[a:b].reshape(*rows[:-1], -1)
-            t = SimpleNamespace(name=name, tensor_type=kind, shape=shape, data=data, span=(a, b))
+            t = SimpleNamespace(name=name, tensor_type=kind, shape=np.array(dims, np.uint64), data=data, span=(a, b))
             t.release = functools.partial(self.release, t)
             self.tensors.append(t)
 
