@@ -109,7 +109,9 @@ def _status() -> dict:
     return out
 
 
-def rss(path: Path, q: str, warm: Path) -> dict:
+def rss(path: Path, q: str, warm: Path, kv_mib: int = 256) -> dict:
+    """The measurement of the module doc; byte counts (``tests/test_memory.py`` asserts on them) and
+    the same in GiB, one JSON line."""
     from specd.engine.kv_cache import KVCache
     from specd.model.attention import build_metadata, get_backend
     from specd.model.loader import load_model
@@ -121,25 +123,27 @@ def rss(path: Path, q: str, warm: Path) -> dict:
     ctypes.CDLL(None).malloc_trim(0)
     base = _status()["VmRSS"]
     with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+        f.write("5")  # the peak (VmHWM) from here
     t = time.time()
     lm = load_model(path, "cpu", "float32", quantization=q, with_tokenizer=False)
     load_s, loaded = time.time() - t, _status()
     set_act_int8(lm.model, True)
     c, cpu = lm.config, torch.device("cpu")
     per_block = c.num_layers * 2 * c.num_kv_heads * c.head_dim * 16 * 2
-    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, (256 << 20) // per_block, 16, torch.float16, cpu)
+    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, (kv_mib << 20) // per_block, 16, torch.float16, cpu)
     cache.kv.zero_()
     seq = cache.new_seq()
     seq.reserve(16)
     meta = build_metadata([16], [0], [seq.blocks], seq.slots(0, 16), 16, cpu)
     lm.model.compute_logits(lm.model(torch.arange(16), torch.arange(16), cache.kv, meta, get_backend("auto", cpu))[-1:])
-    after, size, kv = _status()["VmRSS"], path.stat().st_size, cache.kv.numel() * cache.kv.element_size()
+    r = {"file": path.stat().st_size, "kv": cache.kv.numel() * cache.kv.element_size(), "base": base,
+         "loaded": loaded["VmRSS"], "peak": loaded["VmHWM"], "after": _status()["VmRSS"], "load_s": round(load_s, 1),
+         "kinds": sorted({type(m).__name__ for m in lm.model.modules() if "Quant" in type(m).__name__})}  # fmt: skip
     gib = lambda b: round(b / G, 3)  # noqa: E731
-    r = {"file": path.name, "quantization": q, "file_GiB": gib(size), "kv_GiB": gib(kv), "base_GiB": gib(base),
-         "load_s": round(load_s, 1), "loaded_growth_GiB": gib(loaded["VmRSS"] - base),
-         "peak_growth_GiB": gib(loaded["VmHWM"] - base), "after_growth_GiB": gib(after - base),
-         "growth_less_kv_over_file": round((after - base - kv) / size, 3)}  # fmt: skip
+    r.update(name=path.name, quantization=q, file_GiB=gib(r["file"]), kv_GiB=gib(r["kv"]), base_GiB=gib(base),
+             loaded_growth_GiB=gib(r["loaded"] - base), peak_growth_GiB=gib(r["peak"] - base),
+             after_growth_GiB=gib(r["after"] - base),
+             growth_less_kv_over_file=round((r["after"] - base - r["kv"]) / r["file"], 3))  # fmt: skip
     print(json.dumps(r))
     return r
 
@@ -153,6 +157,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warm", type=Path, default=None, help="rss: a small GGUF loaded first (default: the built-in)")
+    ap.add_argument("--kv-mib", type=int, default=256, help="rss: the KV cache allocated after the load")
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
@@ -163,7 +168,7 @@ def main(argv=None) -> int:
     else:
         from specd.model import builtin
 
-        rss(args.path, args.quantization, args.warm or builtin.builtin_gguf())
+        rss(args.path, args.quantization, args.warm or builtin.builtin_gguf(), args.kv_mib)
     return 0
 
 

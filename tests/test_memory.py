@@ -118,44 +118,6 @@ def _tiny_tokenizer(w) -> None:
 
 
 # the test ----------------------------------------------------------------------------------------------
-PROBE = r"""
-import ctypes, gc, json, os, sys
-import torch
-from specd.engine.kv_cache import KVCache
-from specd.model.attention import build_metadata, get_backend
-from specd.model.loader import load_model
-from specd.model.quant import set_act_int8
-
-def status():
-    out = {}
-    for line in open("/proc/self/status"):
-        k, v = line.split(":", 1)
-        if k in ("VmRSS", "VmHWM"):
-            out[k] = int(v.split()[0]) * 1024
-    return out
-
-warm, path = sys.argv[1], sys.argv[2]
-lm = load_model(warm, "cpu", "float32", quantization="gguf")  # imports, kernel, first-call costs
-del lm
-gc.collect()
-ctypes.CDLL(None).malloc_trim(0)
-base = status()["VmRSS"]
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak (VmHWM) from here
-lm = load_model(path, "cpu", "float32", quantization="gguf")
-loaded = status()
-set_act_int8(lm.model, True)
-c, cpu = lm.config, torch.device("cpu")
-cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 128, 16, torch.float16, cpu)
-seq = cache.new_seq()
-seq.reserve(16)
-meta = build_metadata([16], [0], [seq.blocks], seq.slots(0, 16), 16, cpu)
-h = lm.model(torch.arange(16), torch.arange(16), cache.kv, meta, get_backend("auto", cpu))
-lm.model.compute_logits(h[-1:])
-kinds = sorted({type(m).__name__ for m in lm.model.modules() if "Quant" in type(m).__name__})
-print(json.dumps({"base": base, "loaded": loaded["VmRSS"], "peak": loaded["VmHWM"], "after": status()["VmRSS"],
-                  "kv": cache.kv.numel() * cache.kv.element_size(), "file": os.path.getsize(path), "kinds": kinds}))
-"""
 SHAPE = dict(hidden=1024, layers=4, heads=16, kv_heads=4, inter=4096, context=2048)
 # bytes: what a load adds whatever the file's size (measured on this test's 33-37 MB files): the RoPE
 # tables (1 MiB at 2048 positions; their construction peaks at twice that), one chunk's repacking
@@ -183,8 +145,9 @@ def test_a_gguf_load_is_resident_like_its_file(tmp_path, mix):
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "kernels").symlink_to(cache_dir() / "kernels")  # (the built kernel, not a rebuild)
     env = {"SPECD_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([sys.executable, "-c", PROBE, str(warm), str(path)], capture_output=True, text=True,
-                       cwd=ROOT, env=env, timeout=300)  # fmt: skip
+    cmd = [sys.executable, "-m", "eval.bench_kquants", "rss", str(path), "gguf", "--warm", str(warm), "--kv-mib", "8",
+           "--threads", "1"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     m = json.loads(r.stdout.strip().splitlines()[-1])
     print(json.dumps({k: round(v / m["file"], 3) if isinstance(v, int) else v for k, v in m.items()}))
