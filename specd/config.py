@@ -528,8 +528,8 @@ class EngineConfig:
     # (specd.model.graphs, captured when the engine is built): on | off | auto (on for CUDA + Triton)
     cuda_graphs: str = "auto"
     # constrained requests' grammar masks filled on a worker thread while the target's forward runs
-    # (specd.engine.constraints): on | off | auto (on where the forward does not run on the CPU)
-    mask_overlap: str = "auto"
+    # (specd.engine.constraints): on | off (on the engine thread, before the forward)
+    mask_overlap: str = "on"
     cache: CacheConfig = field(default_factory=CacheConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -551,8 +551,8 @@ class EngineConfig:
             raise ValueError(f"batch_invariant must be auto|on|off, got {self.batch_invariant!r}")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise ValueError(f"cuda_graphs must be auto|on|off, got {self.cuda_graphs!r}")
-        if self.mask_overlap not in ("auto", "on", "off"):
-            raise ValueError(f"mask_overlap must be auto|on|off, got {self.mask_overlap!r}")
+        if self.mask_overlap not in ("on", "off"):
+            raise ValueError(f"mask_overlap must be on|off, got {self.mask_overlap!r}")
         if self.tensor_parallel_lm_head not in ("split", "rank0"):
             raise ValueError(f"tensor_parallel_lm_head must be split|rank0, got {self.tensor_parallel_lm_head!r}")
         if self.tensor_parallel_size > 1 and self.quantization in ("int8", "int4", "gguf"):

@@ -150,10 +150,10 @@ def add_compute_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--mask-overlap",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="fill constrained requests' grammar masks on a worker thread while the target's forward runs; "
-        "auto: where the forward does not run on the CPU (on a CPU its threads already use every core)",
+        default="on",
+        choices=("on", "off"),
+        help="fill constrained requests' grammar masks on a worker thread while the target's forward runs "
+        "(on: also on a CPU, where it measured faster; off: on the engine thread, before the forward)",
     )
     p.add_argument(
         "--cuda-graphs",
@@ -247,7 +247,7 @@ def engine_config(a):
         tensor_parallel_size=getattr(a, "tensor_parallel_size", 1),
         batch_invariant=getattr(a, "batch_invariant", "auto"),
         cuda_graphs=getattr(a, "cuda_graphs", "auto"),
-        mask_overlap=getattr(a, "mask_overlap", "auto"),
+        mask_overlap=getattr(a, "mask_overlap", "on"),
         cache=CacheConfig(
             block_size=a.block_size,
             num_blocks=a.num_blocks,

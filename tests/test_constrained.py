@@ -54,7 +54,8 @@ def _valid(obj) -> bool:
 @pytest.fixture(scope="module")
 def engine(shared_pair):
     t, d = shared_pair
-    return Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), t, d)
+    cfg = EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True), mask_overlap="off")
+    return Engine(cfg, t, d)  # (masks on the engine thread; the ``overlapped`` fixture turns the worker on)
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +213,7 @@ def test_forced_tokens_are_drafted_and_accepted(shared_pair):
     engine: forced text is drafted even where prompt lookup has never paid (its budget is priced at
     the grammar proposer's acceptance, not lookup's)."""
     engine = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), *shared_pair)
+    assert engine.constraints.overlap  # (the default: masks filled during the forward)
     prompts = [engine.tokenizer(s)["input_ids"] for s in STORIES[:2]]
     g = GrammarSpec("choice", ("0123456789012", "x"))
     plain = [s.output_ids for s in _run(engine, prompts, "off", g, "forced-plain")]

@@ -31,8 +31,8 @@ alive: ~1 us a node, against ~9 us with the fill), prunes, and hands the fills o
 to one worker thread that runs while the target's forward does; ``apply`` waits for them. The
 engine thread touches no matcher while the worker holds them (drafting is over, the ledger's
 ``accept`` comes after ``apply``), and a step that fails waits for the worker (``settle``) before
-the ledger rolls the matchers back. ``auto`` (the engine's default) overlaps when the forward does
-not run on the CPU: on a CPU the forward's threads already use every core.
+the ledger rolls the matchers back. The engine overlaps by default (``--mask-overlap on``): on a
+2-core CPU whose forward uses both cores it still measured faster (docs/benchmarks.md, session 23).
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class Engine:
         self._policy_clock = p.policy_clock
         self.eos_ids = set(p.target.config.eos_token_ids)
         self.vocab_size = p.target.config.vocab_size
-        overlap = cfg.mask_overlap == "on" or (cfg.mask_overlap == "auto" and self.device.type != "cpu")
+        overlap = cfg.mask_overlap == "on"
         self.constraints = Constraints(self.tokenizer, self.vocab_size, self.eos_ids, overlap=overlap)  # (lazy)
         self.seqs: dict[str, Sequence] = {}
         self._inbox: list = []
