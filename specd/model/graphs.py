@@ -16,7 +16,7 @@ Interface (the engine calls it; nothing here knows the engine)::
     runner = GraphRunner(step, GraphConfig(buckets=default_buckets(32, 512), max_blocks=...,
                          block_size=16, max_region=33, pool_bytes=2 << 30), device)
     runner.capture()                                   # at start-up; the log line: runner.describe()
-    hidden = runner.run(StepInputs(...))               # [T, d]: valid until the next run()
+    hidden = runner.run(StepInputs(...))               # [T, d]: valid until a graph of the pool replays
     runner.stats()                                     # counters for /metrics
 
 Contracts:
@@ -32,8 +32,9 @@ Contracts:
   inputs' ``max_query_len`` is the bucket's token count and ``max_seq_len`` is ``max_blocks *
   block_size``, so launch grids cover any step the bucket takes; anything else the closure
   computes on the host is frozen (use device tensors).
-* **Outputs** are views of the graph's static output: read or copy them before the next
-  :meth:`GraphRunner.run`. All graphs share one memory pool (one replays at a time).
+* **Outputs** are views of the graph's static output: read or copy them before any graph of the
+  same memory pool replays (a runner's next :meth:`GraphRunner.run`, or another runner's: the
+  engine's runners share one pool, and a replay may reuse another graph's output memory).
 * **Memory.** Buckets are captured smallest first; a bucket whose static buffers and graph would
   take the total past ``pool_bytes`` is refused (with every larger bucket): those widths run
   eagerly, and ``stats()`` counts them.
@@ -403,8 +404,8 @@ class GraphedModel:
     (or falls back eagerly outside its buckets); any other call (another cache, backend or variant)
     runs the model eagerly. Everything else (``compute_logits``, ``cfg``, ...) is the model's.
 
-    The returned rows, and captured features, are views of a graph's static output: valid until the
-    next call (the target pass indexes or copies them at once)."""
+    The returned rows, and captured features, are views of a graph's static output: valid until any
+    graph of the pool replays (the target pass indexes or copies them at once)."""
 
     def __init__(self, model, kv: torch.Tensor, backend, block_size: int):
         self.model, self.kv, self.backend, self.block_size = model, kv, backend, block_size

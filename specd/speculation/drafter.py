@@ -164,7 +164,7 @@ class Drafter:
     def _rows(self, ids: torch.Tensor, pos: torch.Tensor, meta, x: torch.Tensor | None = None) -> torch.Tensor:
         """The model's output rows [T, d] for one forward: through ``graphs`` (a ``GraphRunner`` over
         :meth:`graph_step`, set by the engine's builder on CUDA; a view of its static output, valid
-        until the next forward) or eagerly."""
+        until any graph of the pool replays) or eagerly."""
         if self.graphs is not None:
             return self.graphs.run(StepInputs.of(ids, pos, meta, x))
         if x is None:
