@@ -54,6 +54,21 @@ def hf_target():
     return AutoModelForCausalLM.from_pretrained(str(TARGET)).eval()
 
 
+def tiny_llama_folder(tmp_path_factory) -> Path:
+    """A tiny random Llama (2 layers, hidden 64, 4/2 heads, vocabulary 128, seed 0) saved by transformers."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny_llama")
+    tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    return path
+
+
 def serve_args(num_blocks: int = 512, log_level: str = "warning", **kw):
     """`specd serve` arguments for an in-process server on the shared pair (loopback, free ports)."""
     from specd.cli import build_parser

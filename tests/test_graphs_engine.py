@@ -223,17 +223,10 @@ def test_the_flag_reaches_the_engine_config():
 def tiny_pair(tmp_path_factory):
     """A tiny random Llama (2 layers, hidden 64, vocabulary 128; saved by transformers, loaded by
     specd) op by op, as a bf16 model runs on a GPU, as target and as its own draft."""
-    import transformers as tf
-
     from specd.model.loader import load_model
+    from tests.conftest import tiny_llama_folder
 
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny_llama")
-    tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    path = tiny_llama_folder(tmp_path_factory)
     pair = []
     for _ in range(2):
         lm = load_model(path, DEVICE.type, "float32", progress=False, with_tokenizer=False)

@@ -39,15 +39,9 @@ OPS = invariant.InvariantOps(True, devices=(DEVICE.type,))
 
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
-    import transformers as tf
+    from tests.conftest import tiny_llama_folder
 
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
-    )  # fmt: skip
-    path = tmp_path_factory.mktemp("tiny_llama")
-    tf.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    path = tiny_llama_folder(tmp_path_factory)
     loaded = load_model(path, DEVICE.type, "float32", progress=False, with_tokenizer=False)
     m = loaded.model
     m.FOLD_MAX_HIDDEN = 0  # op by op, as a bf16 model on a GPU runs
