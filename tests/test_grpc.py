@@ -236,7 +236,10 @@ def test_seeded_sampling_is_reproducible(daemon, stub):
     )
     a, _ = collect(stub.Generate(req, timeout=DEADLINE))
     b, _ = collect(stub.Generate(req, timeout=DEADLINE))
-    assert [list(d.token_ids) for d in a] == [list(d.token_ids) for d in b]
+    # the tokens, not how they were grouped: how many a step accepts follows the drafting policy's
+    # timings, which differ between runs; the seeded draws do not
+    tokens = [[t for d in run for t in d.token_ids] for run in (a, b)]
+    assert tokens[0] and tokens[0] == tokens[1]
 
 
 def _slow_steps(engine, seconds):
