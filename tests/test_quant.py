@@ -139,8 +139,50 @@ def test_repacked_gguf_blocks_equal_gguf_dequantization(qtype):
     assert op.nbytes() < w.nbytes / 3  # the codes stay 8 / 4 bits (plus fp32 scales)
     x = torch.randn(3, 320)
     _check(op(x), x, op, torch.float32)
-    _, scale, mins = op.x8_pack()  # the int8-activation kernel reads the file's fp16 scales as halves
+    _, scale, mins, _ = op.x8_pack()  # the int8-activation kernel reads the file's fp16 scales as halves
     assert scale.dtype == torch.float16 and (mins is None or mins.dtype == torch.float16)
+
+
+@pytest.mark.skipif(kernel() is None, reason="no CPU kernel here")
+def test_q4_0_mins_implied_by_the_scales_give_the_stored_mins_bits():
+    """A Q4_0 block is d * (q - 8): its packed mins (-8 d) are not stored (``X8.off8``) but computed
+    from the scales in the kernel, exactly: every instruction set this CPU has and every row count
+    give the bits of the same weight with the mins stored, whole projections (``specd_layers``'s
+    kinds) and ``compact`` included, in 144 bytes per 8 x 32 weights instead of 160."""
+    from specd.model.quant import X8, pack_x8
+
+    w = np.random.default_rng(3).standard_normal((67, 576)).astype(np.float32)
+    op = repack(_gguf_tensor(w, Q.Q4_0))
+    packed = pack_x8(op)
+    assert packed.off8 and packed.mins is None and packed.scale.dtype == torch.float16
+    stored = X8(packed.w, packed.scale, (-8.0 * packed.scale.float()).half(), False)  # the mins, as stored before
+    assert sum(t.numel() * t.element_size() for t in (packed.w, packed.scale)) * 10 == 9 * sum(
+        t.numel() * t.element_size() for t in (stored.w, stored.scale, stored.mins)
+    )
+    g = torch.Generator().manual_seed(4)
+    x, res = torch.randn(40, 576, generator=g) * 3, torch.randn(40, 67, generator=g)
+    isas = [0] + ([1, 2] if AVX512_VNNI <= cpu_info()["flags"] else [])
+    op.act_int8 = True
+    try:
+        for isa in isas:
+            x8_isa(isa)
+            for M in (1, 2, 5, 7, 8, 9, 16, 17, 33, 40):
+                op._x8 = stored
+                want = addmm(res[:M], x[:M], op)
+                op._x8 = packed
+                assert torch.equal(addmm(res[:M], x[:M], op), want), (isa, M)
+        x8_isa(-1)
+        op._x8 = packed
+        want = addmm(res, x, op)
+        compact = op.compact()
+        assert compact.minv is None and torch.equal(addmm(res, x, compact), want)
+        assert torch.equal(
+            compact.dequantize(),
+            torch.from_numpy(gguf.quants.dequantize(_gguf_tensor(w, Q.Q4_0).data, Q.Q4_0)).reshape(w.shape),
+        )
+    finally:
+        x8_isa(-1)
+        op.act_int8 = False
 
 
 # int8 activations (--act-quant int8) ------------------------------------------------------------------

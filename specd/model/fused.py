@@ -46,8 +46,8 @@ def _lin(op: QuantLinear) -> tuple[Lin, tuple]:
     """``op`` as a ``Lin`` and the tensors it points into (kept alive by the caller)."""
     int4 = op.fmt == "int4"
     if op.act_int8:
-        w, scale, mins = op.x8_pack()
-        lin = Lin(2 + x8_fmt(int4, scale), op.out_features, op.k_pad, 32, op.in_features, _ptr(w), _ptr(scale),
+        w, scale, mins, off8 = op.x8_pack()
+        lin = Lin(2 + x8_fmt(int4, scale, off8), op.out_features, op.k_pad, 32, op.in_features, _ptr(w), _ptr(scale),
                   _ptr(mins), _ptr(op.bias))  # fmt: skip
         return lin, (w, scale, mins, op.bias)
     op.expand()  # (a compact op, ``QuantLinear.compact``: fp32 activations read the row layout)

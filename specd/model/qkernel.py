@@ -164,24 +164,25 @@ def qgemm(
     return y
 
 
-def x8_fmt(int4: bool, scale: torch.Tensor) -> int:
-    """The kernel's X8_INT4 | X8_HALF bits for an x8-layout weight (its ``Lin`` kind less 2: layer.h),
-    or X8_KQ (4) for a K-quant weight in the kq layout (``scale`` its int64 tile table)."""
+def x8_fmt(int4: bool, scale: torch.Tensor, off8: bool = False) -> int:
+    """The kernel's X8_INT4 | X8_HALF | X8_OFF8 bits for an x8-layout weight (its ``Lin`` kind less 2:
+    layer.h; ``off8``: int4 mins -8 x the scales, ``quant.X8``), or X8_KQ (4) for a K-quant weight in the
+    kq layout (``scale`` its int64 tile table)."""
     if scale.dtype == torch.int64:
         return 4
-    return int(int4) | (2 if scale.dtype == torch.float16 else 0)
+    return int(int4) | (2 if scale.dtype == torch.float16 else 0) | (8 if int4 and off8 else 0)
 
 
 def qgemm_x8(lib: ctypes.CDLL, x: torch.Tensor, packed: tuple, N: int, int4: bool, add=None, bias=None):
     """``add + x @ W^T + bias`` with int8 activations for x fp32 [M, K] (contiguous) and W in the
     interleaved layout ``packed`` (``quant.pack_x8``: fp32 or fp16 scales; or ``KQuantLinear.x8_pack``:
     the kq layout, int64 tile table); returns fp32 [M, N]."""
-    w, scale, mins = packed
+    w, scale, mins, off8 = packed
     M, K = x.shape
     add = None if add is None else add.contiguous()
     y = torch.empty((M, N), dtype=torch.float32)
     lib.specd_qgemm_x8(
-        x.data_ptr(), M, K, w.data_ptr(), scale.data_ptr(), _ptr(mins), N, x8_fmt(int4, scale), _ptr(add),
+        x.data_ptr(), M, K, w.data_ptr(), scale.data_ptr(), _ptr(mins), N, x8_fmt(int4, scale, off8), _ptr(add),
         _ptr(bias), y.data_ptr(),
     )  # fmt: skip
     return y

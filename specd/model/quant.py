@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -47,6 +48,7 @@ class QuantLinear(nn.Module):
     # equal to the fp32-activation result (see cpu_kernel/gemm_x8_avx2.h). A class default, set per layer.
     act_int8 = False
     layout = "rows"  # "x8": the buffers hold the kernel's interleaved layout only (``compact``)
+    _off8 = False  # (x8 layout) int4 mins not stored: -8 x the scales (``X8.off8``)
 
     def __init__(self, fmt: str, qweight, scale, minv, group: int, in_features: int, bias=None):
         super().__init__()
@@ -80,12 +82,15 @@ class QuantLinear(nn.Module):
 
     # one copy: the kernel's layout ----------------------------------------------------------------
     @classmethod
-    def from_x8(cls, fmt: str, group: int, in_features: int, N: int, w, scale, mins, bias=None) -> QuantLinear:
-        """A compact QuantLinear (``compact``) of N rows from ``pack_x8``'s three tensors."""
+    def from_x8(
+        cls, fmt: str, group: int, in_features: int, N: int, w, scale, mins, off8=False, bias=None
+    ) -> QuantLinear:
+        """A compact QuantLinear (``compact``) of N rows from ``pack_x8``'s tensors (an ``X8``)."""
         op = cls.__new__(cls)
         nn.Module.__init__(op)
         op.fmt, op.group, op.in_features, op.out_features = fmt, int(group), int(in_features), int(N)
         op._k_pad, op._x8, op._sdt, op.layout = scale.shape[1] * BLOCK, None, scale.dtype, "x8"
+        op._off8 = bool(off8)
         as_bytes = lambda t: None if t is None else t.contiguous().view(torch.uint8)  # noqa: E731
         op.register_buffer("qweight", w.contiguous())
         op.register_buffer("scale", as_bytes(scale))
@@ -100,7 +105,7 @@ class QuantLinear(nn.Module):
         dequantization and row selection read the tiles; the row layout comes back (``expand``) for
         fp32 activations or another device. Returns self."""
         if self.layout != "x8":
-            w, scale, mins = self.x8_pack()
+            w, scale, mins, self._off8 = self.x8_pack()
             self._k_pad, self._x8, self._sdt = self.k_pad, None, scale.dtype
             as_bytes = lambda t: None if t is None else t.contiguous().view(torch.uint8)  # noqa: E731
             self.qweight, self.scale, self.minv = w, as_bytes(scale), as_bytes(mins)
@@ -111,7 +116,7 @@ class QuantLinear(nn.Module):
         """Back to the row layout (buffers as at construction) from the interleaved one."""
         if self.layout == "x8":
             q, scale, mins = self._x8_rows(torch.arange(self.out_features, device=self.qweight.device))
-            self.layout, self._x8 = "rows", None
+            self.layout, self._x8, self._off8 = "rows", None, False
             self.qweight, self.scale, self.minv = q, scale, mins
 
     def _x8_rows(self, ids: torch.Tensor) -> tuple:
@@ -124,7 +129,8 @@ class QuantLinear(nn.Module):
             q = self.qweight.view(-1, nbk, 8, 8, 4)[t, :, :, c, :].reshape(n, self._k_pad).view(torch.int8)
         step = self.group // BLOCK
         per_row = lambda b: None if b is None else b.view(self._sdt).view(-1, nbk, 8)[t, :, c][:, ::step].float()  # noqa: E731
-        return q.contiguous(), per_row(self.scale).contiguous(), per_row(self.minv)
+        scale = per_row(self.scale).contiguous()
+        return q.contiguous(), scale, -8.0 * scale if self._off8 else per_row(self.minv)
 
     def nbytes(self) -> int:
         """Bytes one full read of the weight costs (packed weights, scales, mins)."""
@@ -163,15 +169,15 @@ class QuantLinear(nn.Module):
         q, scale, mins = self._x8_rows(idx) if self.layout == "x8" else map(pick, (self.qweight, self.scale, self.minv))
         return QuantLinear(self.fmt, q, scale, mins, self.group, self.in_features, pick(self.bias))
 
-    def x8_pack(self) -> tuple:
+    def x8_pack(self) -> X8:
         """The weight in the CPU kernel's interleaved layout for int8 activations (``gemm_x8``,
-        cpu_kernel/gemm_x8_avx2.h): ``(w uint8, scale [tiles, K_pad/32, 8], min or None)``, scale and min in fp16
-        where every one of them is a half exactly (GGUF's Q4_0 / Q4_1 / Q8_0 blocks), else fp32; built
-        on first use and kept (a second copy of the codes: same size as ``qweight``; none after
+        cpu_kernel/gemm_x8_avx2.h): ``X8(w uint8, scale [tiles, K_pad/32, 8], min or None, off8)``, scale and
+        min in fp16 where every one of them is a half exactly (GGUF's Q4_0 / Q4_1 / Q8_0 blocks), else fp32;
+        built on first use and kept (a second copy of the codes: same size as ``qweight``; none after
         ``compact``)."""
         if self.layout == "x8":
             view = lambda b: None if b is None else b.view(self._sdt).view(-1, self._k_pad // BLOCK, 8)  # noqa: E731
-            return self.qweight, view(self.scale), view(self.minv)
+            return X8(self.qweight, view(self.scale), view(self.minv), self._off8)
         if getattr(self, "_x8", None) is None:
             self._x8 = pack_x8(self)
         return self._x8
@@ -261,12 +267,25 @@ def unpack_int4(p: torch.Tensor) -> torch.Tensor:
     return torch.cat([b & 0x0F, b >> 4], dim=-1).reshape(N, -1)
 
 
-def pack_x8(op: QuantLinear) -> tuple:
+class X8(NamedTuple):
+    """A weight as the CPU kernel's int8-activation GEMM reads it (``pack_x8``; a K-quant's kq tiles:
+    ``KQuantLinear.x8_pack``): the codes, the block scales, the int4 mins or None, and ``off8``: int4
+    mins that are -8 x the scales exactly (GGUF Q4_0's ``d * (q - 8)``) are not stored but computed in
+    the kernel (X8_OFF8, cpu_kernel/layer.h: the same bits in 144 bytes per 8 x 32 weights, not 160)."""
+
+    w: torch.Tensor
+    scale: torch.Tensor
+    mins: torch.Tensor | None
+    off8: bool = False
+
+
+def pack_x8(op: QuantLinear) -> X8:
     """``op``'s codes, scales and mins in the interleaved layout of the CPU kernel's ``gemm_x8``
     (cpu_kernel/gemm_x8_avx2.h): output rows in tiles of 8 (zero rows pad the last), per 32-block of
     k 8 steps of 4 k for the 8 rows. Each step's 4 bytes move as one int32 (a byte-wise permute
     copies ~5x slower). int4: a tile's block byte 4c + i of vector v is row c's packed byte 4v + i
-    (low nibble k = 4v + i, high k = 16 + 4v + i), so the packed rows move as they are."""
+    (low nibble k = 4v + i, high k = 16 + 4v + i), so the packed rows move as they are. Mins that
+    are -8 x the scales exactly are dropped (``X8.off8``)."""
     N, T, nbk = op.out_features, (op.out_features + 7) // 8, op.k_pad // BLOCK
     pad_n = lambda t: t if N == 8 * T else F.pad(t, (0, 0, 0, 8 * T - N))  # noqa: E731
     per_block = lambda t: pad_n(t.repeat_interleave(op.group // BLOCK, dim=1))  # noqa: E731
@@ -275,7 +294,11 @@ def pack_x8(op: QuantLinear) -> tuple:
     q = pad_n(op.qweight.view(torch.uint8)).view(T, 8, nbk * steps * 4).view(torch.int32).view(T, 8, nbk, steps)
     w = q.permute(0, 2, 3, 1).contiguous().view(torch.uint8).view(-1)
     mins = None if op.minv is None else tiles(per_block(op.minv))
-    return (w, *as_halves(tiles(per_block(op.scale)), mins))
+    scale = tiles(per_block(op.scale))
+    off8 = op.fmt == "int4" and mins is not None and os.environ.get("SPECD_X8_OFF8", "1") != "0"
+    off8 = off8 and torch.equal(mins, -8.0 * scale)  # (SPECD_X8_OFF8=0: stored, for comparisons)
+    scale, mins = as_halves(scale, None if off8 else mins)
+    return X8(w, scale, mins, off8)
 
 
 def as_halves(scale: torch.Tensor, mins: torch.Tensor | None) -> tuple:
@@ -522,9 +545,9 @@ class KQuantLinear(QuantLinear):
     def compact(self) -> KQuantLinear:
         return self  # (one copy already: the kq tiles)
 
-    def x8_pack(self) -> tuple:
+    def x8_pack(self) -> X8:
         """The kernel's operands: the tiles, the tile table and no mins (``qkernel.x8_fmt``: X8_KQ)."""
-        return self.qweight, self.scale, None
+        return X8(self.qweight, self.scale, None)
 
     def _matmul(self, x, add):
         from specd.model.qkernel import kernel, qgemm_x8

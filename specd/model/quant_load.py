@@ -225,25 +225,28 @@ def _x8_chunks(tensors: list, perms: list):
 def repack_x8(tensors: list, perms: list) -> QuantLinear | None:
     """The ``repack`` of GGUF tensors stacked by rows straight into the CPU kernel's layout
     (``QuantLinear.compact``), a chunk of rows at a time into the final buffers; None where the
-    chunks' scales are not all halves (then the whole projection is repacked at once)."""
+    chunks' scales are not all halves or their mins not all stored or all implied (``X8.off8``: then
+    the whole projection is repacked at once)."""
     N = sum(_dims(t)[0] for t in tensors)
     out: list = []  # w, scale, mins: the whole projection's
-    tile = 0
+    tile, off8 = 0, False
     for op in _x8_chunks(tensors, perms):
-        chunk = pack_x8(op)
-        n = chunk[1].shape[0]  # tiles in this chunk
+        w, *sm, chunk_off8 = pack_x8(op)
+        n = sm[0].shape[0]  # tiles in this chunk
         if not out:
-            fmt, group, K, per_tile = op.fmt, op.group, op.in_features, chunk[0].numel() // n
+            fmt, group, K, per_tile, off8 = op.fmt, op.group, op.in_features, w.numel() // n, chunk_off8
             out = [torch.empty(((N + 7) // 8 * per_tile,), dtype=torch.uint8)]
-            out += [None if c is None else torch.empty(((N + 7) // 8, *c.shape[1:]), dtype=c.dtype) for c in chunk[1:]]
-        if any(c is not None and c.dtype != o.dtype for c, o in zip(chunk[1:], out[1:])):
+            out += [None if c is None else torch.empty(((N + 7) // 8, *c.shape[1:]), dtype=c.dtype) for c in sm]
+        if chunk_off8 != off8 or any(
+            (c is None) != (o is None) or (c is not None and c.dtype != o.dtype) for c, o in zip(sm, out[1:])
+        ):
             return None
-        out[0][tile * per_tile : (tile + n) * per_tile] = chunk[0]
-        for c, o in zip(chunk[1:], out[1:]):
+        out[0][tile * per_tile : (tile + n) * per_tile] = w
+        for c, o in zip(sm, out[1:]):
             if c is not None:
                 o[tile : tile + n] = c
         tile += n
-    return QuantLinear.from_x8(fmt, group, K, N, *out)
+    return QuantLinear.from_x8(fmt, group, K, N, *out, off8=off8)
 
 
 def _cat(ops: list) -> QuantLinear:

@@ -11,10 +11,11 @@
 
 template <bool INT4, class S>
 static void gemm_x8(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K, const uint8_t* w,
-                    const S* scale, const S* mins, int64_t N, const float* add, const float* bias, float* y) {
+                    const S* scale, const S* mins, bool off8, int64_t N, const float* add, const float* bias,
+                    float* y) {
     const int isa = x8_isa();
     if (isa == 2 && M >= AMX_MIN_ROWS(INT4))
-        return gemm_x8_amx<INT4, S>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
-    if (isa >= 1) return gemm_x8_512<INT4, S>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
-    gemm_x8_256<INT4, S>(qx, dx, xs, M, K, w, scale, mins, N, add, bias, y);
+        return gemm_x8_amx<INT4, S>(qx, dx, xs, M, K, w, scale, mins, off8, N, add, bias, y);
+    if (isa >= 1) return gemm_x8_512<INT4, S>(qx, dx, xs, M, K, w, scale, mins, off8, N, add, bias, y);
+    gemm_x8_256<INT4, S>(qx, dx, xs, M, K, w, scale, mins, off8, N, add, bias, y);
 }

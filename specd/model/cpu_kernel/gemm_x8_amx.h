@@ -109,7 +109,8 @@ XAMX static inline void amx_blocks(const int8_t* qx, int64_t K, const uint8_t* w
 // R rows of x (a pass) against tiles a and b: out [R, 16], as x8_tile2
 template <bool INT4, int R, class S>
 XAMX static void amx_tile2(const int8_t* qx, const float* dx, const float* xs, int64_t K, const uint8_t* wa,
-                           const uint8_t* wb, const S* sa, const S* sb, const S* ma, const S* mb, float* out) {
+                           const uint8_t* wb, const S* sa, const S* sb, const S* ma, const S* mb, bool off8,
+                           float* out) {
     const int64_t nbk = K / 32;
     alignas(64) uint8_t bb[4 * 512];
     alignas(64) int32_t cs[4 * AMX_ROWS * 16];
@@ -121,12 +122,12 @@ XAMX static void amx_tile2(const int8_t* qx, const float* dx, const float* xs, i
         for (int i = 0; i < nb; i++) {
             const int64_t b = b0 + i;
             const __m512 dw = cat256ps(sa + 8 * b, sb + 8 * b);
-            const __m512 mv = INT4 && ma ? cat256ps(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
+            const __m512 mv = x8_mins512<INT4>(ma, mb, b, dw, off8);
             const int32_t* c = cs + 16 * R * i;
             for (int r = 0; r < R; r++) {
                 const __m512 is = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i*)(c + 16 * r)));
                 acc[r] = _mm512_fmadd_ps(is, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nbk + b])), acc[r]);
-                if (INT4 && ma) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nbk + b]), acc[r]);
+                if (INT4 && (ma || off8)) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nbk + b]), acc[r]);
             }
         }
     }
@@ -135,13 +136,14 @@ XAMX static void amx_tile2(const int8_t* qx, const float* dx, const float* xs, i
 
 template <bool INT4, class S>
 XAMX static void amx_pass(int64_t r, const int8_t* xm, const float* dm, const float* sm, int64_t K, const uint8_t* wa,
-                          const uint8_t* wb, const S* sa, const S* sb, const S* ma, const S* mb, float* acc) {
+                          const uint8_t* wb, const S* sa, const S* sb, const S* ma, const S* mb, bool off8,
+                          float* acc) {
 #define AMX_CASE(n) \
-    case n: amx_tile2<INT4, n, S>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc); break;
+    case n: amx_tile2<INT4, n, S>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, off8, acc); break;
     switch (r) {
         AMX_CASE(16) AMX_CASE(15) AMX_CASE(14) AMX_CASE(13) AMX_CASE(12) AMX_CASE(11) AMX_CASE(10) AMX_CASE(9)
         AMX_CASE(8) AMX_CASE(7) AMX_CASE(6) AMX_CASE(5) AMX_CASE(4) AMX_CASE(3) AMX_CASE(2)
-        default: amx_tile2<INT4, 1, S>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc);
+        default: amx_tile2<INT4, 1, S>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, off8, acc);
     }
 #undef AMX_CASE
 }
@@ -162,7 +164,7 @@ XAMX static void amx_config2(int64_t r0, int64_t r1) {
 template <bool INT4, class S>
 XAMX static void amx_tile2_halves(int64_t r0, int64_t r1, const int8_t* qx, const float* dx, const float* xs,
                                   int64_t K, const uint8_t* wa, const uint8_t* wb, const S* sa, const S* sb,
-                                  const S* ma, const S* mb, float* acc) {
+                                  const S* ma, const S* mb, bool off8, float* acc) {
     const int64_t nbk = K / 32, R = r0 + r1;
     const int8_t* q1 = qx + r0 * K;
     alignas(64) uint8_t bb[2 * 512];
@@ -197,13 +199,13 @@ XAMX static void amx_tile2_halves(int64_t r0, int64_t r1, const int8_t* qx, cons
         for (int i = 0; i < nb; i++) {
             const int64_t b = b0 + i;
             const __m512 dw = cat256ps(sa + 8 * b, sb + 8 * b);
-            const __m512 mv = INT4 && ma ? cat256ps(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
+            const __m512 mv = x8_mins512<INT4>(ma, mb, b, dw, off8);
             const int32_t* c = cs + 16 * R * i;
             for (int64_t r = 0; r < R; r++) {
                 const __m512 is = _mm512_cvtepi32_ps(_mm512_load_si512((const __m512i*)(c + 16 * r)));
                 __m512 a = _mm512_loadu_ps(acc + 16 * r);
                 a = _mm512_fmadd_ps(is, _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nbk + b])), a);
-                if (INT4 && ma) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nbk + b]), a);
+                if (INT4 && (ma || off8)) a = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nbk + b]), a);
                 _mm512_storeu_ps(acc + 16 * r, a);
             }
         }
@@ -213,7 +215,7 @@ XAMX static void amx_tile2_halves(int64_t r0, int64_t r1, const int8_t* qx, cons
 
 template <bool INT4, class S>
 XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K,
-                             const uint8_t* w, const S* scale, const S* mins, int64_t N, const float* add,
+                             const uint8_t* w, const S* scale, const S* mins, bool off8, int64_t N, const float* add,
                              const float* bias, float* y) {
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
     // up to AMX_TAIL rows past a multiple of AMX_ROWS (a 16-request batch's few draft tokens) take the
@@ -243,15 +245,15 @@ XAMX static void gemm_x8_amx(const int8_t* qx, const float* dx, const float* xs,
                 const uint8_t *wa = w + ta * tile_bytes, *wb = w + tb * tile_bytes;
                 const S *sa = scale + ta * nbk * 8, *sb = scale + tb * nbk * 8;
                 if (r <= AMX_ROWS)
-                    amx_pass<INT4, S>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wa, wb, sa, sb, ma, mb, acc);
+                    amx_pass<INT4, S>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wa, wb, sa, sb, ma, mb, off8, acc);
                 else
                     amx_tile2_halves<INT4, S>(h0, r - h0, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wa, wb, sa, sb,
-                                           ma, mb, acc);
+                                           ma, mb, off8, acc);
                 x8_store16(acc, r, m0, n0, nc, N, add, bias, y);
             }
             if (tail) {
                 x8_pass2<INT4, S>(tail, qx + Ma * K, dx + Ma * nbk, xs + Ma * nbk, K, w + ta * tile_bytes,
-                               w + tb * tile_bytes, scale + ta * nbk * 8, scale + tb * nbk * 8, ma, mb, acc);
+                               w + tb * tile_bytes, scale + ta * nbk * 8, scale + tb * nbk * 8, ma, mb, off8, acc);
                 x8_store16(acc, tail, Ma, n0, nc, N, add, bias, y);
             }
         }

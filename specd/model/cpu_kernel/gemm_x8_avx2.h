@@ -40,7 +40,8 @@ static inline void prefetch_w(const uint8_t* p, int64_t bytes) {
 //   int4: per (tile, block) 128 bytes, vector v (0..3) byte 4c + i: low nibble code[8t + c][32b + 4v + i],
 //         high nibble code[8t + c][32b + 16 + 4v + i]
 //   int8: per (tile, block) 256 bytes, vector s (0..7) byte 4c + i: q[8t + c][32b + 4s + i]
-//   scale, min: [tiles, K/32, 8] (a group of G > 32 repeated per block), fp32 or fp16 (S: half_t)
+//   scale, min: [tiles, K/32, 8] (a group of G > 32 repeated per block), fp32 or fp16 (S: half_t); off8:
+//         no min stored, min = -8 x scale computed per block (GGUF Q4_0, X8_OFF8 in layer.h: the same bits)
 // A row's outputs: per block in order, acc = fma(float(isum), dw * dx, acc) then (int4 with mins)
 // acc = fma(min, xsum_block, acc), xsum_block the fp32 sum of the row's 32 activations: the same ops
 // for every row whatever M is, so a row's result depends on that row alone.
@@ -52,7 +53,7 @@ static inline __m256i bcast4(const int8_t* p) {
 
 template <bool INT4, int R, class S>
 static inline void x8_tile(const int8_t* qx, const float* dx, const float* xs, int64_t K, const uint8_t* w,
-                           const S* sc, const S* mn, float* out /* [R, 8] */) {
+                           const S* sc, const S* mn, bool off8, float* out /* [R, 8] */) {
     const int64_t nbk = K / 32;
     const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 acc[R];
@@ -86,11 +87,12 @@ static inline void x8_tile(const int8_t* qx, const float* dx, const float* xs, i
             }
         }
         const __m256 dw = ld8(sc + 8 * b);
-        const __m256 mv = INT4 && mn ? ld8(mn + 8 * b) : _mm256_setzero_ps();
+        const __m256 mv = !INT4 ? _mm256_setzero_ps() : mn ? ld8(mn + 8 * b)
+                          : off8 ? _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
         for (int r = 0; r < R; r++) {
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dw, _mm256_broadcast_ss(dx + r * nbk + b)),
                                      acc[r]);
-            if (INT4 && mn) acc[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xs + r * nbk + b), acc[r]);
+            if (INT4 && (mn || off8)) acc[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xs + r * nbk + b), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
@@ -102,16 +104,16 @@ static inline void x8_tile(const int8_t* qx, const float* dx, const float* xs, i
 
 template <bool INT4, class S>
 static inline void x8_pass(int64_t r, const int8_t* xm, const float* dm, const float* sm, int64_t K,
-                           const uint8_t* wt, const S* st, const S* mt, float* acc) {
+                           const uint8_t* wt, const S* st, const S* mt, bool off8, float* acc) {
     switch (r) {
-        case 8: x8_tile<INT4, 8, S>(xm, dm, sm, K, wt, st, mt, acc); break;
-        case 7: x8_tile<INT4, 7, S>(xm, dm, sm, K, wt, st, mt, acc); break;
-        case 6: x8_tile<INT4, 6, S>(xm, dm, sm, K, wt, st, mt, acc); break;
-        case 5: x8_tile<INT4, 5, S>(xm, dm, sm, K, wt, st, mt, acc); break;
-        case 4: x8_tile<INT4, 4, S>(xm, dm, sm, K, wt, st, mt, acc); break;
-        case 3: x8_tile<INT4, 3, S>(xm, dm, sm, K, wt, st, mt, acc); break;
-        case 2: x8_tile<INT4, 2, S>(xm, dm, sm, K, wt, st, mt, acc); break;
-        default: x8_tile<INT4, 1, S>(xm, dm, sm, K, wt, st, mt, acc);
+        case 8: x8_tile<INT4, 8, S>(xm, dm, sm, K, wt, st, mt, off8, acc); break;
+        case 7: x8_tile<INT4, 7, S>(xm, dm, sm, K, wt, st, mt, off8, acc); break;
+        case 6: x8_tile<INT4, 6, S>(xm, dm, sm, K, wt, st, mt, off8, acc); break;
+        case 5: x8_tile<INT4, 5, S>(xm, dm, sm, K, wt, st, mt, off8, acc); break;
+        case 4: x8_tile<INT4, 4, S>(xm, dm, sm, K, wt, st, mt, off8, acc); break;
+        case 3: x8_tile<INT4, 3, S>(xm, dm, sm, K, wt, st, mt, off8, acc); break;
+        case 2: x8_tile<INT4, 2, S>(xm, dm, sm, K, wt, st, mt, off8, acc); break;
+        default: x8_tile<INT4, 1, S>(xm, dm, sm, K, wt, st, mt, off8, acc);
     }
 }
 
@@ -132,7 +134,8 @@ static inline void x8_store(const float* acc, int64_t r, int64_t m0, int64_t n0,
 // The AVX2 path: one 8-row tile per task, M rows in equal passes of up to X8_RB rows over it
 template <bool INT4, class S>
 static void gemm_x8_256(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K, const uint8_t* w,
-                        const S* scale, const S* mins, int64_t N, const float* add, const float* bias, float* y) {
+                        const S* scale, const S* mins, bool off8, int64_t N, const float* add, const float* bias,
+                        float* y) {
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
     const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
 #pragma omp parallel for schedule(static)
@@ -144,7 +147,7 @@ static void gemm_x8_256(const int8_t* qx, const float* dx, const float* xs, int6
         alignas(32) float acc[X8_RB * 8];
         for (int64_t m0 = 0; m0 < M; m0 += rp) {
             const int64_t r = M - m0 < rp ? M - m0 : rp;
-            x8_pass<INT4, S>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wt, st, mt, acc);
+            x8_pass<INT4, S>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, wt, st, mt, off8, acc);
             x8_store(acc, r, m0, n0, nc, N, add, bias, y);
         }
     }

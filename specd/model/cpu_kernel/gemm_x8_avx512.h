@@ -36,10 +36,20 @@ X512 static inline __m512i bcast4_512(const int8_t* p) {
     return _mm512_set1_epi32(v);
 }
 
-// tiles a and b (their weights wa / wb, scales sa / sb, mins ma / mb): out [R, 16], a's 8 rows then b's
+// a block's mins of tiles a and b (int4): stored (ma, mb), or -8 x the scales dw (off8: GGUF Q4_0's,
+// exact in fp32, so the bits of the stored -8 d), else zero
+template <bool INT4, class S>
+X512 static inline __m512 x8_mins512(const S* ma, const S* mb, int64_t b, __m512 dw, bool off8) {
+    if (!INT4) return _mm512_setzero_ps();
+    if (ma) return cat256ps(ma + 8 * b, mb + 8 * b);
+    return off8 ? _mm512_mul_ps(dw, _mm512_set1_ps(-8.0f)) : _mm512_setzero_ps();
+}
+
+// tiles a and b (their weights wa / wb, scales sa / sb, mins ma / mb, or off8): out [R, 16], a's 8 rows then b's
 template <bool INT4, int R, class S>
 X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float* xs, int64_t K, const uint8_t* wa,
-                                 const uint8_t* wb, const S* sa, const S* sb, const S* ma, const S* mb, float* out) {
+                                 const uint8_t* wb, const S* sa, const S* sb, const S* ma, const S* mb, bool off8,
+                                 float* out) {
     const int64_t nbk = K / 32;
     const __m512i mask = _mm512_set1_epi8(0x0F);
     __m512 acc[R];
@@ -75,11 +85,11 @@ X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float*
             }
         }
         const __m512 dw = cat256ps(sa + 8 * b, sb + 8 * b);
-        const __m512 mv = INT4 && ma ? cat256ps(ma + 8 * b, mb + 8 * b) : _mm512_setzero_ps();
+        const __m512 mv = x8_mins512<INT4>(ma, mb, b, dw, off8);
         for (int r = 0; r < R; r++) {
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(dw, _mm512_set1_ps(dx[r * nbk + b])),
                                      acc[r]);
-            if (INT4 && ma) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nbk + b]), acc[r]);
+            if (INT4 && (ma || off8)) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[r * nbk + b]), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
@@ -88,12 +98,12 @@ X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float*
 template <bool INT4, class S>
 X512 static inline void x8_pass2(int64_t r, const int8_t* xm, const float* dm, const float* sm, int64_t K,
                                  const uint8_t* wa, const uint8_t* wb, const S* sa, const S* sb, const S* ma,
-                                 const S* mb, float* acc) {
+                                 const S* mb, bool off8, float* acc) {
 #define X8_CASE(n) \
-    case n: x8_tile2<INT4, n, S>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc); break;
+    case n: x8_tile2<INT4, n, S>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, off8, acc); break;
     switch (r) {
         X8_CASE(8) X8_CASE(7) X8_CASE(6) X8_CASE(5) X8_CASE(4) X8_CASE(3) X8_CASE(2)
-        default: x8_tile2<INT4, 1, S>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, acc);
+        default: x8_tile2<INT4, 1, S>(xm, dm, sm, K, wa, wb, sa, sb, ma, mb, off8, acc);
     }
 #undef X8_CASE
 }
@@ -131,7 +141,7 @@ static inline TilePair<S> tile_pair(int64_t p, int64_t NT, int64_t N, int64_t nb
 
 template <bool INT4, class S>
 X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K,
-                             const uint8_t* w, const S* scale, const S* mins, int64_t N, const float* add,
+                             const uint8_t* w, const S* scale, const S* mins, bool off8, int64_t N, const float* add,
                              const float* bias, float* y) {
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
     const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
@@ -145,7 +155,7 @@ X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs,
         for (int64_t m0 = 0; m0 < M; m0 += rp) {
             const int64_t r = M - m0 < rp ? M - m0 : rp;
             x8_pass2<INT4, S>(r, qx + m0 * K, dx + m0 * nbk, xs + m0 * nbk, K, w + ta * tile_bytes, w + tb * tile_bytes,
-                           scale + ta * nbk * 8, scale + tb * nbk * 8, ma, mb, acc);
+                           scale + ta * nbk * 8, scale + tb * nbk * 8, ma, mb, off8, acc);
             x8_store16(acc, r, m0, n0, nc, N, add, bias, y);
         }
     }

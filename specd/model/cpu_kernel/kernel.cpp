@@ -60,7 +60,8 @@ void specd_qgemm_i4(const float* x, int64_t M, int64_t K, const uint8_t* q, cons
 }
 
 // The interleaved layout (see gemm_x8_avx2.h): w, scale [, mins] packed by the caller (quant.pack_x8); fmt:
-// X8_INT4 (int4 codes, else int8) | X8_HALF (scale and mins are halves, else fp32); or X8_KQ alone:
+// X8_INT4 (int4 codes, else int8) | X8_HALF (scale and mins are halves, else fp32) | X8_OFF8 (int4: the
+// mins are -8 x the scales, mins unused); or X8_KQ alone:
 // w the kq layout's tiles, scale their table (gemm_kq.h).
 void specd_qgemm_x8(const float* x, int64_t M, int64_t K, const uint8_t* w, const void* scale, const void* mins,
                     int64_t N, int fmt, const float* add, const float* bias, float* y) {

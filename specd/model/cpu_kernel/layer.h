@@ -22,7 +22,8 @@
 
 // kind 0 int8 / 1 int4 (fp32 activations); 2 int8 / 3 int4 (x8 layout, int8 activations), fp32 scales
 // and mins; 4 / 5: the same with half scales and mins (X8_HALF); 6: GGUF K-quants in the kq layout
-// (gemm_kq.h; int8 activations): w the tiles' bytes, scale the tile table (int64 per tile), mins unused
+// (gemm_kq.h; int8 activations): w the tiles' bytes, scale the tile table (int64 per tile), mins unused;
+// 11 / 13: kinds 3 / 5 whose mins are -8 x the scales (X8_OFF8, GGUF Q4_0's), none stored
 struct Lin {
     int64_t kind, N, K, G, Kin;  // K: the padded row length (a multiple of 32), Kin <= K: x's row length
     const void* w;
@@ -33,6 +34,9 @@ struct Lin {
 #define X8_INT4 1  // kinds 2-5 less 2: bit 0 int4, bit 1 half scales (specd_qgemm_x8's fmt)
 #define X8_HALF 2
 #define X8_KQ 4  // kind 6
+// int4 whose mins are -8 x the block scales (GGUF Q4_0: d * (q - 8)): computed from the scales in the
+// registers (exact in fp32: the bits of the stored mins), not read: 144 bytes per 8 x 32 weights, not 160
+#define X8_OFF8 8
 
 // the K-quant kinds' projection: x's int8 codes, their scales and their sums per 16
 static void lin_kq(const Lin& L, const float* x, int64_t M, const float* add, float* y, std::vector<float>& fs,
@@ -51,10 +55,11 @@ template <class S>
 static void lin_x8(const Lin& L, const int8_t* qs, const float* dx, const float* xs, int64_t M, const float* add,
                    float* y) {
     const S *sc = (const S*)L.scale, *mn = (const S*)L.mins;
+    const bool off8 = (L.kind - 2) & X8_OFF8;
     if ((L.kind - 2) & X8_INT4)
-        gemm_x8<true, S>(qs, dx, xs, M, L.K, (const uint8_t*)L.w, sc, mn, L.N, add, L.bias, y);
+        gemm_x8<true, S>(qs, dx, xs, M, L.K, (const uint8_t*)L.w, sc, off8 ? nullptr : mn, off8, L.N, add, L.bias, y);
     else
-        gemm_x8<false, S>(qs, dx, xs, M, L.K, (const uint8_t*)L.w, sc, nullptr, L.N, add, L.bias, y);
+        gemm_x8<false, S>(qs, dx, xs, M, L.K, (const uint8_t*)L.w, sc, nullptr, false, L.N, add, L.bias, y);
 }
 
 // y = x @ W^T (+ bias) (+ add); add may alias y
@@ -72,7 +77,7 @@ static void lin(const Lin& L, const float* x, int64_t M, const float* add, float
         fs.resize(2 * M * nbk);
         qs.resize(M * K);
         float *xs = fs.data(), *dx = xs + M * nbk;
-        if (((L.kind - 2) & X8_INT4) && L.mins) group_sums(x, M, K, 32, xs);
+        if (((L.kind - 2) & X8_INT4) && (L.mins || ((L.kind - 2) & X8_OFF8))) group_sums(x, M, K, 32, xs);
         quantize_q8(x, M, K, qs.data(), dx);
         if ((L.kind - 2) & X8_HALF)
             lin_x8<half_t>(L, qs.data(), dx, xs, M, add, y);
