@@ -279,14 +279,17 @@ def _dequantize_into(float_model, quant_model) -> None:
 
 
 # GGUF files ------------------------------------------------------------------------------------------
-def moe_gguf(tmp_path: Path, name: str, qtype, **meta_over) -> tuple[Path, object]:
-    """(a GGUF file laid out as llama.cpp's converter writes GGUF_MOE[name]: the router
+def moe_gguf(
+    tmp_path: Path, name: str, qtype, *, families: dict = GGUF_MOE, types: dict | None = None, **meta_over
+) -> tuple[Path, object]:
+    """(a GGUF file laid out as llama.cpp's converter writes families[name]: the router
     ``ffn_gate_inp``, the experts stacked in 3-D ``ffn_{gate,up,down}_exps``, Qwen3-MoE's q/k norms;
-    Mixtral as "llama" with ``llama.expert_count``, the transformers model)."""
+    Mixtral as "llama" with ``llama.expert_count``, the transformers model). ``types``: per weight
+    (HF names, the experts' as ``...mlp.experts.{gate,up,down}_exps``) a type other than ``qtype``."""
     from tests import test_gguf
 
-    family, _ = GGUF_MOE[name]
-    _, model = moe_folder(tmp_path / "hf", name, GGUF_MOE)
+    family, _ = families[name]
+    _, model = moe_folder(tmp_path / "hf", name, families)
     cfg = model.config.to_dict()
     cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
     arch = "qwen3moe" if family == "qwen3_moe" else "llama"
@@ -308,7 +311,7 @@ def moe_gguf(tmp_path: Path, name: str, qtype, **meta_over) -> tuple[Path, objec
         meta[f"{arch}.attention.key_length"] = meta[f"{arch}.attention.value_length"] = cfg["head_dim"]
     with mock.patch.object(test_gguf, "gguf_name", _moe_gguf_name):
         path = test_gguf.write_gguf(tmp_path / f"{name}-{qtype.name}.gguf", arch, cfg, weights, qtype, meta=meta,
-                                    extra=extra)  # fmt: skip
+                                    extra=extra, types=types)  # fmt: skip
     return path, model
 
 
