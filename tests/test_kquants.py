@@ -1,7 +1,8 @@
-"""GGUF K-quants (Q4_K, Q5_K, Q6_K) kept as the file's numbers (``KQuantLinear``, the CPU kernel's
-kq layout, cpu_kernel/gemm_kq.h): bit-exact dequantization against the ``gguf`` package, the kernel
-against its int8-activation reference on every instruction set, a tiny Llama file loaded without
-requantization (logits, fused layers, lossless speculation) and the formats refused by name."""
+"""GGUF K-quants (Q4_K, Q5_K, Q6_K, and Q8_0 parts beside them) kept as the file's numbers
+(``KQuantLinear``, the CPU kernel's kq layout, cpu_kernel/gemm_kq.h): bit-exact dequantization
+against the ``gguf`` package, the kernel against its int8-activation reference on every instruction
+set, a tiny Llama file loaded without requantization (logits, fused layers, lossless speculation)
+and the formats refused by name."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from specd.model.gguf import open_gguf
 from specd.model.loader import LoadError, load_model
 from specd.model.qkernel import kernel, x8_isa
 from specd.model.quant import KQuantLinear, QuantLinear
-from specd.model.quant_load import kq_fields
+from specd.model.quant_load import kq_fields, repack
 from specd.sampling.params import SamplingParams
 from tests.test_gguf import hf_model, k_quant_bytes, write_gguf
 from tests.test_quant import _q8_reference
@@ -44,10 +45,28 @@ def _half(v: float) -> np.ndarray:
     return np.frombuffer(np.float16(v).tobytes(), np.uint8)
 
 
+def q8_blocks(N: int, K: int, rng, scale: float = 4e-5, edges: bool = False) -> np.ndarray:
+    """Random Q8_0 blocks [N, K/32 * 34] (every code byte random, -128 included) with scales d of
+    about 40 x ``scale`` (weights as large as the K-quants' of ``kq_blocks``); ``edges``: some blocks
+    with d zero, negative, subnormal or the largest half, and codes all -128 or all 127."""
+    nb = N * K // 32
+    raw = rng.integers(0, 256, (nb, 34), dtype=np.uint8)
+    raw[:, 0:2] = (rng.uniform(0.5, 1.5, nb) * 40 * scale).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    if edges:
+        for i, v in enumerate((0.0, -scale, 6e-8, 65504.0, -65504.0)):
+            raw[i::7, 0:2] = _half(v)
+        raw[5::7, 2:] = 0x80
+        raw[6::7, 2:] = 0x7F
+    return raw.reshape(N, -1)
+
+
 def kq_blocks(kind: str, N: int, K: int, rng, scale: float = 4e-5, edges: bool = False) -> np.ndarray:
     """Random ``kind`` blocks [N, K/256 * type size] (every code and 6-bit / int8 sub-scale byte
     random) with super-block scales d (and dmin) of about ``scale``; ``edges``: some super-blocks
-    with d or dmin zero, negative, subnormal or the largest half, and sub-scales all at their extremes."""
+    with d or dmin zero, negative, subnormal or the largest half, and sub-scales all at their extremes.
+    (Q8_0: ``q8_blocks``.)"""
+    if kind == "Q8_0":
+        return q8_blocks(N, K, rng, scale, edges)
     size = gguf.GGML_QUANT_SIZES[getattr(Q, kind)][1]
     nb = N * K // 256
     raw = rng.integers(0, 256, (nb, size), dtype=np.uint8)
@@ -66,7 +85,8 @@ def kq_blocks(kind: str, N: int, K: int, rng, scale: float = 4e-5, edges: bool =
 
 
 def _tensor(kind: str, raw: np.ndarray, name: str = "w"):
-    N, K = raw.shape[0], raw.shape[1] // gguf.GGML_QUANT_SIZES[getattr(Q, kind)][1] * 256
+    block, size = gguf.GGML_QUANT_SIZES[getattr(Q, kind)]
+    N, K = raw.shape[0], raw.shape[1] // size * block
     return SimpleNamespace(name=name, tensor_type=getattr(Q, kind), shape=np.array([K, N]), data=raw)
 
 
@@ -87,12 +107,12 @@ def _op(parts: list, seed: int, K: int = 512, bias: bool = True) -> tuple[KQuant
 
 
 # dequantization ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ("Q8_0",))
 def test_blocks_dequantize_bit_exactly_like_the_gguf_package(kind):
     """Random blocks with edge scales (zero, negative, subnormal and the largest halves; sub-scales
-    all 0 or all 63, Q6_K's -128 / 127): the file's fields, the kq tiles unpacked again and a lookup
-    of rows all give the gguf package's fp32 values bit for bit."""
-    rng = np.random.default_rng(KINDS.index(kind))
+    all 0 or all 63, Q6_K's -128 / 127; Q8_0's codes all -128 or 127): the file's fields, the kq
+    tiles unpacked again and a lookup of rows all give the gguf package's fp32 values bit for bit."""
+    rng = np.random.default_rng((KINDS + ("Q8_0",)).index(kind))
     raw = kq_blocks(kind, 37, 768, rng, edges=True)  # 37 rows: a padded last tile
     ref = _reference(kind, raw)
     assert torch.isfinite(ref).all() and (ref == 0).any() and ref.abs().max() > 1e6
@@ -104,18 +124,23 @@ def test_blocks_dequantize_bit_exactly_like_the_gguf_package(kind):
     ids = torch.tensor([36, 0, 9, 9, 17, 35])
     assert torch.equal(op.rows(ids).view(torch.int32), ref[ids].view(torch.int32))
     assert torch.equal(op.select(ids).dequantize().view(torch.int32), ref[ids].view(torch.int32))
-    size = gguf.GGML_QUANT_SIZES[getattr(Q, kind)][1]
-    # the kept bytes per row and 256 weights: the file's, plus dmin unpacked with d (4 bytes; Q6_K 2)
-    assert op.qweight.numel() == 40 * 3 * (size + (2 if kind == "Q6_K" else 4))
+    block, size = gguf.GGML_QUANT_SIZES[getattr(Q, kind)]
+    # the kept bytes per row and 256 weights: the file's, plus dmin unpacked with d (4 bytes; Q6_K 2;
+    # Q8_0 none: its 8 blocks' bytes exactly)
+    extra = {"Q6_K": 2, "Q8_0": 0}.get(kind, 4)
+    assert op.qweight.numel() == 40 * 3 * (size * 256 // block + extra)
 
 
 # the kernel ------------------------------------------------------------------------------------------
 MIXED = [("Q4_K", 24), ("Q6_K", 40), ("Q5_K", 3)]  # a pair of tiles straddling two kinds, a partial last tile
+# an 8-expert Q4_K_M model's q/k/v (llama.cpp: k and v Q8_0), and Q8_0 tiles paired with three K-quant kinds
+MIXED_Q8 = [("Q4_K", 24), ("Q8_0", 16), ("Q8_0", 16)]
+MIXED_Q8_ALL = [("Q6_K", 8), ("Q8_0", 24), ("Q5_K", 8), ("Q8_0", 8), ("Q4_K", 16), ("Q8_0", 5)]
 
 
 @needs_kernel
-@pytest.mark.parametrize("parts", [[("Q4_K", 64)], [("Q5_K", 67)], [("Q6_K", 50)], MIXED],
-                         ids=["Q4_K", "Q5_K", "Q6_K", "mixed"])  # fmt: skip
+@pytest.mark.parametrize("parts", [[("Q4_K", 64)], [("Q5_K", 67)], [("Q6_K", 50)], MIXED, MIXED_Q8, MIXED_Q8_ALL],
+                         ids=["Q4_K", "Q5_K", "Q6_K", "mixed", "q4_k+q8_0", "mixed+q8_0"])  # fmt: skip
 def test_kernel_equals_its_int8_activation_reference(parts):
     """The result is the dequantized weights times the int8-quantized activations (fp64 reference,
     fp32 accumulation tolerance as the other int8-activation kernels), plus the bias and the
@@ -134,19 +159,42 @@ def test_kernel_equals_its_int8_activation_reference(parts):
 
 
 @needs_kernel
-def test_a_row_does_not_depend_on_the_other_rows():
-    op, _ = _op(MIXED, 5)
+@pytest.mark.parametrize("parts", [MIXED, MIXED_Q8_ALL], ids=["mixed", "mixed+q8_0"])
+def test_a_row_does_not_depend_on_the_other_rows(parts):
+    op, _ = _op(parts, 5)
     x = torch.randn(13, 512, generator=torch.Generator().manual_seed(6))
     alone = torch.cat([op(x[i : i + 1]) for i in range(13)])
     for M in range(1, 14):
         assert torch.equal(op(x[:M]), alone[:M]), M
 
 
+@needs_kernel
+def test_q8_0_tiles_give_the_bits_of_the_x8_layout():
+    """A Q8_0 part of a fused K-quant projection computes what the same blocks do as a ``QuantLinear``
+    in the x8 layout (gemm_x8's int8 steps, the same fp32 operations per block): bit for bit, any
+    row count, with the bias and the residual added."""
+    rng = np.random.default_rng(9)
+    q4, q8 = kq_blocks("Q4_K", 16, 768, rng), q8_blocks(21, 768, rng)
+    op = KQuantLinear.from_fields([("Q4_K", kq_fields(_tensor("Q4_K", q4))), ("Q8_0", kq_fields(_tensor("Q8_0", q8)))])
+    x8 = repack(_tensor("Q8_0", q8)).compact()
+    x8.act_int8 = True
+    assert x8.layout == "x8" and x8.fmt == "int8"
+    g = torch.Generator().manual_seed(10)
+    x, res = torch.randn(13, 768, generator=g) * 3, torch.randn(13, 37, generator=g)
+    bias = torch.randn(37, generator=g)
+    op.bias, x8.bias = bias, bias[16:].clone()
+    for M in (1, 2, 5, 8, 9, 13):
+        y = op(x[:M], add=res[:M])
+        assert torch.equal(y[:, 16:], x8(x[:M], add=res[:M, 16:].contiguous())), M
+
+
 @pytest.mark.skipif(kernel() is None or not AVX512_VNNI <= cpu_info()["flags"], reason="no AVX512-VNNI here")
 def test_avx512_vnni_and_amx_give_the_avx2_bits():
     """Two tiles per vector (vpdpbusd) against one (maddubs): the same bits for every row count,
-    a tile pair of two kinds included; under AMX the AVX512-VNNI tiles run these blocks."""
-    op, _ = _op([("Q4_K", 24), ("Q6_K", 40), ("Q5_K", 8), ("Q6_K", 16), ("Q4_K", 17)], 7)
+    tile pairs of two kinds (Q8_0 beside a K-quant) included; under AMX the AVX512-VNNI tiles run
+    these blocks."""
+    # (tile pairs Q5_K | Q8_0 and Q4_K | Q8_0 split, Q8_0 | Q8_0 together, a partial Q8_0 tile alone)
+    op, _ = _op([("Q4_K", 24), ("Q6_K", 40), ("Q5_K", 8), ("Q8_0", 24), ("Q6_K", 16), ("Q4_K", 24), ("Q8_0", 9)], 7)
     g = torch.Generator().manual_seed(8)
     x, res = torch.randn(40, 512, generator=g) * 3, torch.randn(40, op.out_features, generator=g)
     try:
@@ -223,6 +271,21 @@ def kq_file(tmp_path_factory):
     return kquant_model(tmp_path_factory.mktemp("kq"))
 
 
+def _eight_expert_types(layers: int) -> dict:
+    """``_types`` with k and v in Q8_0: llama.cpp's Q4_K_M mix for a model of exactly 8 experts
+    (llama-quant.cpp: "for the 8-expert model, bumping this to Q8_0"; Mixtral-8x7B's attention)."""
+    t = _types(layers)
+    for i in range(layers):
+        for n in ("k_proj", "v_proj"):
+            t[f"model.layers.{i}.self_attn.{n}.weight"] = Q.Q8_0
+    return t
+
+
+@pytest.fixture(scope="module")
+def kq8_file(tmp_path_factory):
+    return kquant_model(tmp_path_factory.mktemp("kq8"), types=_eight_expert_types(2))
+
+
 class _Q8Reference(QuantLinear):
     """A float weight whose products take the kernel's int8 activations computed in torch (fp64):
     the reference of a model of int8-activation projections."""
@@ -271,17 +334,24 @@ def _logits(lm, ids: list, fused: bool, monkeypatch) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("mode", ["gguf", "auto"])
-def test_a_q4_k_m_like_file_keeps_its_blocks_and_its_logits(kq_file, mode, monkeypatch):
+@pytest.mark.parametrize("file", ["kq_file", "kq8_file"], ids=["q4_k_m", "q4_k_m-8-experts"])
+def test_a_q4_k_m_like_file_keeps_its_blocks_and_its_logits(file, mode, request, monkeypatch):
     """Every projection holds the file's own kinds and numbers (the fields unpacked from its tiles
-    are the file's: its bytes, one for one); the logits equal a float model of the dequantized
-    weights within the int8 activations' noise, fused layers and op by op alike."""
-    lm = load_model(kq_file, "cpu", "float32", quantization=mode)
-    ref = load_model(kq_file, "cpu", "float32", quantization="none")  # the dequantized weights in fp32
-    tensors = {t.name: t for t in open_gguf(kq_file).tensors}
+    are the file's: its bytes, one for one; with an 8-expert model's Q8_0 k and v, one q/k/v of
+    Q4_K and Q8_0 tiles); the logits equal a float model of the dequantized weights within the int8
+    activations' noise, fused layers and op by op alike."""
+    path = request.getfixturevalue(file)
+    lm = load_model(path, "cpu", "float32", quantization=mode)
+    ref = load_model(path, "cpu", "float32", quantization="none")  # the dequantized weights in fp32
+    tensors = {t.name: t for t in open_gguf(path).tensors}
     for i, (blk, fblk) in enumerate(zip(lm.model.layers, ref.model.layers)):
         qkv, down = blk.attn.qkv, blk.mlp.down
-        v = "Q6_K" if i == 0 else "Q5_K"
-        assert isinstance(qkv, KQuantLinear) and [k for k, _ in qkv.parts] == ["Q4_K", "Q4_K", v]
+        kinds = [tensors[f"blk.{i}.attn_{n}.weight"].tensor_type.name for n in "qkv"]
+        kv = ["Q8_0", "Q8_0"] if file == "kq8_file" else ["Q4_K", "Q6_K" if i == 0 else "Q5_K"]
+        assert kinds == ["Q4_K", *kv]
+        assert isinstance(qkv, KQuantLinear) and [k for k, _ in qkv.parts] == kinds
+        (_, got), want = qkv.fields()[2], kq_fields(tensors[f"blk.{i}.attn_v.weight"])  # (v: rows not permuted)
+        assert all(torch.equal(getattr(got, a), getattr(want, a)) for a in ("u", "s1", "s2", "d", "dmin"))
         assert [k for k, _ in blk.mlp.gate_up.parts] == ["Q4_K", "Q4_K"] and blk.attn.o.parts[0][0] == "Q4_K"
         assert down.parts == ((tensors[f"blk.{i}.ffn_down.weight"].tensor_type.name, down.out_features),)
         (_, got), want = down.fields()[0], kq_fields(tensors[f"blk.{i}.ffn_down.weight"])
@@ -332,7 +402,9 @@ def test_int8_and_int4_still_convert_k_quants(kq_file):
 
 def test_formats_it_cannot_keep_are_refused_by_name(tmp_path):
     """IQ formats (any --quantization), K-quants below Q4_K under gguf, and a fused projection of
-    two block families under gguf: one-line errors naming the tensor and its format."""
+    two block families the kq layout cannot hold together (a K-quant with Q4_0; with Q8_0 it keeps
+    them, see test_a_q4_k_m_like_file_keeps_its_blocks_and_its_logits) under gguf: one-line errors
+    naming the tensor and its format."""
     layer0 = "model.layers.0."
     iq = dict(_types(1), **{layer0 + "mlp.up_proj.weight": Q.IQ4_XS})
     with pytest.raises(NotImplementedError):
@@ -352,7 +424,7 @@ def test_formats_it_cannot_keep_are_refused_by_name(tmp_path):
     assert load_model(path, "cpu", "float32", quantization="auto").model.layers[0].mlp.down.fmt == "int4"
     mix = tmp_path / "mix"
     mix.mkdir()
-    path = kquant_model(mix, 1, dict(_types(1), **{layer0 + "self_attn.v_proj.weight": Q.Q8_0}))
-    with pytest.raises(LoadError, match=r"cannot keep blk\.0\.attn_q\.weight \(Q4_K\), .* \(Q8_0\) as one fused"):
+    path = kquant_model(mix, 1, dict(_types(1), **{layer0 + "self_attn.v_proj.weight": Q.Q4_0}))
+    with pytest.raises(LoadError, match=r"cannot keep blk\.0\.attn_q\.weight \(Q4_K\), .* \(Q4_0\) as one fused"):
         load_model(path, "cpu", "float32", quantization="gguf")
-    assert load_model(path, "cpu", "float32", quantization="auto").model.layers[0].attn.qkv.fmt == "int8"
+    assert load_model(path, "cpu", "float32", quantization="auto").model.layers[0].attn.qkv.fmt == "int4"

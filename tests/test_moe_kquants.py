@@ -3,8 +3,8 @@
 own blocks (``KQuantLinear``, no requantization), the logits on prefill, decode and draft-tree rows
 equal a model of the dequantized weights (the ``gguf`` package's numbers) with int8 activations
 within the tolerance of tests/test_kquants.py, with the same experts chosen, and greedy speculation
-is lossless. A known gap is marked xfail: an 8-expert Q4_K_M file's Q4_K q with Q8_0 k / v (what
-llama.cpp's quantizer writes for Mixtral-8x7B) is not kept as one fused projection.
+is lossless. An 8-expert Q4_K_M file's Q4_K q with Q8_0 k / v (what llama.cpp's quantizer writes for
+Mixtral-8x7B) keeps them as one fused projection of Q4_K and Q8_0 tiles.
 
 The files are written here with random K-quant blocks (tests/test_kquants.py's ``centered_blocks``:
 every byte pattern is a valid block; llama.cpp's quantizer is not needed); hidden and expert widths
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from specd.model.gguf import open_gguf
-from specd.model.loader import LoadError, load_model
+from specd.model.loader import load_model
 from specd.model.moe import SparseMoE, _ExpertSlice, mlp_projections
 from specd.model.qkernel import kernel
 from specd.model.quant import KQuantLinear, QuantLinear, set_act_int8
@@ -147,7 +147,10 @@ def test_k_quant_experts_logits_equal_the_dequantized_model(moe_file, monkeypatc
     within tests/test_kquants.py's tolerance (a tenth of the int8 activations' own difference from
     fp32 activations, the same greedy tokens), every token routed to the same experts; a token's
     mixture output has the same bits alone as grouped with 12 others."""
-    name, path = moe_file
+    _assert_logits_equal_the_dequantized_model(moe_file[1], monkeypatch)
+
+
+def _assert_logits_equal_the_dequantized_model(path, monkeypatch) -> None:
     lm = load_model(path, "cpu", "float32", with_tokenizer=False, quantization="gguf")
     set_act_int8(lm.model, True)  # (the Q8_0 experts' too: the K-quants' always are)
     ref = load_model(path, "cpu", "float32", with_tokenizer=False, quantization="none")
@@ -178,20 +181,28 @@ def test_greedy_speculation_is_lossless_on_k_quant_experts(moe_file):
     assert_speculation_lossless(eng, prompts())
 
 
-@pytest.mark.xfail(raises=LoadError, strict=True, reason="a fused q/k/v of K-quant and Q8_0 blocks is not kept")
-def test_an_eight_expert_q4_k_m_file_keeps_its_attention_blocks(tmp_path):
+@needs_kernel
+def test_an_eight_expert_q4_k_m_file_keeps_its_attention_blocks(tmp_path, monkeypatch):
     """llama.cpp's quantizer writes attn_k and attn_v of a model with exactly 8 experts (Mixtral-8x7B)
     in Q8_0 whatever the file type (llama-quant.cpp: "for the 8-expert model, bumping this to Q8_0"),
-    so a Q4_K_M file's q is Q4_K and its k / v Q8_0. Under ``auto`` the experts keep their K-quants
-    but the fused q/k/v is requantized to int8 (two block families in one projection); ``gguf``
-    refuses the file. Known gap: this test fails until such a q/k/v keeps its blocks."""
+    so a Q4_K_M file's q is Q4_K and its k / v Q8_0. Under ``gguf`` and ``auto`` alike the fused
+    q/k/v holds Q4_K and Q8_0 tiles (nothing refused, nothing requantized): v's fields are the
+    file's bytes, the whole projection dequantizes to the ``gguf`` package's numbers bit for bit,
+    and the logits equal the dequantized model's with int8 activations (as the other files')."""
     types = _types("mixtral")
     for i in range(3):
         for n in ("k_proj", "v_proj"):
             types[f"model.layers.{i}.self_attn.{n}.weight"] = Q.Q8_0
     path = kquant_moe(tmp_path, "mixtral", types)
-    auto = load_model(path, "cpu", "float32", with_tokenizer=False, quantization="auto")
-    assert isinstance(auto.model.layers[0].mlp.experts[0].gate_up, KQuantLinear)
-    assert auto.model.layers[0].attn.qkv.fmt == "int8"  # (requantized: q's Q4_K numbers rounded)
-    lm = load_model(path, "cpu", "float32", with_tokenizer=False, quantization="gguf")
-    assert [k for k, _ in lm.model.layers[0].attn.qkv.parts] == ["Q4_K", "Q8_0", "Q8_0"]
+    tensors = {t.name: t for t in open_gguf(path).tensors}
+    ref = load_model(path, "cpu", "float32", with_tokenizer=False, quantization="none")
+    for mode in ("auto", "gguf"):
+        lm = load_model(path, "cpu", "float32", with_tokenizer=False, quantization=mode)
+        assert isinstance(lm.model.layers[0].mlp.experts[0].gate_up, KQuantLinear)
+        for i, (blk, fblk) in enumerate(zip(lm.model.layers, ref.model.layers)):
+            qkv = blk.attn.qkv
+            assert isinstance(qkv, KQuantLinear) and [k for k, _ in qkv.parts] == ["Q4_K", "Q8_0", "Q8_0"]
+            (_, got), want = qkv.fields()[2], kq_fields(tensors[f"blk.{i}.attn_v.weight"])
+            assert all(torch.equal(getattr(got, a), getattr(want, a)) for a in ("u", "s1", "s2", "d", "dmin"))
+            assert torch.equal(qkv.dequantize().view(torch.int32), fblk.attn.qkv.weight.view(torch.int32)), i
+    _assert_logits_equal_the_dequantized_model(path, monkeypatch)

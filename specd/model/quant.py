@@ -361,14 +361,21 @@ def quantize(w: torch.Tensor, fmt: str, bias=None) -> QuantLinear:
 
 
 # GGUF K-quants kept as they are ---------------------------------------------------------------------
-KQ_KINDS = ("Q4_K", "Q5_K", "Q6_K")  # the kq layout's kind codes 0, 1, 2 (cpu_kernel/gemm_kq.h)
+KQ_KINDS = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")  # the kq layout's kind codes 0, 1, 2, 3 (cpu_kernel/gemm_kq.h)
+KQ_Q8 = 3  # Q8_0: kept beside K-quants in one projection (llama.cpp's k / v of an 8-expert Q4_K_M model)
 KQ_SUPER = 256  # weights per K-quant super-block
-KQ_HDR = 32  # a tile's super-block header: d[8], dmin[8] halves
+KQ_HDR = 32  # a K-quant tile's super-block header: d[8], dmin[8] halves (Q8_0: none)
 
 
 def kq_block_bytes(kind: int) -> int:
-    """Bytes of one 32-weight block of one 8-row tile in the kq layout (codes, high bits, scales)."""
-    return 128 + (0, 32, 64)[kind] + 16
+    """Bytes of one 32-weight block of one 8-row tile in the kq layout (codes, high bits, scales;
+    Q8_0: 256 bytes of codes and 8 half scales)."""
+    return 256 + 16 if kind == KQ_Q8 else 128 + (0, 32, 64)[kind] + 16
+
+
+def kq_tile_bytes(kind: int, K: int) -> int:
+    """Bytes of one 8-row tile of ``kind`` and row length K (a multiple of 256) in the kq layout."""
+    return K // KQ_SUPER * ((0 if kind == KQ_Q8 else KQ_HDR) + 8 * kq_block_bytes(kind))
 
 
 class KQFields:
@@ -376,13 +383,18 @@ class KQFields:
     0..63), per 32-block ``s1`` / ``s2`` uint8 [N, K/32] (Q4_K / Q5_K: the 6-bit scale and min; Q6_K:
     the int8 scales of the block's two halves, as their bytes) and per super-block ``d`` / ``dmin``
     fp16 [N, K/256] (Q6_K: dmin zero). A weight is ``(d * sc) * u - dmin * m`` (Q4_K / Q5_K) or
-    ``(d * sc) * (u - 32)`` (Q6_K) in fp32, as the ``gguf`` package computes it."""
+    ``(d * sc) * (u - 32)`` (Q6_K) in fp32, as the ``gguf`` package computes it.
+
+    Q8_0 (kind 3, ``q8_fields``): ``u`` the int8 codes [N, K], ``d`` the per-32-block scales fp16
+    [N, K/32], ``s1`` / ``s2`` / ``dmin`` empty [N, 0]; a weight is ``d * q`` in fp32."""
 
     def __init__(self, kind: int, u, s1, s2, d, dmin):
         self.kind, self.u, self.s1, self.s2, self.d, self.dmin = kind, u, s1, s2, d, dmin
 
     def dequantize(self) -> torch.Tensor:
         N, K = self.u.shape
+        if self.kind == KQ_Q8:
+            return (self.u.float().view(N, K // 32, 32) * self.d.float().unsqueeze(-1)).view(N, K)
         u = self.u.float().view(N, K // 32, 32)
         d = self.d.float().repeat_interleave(8, dim=1).unsqueeze(-1)  # per 32-block
         if self.kind == 2:
@@ -393,12 +405,22 @@ class KQFields:
         return ((d * self.s1.float().unsqueeze(-1)) * u - dm * self.s2.float().unsqueeze(-1)).view(N, K)
 
 
+def q8_fields(q: torch.Tensor, d: torch.Tensor) -> KQFields:
+    """Q8_0 blocks as kq fields: codes int8 [N, K], scales fp16 [N, K/32]."""
+    none = q.new_zeros((q.shape[0], 0), dtype=torch.uint8)
+    return KQFields(KQ_Q8, q, none, none, d, q.new_zeros((q.shape[0], 0), dtype=torch.float16))
+
+
 def pack_kq(f: KQFields) -> torch.Tensor:
     """``f``'s rows in the kq layout (cpu_kernel/gemm_kq.h): uint8 [tiles, tile bytes] (zero rows pad
     the last tile)."""
     N, K = f.u.shape
     T, nsb = (N + 7) // 8, K // KQ_SUPER
     pad = lambda t: F.pad(t, (0, 0, 0, 8 * T - N))  # noqa: E731
+    if f.kind == KQ_Q8:  # per 32-block: vector v byte 4c + i is q[c][32b + 4v + i], then the rows' 8 half scales
+        q = pad(f.u.view(torch.uint8)).view(T, 8, K // 32, 8, 4).permute(0, 2, 3, 1, 4).reshape(T, K // 32, 256)
+        d = pad(f.d).view(T, 8, K // 32).permute(0, 2, 1).contiguous().view(torch.uint8)  # [T, K/32, 16]
+        return torch.cat([q, d], dim=-1).reshape(T, -1).contiguous()
     u = pad(f.u).view(T, 8, nsb, 8, 2, 4, 4).permute(0, 2, 3, 4, 5, 1, 6)  # [T, s, b, half, v, c, i]
     lo, hi = u[:, :, :, 0], u[:, :, :, 1]  # [T, s, b, v, c, i]
     parts = [((lo & 15) | ((hi & 15) << 4)).reshape(T, nsb, 8, 128)]
@@ -419,13 +441,18 @@ def pack_kq(f: KQFields) -> torch.Tensor:
 def unpack_kq(kind: int, tiles: torch.Tensor, K: int) -> KQFields:
     """Inverse of ``pack_kq`` for tiles uint8 [T, tile bytes] of one kind: fields of T * 8 rows."""
     T, nsb, bb = tiles.shape[0], K // KQ_SUPER, kq_block_bytes(kind)
+    if kind == KQ_Q8:
+        blk = tiles.reshape(T, K // 32, bb)
+        q = blk[..., :256].reshape(T, K // 32, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(8 * T, K).view(torch.int8)
+        d = blk[..., 256:].contiguous().view(torch.float16).permute(0, 2, 1).reshape(8 * T, K // 32)
+        return q8_fields(q, d)
     t = tiles.view(T, nsb, KQ_HDR + 8 * bb)
     halves = lambda a: a.contiguous().view(torch.float16).view(T, nsb, 8).permute(0, 2, 1).reshape(8 * T, nsb)  # noqa: E731
     d, dmin = halves(t[..., :16]), halves(t[..., 16:32])
     blk = t[..., KQ_HDR:].reshape(T, nsb, 8, bb)
     nib = blk[..., :128].reshape(T, nsb, 8, 4, 8, 4)  # [T, s, b, v, c, i]
     lo, hi = nib & 15, nib >> 4
-    shifts = torch.arange(4, dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)
+    shifts = torch.arange(4, dtype=torch.uint8, device=tiles.device).view(1, 1, 1, 4, 1, 1)
     if kind == 1:
         bits = blk[..., 128:160].reshape(T, nsb, 8, 1, 8, 4)
         lo, hi = lo | (((bits >> shifts) & 1) << 4), hi | (((bits >> (shifts + 4)) & 1) << 4)
@@ -446,8 +473,9 @@ def kq_tile_table(kinds: list, tile_bytes: list) -> torch.Tensor:
 
 class KQuantLinear(QuantLinear):
     """``y = x @ W^T (+ bias)`` with W [N, K] in GGUF K-quant blocks (Q4_K / Q5_K / Q6_K, parts of
-    several kinds stacked by rows: a fused projection) kept in the kq layout of the CPU kernel
-    (cpu_kernel/gemm_kq.h): every number of the file as it is, about the file's bytes.
+    several kinds stacked by rows: a fused projection; Q8_0 parts among them, as an 8-expert Q4_K_M
+    file's k / v beside its Q4_K q) kept in the kq layout of the CPU kernel (cpu_kernel/gemm_kq.h):
+    every number of the file as it is, about the file's bytes.
 
     Buffers: ``qweight`` uint8 [bytes] (the tiles end to end), ``scale`` int64 [tiles] (the tile
     table), ``bias`` [N] or None. ``parts``: (kind name, rows) in row order, each but the last a
@@ -509,7 +537,7 @@ class KQuantLinear(QuantLinear):
         for name, n in self.parts:
             kind, nt = KQ_KINDS.index(name), (n + 7) // 8
             off = int(self.scale[tile]) >> 2
-            size = nt * (K // KQ_SUPER) * (KQ_HDR + 8 * kq_block_bytes(kind))
+            size = nt * kq_tile_bytes(kind, K)
             f = unpack_kq(kind, self.qweight[off : off + size].view(nt, -1), K)
             out.append((name, KQFields(kind, *(t[:n] for t in (f.u, f.s1, f.s2, f.d, f.dmin)))))
             tile += nt
@@ -521,17 +549,18 @@ class KQuantLinear(QuantLinear):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 rows ``W[ids]``: only the tiles holding them are unpacked."""
         ids = ids.reshape(-1)
-        tiles, inv = torch.unique(ids // 8, return_inverse=True)
+        dev = self.qweight.device
+        tiles, inv = torch.unique(ids.to(dev) // 8, return_inverse=True)
         kinds = self.scale[tiles] & 3
-        w = torch.empty((tiles.numel() * 8, self.in_features), dtype=torch.float32)
+        w = torch.empty((tiles.numel() * 8, self.in_features), dtype=torch.float32, device=dev)
         for kind in kinds.unique().tolist():
             pick = (kinds == kind).nonzero()[:, 0]
-            size = (self.in_features // KQ_SUPER) * (KQ_HDR + 8 * kq_block_bytes(kind))
+            size = kq_tile_bytes(kind, self.in_features)
             start = (self.scale[tiles[pick]] >> 2).unsqueeze(1)
-            data = self.qweight[start + torch.arange(size)]  # [n, tile bytes]
-            rows8 = (pick.unsqueeze(1) * 8 + torch.arange(8)).reshape(-1)
+            data = self.qweight[start + torch.arange(size, device=dev)]  # [n, tile bytes]
+            rows8 = (pick.unsqueeze(1) * 8 + torch.arange(8, device=dev)).reshape(-1)
             w[rows8] = unpack_kq(kind, data, self.in_features).dequantize()
-        return w[inv * 8 + ids % 8]
+        return w[inv * 8 + ids.to(dev) % 8]
 
     def select(self, idx: torch.Tensor) -> KQuantLinear:
         """The rows ``idx`` (one kind only) as a new K-quant projection (their blocks, repacked)."""

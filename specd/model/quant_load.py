@@ -4,11 +4,12 @@ a GGUF file's blocks repacked into ``QuantLinear`` layouts one tensor at a time 
 ``--quantization`` (``resolve``): ``none`` keeps floats; ``int8`` (per channel) and ``int4`` (groups
 of 32) quantize every decoder projection; ``gguf`` keeps a GGUF file's own Q8_0 / Q4_0 / Q4_1 blocks
 and its K-quants Q4_K / Q5_K / Q6_K (``KQuantLinear``: each tensor of a fused projection keeps its
-own type; bit-exact: the kernels dequantize to exactly what the ``gguf`` package does) and refuses
+own type, Q8_0 parts beside K-quant ones included, as an 8-expert Q4_K_M file's k / v beside its
+Q4_K q; bit-exact: the kernels dequantize to exactly what the ``gguf`` package does) and refuses
 other types; ``auto`` is ``gguf`` for a GGUF file, with any other quantized type converted to the
 nearest supported format (Q5_0, Q5_1, Q8_K -> int8; Q2_K, Q3_K -> int4; a fused projection mixing
-kept types of two families likewise; float tensors stay float), and ``none`` for a Hugging Face
-folder.
+kept types it cannot hold in one layout, such as Q4_0 with a K-quant, likewise; float tensors stay
+float), and ``none`` for a Hugging Face folder.
 
 What stays in floats: RMSNorm weights (tiny) and, for a folder, untied token embeddings (a lookup
 reads one row per token). The LM head is quantized to int8 per channel under ``int8`` and
@@ -40,16 +41,16 @@ import torch.nn as nn
 from specd.model.errors import LoadError
 from specd.model.moe import gguf_experts, mlp_projections
 from specd.model.quant import (
-    KQ_HDR,
     KQ_KINDS,
     KQ_SUPER,
     KQFields,
     KQuantLinear,
     QuantLinear,
-    kq_block_bytes,
+    kq_tile_bytes,
     kq_tile_table,
     pack_kq,
     pack_x8,
+    q8_fields,
     quantize,
     quantize_int8,
 )
@@ -57,7 +58,8 @@ from specd.model.quant import (
 log = logging.getLogger("specd.quant")
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # GGUF block types kept as they are (QuantLinear)
-KEPT_TYPES = KERNEL_TYPES + KQ_KINDS  # ... and with the K-quants (KQuantLinear)
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # ... and the K-quants (KQuantLinear, with any Q8_0 parts beside them)
+KEPT_TYPES = KERNEL_TYPES + K_QUANTS
 FLOAT_TYPES = ("F32", "F16", "BF16")
 INT8_NEAREST = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_1", "Q8_K")
 
@@ -129,13 +131,18 @@ def _halves(raw: np.ndarray) -> torch.Tensor:
 
 
 def kq_fields(t, rows=None) -> KQFields:
-    """A Q4_K / Q5_K / Q6_K GGUF tensor's numbers (torch shape [N, K]; ``rows``: an index of the
+    """A Q4_K / Q5_K / Q6_K / Q8_0 GGUF tensor's numbers (torch shape [N, K]; ``rows``: an index of the
     rows to take) unpacked as the ``gguf`` package's dequantization reads them (``gguf.quants``;
-    llama.cpp's block_q4_K, block_q5_K, block_q6_K): nothing rounded."""
+    llama.cpp's block_q4_K, block_q5_K, block_q6_K, block_q8_0): nothing rounded."""
     from gguf.quants import Q4_K
 
     kind = t.tensor_type.name
     N, K = _dims(t)
+    if kind == "Q8_0":  # 34 bytes per 32 weights: d (half), 32 int8 codes
+        raw8 = np.asarray(t.data).reshape(N, K // 32, 34)
+        raw8 = raw8 if rows is None else raw8[rows]
+        q = torch.from_numpy(np.ascontiguousarray(raw8[..., 2:]).view(np.int8).reshape(len(raw8), K))
+        return q8_fields(q, _halves(raw8[..., 0:2]))
     nsb = K // KQ_SUPER
     raw = np.asarray(t.data).reshape(N, nsb, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind])
     if rows is not None:
@@ -191,7 +198,7 @@ def kquant(tensors: list, perms: list) -> KQuantLinear:
     K = _dims(tensors[0])[1]
     kinds = [KQ_KINDS.index(t.tensor_type.name) for t in tensors]
     tiles = [(_dims(t)[0] + 7) // 8 for t in tensors]
-    tile_bytes = [K // KQ_SUPER * (KQ_HDR + 8 * kq_block_bytes(k)) for k in kinds]
+    tile_bytes = [kq_tile_bytes(k, K) for k in kinds]
     buf = torch.empty(sum(n * b for n, b in zip(tiles, tile_bytes)), dtype=torch.uint8)
     at = 0
     for t, p in zip(tensors, perms):
@@ -263,8 +270,8 @@ def _target_format(types: list, mode: str, names: list, path: Path, rows: list) 
         return "repack" if all(_exact(t, mode) for t in types) else mode
     if all(t in KERNEL_TYPES for t in types) and len({_fmt_of(t) for t in types}) == 1:
         return "repack"
-    if all(t in KQ_KINDS for t in types) and all(n % 8 == 0 for n in rows[:-1]):
-        return "kquant"
+    if all(t in KQ_KINDS for t in types) and any(t in K_QUANTS for t in types) and all(n % 8 == 0 for n in rows[:-1]):
+        return "kquant"  # (Q8_0 parts among K-quants too; all Q8_0: the x8 layout's repack above)
     if mode == "gguf":
         bad = next(((n, t) for n, t in zip(names, types) if t not in KEPT_TYPES), None)
         if bad is None:

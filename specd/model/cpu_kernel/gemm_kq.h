@@ -1,4 +1,5 @@
-// The int8-activation GEMM on GGUF K-quant weights (Q4_K, Q5_K, Q6_K) kept as the file's numbers:
+// The int8-activation GEMM on GGUF K-quant weights (Q4_K, Q5_K, Q6_K; and Q8_0 parts beside them) kept
+// as the file's numbers:
 // gemm_kq, y = x @ W^T (+ add) (+ bias), x's rows quantized to int8 blocks of 32 (quantize_q8) plus
 // the codes' sums (code_sums). The "kq" layout (quant.pack_kq builds it from the file's
 // blocks, every value kept) is the x8 layout of gemm_x8_avx2.h with the K-quants' own scales:
@@ -12,13 +13,19 @@
 //           5th and 6th bits of vector v's nibble
 //     16 bytes   Q4_K / Q5_K: sc[8], m[8] (the block's 6-bit scale and min per row, unsigned);
 //                Q6_K: sc[8] of k 32b..32b+15, sc[8] of 32b+16..32b+31 (int8)
-// A weight is d * sc * u - dmin * m (Q4_K: u 0..15, Q5_K: 0..31) or d * sc * (u - 32) (Q6_K: u 0..63),
-// as the gguf package dequantizes it. Tiles are listed in a table (int64 per tile: byte offset << 2 |
-// kind 0 Q4_K, 1 Q5_K, 2 Q6_K), so one projection may mix kinds (llama.cpp's Q4_K_M gives v Q6_K, q
-// and k Q4_K, fused here into one q/k/v projection).
+// Q8_0 (kind 3; no header, the file's 34 bytes per row and 32 weights exactly), per 256 k 8 blocks of
+//     256 bytes  the int8 codes as the int8 x8 layout: vector s (0..7) byte 4c + i: q[c][32b + 4s + i]
+//     16 bytes   d[8] (the block's scale per row, halves)
+// A weight is d * sc * u - dmin * m (Q4_K: u 0..15, Q5_K: 0..31), d * sc * (u - 32) (Q6_K: u 0..63) or
+// d * q (Q8_0), as the gguf package dequantizes it. Tiles are listed in a table (int64 per tile: byte
+// offset << 2 | kind 0 Q4_K, 1 Q5_K, 2 Q6_K, 3 Q8_0), so one projection may mix kinds (llama.cpp's
+// Q4_K_M gives v Q6_K, q and k Q4_K, fused here into one q/k/v projection; in a model of 8 experts k
+// and v Q8_0).
 // Per row and 32-block b, in integers: s = sum u * xq over the block (Q6_K: each 16 apart), then
 //   Q4_K / Q5_K: acc = fma(float(s), (d * sc) * dx, acc); acc = fnmadd(dmin * m, dx * float(xs32), acc)
 //   Q6_K:        acc = fma(float(s_lo - 32 xs16_lo), (d * sc_lo) * dx, acc), then the same for the high half
+//   Q8_0:        acc = fma(float(s), d * dx, acc) (s = sum q * xq: gemm_x8's int8 steps, the same bits as
+//                the x8 layout's Q8_0 weight: the sign trick on AVX2, |q| and a masked negation on AVX512)
 // (xs: the integer sums of the row's codes; every integer is exact; d * sc and dmin * m are exact in
 // fp32, computed once per block for all rows, where an integer form took two vpmulld per row and block):
 // the same steps for every row whatever M is, on AVX2 (kq_tile, one tile per vector) and AVX512-VNNI
@@ -33,11 +40,14 @@
 #include "gemm_x8_avx512.h"
 
 #define KQ_HDR 32
+#define KQ_Q8 3  // the Q8_0 kind
 // inlined (with v a constant once the loops over v are unrolled): out of line, GCC passed the code
 // vectors through memory and the shifts by v through branches (Q6_K 4x Q4_K's time per weight)
 #define KQ_INLINE inline __attribute__((always_inline))
-static inline constexpr int64_t kq_block_bytes(int KT) { return 128 + (KT == 1 ? 32 : KT == 2 ? 64 : 0) + 16; }
-static inline constexpr int64_t kq_sb_bytes(int KT) { return KQ_HDR + 8 * kq_block_bytes(KT); }
+static inline constexpr int64_t kq_block_bytes(int KT) {
+    return KT == KQ_Q8 ? 256 + 16 : 128 + (KT == 1 ? 32 : KT == 2 ? 64 : 0) + 16;
+}
+static inline constexpr int64_t kq_sb_bytes(int KT) { return (KT == KQ_Q8 ? 0 : KQ_HDR) + 8 * kq_block_bytes(KT); }
 
 // the activations' side of the K-quant terms, per row: xs [M, K/16] 32 x the sum of each 16 codes (Q6_K's
 // -32 offset), xsf [M, K/32] dx * the sum of each block's 32 codes (Q4_K / Q5_K's mins), computed once
@@ -142,14 +152,50 @@ static inline void kq_tile(const int8_t* qx, const float* dx, const int32_t* xs,
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
+// Q8_0 tiles: x8_tile's int8 steps (sign trick: |q| * (x with q's sign), exact int32 sums per block)
+template <int R>
+static inline void kq8_tile(const int8_t* qx, const float* dx, int64_t K, const uint8_t* w, float* out /* [R, 8] */) {
+    const int64_t nbk = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nbk; b++) {
+        const uint8_t* p = w + b * kq_block_bytes(KQ_Q8);  // (no header: the blocks end to end)
+        prefetch_w(p, kq_block_bytes(KQ_Q8));
+        const int8_t* xb = qx + 32 * b;
+        __m256i is[R];
+        for (int r = 0; r < R; r++) is[r] = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const __m256i W = _mm256_loadu_si256((const __m256i*)(p + 32 * s));
+            const __m256i aw = _mm256_sign_epi8(W, W);
+            for (int r = 0; r < R; r++) {
+                const __m256i q = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast4(xb + r * K + 4 * s), W));
+                is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(q, ones));
+            }
+        }
+        const __m256 d = ld8((const half_t*)(p + 256));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(d, _mm256_broadcast_ss(dx + r * nbk + b)),
+                                     acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+template <int KT, int R>
+static KQ_INLINE void kq_tile_any(const int8_t* qx, const float* dx, const int32_t* xs, const float* xsf, int64_t K,
+                                  const uint8_t* w, float* out) {
+    if constexpr (KT == KQ_Q8) kq8_tile<R>(qx, dx, K, w, out);
+    else kq_tile<KT, R>(qx, dx, xs, xsf, K, w, out);
+}
+
 template <int KT>
 static inline void kq_pass(int64_t r, const int8_t* xm, const float* dm, const int32_t* sm, const float* fm,
                            int64_t K, const uint8_t* wt, float* acc) {
 #define KQ_CASE(n) \
-    case n: kq_tile<KT, n>(xm, dm, sm, fm, K, wt, acc); break;
+    case n: kq_tile_any<KT, n>(xm, dm, sm, fm, K, wt, acc); break;
     switch (r) {
         KQ_CASE(8) KQ_CASE(7) KQ_CASE(6) KQ_CASE(5) KQ_CASE(4) KQ_CASE(3) KQ_CASE(2)
-        default: kq_tile<KT, 1>(xm, dm, sm, fm, K, wt, acc);
+        default: kq_tile_any<KT, 1>(xm, dm, sm, fm, K, wt, acc);
     }
 #undef KQ_CASE
 }
@@ -175,7 +221,8 @@ static void gemm_kq_256(const int8_t* qx, const float* dx, const int32_t* xs, co
             const float* fm = xsf + m0 * nbk;
             if (kt == 0) kq_pass<0>(r, xm, dm, sm, fm, K, wt, acc);
             else if (kt == 1) kq_pass<1>(r, xm, dm, sm, fm, K, wt, acc);
-            else kq_pass<2>(r, xm, dm, sm, fm, K, wt, acc);
+            else if (kt == 2) kq_pass<2>(r, xm, dm, sm, fm, K, wt, acc);
+            else kq_pass<KQ_Q8>(r, xm, dm, sm, fm, K, wt, acc);
             x8_store(acc, r, m0, n0, nc, N, add, bias, y);
         }
     }
@@ -258,14 +305,52 @@ X512 static inline void kq_tile2(const int8_t* qx, const float* dx, const int32_
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
+// Q8_0 tile pairs: x8_tile2's int8 steps (|q| and x negated where q < 0, vpdpbusd): kq8_tile's bits
+template <int R>
+X512 static inline void kq8_tile2(const int8_t* qx, const float* dx, int64_t K, const uint8_t* wa, const uint8_t* wb,
+                                  float* out /* [R, 16] */) {
+    const int64_t nbk = K / 32;
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nbk; b++) {
+        const uint8_t *pa = wa + b * kq_block_bytes(KQ_Q8), *pb = wb + b * kq_block_bytes(KQ_Q8);
+        prefetch_w(pa, kq_block_bytes(KQ_Q8)), prefetch_w(pb, kq_block_bytes(KQ_Q8));
+        const int8_t* xb = qx + 32 * b;
+        __m512i is[R];
+        for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            const __m512i W = cat256(pa + 32 * s, pb + 32 * s);
+            const __m512i aw = _mm512_abs_epi8(W);
+            const __mmask64 neg = _mm512_movepi8_mask(W);  // q < 0: the activation byte is negated
+            for (int r = 0; r < R; r++) {
+                const __m512i x = bcast4_512(xb + r * K + 4 * s);
+                const __m512i sx = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+                is[r] = _mm512_dpbusd_epi32(is[r], aw, sx);  // (q == 0: |q| = 0, as sign_epi8's zeroed x)
+            }
+        }
+        const __m512 d = cat256ps((const half_t*)(pa + 256), (const half_t*)(pb + 256));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), _mm512_mul_ps(d, _mm512_set1_ps(dx[r * nbk + b])),
+                                     acc[r]);
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+template <int KT, int R>
+X512 static KQ_INLINE void kq_tile2_any(const int8_t* qx, const float* dx, const int32_t* xs, const float* xsf,
+                                        int64_t K, const uint8_t* wa, const uint8_t* wb, float* out) {
+    if constexpr (KT == KQ_Q8) kq8_tile2<R>(qx, dx, K, wa, wb, out);
+    else kq_tile2<KT, R>(qx, dx, xs, xsf, K, wa, wb, out);
+}
+
 template <int KT>
 X512 static inline void kq_pass2(int64_t r, const int8_t* xm, const float* dm, const int32_t* sm, const float* fm,
                                  int64_t K, const uint8_t* wa, const uint8_t* wb, float* acc) {
 #define KQ_CASE(n) \
-    case n: kq_tile2<KT, n>(xm, dm, sm, fm, K, wa, wb, acc); break;
+    case n: kq_tile2_any<KT, n>(xm, dm, sm, fm, K, wa, wb, acc); break;
     switch (r) {
         KQ_CASE(8) KQ_CASE(7) KQ_CASE(6) KQ_CASE(5) KQ_CASE(4) KQ_CASE(3) KQ_CASE(2)
-        default: kq_tile2<KT, 1>(xm, dm, sm, fm, K, wa, wb, acc);
+        default: kq_tile2_any<KT, 1>(xm, dm, sm, fm, K, wa, wb, acc);
     }
 #undef KQ_CASE
 }
@@ -295,7 +380,8 @@ X512 static void gemm_kq_512(const int8_t* qx, const float* dx, const int32_t* x
                 const float* fm = xsf + m0 * nbk;
                 if (kt == 0) kq_pass2<0>(r, xm, dm, sm, fm, K, wa, wb, acc);
                 else if (kt == 1) kq_pass2<1>(r, xm, dm, sm, fm, K, wa, wb, acc);
-                else kq_pass2<2>(r, xm, dm, sm, fm, K, wa, wb, acc);
+                else if (kt == 2) kq_pass2<2>(r, xm, dm, sm, fm, K, wa, wb, acc);
+                else kq_pass2<KQ_Q8>(r, xm, dm, sm, fm, K, wa, wb, acc);
                 x8_store16(acc, r, m0, n0, nc, N, add, bias, y);
             }
         }
