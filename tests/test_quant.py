@@ -185,6 +185,33 @@ def test_q4_0_mins_implied_by_the_scales_give_the_stored_mins_bits():
         op.act_int8 = False
 
 
+@pytest.mark.skipif(kernel() is None, reason="no CPU kernel here")
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=["Q8_0", "Q4_0", "Q4_1"])
+def test_native_repacking_equals_the_torch_repacking(qtype, monkeypatch):
+    """A load's repacking in the kernel (``specd_pack_x8_gguf``) gives the bytes of the torch path
+    (``pack_x8`` of ``repack``): a fused projection of parts with rows not a multiple of 8 (tiles
+    spanning parts; the last tile's padding zero), one part with a row order (llama.cpp's q/k
+    permutation undone), chunks of rows smaller than a part."""
+    from specd.model import quant_load
+    from specd.model.quant_load import native_x8, repack_x8
+
+    rng = np.random.default_rng(7)
+    parts = [_gguf_tensor(rng.standard_normal((n, 320)).astype(np.float32), qtype) for n in (45, 19, 30)]
+    perms = [None, rng.permutation(19), None]
+    monkeypatch.setattr(quant_load, "CHUNK_BYTES", 2048)  # (a few rows per chunk)
+    native = native_x8(parts, perms)
+    assert native is not None and native.layout == "x8"
+    monkeypatch.setattr(quant_load, "native_x8", lambda *a: None)
+    torch_path = repack_x8(parts, perms)
+    assert torch_path is not None
+    for a, b in zip(native.x8_pack(), torch_path.x8_pack()):
+        assert (a is None and b is None) or (a is b) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert native.x8_pack().off8 == (qtype == Q.Q4_0)
+    rows = [repack(t).dequantize() for t in parts]
+    want = torch.cat([r if p is None else r[torch.from_numpy(p)] for r, p in zip(rows, perms)])
+    assert torch.equal(native.dequantize(), want)
+
+
 # int8 activations (--act-quant int8) ------------------------------------------------------------------
 def _q8_reference(x: torch.Tensor, k_pad: int) -> torch.Tensor:
     """x quantized as the kernel does (per row, blocks of 32: d = max|x| / 127, round half to even),

@@ -110,6 +110,8 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_x8_isa.restype = ctypes.c_int
     lib.specd_apply_bitmask.argtypes = [p, i, p, i, i, p, i]
     lib.specd_apply_bitmask.restype = None
+    lib.specd_pack_x8_gguf.argtypes = [p, i, i, p, i, i, p, p, p]
+    lib.specd_pack_x8_gguf.restype = None
     log.info("quantized CPU kernel: int8-activation GEMMs on %s", ISAS[lib.specd_x8_isa(9)])
     return lib
 

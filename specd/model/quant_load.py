@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -229,11 +230,49 @@ def _x8_chunks(tensors: list, perms: list):
             _release(t, p, a, b)
 
 
+def native_x8(tensors: list, perms: list) -> QuantLinear | None:
+    """``repack_x8`` by the CPU kernel (``specd_pack_x8_gguf``: the blocks' bytes moved, at memory
+    speed) for parts of one GGUF type among Q4_0 / Q4_1 / Q8_0, a chunk of file rows at a time (each
+    chunk's pages released after it, as ``repack_x8``); None where it does not apply (mixed types,
+    SPECD_X8_OFF8=0, a part whose bytes are not one contiguous array, no kernel)."""
+    from specd.model.qkernel import kernel
+
+    kinds = {t.tensor_type.name for t in tensors}
+    lib = kernel()
+    if lib is None or len(kinds) != 1 or not kinds <= set(KERNEL_TYPES) or os.environ.get("SPECD_X8_OFF8") == "0":
+        return None
+    kind = kinds.pop()
+    raws = [np.asarray(t.data) for t in tensors]
+    if not all(r.flags["C_CONTIGUOUS"] and r.dtype == np.uint8 for r in raws):
+        return None
+    N, K = sum(_dims(t)[0] for t in tensors), _dims(tensors[0])[1]
+    T, nbk, words = (N + 7) // 8, K // 32, 8 if kind == "Q8_0" else 4  # (GGUF blocks of 32 weights)
+    w = torch.empty(T * nbk * words * 32, dtype=torch.uint8)
+    scale = torch.empty((T, nbk, 8), dtype=torch.float16)
+    mins = torch.empty_like(scale) if kind == "Q4_1" else None
+    for b in (w.view(T, -1), scale, mins):
+        if b is not None:
+            b[T - 1].zero_()  # (the last tile's padding rows)
+    o0, code = 0, ("Q4_0", "Q4_1", "Q8_0").index(kind)
+    for t, p, raw in zip(tensors, perms, raws):
+        order, step = _order(t, p), _chunk_rows(t)
+        for r0 in range(0, len(order), step):
+            rows = np.ascontiguousarray(order[r0 : r0 + step], dtype=np.int64)
+            lib.specd_pack_x8_gguf(raw.ctypes.data, code, K, rows.ctypes.data, len(rows), o0 + r0, w.data_ptr(),
+                                   scale.data_ptr(), None if mins is None else mins.data_ptr())  # fmt: skip
+            _release(t, p, r0, r0 + step)
+        o0 += len(order)
+    return QuantLinear.from_x8(_fmt_of(kind), 32, K, N, w, scale, mins, off8=kind == "Q4_0")
+
+
 def repack_x8(tensors: list, perms: list) -> QuantLinear | None:
     """The ``repack`` of GGUF tensors stacked by rows straight into the CPU kernel's layout
-    (``QuantLinear.compact``), a chunk of rows at a time into the final buffers; None where the
-    chunks' scales are not all halves or their mins not all stored or all implied (``X8.off8``: then
-    the whole projection is repacked at once)."""
+    (``QuantLinear.compact``), a chunk of rows at a time into the final buffers (``native_x8`` where
+    it applies); None where the chunks' scales are not all halves or their mins not all stored or all
+    implied (``X8.off8``: then the whole projection is repacked at once)."""
+    native = native_x8(tensors, perms)
+    if native is not None:
+        return native
     N = sum(_dims(t)[0] for t in tensors)
     out: list = []  # w, scale, mins: the whole projection's
     tile, off8 = 0, False

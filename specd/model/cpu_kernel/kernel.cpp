@@ -5,6 +5,7 @@
 //   specd_qgemm_x8                   int8-activation GEMM (quantize.h, gemm_x8*.h: AVX2, AVX512-VNNI, AMX;
 //                                    gemm_kq.h: GGUF's K-quants as they are)
 //   specd_x8_isa                     the instruction set those and the attention use (common.h)
+//   specd_pack_x8_gguf               GGUF Q4_0 / Q4_1 / Q8_0 rows into the x8 layout (a load's repacking)
 //   specd_attention                  attention over gathered keys (attention*.h, softmax.h, weighted_sums.h)
 //   specd_head_layer / specd_layers  whole decoder layers: norms, RoPE, SiLU, KV writes, paged attention
 //                                    (layer.h)
@@ -104,6 +105,30 @@ void specd_head_layer(float* x, const float* e, const float* w_e, int64_t T, int
                       int64_t BS, const float* bias, int64_t Qm, int64_t Lp, float scale, int64_t kv16) {
     decoder_layer(x, e, w_e, T, d, w_in, w_post, eps, lins, H, KVH, D, inter, cos, sin, pos, kv, nslots,
                   slot_mapping, qsl, B, bt, maxb, BS, bias, Qm, Lp, scale, kv16);
+}
+
+// GGUF Q4_0 / Q4_1 / Q8_0 rows (kind 0 / 1 / 2: blocks of 18 / 20 / 34 bytes per 32 weights, raw as in the
+// file) into the x8 layout (gemm_x8_avx2.h), as quant.pack_x8 lays them out: each block's 16 / 32 code
+// bytes move as 4-byte words (the int4 layout's vector v byte 4c + i is the packed row's byte 4v + i),
+// its fp16 d (and Q4_1's m) into scale / mins [tiles, K/32, 8] as the same halves; nothing is rounded.
+// rows[i] is the file row of output row o0 + i; w, scale, mins are the whole projection's buffers (the
+// loader zeroes the last tile's padding rows). A load's repacking: data movement at memory speed, where
+// the torch permutes cost ~10 s for a 1.7B Q4_0 file.
+void specd_pack_x8_gguf(const uint8_t* raw, int64_t kind, int64_t K, const int64_t* rows, int64_t n, int64_t o0,
+                        uint8_t* w, uint16_t* scale, uint16_t* mins) {
+    const int64_t nbk = K / 32, bsz = kind == 0 ? 18 : kind == 1 ? 20 : 34, words = kind == 2 ? 8 : 4;
+    const int64_t hdr = kind == 1 ? 4 : 2;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t* src = raw + rows[i] * nbk * bsz;
+        const int64_t o = o0 + i, t = o / 8, c = o % 8;
+        for (int64_t b = 0; b < nbk; b++) {
+            const uint8_t* blk = src + b * bsz;
+            uint8_t* dst = w + (t * nbk + b) * words * 32 + 4 * c;
+            for (int64_t s = 0; s < words; s++) memcpy(dst + 32 * s, blk + hdr + 4 * s, 4);
+            memcpy(scale + (t * nbk + b) * 8 + c, blk, 2);
+            if (kind == 1) memcpy(mins + (t * nbk + b) * 8 + c, blk + 2, 2);
+        }
+    }
 }
 
 void specd_attention(const float* q, const float* kv, const float* mask, int64_t B, int64_t KVH, int64_t R,
