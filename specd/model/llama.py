@@ -188,7 +188,11 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # built on the meta device (a GGUF load: every tensor comes from the file), the table gets no
+        # random init: nn.Embedding's normal_ there imports torch._dynamo (~2 s of a load)
+        meta = torch.get_default_device().type == "meta"
+        table = torch.empty(cfg.vocab_size, cfg.hidden_size) if meta else None
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=table)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

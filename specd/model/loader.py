@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,6 +272,11 @@ def load_model(
     shared = draft_spec(folder)
     if shared is not None:
         return _load_shared_draft(path, folder, cfg, gen, shared, target, dt, dev, max_positions, mode)
+    # the tokenizer (transformers' import, a few seconds) loads on a thread while the weights load
+    pool = ThreadPoolExecutor(1, thread_name_prefix="specd-tokenizer") if with_tokenizer else None
+    tok_future = pool.submit(load_tokenizer, folder) if pool is not None else None
+    if pool is not None:
+        pool.shutdown(wait=False)
     if direct:
         model = load_gguf(path, mode, cfg, _read_json(folder / "config.json"), max_positions)
         model.to(device=dev, dtype=dt)
@@ -280,7 +286,7 @@ def load_model(
         if mode in ("int8", "int4"):
             quantize_model(model, mode)
     model.eval()
-    tok = load_tokenizer(folder) if with_tokenizer else None
+    tok = tok_future.result() if tok_future is not None else None
     return LoadedModel(model, cfg, tok, path, dt, dev, gen)
 
 
