@@ -209,6 +209,34 @@ def test_avx512_vnni_and_amx_give_the_avx2_bits():
         x8_isa(-1)
 
 
+@needs_kernel
+@pytest.mark.parametrize(
+    "parts",
+    [[("Q4_K", 45)], [("Q5_K", 45)], [("Q6_K", 45)], [("Q8_0", 45)], MIXED_Q8_ALL[:-1] + [("Q6_K", 21)]],
+    ids=["Q4_K", "Q5_K", "Q6_K", "Q8_0", "mixed"],
+)
+def test_native_repacking_equals_the_torch_repacking(parts, monkeypatch):
+    """A load's repacking in the kernel (``specd_pack_kq_gguf``, kq_pack.h) gives the bytes of the
+    numpy / torch path (``pack_kq`` of ``kq_fields``), tile table included: random blocks with edge
+    scales (every 6-bit scale / min bit pattern, as random bytes give them), a row order on a part
+    (llama.cpp's q/k permutation undone), chunks smaller than a part, a last part of rows not a
+    multiple of 8 (its padding rows zero); and the gguf package's values."""
+    from specd.model import quant_load
+
+    rng = np.random.default_rng(11)
+    raws = [(k, kq_blocks(k, n, 768, rng, edges=True)) for k, n in parts]
+    tensors = [_tensor(k, r) for k, r in raws]
+    perms = [rng.permutation(n) if i % 2 == 0 else None for i, (_, n) in enumerate(parts)]
+    monkeypatch.setattr(quant_load, "CHUNK_BYTES", 4096)  # (a few tiles per chunk)
+    native = quant_load.kquant(tensors, perms)
+    torch_path = quant_load.kquant(tensors, perms, native=False)
+    assert native.parts == torch_path.parts == tuple(parts)
+    assert torch.equal(native.scale, torch_path.scale)
+    assert torch.equal(native.qweight, torch_path.qweight)
+    want = torch.cat([_reference(k, r if p is None else r[p]) for (k, r), p in zip(raws, perms)])
+    assert torch.equal(native.dequantize().view(torch.int32), want.view(torch.int32))
+
+
 # a model file ----------------------------------------------------------------------------------------
 def _types(layers: int) -> dict:
     """llama.cpp's Q4_K_M mix on a tiny model: q, k, o, gate, up Q4_K; v and down Q6_K in the first

@@ -112,6 +112,8 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_apply_bitmask.restype = None
     lib.specd_pack_x8_gguf.argtypes = [p, i, i, p, i, i, p, p, p]
     lib.specd_pack_x8_gguf.restype = None
+    lib.specd_pack_kq_gguf.argtypes = [p, i, i, p, i, p]
+    lib.specd_pack_kq_gguf.restype = None
     log.info("quantized CPU kernel: int8-activation GEMMs on %s", ISAS[lib.specd_x8_isa(9)])
     return lib
 

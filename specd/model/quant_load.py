@@ -193,21 +193,43 @@ def _order(t, perm) -> np.ndarray:
     return np.arange(_dims(t)[0]) if perm is None else perm
 
 
-def kquant(tensors: list, perms: list) -> KQuantLinear:
+KQ_FILE_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q8_0": 272}  # a file's bytes per 256 weights
+
+
+def _kq_raw(t, K: int) -> np.ndarray | None:
+    """``t``'s file bytes as one C-contiguous uint8 array the kernel can read, else None."""
+    raw = np.asarray(t.data)
+    row = KQ_FILE_BYTES[t.tensor_type.name] * K // KQ_SUPER
+    ok = raw.flags["C_CONTIGUOUS"] and raw.dtype == np.uint8 and K % KQ_SUPER == 0
+    return raw if ok and raw.nbytes == _dims(t)[0] * row else None
+
+
+def kquant(tensors: list, perms: list, native: bool = True) -> KQuantLinear:
     """GGUF K-quant tensors stacked by rows as one ``KQuantLinear`` (``perms``: row orders to
-    apply), packed a chunk of rows at a time into the final buffer."""
+    apply), packed a chunk of rows at a time into the final buffer (each chunk's pages released
+    after it): by the CPU kernel (``specd_pack_kq_gguf``: the file's bytes moved, the same bytes
+    as ``pack_kq`` of ``kq_fields``) where it runs and ``native``, else by numpy and torch."""
+    from specd.model.qkernel import kernel
+
     K = _dims(tensors[0])[1]
     kinds = [KQ_KINDS.index(t.tensor_type.name) for t in tensors]
     tiles = [(_dims(t)[0] + 7) // 8 for t in tensors]
     tile_bytes = [kq_tile_bytes(k, K) for k in kinds]
     buf = torch.empty(sum(n * b for n, b in zip(tiles, tile_bytes)), dtype=torch.uint8)
+    lib = kernel() if native else None
     at = 0
-    for t, p in zip(tensors, perms):
+    for t, p, kind, size in zip(tensors, perms, kinds, tile_bytes):
         order, step = _order(t, p), _chunk_rows(t)
+        raw = None if lib is None else _kq_raw(t, K)
         for r0 in range(0, len(order), step):
-            packed = pack_kq(kq_fields(t, order[r0 : r0 + step])).view(-1)
-            buf[at : at + packed.numel()] = packed
-            at += packed.numel()
+            if raw is not None:
+                rows = np.ascontiguousarray(order[r0 : r0 + step], dtype=np.int64)
+                lib.specd_pack_kq_gguf(raw.ctypes.data, kind, K, rows.ctypes.data, len(rows), buf.data_ptr() + at)
+                at += (len(rows) + 7) // 8 * size
+            else:
+                packed = pack_kq(kq_fields(t, order[r0 : r0 + step])).view(-1)
+                buf[at : at + packed.numel()] = packed
+                at += packed.numel()
             _release(t, p, r0, r0 + step)
     table = kq_tile_table(sum(([k] * n for k, n in zip(kinds, tiles)), []),
                           sum(([b] * n for b, n in zip(tile_bytes, tiles)), []))  # fmt: skip

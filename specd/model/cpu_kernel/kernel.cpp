@@ -6,6 +6,7 @@
 //                                    gemm_kq.h: GGUF's K-quants as they are)
 //   specd_x8_isa                     the instruction set those and the attention use (common.h)
 //   specd_pack_x8_gguf               GGUF Q4_0 / Q4_1 / Q8_0 rows into the x8 layout (a load's repacking)
+//   specd_pack_kq_gguf               GGUF Q4_K / Q5_K / Q6_K / Q8_0 rows into the kq layout (kq_pack.h)
 //   specd_attention                  attention over gathered keys (attention*.h, softmax.h, weighted_sums.h)
 //   specd_head_layer / specd_layers  whole decoder layers: norms, RoPE, SiLU, KV writes, paged attention
 //                                    (layer.h)
@@ -21,6 +22,7 @@
 #include "gemm_x8_amx.h"
 #include "gemm_x8.h"
 #include "gemm_kq.h"
+#include "kq_pack.h"
 #include "attention_scores.h"
 #include "softmax.h"
 #include "weighted_sums.h"
@@ -129,6 +131,14 @@ void specd_pack_x8_gguf(const uint8_t* raw, int64_t kind, int64_t K, const int64
             if (kind == 1) memcpy(mins + (t * nbk + b) * 8 + c, blk + 2, 2);
         }
     }
+}
+
+// GGUF Q4_K / Q5_K / Q6_K / Q8_0 rows (kind 0 / 1 / 2 / 3: the file's blocks of 144 / 176 / 210 bytes per
+// 256 weights, 34 per 32) into (n + 7) / 8 tiles of the kq layout at out (gemm_kq.h), byte for byte
+// quant.pack_kq of quant_load.kq_fields (kq_pack.h); rows[i] is the file row of output row i; the last
+// tile's padding rows are written as zeros.
+void specd_pack_kq_gguf(const uint8_t* raw, int64_t kind, int64_t K, const int64_t* rows, int64_t n, uint8_t* out) {
+    pack_kq_gguf(raw, kind, K, rows, n, out);
 }
 
 void specd_attention(const float* q, const float* kv, const float* mask, int64_t B, int64_t KVH, int64_t R,
