@@ -265,7 +265,9 @@ def native_x8(tensors: list, perms: list) -> QuantLinear | None:
         return None
     kind = kinds.pop()
     raws = [np.asarray(t.data) for t in tensors]
-    if not all(r.flags["C_CONTIGUOUS"] and r.dtype == np.uint8 for r in raws):
+    block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]  # (the kernel reads rows of K / 32 such blocks)
+    fits = lambda t, r: r.nbytes == _dims(t)[0] * (_dims(t)[1] // 32) * block and _dims(t)[1] % 32 == 0  # noqa: E731
+    if not all(r.flags["C_CONTIGUOUS"] and r.dtype == np.uint8 and fits(t, r) for t, r in zip(tensors, raws)):
         return None
     N, K = sum(_dims(t)[0] for t in tensors), _dims(tensors[0])[1]
     T, nbk, words = (N + 7) // 8, K // 32, 8 if kind == "Q8_0" else 4  # (GGUF blocks of 32 weights)
