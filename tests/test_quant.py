@@ -272,7 +272,8 @@ AVX512_VNNI = {"avx512f", "avx512bw", "avx512dq", "avx512_vnni"}
 )
 @pytest.mark.parametrize("fmt", ["int8/channel", "int8/g32", "int4/g32", "int4/g64"])
 def test_int8_activations_avx512_vnni_and_amx_equal_avx2_bitwise(fmt):
-    """The AVX512-VNNI tiles (two 8-row tiles per vector, vpdpbusd) and, where the CPU has them, the
+    """The AVX512-VNNI tiles (two 8-row tiles per vector, vpdpbusd; one row: one tile's two vectors per
+    register, x8_tile1) and, where the CPU has them, the
     AMX tiles (from 5 or 7 rows, up to 16 rows per tile op; 17, 19 and 33 rows: tile ops for 16 or 32
     and the AVX512-VNNI tile for the rest, 40 rows: two halves of 20) give the
     AVX2 tiles' bits for every row count and an odd number of tiles (N = 67: 9 tiles); the best of

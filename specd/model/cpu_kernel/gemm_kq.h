@@ -274,7 +274,8 @@ X512 static inline void kq_tile2(const int8_t* qx, const float* dx, const int32_
         for (int64_t j = 0; j < 8; j++) {
             const int64_t b = 8 * s + j;
             const uint8_t *pa = sa + KQ_HDR + j * kq_block_bytes(KT), *pb = sb + KQ_HDR + j * kq_block_bytes(KT);
-            prefetch_w(pa, kq_block_bytes(KT)), prefetch_w(pb, kq_block_bytes(KT));
+            const int64_t at = s * kq_sb_bytes(KT) + KQ_HDR + j * kq_block_bytes(KT), T = nsb * kq_sb_bytes(KT);
+            prefetch_w2(pa, at, T, kq_block_bytes(KT)), prefetch_w2(pb, at, T, kq_block_bytes(KT));
             __m512i lo[4], hi[4];
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) kq_codes2<KT>(pa, pb, v, lo[v], hi[v]);
@@ -314,7 +315,8 @@ X512 static inline void kq8_tile2(const int8_t* qx, const float* dx, int64_t K, 
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nbk; b++) {
         const uint8_t *pa = wa + b * kq_block_bytes(KQ_Q8), *pb = wb + b * kq_block_bytes(KQ_Q8);
-        prefetch_w(pa, kq_block_bytes(KQ_Q8)), prefetch_w(pb, kq_block_bytes(KQ_Q8));
+        const int64_t at = b * kq_block_bytes(KQ_Q8), T = nbk * kq_block_bytes(KQ_Q8);
+        prefetch_w2(pa, at, T, kq_block_bytes(KQ_Q8)), prefetch_w2(pb, at, T, kq_block_bytes(KQ_Q8));
         const int8_t* xb = qx + 32 * b;
         __m512i is[R];
         for (int r = 0; r < R; r++) is[r] = _mm512_setzero_si512();

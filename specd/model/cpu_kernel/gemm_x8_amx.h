@@ -48,11 +48,11 @@ XAMX static void amx_config(int64_t m) {
     load_tile_config(c);
 }
 
-// block b's weights of tiles a and b as a B tile [8, 64] in bb
+// block b's weights of tiles a and b (rows of K) as a B tile [8, 64] in bb
 template <bool INT4>
-XAMX static inline void amx_unpack(const uint8_t* wa, const uint8_t* wb, int64_t b, uint8_t* bb) {
-    const int64_t bytes = INT4 ? 128 : 256;  // one block of one tile
-    prefetch_w(wa + bytes * b, bytes), prefetch_w(wb + bytes * b, bytes);
+XAMX static inline void amx_unpack(const uint8_t* wa, const uint8_t* wb, int64_t b, int64_t K, uint8_t* bb) {
+    const int64_t bytes = INT4 ? 128 : 256, tile_bytes = K / 32 * bytes;  // one block of one tile; one tile
+    prefetch_w2(wa + bytes * b, bytes * b, tile_bytes, bytes), prefetch_w2(wb + bytes * b, bytes * b, tile_bytes, bytes);
     if (INT4) {
         const __m512i mask = _mm512_set1_epi8(0x0F);
         for (int v = 0; v < 4; v++) {
@@ -77,7 +77,7 @@ XAMX static inline void amx_unpack(const uint8_t* wa, const uint8_t* wb, int64_t
 template <bool INT4>
 XAMX static inline void amx_blocks(const int8_t* qx, int64_t K, const uint8_t* wa, const uint8_t* wb, int64_t b,
                                    int nb, uint8_t* bb, int32_t* cs, int64_t m) {
-    for (int i = 0; i < nb; i++) amx_unpack<INT4>(wa, wb, b + i, bb + 512 * i);
+    for (int i = 0; i < nb; i++) amx_unpack<INT4>(wa, wb, b + i, K, bb + 512 * i);
     _tile_zero(0);
     _tile_loadd(4, qx + 32 * b, K);
     _tile_loadd(6, bb, 64);
@@ -172,7 +172,7 @@ XAMX static void amx_tile2_halves(int64_t r0, int64_t r1, const int8_t* qx, cons
     for (int64_t r = 0; r < R; r++) _mm512_storeu_ps(acc + 16 * r, _mm512_setzero_ps());
     for (int64_t b0 = 0; b0 < nbk; b0 += 2) {
         const int nb = nbk - b0 < 2 ? 1 : 2;
-        amx_unpack<INT4>(wa, wb, b0, bb);
+        amx_unpack<INT4>(wa, wb, b0, K, bb);
         _tile_loadd(6, bb, 64);
         _tile_zero(0);
         _tile_zero(1);
@@ -181,7 +181,7 @@ XAMX static void amx_tile2_halves(int64_t r0, int64_t r1, const int8_t* qx, cons
         AMX_DP(0, 4, 6);
         AMX_DP(1, 5, 6);
         if (nb > 1) {
-            amx_unpack<INT4>(wa, wb, b0 + 1, bb + 512);
+            amx_unpack<INT4>(wa, wb, b0 + 1, K, bb + 512);
             _tile_loadd(7, bb + 512, 64);
             _tile_zero(2);
             _tile_zero(3);

@@ -1,6 +1,6 @@
 // The int8-activation GEMM on AVX512-VNNI (x8_isa 1; under AMX, the calls too narrow for its tiles
 // and a pass's few tail rows): two 8-row tiles of the x8 layout per 512-bit vector, vpdpbusd
-// (gemm_x8_512). ISA: AVX512F/BW/DQ/VNNI through the X512 attribute. Relies on common.h (X512,
+// (gemm_x8_512); a single row runs one tile at a time, two of its vectors per register (x8_tile1). ISA: AVX512F/BW/DQ/VNNI through the X512 attribute. Relies on common.h (X512,
 // half_t) and gemm_x8_avx2.h (the layout, prefetch_w, X8_RB); gemm_x8_amx.h reuses its loads
 // (cat256, cat256ps), x8_pass2, x8_store16 and tile pairs.
 #pragma once
@@ -60,7 +60,7 @@ X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float*
         const int8_t* xb = qx + 32 * b;
         if (INT4) {
             const uint8_t *pa = wa + 128 * b, *pb = wb + 128 * b;
-            prefetch_w(pa, 128), prefetch_w(pb, 128);
+            prefetch_w2(pa, 128 * b, 128 * nbk, 128), prefetch_w2(pb, 128 * b, 128 * nbk, 128);
             for (int v = 0; v < 4; v++) {
                 const __m512i W = cat256(pa + 32 * v, pb + 32 * v);
                 const __m512i lo = _mm512_and_si512(W, mask), hi = _mm512_and_si512(_mm512_srli_epi16(W, 4), mask);
@@ -71,7 +71,7 @@ X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float*
             }
         } else {
             const uint8_t *pa = wa + 256 * b, *pb = wb + 256 * b;
-            prefetch_w(pa, 256), prefetch_w(pb, 256);
+            prefetch_w2(pa, 256 * b, 256 * nbk, 256), prefetch_w2(pb, 256 * b, 256 * nbk, 256);
             for (int s = 0; s < 8; s++) {
                 const __m512i W = cat256(pa + 32 * s, pb + 32 * s);
                 const __m512i aw = _mm512_abs_epi8(W);
@@ -93,6 +93,62 @@ X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float*
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+
+// ---- one row against one tile on AVX512-VNNI (a decode step's calls) -------------------------------------
+// Tile pairs (below) read two streams tile_bytes apart; one row does too little work per byte to hide that:
+// a 1.7B Q4_0 decode step on one Zen 5 core took 1.13x as long with pairs. Here a 512-bit register holds vectors
+// v and v + 1 of one tile's block (64 contiguous bytes: the same 8 output rows, k groups v and v + 1 in its
+// halves), multiplied by activation dwords v and v + 1 broadcast over those halves (a permute of the block's
+// 8 dwords); the halves' int32 sums are added once per block. The integers are exact and the fp32 steps per
+// output element are x8_tile's (cvt, dw * dx, fma, the min's fma, block by block, on 8 lanes): the same bits.
+
+// dwords j (low half) and j + 1 (high half) of a block's 8 activation dwords xd
+X512 static inline __m512i x_pair(__m512i xd, int j) {
+    return _mm512_permutexvar_epi32(_mm512_inserti64x4(_mm512_set1_epi32(j), _mm256_set1_epi32(j + 1), 1), xd);
+}
+
+X512 static inline __m256i halves_sum(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+// x's one row (codes qx, scales dx, sums xs) against tile w (scales sc, mins mn or off8): out [8]
+template <bool INT4, class S>
+X512 static inline void x8_tile1(const int8_t* qx, const float* dx, const float* xs, int64_t K, const uint8_t* w,
+                                 const S* sc, const S* mn, bool off8, float* out) {
+    const int64_t nbk = K / 32;
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nbk; b++) {
+        __m512i is = _mm512_setzero_si512();
+        const __m512i xd = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(qx + 32 * b)));
+        if (INT4) {
+            const uint8_t* wb = w + 128 * b;
+            prefetch_w(wb, 128);
+            for (int h = 0; h < 2; h++) {  // vectors 2h, 2h + 1
+                const __m512i W = _mm512_loadu_si512((const void*)(wb + 64 * h));
+                const __m512i lo = _mm512_and_si512(W, mask), hi = _mm512_and_si512(_mm512_srli_epi16(W, 4), mask);
+                is = _mm512_dpbusd_epi32(is, lo, x_pair(xd, 2 * h));
+                is = _mm512_dpbusd_epi32(is, hi, x_pair(xd, 4 + 2 * h));
+            }
+        } else {
+            const uint8_t* wb = w + 256 * b;
+            prefetch_w(wb, 256);
+            for (int h = 0; h < 4; h++) {  // steps 2h, 2h + 1
+                const __m512i W = _mm512_loadu_si512((const void*)(wb + 64 * h));
+                const __m512i x = x_pair(xd, 2 * h);
+                is = _mm512_dpbusd_epi32(is, _mm512_abs_epi8(W),
+                                         _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(W), _mm512_setzero_si512(), x));
+            }
+        }
+        const __m256 dw = ld8(sc + 8 * b);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves_sum(is)), _mm256_mul_ps(dw, _mm256_broadcast_ss(dx + b)), acc);
+        if (INT4 && (mn || off8)) {
+            const __m256 mv = mn ? ld8(mn + 8 * b) : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
+            acc = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xs + b), acc);
+        }
+    }
+    _mm256_storeu_ps(out, acc);
 }
 
 template <bool INT4, class S>
@@ -145,6 +201,16 @@ X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs,
                              const float* bias, float* y) {
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
     const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
+    if (M == 1) {  // x8_tile1, one tile at a time; from 2 rows the pairs' fewer instructions per weight win
+#pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < NT; t++) {
+            alignas(32) float acc[8];
+            x8_tile1<INT4, S>(qx, dx, xs, K, w + t * tile_bytes, scale + t * nbk * 8, mins ? mins + t * nbk * 8 : nullptr,
+                              off8, acc);
+            x8_store(acc, 1, 0, 8 * t, N - 8 * t < 8 ? N - 8 * t : 8, N, add, bias, y);
+        }
+        return;
+    }
     const int64_t NP = (NT + 1) / 2;  // tile pairs; an odd last tile pairs with itself (its copy is dropped)
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < NP; p++) {
