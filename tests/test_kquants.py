@@ -190,7 +190,8 @@ def test_q8_0_tiles_give_the_bits_of_the_x8_layout():
 
 @pytest.mark.skipif(kernel() is None or not AVX512_VNNI <= cpu_info()["flags"], reason="no AVX512-VNNI here")
 def test_avx512_vnni_and_amx_give_the_avx2_bits():
-    """Two tiles per vector (vpdpbusd) against one (maddubs): the same bits for every row count,
+    """Two tiles per vector (vpdpbusd; one row: one tile's two vectors per register, kq_tile1) against
+    one (maddubs): the same bits for every row count,
     tile pairs of two kinds (Q8_0 beside a K-quant) included; under AMX the AVX512-VNNI tiles run
     these blocks."""
     # (tile pairs Q5_K | Q8_0 and Q4_K | Q8_0 split, Q8_0 | Q8_0 together, a partial Q8_0 tile alone)

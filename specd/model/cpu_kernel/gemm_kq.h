@@ -357,11 +357,124 @@ X512 static inline void kq_pass2(int64_t r, const int8_t* xm, const float* dm, c
 #undef KQ_CASE
 }
 
+// ---- AVX512-VNNI, one row: one tile at a time, two of its code vectors per register ------------------
+// (as x8_tile1, gemm_x8_avx512.h: a pair's two streams cost a one-row step more than its instructions save)
+// Vectors 2h and 2h + 1 of a block in one register's halves; the 5th / 6th code bits of vector v sit at
+// different places per v, so each half is shifted by its own count (vpsllvw / vpsrlvw: kq_codes's shifts,
+// lane by lane). The integer sums are exact and the fp32 steps per output element are kq_tile's: the same bits.
+
+// per-half shift counts (16-bit lanes): a in the low half, b in the high
+X512 static inline __m512i kq_counts(int a, int b) {
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1);
+}
+
+// the low / high codes of vectors 2h (low half) and 2h + 1 (high half) of block p of one tile
+template <int KT>
+X512 static KQ_INLINE void kq_codes1(const uint8_t* p, int h, __m512i& lo, __m512i& hi) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    const __m512i W = _mm512_loadu_si512((const void*)(p + 64 * h));
+    lo = _mm512_and_si512(W, mask), hi = _mm512_and_si512(_mm512_srli_epi16(W, 4), mask);
+    if (KT == 1) {  // kq_codes: hl = H << (4 - v), hh = H >> v, bit 4 kept
+        const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128))), b4 = _mm512_set1_epi8(0x10);
+        const __m512i hl = _mm512_sllv_epi16(H, kq_counts(4 - 2 * h, 3 - 2 * h));
+        const __m512i hh = _mm512_srlv_epi16(H, kq_counts(2 * h, 2 * h + 1));
+        lo = _mm512_or_si512(lo, _mm512_and_si512(hl, b4)), hi = _mm512_or_si512(hi, _mm512_and_si512(hh, b4));
+    } else if (KT == 2) {  // kq_up: v 0, 1, 2, 3 -> << 4, << 2, as is, >> 2; bits 4, 5 kept
+        const __m512i H0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128)));
+        const __m512i H1 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 160)));
+        const __m512i b45 = _mm512_set1_epi8(0x30);
+        const __m512i l = h == 0 ? kq_counts(4, 2) : kq_counts(0, 0), r = h == 0 ? kq_counts(0, 0) : kq_counts(0, 2);
+        lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_srlv_epi16(_mm512_sllv_epi16(H0, l), r), b45));
+        hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srlv_epi16(_mm512_sllv_epi16(H1, l), r), b45));
+    }
+}
+
+template <int KT>
+X512 static inline void kq_tile1(const int8_t* qx, const float* dx, const int32_t* xs, const float* xsf, int64_t K,
+                                 const uint8_t* w, float* out /* [8] */) {
+    const int64_t nsb = K / 256;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t* sb = w + s * kq_sb_bytes(KT);
+        const __m256 d = ld8((const half_t*)sb), dmin = ld8((const half_t*)(sb + 16));
+        for (int64_t j = 0; j < 8; j++) {
+            const int64_t b = 8 * s + j;
+            const uint8_t* p = sb + KQ_HDR + j * kq_block_bytes(KT);
+            prefetch_w(p, kq_block_bytes(KT));
+            const __m512i xd = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(qx + 32 * b)));
+            __m512i slo = _mm512_setzero_si512(), shi = _mm512_setzero_si512();
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                __m512i lo, hi;
+                kq_codes1<KT>(p, h, lo, hi);
+                slo = _mm512_dpbusd_epi32(slo, lo, x_pair(xd, 2 * h));
+                shi = _mm512_dpbusd_epi32(shi, hi, x_pair(xd, 4 + 2 * h));
+            }
+            const uint8_t* scp = p + kq_block_bytes(KT) - 16;
+            const __m256i sc = KT == 2 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)scp))
+                                       : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)scp));
+            const __m256i sm = KT == 2 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(scp + 8)))
+                                       : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(scp + 8)));
+            const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), dm = _mm256_mul_ps(KT == 2 ? d : dmin, _mm256_cvtepi32_ps(sm));
+            if (KT == 2) {
+                const __m256 dxv = _mm256_broadcast_ss(dx + b);
+                const __m256i a = _mm256_sub_epi32(halves_sum(slo), _mm256_set1_epi32(xs[2 * b]));
+                const __m256i c = _mm256_sub_epi32(halves_sum(shi), _mm256_set1_epi32(xs[2 * b + 1]));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_mul_ps(dsc, dxv), acc);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_mul_ps(dm, dxv), acc);
+            } else {
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves_sum(_mm512_add_epi32(slo, shi))),
+                                      _mm256_mul_ps(dsc, _mm256_broadcast_ss(dx + b)), acc);
+                acc = _mm256_fnmadd_ps(dm, _mm256_broadcast_ss(xsf + b), acc);
+            }
+        }
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+// Q8_0 tiles, one row: x8_tile1's int8 steps
+X512 static inline void kq8_tile1(const int8_t* qx, const float* dx, int64_t K, const uint8_t* w, float* out /* [8] */) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 32; b++) {
+        const uint8_t* p = w + b * kq_block_bytes(KQ_Q8);
+        prefetch_w(p, kq_block_bytes(KQ_Q8));
+        const __m512i xd = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(qx + 32 * b)));
+        __m512i is = _mm512_setzero_si512();
+        for (int h = 0; h < 4; h++) {  // steps 2h, 2h + 1
+            const __m512i W = _mm512_loadu_si512((const void*)(p + 64 * h));
+            const __m512i x = x_pair(xd, 2 * h);
+            is = _mm512_dpbusd_epi32(is, _mm512_abs_epi8(W),
+                                     _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(W), _mm512_setzero_si512(), x));
+        }
+        const __m256 d = ld8((const half_t*)(p + 256));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves_sum(is)), _mm256_mul_ps(d, _mm256_broadcast_ss(dx + b)), acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+X512 static void gemm_kq_512_row(const int8_t* qx, const float* dx, const int32_t* xs, const float* xsf, int64_t K,
+                                 const uint8_t* w, const int64_t* tiles, int64_t N, const float* add, const float* bias,
+                                 float* y) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < (N + 7) / 8; t++) {
+        const uint8_t* wt = w + kq_off(tiles[t]);
+        alignas(32) float acc[8];
+        switch (kq_kind(tiles[t])) {
+            case 0: kq_tile1<0>(qx, dx, xs, xsf, K, wt, acc); break;
+            case 1: kq_tile1<1>(qx, dx, xs, xsf, K, wt, acc); break;
+            case 2: kq_tile1<2>(qx, dx, xs, xsf, K, wt, acc); break;
+            default: kq8_tile1(qx, dx, K, wt, acc);
+        }
+        x8_store(acc, 1, 0, 8 * t, N - 8 * t < 8 ? N - 8 * t : 8, N, add, bias, y);
+    }
+}
+
 // tile pairs as gemm_x8_512's; a pair of two kinds (a part boundary inside it) runs as two tiles, each
 // paired with itself
 X512 static void gemm_kq_512(const int8_t* qx, const float* dx, const int32_t* xs, const float* xsf, int64_t M,
                              int64_t K, const uint8_t* w, const int64_t* tiles, int64_t N, const float* add, const float* bias,
                              float* y) {
+    if (M == 1) return gemm_kq_512_row(qx, dx, xs, xsf, K, w, tiles, N, add, bias, y);
     const int64_t nbk = K / 32, NT = (N + 7) / 8, NP = (NT + 1) / 2;
     const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
 #pragma omp parallel for schedule(static)
