@@ -26,6 +26,12 @@ file and thread count:
   threads (``x.sum()`` over 256 MiB); "floor" columns = floor time / step time (1.0: at the floor).
 
 Writes ``results.json`` and ``summary.md`` to ``--out`` (default ``eval/out/bench_scale-DATE``).
+
+``--ab NAME=TREE ...`` compares specd trees instead (a kernel change against the commit before it: ``git
+worktree add``): per file, thread count and ``--batch``, one process per tree in turn, ``--passes`` rounds,
+each process loading the file with its tree's code (``PYTHONPATH=TREE``) and timing its steady plain steps
+as above; the medians per tree, and each tree's time as a multiple of the first's. Alternating processes
+spread a busy machine's noise over every tree alike.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -422,6 +429,8 @@ def parse_args(argv=None):
     ap.add_argument("--cache", type=Path, default=CACHE, help="where the GGUF files are written")
     ap.add_argument("--llama-tools", type=Path, default=LLAMA_TOOLS, help="llama.cpp's build (make bench-deps)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ab", nargs="+", metavar="NAME=TREE", help="compare specd trees' plain steps instead")
+    ap.add_argument("--batch", type=int, default=1, help="--ab: requests decoded together")
     a = ap.parse_args(argv)
     a.sizes, a.formats = _choices(a.sizes, SHAPES, "size"), _choices(a.formats, FORMATS, "format")
     try:
@@ -429,6 +438,67 @@ def parse_args(argv=None):
     except ValueError:
         ap.error(f"--threads: expected integers like 1,2, got {a.threads!r}")
     return a
+
+
+# one tree's process for --ab: the steady plain step of --batch requests, printed as "STEP <seconds>"
+AB_CHILD = """
+import statistics, sys, torch
+from pathlib import Path
+import eval.bench_scale as B
+torch.set_num_threads(int(sys.argv[2]))
+path, batch, tokens = Path(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4])
+lm = B.load_target(path)
+engine = B.plain_engine(path, lm)
+B.steady_steps(engine, batch, 8)
+print("STEP", statistics.median(B.steady_steps(engine, batch, tokens)))
+"""
+
+
+def ab_step(tree: Path, path: Path, threads: int, batch: int, tokens: int) -> float:
+    """The median steady plain step (seconds) of ``tree``'s specd on ``path``, in a process of its own."""
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads)}
+    argv = [sys.executable, "-c", AB_CHILD, str(path), str(threads), str(batch), str(tokens)]
+    out = subprocess.run(argv, env=env, cwd=tree, capture_output=True, text=True)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("STEP ")), None)
+    if out.returncode != 0 or line is None:
+        raise SystemExit(f"--ab {tree}: the step timing failed (exit {out.returncode}): {out.stderr.strip()[-400:]}")
+    return float(line.split()[1])
+
+
+def ab_rows(trees: list, path: Path, a) -> list:
+    """Per thread count: each tree's median step (ms, over --passes alternating processes) and its
+    ratio to the first tree's."""
+    rows = []
+    for t in a.threads:
+        ms: dict = {name: [] for name, _ in trees}
+        for _ in range(a.passes):
+            for name, tree in trees:
+                ms[name].append(1e3 * ab_step(tree, path, t, a.batch, a.tokens))
+                H.log(f"{path.name} t{t} b{a.batch} {name}: {ms[name][-1]:.2f} ms")
+        first = statistics.median(ms[trees[0][0]])
+        for name, _ in trees:
+            med = statistics.median(ms[name])
+            rows.append({"file": path.name, "threads": t, "batch": a.batch, "tree": name, "step_ms": ms[name],
+                         "median_ms": round(med, 2), "vs_first": round(med / first, 3)})  # fmt: skip
+    return rows
+
+
+def ab_table(rows: list) -> str:
+    head = ["file", "thr", "batch", "tree", "step ms (per pass)", "median ms", "tok/s", "time vs first"]
+    body = [[r["file"], r["threads"], r["batch"], r["tree"], "/".join(f"{x:.1f}" for x in r["step_ms"]), r["median_ms"],
+             round(1e3 * r["batch"] / r["median_ms"], 2), f"{r['vs_first']:.3f}x"] for r in rows]  # fmt: skip
+    return H.md_table(head, body)
+
+
+def parse_trees(specs: list) -> list:
+    """``NAME=TREE`` pairs (TREE a specd checkout) in order."""
+    trees = []
+    for spec in specs:
+        name, sep, tree = spec.partition("=")
+        if not sep or not name or not (Path(tree) / "specd" / "__init__.py").is_file():
+            raise SystemExit(f"--ab {spec!r}: expected NAME=TREE with TREE a specd checkout")
+        trees.append((name, Path(tree).resolve()))
+    return trees
 
 
 def _choices(spec: str, allowed, what: str) -> list:
@@ -439,8 +509,25 @@ def _choices(spec: str, allowed, what: str) -> list:
     return got
 
 
+def main_ab(a) -> int:
+    trees = parse_trees(a.ab)
+    rows = []
+    for size in a.sizes:
+        for fmt in a.formats:
+            rows += ab_rows(trees, model_file(size, fmt, a.cache, a.llama_tools, a.std), a)
+    md = ab_table(rows) + "\n"
+    out = H.out_dir(a.out, "bench_scale_ab")
+    args = {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()}
+    H.write_json(out / "results.json", {"meta": H.run_meta(COMMAND), "args": args, "rows": rows})
+    (out / "summary.md").write_text(md)
+    print(md)
+    return 0
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.ab:
+        return main_ab(a)
     results, notes = [], []
     for size in a.sizes:
         for fmt in a.formats:
