@@ -166,7 +166,7 @@ def test_q4_0_mins_implied_by_the_scales_give_the_stored_mins_bits():
     try:
         for isa in isas:
             x8_isa(isa)
-            for M in (1, 2, 5, 7, 8, 9, 16, 17, 33, 40):
+            for M in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 40):
                 op._x8 = stored
                 want = addmm(res[:M], x[:M], op)
                 op._x8 = packed
@@ -272,7 +272,7 @@ AVX512_VNNI = {"avx512f", "avx512bw", "avx512dq", "avx512_vnni"}
 )
 @pytest.mark.parametrize("fmt", ["int8/channel", "int8/g32", "int4/g32", "int4/g64"])
 def test_int8_activations_avx512_vnni_and_amx_equal_avx2_bitwise(fmt):
-    """The AVX512-VNNI tiles (two 8-row tiles per vector, vpdpbusd; one row: one tile's two vectors per
+    """The AVX512-VNNI tiles (two 8-row tiles per vector, vpdpbusd; 1-4 rows: one tile's two vectors per
     register, x8_tile1) and, where the CPU has them, the
     AMX tiles (from 5 or 7 rows, up to 16 rows per tile op; 17, 19 and 33 rows: tile ops for 16 or 32
     and the AVX512-VNNI tile for the rest, 40 rows: two halves of 20) give the
@@ -284,7 +284,7 @@ def test_int8_activations_avx512_vnni_and_amx_equal_avx2_bitwise(fmt):
     x, res = torch.randn(40, 576, generator=g) * 3, torch.randn(40, 67, generator=g)
     amx = {"amx_tile", "amx_int8"} <= cpu_info()["flags"] and os.environ.get("SPECD_QGEMM_AMX") != "0"
     try:
-        for M in (1, 2, 5, 6, 7, 8, 9, 16, 17, 19, 33, 40):
+        for M in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 19, 33, 40):
             assert x8_isa(0) == "avx2"
             slow = addmm(res[:M], x[:M], op)
             assert x8_isa(1) == "avx512vnni"
@@ -321,7 +321,7 @@ def test_half_scales_give_the_fp32_scales_bits(fmt, monkeypatch):
     try:
         for want in (0, 1, 2):
             x8_isa(want)
-            for M in (1, 2, 5, 7, 8, 16, 17, 19, 33, 40):
+            for M in (1, 2, 3, 4, 5, 7, 8, 16, 17, 19, 33, 40):
                 op._x8 = full
                 want_y = addmm(res[:M], x[:M], op)
                 op._x8 = half

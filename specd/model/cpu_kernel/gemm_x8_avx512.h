@@ -1,8 +1,9 @@
 // The int8-activation GEMM on AVX512-VNNI (x8_isa 1; under AMX, the calls too narrow for its tiles
 // and a pass's few tail rows): two 8-row tiles of the x8 layout per 512-bit vector, vpdpbusd
-// (gemm_x8_512); a single row runs one tile at a time, two of its vectors per register (x8_tile1). ISA: AVX512F/BW/DQ/VNNI through the X512 attribute. Relies on common.h (X512,
-// half_t) and gemm_x8_avx2.h (the layout, prefetch_w, X8_RB); gemm_x8_amx.h reuses its loads
-// (cat256, cat256ps), x8_pass2, x8_store16 and tile pairs.
+// (gemm_x8_512); 1-4 rows run one tile at a time, two of its vectors per register (x8_tile1).
+// ISA: AVX512F/BW/DQ/VNNI through the X512 attribute. Relies on common.h (X512, half_t) and
+// gemm_x8_avx2.h (the layout, prefetch_w, X8_RB, x8_store); gemm_x8_amx.h reuses its loads (cat256,
+// cat256ps), x8_pass2, x8_store16 and tile pairs.
 #pragma once
 
 #include "common.h"
@@ -95,9 +96,10 @@ X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float*
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
 }
 
-// ---- one row against one tile on AVX512-VNNI (a decode step's calls) -------------------------------------
-// Tile pairs (below) read two streams tile_bytes apart; one row does too little work per byte to hide that:
-// a 1.7B Q4_0 decode step on one Zen 5 core took 1.13x as long with pairs. Here a 512-bit register holds vectors
+// ---- 1-4 rows against one tile at a time on AVX512-VNNI (decode steps, short verifications) -------------
+// Tile pairs (below) read two streams tile_bytes apart (and two of scales); a few rows do too little work per
+// byte to hide that: 1.7B Q4_0 decode steps on one Zen 5 core took 1.3x as long with pairs at 1 row, 1.16x
+// at 2, 1.1-1.15x at 4 (from 5 rows on, the pairs' fewer instructions per weight pay). Here a 512-bit register holds vectors
 // v and v + 1 of one tile's block (64 contiguous bytes: the same 8 output rows, k groups v and v + 1 in its
 // halves), multiplied by activation dwords v and v + 1 broadcast over those halves (a permute of the block's
 // 8 dwords); the halves' int32 sums are added once per block. The integers are exact and the fp32 steps per
@@ -112,43 +114,76 @@ X512 static inline __m256i halves_sum(__m512i v) {
     return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
 }
 
-// x's one row (codes qx, scales dx, sums xs) against tile w (scales sc, mins mn or off8): out [8]
-template <bool INT4, class S>
+// R rows of x (codes qx, scales dx, sums xs) against tile w (scales sc, mins mn or off8): out [R, 8]
+template <bool INT4, int R, class S>
 X512 static inline void x8_tile1(const int8_t* qx, const float* dx, const float* xs, int64_t K, const uint8_t* w,
                                  const S* sc, const S* mn, bool off8, float* out) {
     const int64_t nbk = K / 32;
     const __m512i mask = _mm512_set1_epi8(0x0F);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nbk; b++) {
-        __m512i is = _mm512_setzero_si512();
-        const __m512i xd = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(qx + 32 * b)));
+        __m512i is[R], xd[R];
+        for (int r = 0; r < R; r++) {
+            is[r] = _mm512_setzero_si512();
+            xd[r] = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(qx + r * K + 32 * b)));
+        }
         if (INT4) {
             const uint8_t* wb = w + 128 * b;
             prefetch_w(wb, 128);
             for (int h = 0; h < 2; h++) {  // vectors 2h, 2h + 1
                 const __m512i W = _mm512_loadu_si512((const void*)(wb + 64 * h));
                 const __m512i lo = _mm512_and_si512(W, mask), hi = _mm512_and_si512(_mm512_srli_epi16(W, 4), mask);
-                is = _mm512_dpbusd_epi32(is, lo, x_pair(xd, 2 * h));
-                is = _mm512_dpbusd_epi32(is, hi, x_pair(xd, 4 + 2 * h));
+                for (int r = 0; r < R; r++) {
+                    is[r] = _mm512_dpbusd_epi32(is[r], lo, x_pair(xd[r], 2 * h));
+                    is[r] = _mm512_dpbusd_epi32(is[r], hi, x_pair(xd[r], 4 + 2 * h));
+                }
             }
         } else {
             const uint8_t* wb = w + 256 * b;
             prefetch_w(wb, 256);
             for (int h = 0; h < 4; h++) {  // steps 2h, 2h + 1
                 const __m512i W = _mm512_loadu_si512((const void*)(wb + 64 * h));
-                const __m512i x = x_pair(xd, 2 * h);
-                is = _mm512_dpbusd_epi32(is, _mm512_abs_epi8(W),
-                                         _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(W), _mm512_setzero_si512(), x));
+                const __m512i aw = _mm512_abs_epi8(W);
+                const __mmask64 neg = _mm512_movepi8_mask(W);
+                for (int r = 0; r < R; r++) {
+                    const __m512i x = x_pair(xd[r], 2 * h);
+                    is[r] = _mm512_dpbusd_epi32(is[r], aw, _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+                }
             }
         }
         const __m256 dw = ld8(sc + 8 * b);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves_sum(is)), _mm256_mul_ps(dw, _mm256_broadcast_ss(dx + b)), acc);
-        if (INT4 && (mn || off8)) {
-            const __m256 mv = mn ? ld8(mn + 8 * b) : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f));
-            acc = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xs + b), acc);
+        const __m256 mv = !INT4 ? _mm256_setzero_ps() : mn ? ld8(mn + 8 * b)
+                          : off8 ? _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(halves_sum(is[r])),
+                                     _mm256_mul_ps(dw, _mm256_broadcast_ss(dx + r * nbk + b)), acc[r]);
+            if (INT4 && (mn || off8)) acc[r] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(xs + r * nbk + b), acc[r]);
         }
     }
-    _mm256_storeu_ps(out, acc);
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+// the calls of 1 to X8_TILE1_ROWS rows: x8_tile1 tile by tile
+#define X8_TILE1_ROWS 4
+template <bool INT4, class S>
+X512 static void gemm_x8_512_rows(const int8_t* qx, const float* dx, const float* xs, int64_t M, int64_t K,
+                                  const uint8_t* w, const S* scale, const S* mins, bool off8, int64_t N,
+                                  const float* add, const float* bias, float* y) {
+    const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < NT; t++) {
+        alignas(32) float acc[X8_TILE1_ROWS * 8];
+        const uint8_t* wt = w + t * tile_bytes;
+        const S *st = scale + t * nbk * 8, *mt = mins ? mins + t * nbk * 8 : nullptr;
+        switch (M) {
+            case 1: x8_tile1<INT4, 1, S>(qx, dx, xs, K, wt, st, mt, off8, acc); break;
+            case 2: x8_tile1<INT4, 2, S>(qx, dx, xs, K, wt, st, mt, off8, acc); break;
+            case 3: x8_tile1<INT4, 3, S>(qx, dx, xs, K, wt, st, mt, off8, acc); break;
+            default: x8_tile1<INT4, 4, S>(qx, dx, xs, K, wt, st, mt, off8, acc);
+        }
+        x8_store(acc, M, 0, 8 * t, N - 8 * t < 8 ? N - 8 * t : 8, N, add, bias, y);
+    }
 }
 
 template <bool INT4, class S>
@@ -201,16 +236,7 @@ X512 static void gemm_x8_512(const int8_t* qx, const float* dx, const float* xs,
                              const float* bias, float* y) {
     const int64_t nbk = K / 32, NT = (N + 7) / 8, tile_bytes = nbk * (INT4 ? 128 : 256);
     const int64_t passes = (M + X8_RB - 1) / X8_RB, rp = (M + passes - 1) / passes;
-    if (M == 1) {  // x8_tile1, one tile at a time; from 2 rows the pairs' fewer instructions per weight win
-#pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < NT; t++) {
-            alignas(32) float acc[8];
-            x8_tile1<INT4, S>(qx, dx, xs, K, w + t * tile_bytes, scale + t * nbk * 8, mins ? mins + t * nbk * 8 : nullptr,
-                              off8, acc);
-            x8_store(acc, 1, 0, 8 * t, N - 8 * t < 8 ? N - 8 * t : 8, N, add, bias, y);
-        }
-        return;
-    }
+    if (M <= X8_TILE1_ROWS) return gemm_x8_512_rows<INT4, S>(qx, dx, xs, M, K, w, scale, mins, off8, N, add, bias, y);
     const int64_t NP = (NT + 1) / 2;  // tile pairs; an odd last tile pairs with itself (its copy is dropped)
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < NP; p++) {
