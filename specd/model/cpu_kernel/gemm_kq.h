@@ -358,7 +358,8 @@ X512 static inline void kq_pass2(int64_t r, const int8_t* xm, const float* dm, c
 }
 
 // ---- AVX512-VNNI, one row: one tile at a time, two of its code vectors per register ------------------
-// (as x8_tile1, gemm_x8_avx512.h: a pair's two streams cost a one-row step more than its instructions save)
+// (as x8_tile1, gemm_x8_avx512.h: a pair's two streams cost a one-row step more than its instructions save;
+// from 2 rows the pairs won here: tried to 4 rows, 1.41x slower at 4)
 // Vectors 2h and 2h + 1 of a block in one register's halves; the 5th / 6th code bits of vector v sit at
 // different places per v, so each half is shifted by its own count (vpsllvw / vpsrlvw: kq_codes's shifts,
 // lane by lane). The integer sums are exact and the fp32 steps per output element are kq_tile's: the same bits.
@@ -375,7 +376,8 @@ X512 static KQ_INLINE void kq_codes1(const uint8_t* p, int h, __m512i& lo, __m51
     const __m512i W = _mm512_loadu_si512((const void*)(p + 64 * h));
     lo = _mm512_and_si512(W, mask), hi = _mm512_and_si512(_mm512_srli_epi16(W, 4), mask);
     if (KT == 1) {  // kq_codes: hl = H << (4 - v), hh = H >> v, bit 4 kept
-        const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128))), b4 = _mm512_set1_epi8(0x10);
+        const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(p + 128)));
+        const __m512i b4 = _mm512_set1_epi8(0x10);
         const __m512i hl = _mm512_sllv_epi16(H, kq_counts(4 - 2 * h, 3 - 2 * h));
         const __m512i hh = _mm512_srlv_epi16(H, kq_counts(2 * h, 2 * h + 1));
         lo = _mm512_or_si512(lo, _mm512_and_si512(hl, b4)), hi = _mm512_or_si512(hi, _mm512_and_si512(hh, b4));

@@ -98,11 +98,11 @@ X512 static inline void x8_tile2(const int8_t* qx, const float* dx, const float*
 
 // ---- 1-4 rows against one tile at a time on AVX512-VNNI (decode steps, short verifications) -------------
 // Tile pairs (below) read two streams tile_bytes apart (and two of scales); a few rows do too little work per
-// byte to hide that: 1.7B Q4_0 decode steps on one Zen 5 core took 1.3x as long with pairs at 1 row, 1.16x
-// at 2, 1.1-1.15x at 4 (from 5 rows on, the pairs' fewer instructions per weight pay). Here a 512-bit register holds vectors
-// v and v + 1 of one tile's block (64 contiguous bytes: the same 8 output rows, k groups v and v + 1 in its
-// halves), multiplied by activation dwords v and v + 1 broadcast over those halves (a permute of the block's
-// 8 dwords); the halves' int32 sums are added once per block. The integers are exact and the fp32 steps per
+// byte to hide that: 1.7B Q4_0 decode steps on one Zen 5 core took 1.32x as long with pairs at 1 row, 1.35x
+// at 2, 1.05x at 4 (from 5 rows on, the pairs' fewer instructions per weight pay). Here a 512-bit register
+// holds vectors v and v + 1 of one tile's block (64 contiguous bytes: the same 8 output rows, k groups v and
+// v + 1 in its halves), multiplied by activation dwords v and v + 1 broadcast over those halves (a permute of
+// the block's 8 dwords); the halves' int32 sums are added once per block. The integers are exact and the fp32 steps per
 // output element are x8_tile's (cvt, dw * dx, fma, the min's fma, block by block, on 8 lanes): the same bits.
 
 // dwords j (low half) and j + 1 (high half) of a block's 8 activation dwords xd
