@@ -109,6 +109,18 @@ static KQ_INLINE __m256i kq_dot(const __m256i* u, const int8_t* x) {
     return _mm256_madd_epi16(s, ones);
 }
 
+// block p's 8 per-row scales and mins (the block's last 16 bytes) times the super-block's d / dmin: dsc = d * sc,
+// dm = dmin * m (Q6_K: the high half's d * sc)
+template <int KT>
+static KQ_INLINE void kq_block_scales(const uint8_t* p, __m256 d, __m256 dmin, __m256& dsc, __m256& dm) {
+    const uint8_t* scp = p + kq_block_bytes(KT) - 16;
+    const __m256i sc = KT == 2 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)scp))
+                               : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)scp));
+    const __m256i sm = KT == 2 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(scp + 8)))
+                               : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(scp + 8)));
+    dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), dm = _mm256_mul_ps(KT == 2 ? d : dmin, _mm256_cvtepi32_ps(sm));
+}
+
 template <int KT, int R>
 static inline void kq_tile(const int8_t* qx, const float* dx, const int32_t* xs, const float* xsf, int64_t K,
                            const uint8_t* w, float* out /* [R, 8] */) {
@@ -125,12 +137,8 @@ static inline void kq_tile(const int8_t* qx, const float* dx, const int32_t* xs,
             __m256i lo[4], hi[4];
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) kq_codes<KT>(p, v, lo[v], hi[v]);
-            const uint8_t* scp = p + kq_block_bytes(KT) - 16;
-            const __m256i sc = KT == 2 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)scp))
-                                       : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)scp));
-            const __m256i sm = KT == 2 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(scp + 8)))
-                                       : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(scp + 8)));
-            const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), dm = _mm256_mul_ps(KT == 2 ? d : dmin, _mm256_cvtepi32_ps(sm));  // Q6_K: the high half's d * sc
+            __m256 dsc, dm;
+            kq_block_scales<KT>(p, d, dmin, dsc, dm);
             for (int r = 0; r < R; r++) {
                 const int8_t* xb = qx + r * K + 32 * b;
                 const int32_t* xr = xs + r * (K / 16) + 2 * b;
@@ -412,12 +420,8 @@ X512 static inline void kq_tile1(const int8_t* qx, const float* dx, const int32_
                 slo = _mm512_dpbusd_epi32(slo, lo, x_pair(xd, 2 * h));
                 shi = _mm512_dpbusd_epi32(shi, hi, x_pair(xd, 4 + 2 * h));
             }
-            const uint8_t* scp = p + kq_block_bytes(KT) - 16;
-            const __m256i sc = KT == 2 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)scp))
-                                       : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)scp));
-            const __m256i sm = KT == 2 ? _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(scp + 8)))
-                                       : _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(scp + 8)));
-            const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), dm = _mm256_mul_ps(KT == 2 ? d : dmin, _mm256_cvtepi32_ps(sm));
+            __m256 dsc, dm;
+            kq_block_scales<KT>(p, d, dmin, dsc, dm);
             if (KT == 2) {
                 const __m256 dxv = _mm256_broadcast_ss(dx + b);
                 const __m256i a = _mm256_sub_epi32(halves_sum(slo), _mm256_set1_epi32(xs[2 * b]));
