@@ -45,8 +45,10 @@ import json
 import logging
 import re
 import shutil
+import struct
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -166,11 +168,12 @@ def _one_line(e: BaseException) -> str:
 
 
 # reading -----------------------------------------------------------------------------------------
-def open_gguf(path: Path):
-    """A ``gguf.GGUFReader`` over ``path``; missing, empty, foreign or truncated files are a LoadError.
+def open_gguf(path: Path) -> GGUFFile:
+    """The file's header read (``GGUFFile``: metadata decoded, tensors mapped); missing, empty,
+    foreign or truncated files are a LoadError.
 
-    The reader checks the magic and version and maps every tensor; a file cut short fails there
-    (a tensor's bytes run past the end) and is reported as truncated with the file's size.
+    The magic and version are checked and every tensor mapped; a file cut short fails there (a
+    tensor's bytes run past the end) and is reported as truncated with the file's size.
     """
     path = Path(path)
     try:
@@ -187,8 +190,10 @@ def open_gguf(path: Path):
             f"--target/--draft take a Hugging Face folder or a .gguf file"
         )
     try:
-        return _gguf().GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 - the reader raises anything from ValueError to IndexError
+        return GGUFFile(path)
+    except LoadError:
+        raise
+    except Exception as e:  # noqa: BLE001 - struct.error, ValueError, IndexError, ... from a damaged header
         raise LoadError(f"{path}: truncated or corrupt GGUF file ({size} bytes): {_one_line(e)}") from None
 
 
@@ -206,59 +211,166 @@ _SCALARS = {
     12: "d",
 }  # GGUF value types
 _STRING, _ARRAY = 8, 9
+_NUMPY = {k: np.dtype("<" + f) for k, f in _SCALARS.items()}  # an array of scalars, read at once
+_U64 = struct.Struct("<Q")
+READ_VERSIONS = (2, 3)  # the GGUF versions read (as the ``gguf`` package's reader)
+
+
+class _Header:
+    """A cursor over a GGUF header in ``buf`` (a memory map). ``value(kind, keep)`` reads one
+    metadata value: a Python scalar, str, or list (an array of scalars in one ``numpy`` read, an
+    array of strings in one tight loop); ``keep=False`` skips an array's items and returns its length."""
+
+    def __init__(self, buf, pos: int = 0):
+        self.buf, self.pos = buf, pos
+
+    def take(self, fmt: str):
+        out = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]
+        self.pos += struct.calcsize("<" + fmt)
+        return out
+
+    def text(self) -> str:
+        n = self.take("Q")
+        end = self.pos + n
+        if end > len(self.buf):
+            raise ValueError(f"a string runs past the end of the file (byte {end})")
+        out, self.pos = self.buf[self.pos : end].decode("utf-8"), end
+        return out
+
+    def value(self, kind: int, keep: bool = True):
+        if kind == _STRING:
+            return self.text()
+        if kind != _ARRAY:
+            return self.take(_SCALARS[kind])
+        item, n = self.take("I"), self.take("Q")
+        if item == _STRING:
+            return self._strings(n, keep)
+        if item == _ARRAY:  # (arrays of arrays: no key specd reads has them)
+            return [self.value(self.take("I"), keep) for _ in range(n)] if keep else self._skip_arrays(n)
+        dt = _NUMPY[item]
+        end = self.pos + n * dt.itemsize
+        if end > len(self.buf):
+            raise ValueError(f"an array runs past the end of the file (byte {end})")
+        out = np.frombuffer(self.buf, dt, n, self.pos).tolist() if keep else n
+        self.pos = end
+        return out
+
+    def _strings(self, n: int, keep: bool):
+        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+        out: list = []
+        add = out.append
+        for _ in range(n):
+            k = unpack(buf, pos)[0]
+            pos += 8
+            if keep:
+                add(buf[pos : pos + k])
+            pos += k
+        if pos > len(buf):
+            raise ValueError(f"a string array runs past the end of the file (byte {pos})")
+        self.pos = pos
+        return [b.decode("utf-8") for b in out] if keep else n
+
+    def _skip_arrays(self, n: int) -> int:
+        for _ in range(n):
+            self.value(self.take("I"), keep=False)
+        return n
+
+
+def read_header(buf, arrays: bool = True) -> tuple[dict, list, int]:
+    """(metadata, tensor infos, where the tensor data starts) of the GGUF file in ``buf``: every
+    key/value (``arrays=False``: each array's length instead of its items), and per tensor
+    ``(name, ggml dims, ggml type number, offset from the data start)``. Raises ValueError (or
+    ``struct.error``, UnicodeDecodeError) on a header it cannot parse."""
+    if bytes(buf[:4]) != GGUF_MAGIC:
+        raise ValueError("not a GGUF file")
+    h = _Header(buf, 4)
+    version = h.take("I")
+    if version not in READ_VERSIONS:
+        raise ValueError(f"GGUF version {version} is not read (versions {READ_VERSIONS})")
+    n_tensors, n_kv = h.take("Q"), h.take("Q")
+    meta: dict = {}
+    for _ in range(n_kv):
+        key = h.text()
+        if key in meta:
+            raise ValueError(f"duplicate metadata key {key}")
+        meta[key] = h.value(h.take("I"), arrays)
+    infos = []
+    for _ in range(n_tensors):
+        name = h.text()
+        dims = [h.take("Q") for _ in range(h.take("I"))]
+        infos.append((name, dims, h.take("I"), h.take("Q")))
+    align = meta.get("general.alignment", 32)
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ValueError(f"invalid general.alignment {align!r}: must be a power of two")
+    return meta, infos, h.pos + (-h.pos % align)
+
+
+class GGUFFile:
+    """A GGUF file as this module reads it, from its header: ``meta`` (every key/value as Python
+    values, the ``read_metadata`` of it) and ``tensors`` as ``gguf.GGUFReader`` gives them (name,
+    tensor_type, shape in ggml order, n_elements, n_bytes, data: a view of one read-only memory map:
+    float32 / float16 arrays of the torch shape, the rows' bytes for block-quantized types).
+
+    ``gguf.GGUFReader`` builds numpy views for every part of every metadata item: ~2 s of CPU for
+    a 49k-token vocabulary, on every first start of a file. This reads the arrays in bulk (a
+    numpy read per array of numbers, one loop per array of strings): tens of milliseconds."""
+
+    def __init__(self, path: Path):
+        import mmap
+
+        gguf = _gguf()
+        self.path = Path(path)
+        with open(self.path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.meta, infos, start = read_header(self._map)
+        data = np.frombuffer(self._map, np.uint8)
+        self.tensors = []
+        seen = set()
+        for name, dims, kind, off in infos:
+            if name in seen:
+                raise ValueError(f"duplicate tensor {name}")
+            seen.add(name)
+            qtype = gguf.GGMLQuantizationType(kind)
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            n = int(np.prod(dims))
+            a = start + off
+            b = a + n // block * size
+            if b > len(data):
+                raise ValueError(f"tensor {name} ends at byte {b}, past the end of the file")
+            rows = tuple(reversed(dims))
+            plain = {"F32": np.float32, "F16": np.float16}.get(qtype.name)
+            view = data[a:b].view(plain).reshape(rows) if plain else data[a:b].reshape(*rows[:-1], -1)
+            self.tensors.append(
+                SimpleNamespace(
+                    name=name,
+                    tensor_type=qtype,
+                    shape=np.array(dims, np.uint64),
+                    n_elements=n,
+                    n_bytes=b - a,
+                    data=view,
+                    data_offset=a,
+                )  # fmt: skip
+            )
 
 
 def quick_metadata(path) -> dict:
     """The file's scalar metadata, each array's length (not its items), and each tensor's torch
-    shape (under its name), read from the header alone: milliseconds where ``GGUFReader`` decodes
-    the whole vocabulary (~5 s for a 49k-token file). For checks before a load; raises ValueError
-    (or OSError) on a file it cannot parse."""
+    shape (under its name), read from the header alone (``read_header``, arrays skipped): for checks
+    before a load; raises ValueError (or OSError) on a file it cannot parse."""
     import mmap
-    import struct
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        if m[:4] != GGUF_MAGIC:
-            raise ValueError("not a GGUF file")
-        pos = 8
-        n_tensors, n_kv = struct.unpack_from("<QQ", m, pos)
-        pos += 16
-
-        def take(fmt):
-            nonlocal pos
-            out = struct.unpack_from("<" + fmt, m, pos)[0]
-            pos += struct.calcsize("<" + fmt)
-            return out
-
-        def text(keep: bool = True):
-            nonlocal pos
-            n = take("Q")
-            pos += n
-            return bytes(m[pos - n : pos]).decode("utf-8") if keep else None
-
-        def value(kind):
-            if kind == _STRING:
-                return text()
-            if kind != _ARRAY:
-                return take(_SCALARS[kind])
-            item, n = take("I"), take("Q")
-            for _ in range(n):  # (skipped: only the length is kept)
-                text(False) if item == _STRING else value(item)
-            return n
-
-        meta: dict = {}
-        for _ in range(n_kv):
-            key = text()
-            meta[key] = value(take("I"))
-        for _ in range(n_tensors):
-            name, dims = text(), take("I")
-            shape = [take("Q") for _ in range(dims)]
-            take("I"), take("Q")  # type, offset
-            meta[name] = tuple(reversed(shape))
+        try:
+            meta, infos, _ = read_header(m, arrays=False)
+        except (struct.error, UnicodeDecodeError) as e:
+            raise ValueError(str(e)) from None
+    for name, dims, _, _ in infos:
+        meta[name] = tuple(reversed(dims))
     return meta
 
 
 def _field_value(field):
-    """A metadata value as Python: str, int, float, bool, or a list of them (arrays)."""
+    """A ``GGUFReader`` metadata value as Python: str, int, float, bool, or a list of them (arrays)."""
     gguf = _gguf()
     kind = field.types[0]
     if kind == gguf.GGUFValueType.ARRAY:
@@ -272,7 +384,10 @@ def _field_value(field):
 
 
 def read_metadata(reader, path: Path) -> dict:
-    """All key/value metadata of the file (the reader's ``GGUF.*`` header fields left out)."""
+    """All key/value metadata of the file: a ``GGUFFile``'s ``meta``, or read from a
+    ``gguf.GGUFReader`` (its ``GGUF.*`` header fields left out)."""
+    if isinstance(reader, GGUFFile):
+        return dict(reader.meta)
     try:
         return {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     except (UnicodeDecodeError, ValueError, IndexError) as e:
@@ -909,6 +1024,28 @@ def cache_root() -> Path:
     return cache_dir() / "gguf"
 
 
+def _where(path: Path) -> str:
+    """The cache's name for the place of ``path`` (its resolved path, hashed)."""
+    return hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]
+
+
+def _cache_folder(path: Path, weights: bool) -> Path:
+    """Where ``cached_folder`` keeps the conversion of ``path`` in its current state."""
+    try:
+        st = path.resolve().stat()
+    except OSError as e:
+        raise LoadError(f"{path}: cannot read the GGUF file ({e.strerror or e})") from None
+    where = _where(path)
+    state = hashlib.sha256(f"{FORMAT_VERSION}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    return cache_root() / f"{path.stem}-{where}-{'' if weights else 'meta-'}{state}"
+
+
+def converted_folder(in_path, weights: bool = True) -> Path | None:
+    """``cached_folder``'s folder where it is there already (None: not converted yet; nothing done)."""
+    folder = _cache_folder(Path(in_path), weights)
+    return folder if folder.is_dir() else None
+
+
 def cached_folder(in_path, progress: bool = False, weights: bool = True) -> Path:
     """The converted folder for a GGUF file, converting it on first use.
 
@@ -919,17 +1056,10 @@ def cached_folder(in_path, progress: bool = False, weights: bool = True) -> Path
     and tokenizer, for a load that keeps the file's quantized blocks), cached beside the full one.
     """
     path = Path(in_path)
-    try:
-        st = path.resolve().stat()
-    except OSError as e:
-        raise LoadError(f"{path}: cannot read the GGUF file ({e.strerror or e})") from None
-    where = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:10]
-    state = hashlib.sha256(f"{FORMAT_VERSION}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
-    root = cache_root()
-    kind = "" if weights else "meta-"
-    folder = root / f"{path.stem}-{where}-{kind}{state}"
+    folder = _cache_folder(path, weights)
     if folder.is_dir():
         return folder
+    root, kind, where = folder.parent, "" if weights else "meta-", _where(path)
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}-", dir=root))
@@ -953,6 +1083,13 @@ def cached_folder(in_path, progress: bool = False, weights: bool = True) -> Path
     return folder
 
 
+def cached_folders(in_path) -> list:
+    """Every folder the cache keeps for the GGUF file ``in_path`` (the full conversion and the config
+    + tokenizer one, for any size and mtime the file had): what its first load creates here."""
+    path = Path(in_path)
+    return sorted(cache_root().glob(f"{path.stem}-{_where(path)}-*"))
+
+
 def is_gguf_path(path) -> bool:
     """A ``.gguf`` name or any existing file (a Hugging Face checkpoint is a folder)."""
     path = Path(path)
@@ -962,6 +1099,8 @@ def is_gguf_path(path) -> bool:
 __all__ = [
     "convert",
     "cached_folder",
+    "cached_folders",
+    "converted_folder",
     "is_gguf_path",
     "open_gguf",
     "read_metadata",
