@@ -253,9 +253,19 @@ def main(argv=None) -> int:
         if conflict:
             print(f"specd: {conflict}", file=sys.stderr)
             return 2
-        from specd.serving.app import run_serve
+        spawned = None
+        if not a.engine_thread:  # the engine process starts now: its imports overlap the server's
+            from specd.engine.spawn import spawn
+            from specd.serving.engine_proc import ENTRY
 
-        return run_serve(a) or 0
+            spawned = spawn(ENTRY)
+        try:
+            from specd.serving.app import run_serve
+
+            return run_serve(a, spawned) or 0
+        finally:
+            if spawned is not None:
+                spawned.close()  # (nothing to do once the server took it over)
     a = p.parse_args(argv)
     if cmd == "generate":
         return cmd_generate(a)

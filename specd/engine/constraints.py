@@ -165,14 +165,15 @@ class Constraints:
         """Masks for every constrained request reaching its root this step; prunes ``proposals``
         (request id -> Proposal) of the tokens the grammar forbids, in place. With ``overlap`` the
         masks are filled on the worker thread (``StepMasks.pending``) after pruning."""
-        from specd.structured import tree_alive, tree_masks
-
         out = StepMasks()
         jobs = []
         for sc in scheduled:
             seq = sc.seq
             if not sc.final or getattr(seq, "matcher", None) is None:
                 continue
+            # (imported once a request has a grammar: xgrammar's import is ~0.3 s a server need not pay)
+            from specd.structured import tree_alive, tree_masks
+
             prop = proposals.get(seq.request_id)
             tree = prop.tree if prop is not None else DraftTree([seq.tokens[-1]], [-1], validate=False)
             if self.overlap:

@@ -71,6 +71,7 @@ from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S, EngineLoop, HandOff
 from specd.engine.output import RequestOutput
 from specd.engine.requests import RequestError
 from specd.engine.sequence import SpecStats
+from specd.engine.spawn import Spawned, spawn
 from specd.model.loader import LoadError, load_tokenizer
 
 log = logging.getLogger("specd.engine_link")
@@ -127,10 +128,11 @@ class ThreadLink:
 
     relaying = False
 
-    def __init__(self, engine, stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S):
+    def __init__(self, engine, stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S, idle=None):
         HandOff(stream_interval_s)  # (validates)
         self.engine = engine
         self.interval = stream_interval_s
+        self.idle = idle  # the loop's idle work (``EngineLoop(idle=...)``: the warm-up's row timings)
         self.inlet = CommandQueue()
         self.thread: threading.Thread | None = None
         self._outbox: list = []
@@ -190,7 +192,7 @@ class ThreadLink:
 
     def _run(self) -> None:
         try:
-            EngineLoop(self.engine, self.inlet, self._outlet, self.interval).run()
+            EngineLoop(self.engine, self.inlet, self._outlet, self.interval, idle=self.idle).run()
         except BaseException as e:  # noqa: BLE001 - the thread is dying: fail everyone, don't hang them
             log.critical("engine thread died", exc_info=True)
             self._post(self._died, f"engine thread died: {type(e).__name__}: {e}")
@@ -337,26 +339,29 @@ def _send(conn: Pipe, msg) -> bool:
         return False
 
 
-def _load(cfg, out: Pipe):
-    """Build and warm up the engine; None (after telling the parent why) when that fails."""
+def _load(cfg, out: Pipe) -> tuple:
+    """Build and warm up the engine: ``(engine, the warm-up's idle work or None)``; ``(None, None)``
+    (after telling the parent why) when that fails. The row timings that seed the cost model run
+    after ``Ready``, while the engine is idle (``warm_up(defer=True)``), or not at all where a
+    previous start measured them for this model and CPU (``CostCache``)."""
     import torch
 
     from specd.engine.engine import Engine
-    from specd.engine.warmup import warm_up
+    from specd.engine.warmup import CostCache, warm_up
     from specd.model.cpu import set_threads
 
     set_threads(cfg.threads)
     try:
         eng = Engine(cfg)
-        warm_up(eng)
+        seeding = warm_up(eng, defer=True, cache=CostCache.for_engine(eng, cfg.target))
     except LoadError as e:
         out.send(LoadFailed(str(e)))
-        return None
+        return None, None
     except BaseException as e:  # noqa: BLE001 - report, then exit
         out.send(LoadFailed(f"{type(e).__name__}: {e}"))
-        return None
+        return None, None
     out.send(Ready(limits_of(eng, torch.get_num_threads())))
-    return eng
+    return eng, seeding
 
 
 def _plain_logs(level: int) -> None:
@@ -376,11 +381,12 @@ def serve_child(cmd_fd: int, out_fd: int, setup_logging: Callable[[int], None] =
     start = first[0]  # (the parent sends nothing else before Ready)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(start.log_level)
-    eng = _load(start.cfg, out)
+    eng, seeding = _load(start.cfg, out)
     if eng is None:
         return
     outlet = lambda b: _send(out, encode_batch(b))  # noqa: E731
-    EngineLoop(eng, PipeInlet(cmd), outlet, start.stream_interval_s, pack_outputs).run()
+    idle = seeding.step if seeding is not None else None
+    EngineLoop(eng, PipeInlet(cmd), outlet, start.stream_interval_s, pack_outputs, idle=idle).run()
 
 
 # the parent ----------------------------------------------------------------------------------------
@@ -476,10 +482,26 @@ class RemoteGrammars:
             fut.set_exception(RequestError(code, why))
 
 
+def _on_thread(fn, *args) -> Future:
+    """``fn(*args)`` on a daemon thread (a failed start need not wait for it): its future."""
+    fut: Future = Future()
+
+    def work() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - the caller gets it from the future
+            fut.set_exception(e)
+
+    threading.Thread(target=work, name="specd-tokenizer", daemon=True).start()
+    return fut
+
+
 class ProcessLink:
     """``EngineLink`` to an engine process (see the module docstring). Construct (blocks until the
     models are loaded and warmed up; raises ``LoadError``), hand to ``AsyncEngine``, which
-    ``close()``s it when it stops. ``entry``: the module the child runs (``serve_child``)."""
+    ``close()``s it when it stops. ``entry``: the module the child runs (``serve_child``);
+    ``spawned``: a child already started on it (``specd.engine.spawn``), taken over instead. The
+    server's tokenizer loads on a thread while the child loads the models."""
 
     relaying = True
     engine = None  # (no Engine in this process)
@@ -491,24 +513,16 @@ class ProcessLink:
         split_cpus: bool = False,
         stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
         entry: str = CHILD_ENTRY,
+        spawned: Spawned | None = None,
     ):
         HandOff(stream_interval_s)  # (validates)
-        # a fresh interpreter, not multiprocessing's spawn: that re-imports the parent's __main__,
-        # which need not be import-safe
-        cmd_r, cmd_w = os.pipe()
-        out_r, out_w = os.pipe()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", entry, str(cmd_r), str(out_w)],
-            pass_fds=(cmd_r, out_w),
-            stdin=subprocess.DEVNULL,
-            close_fds=True,
-        )
-        os.close(cmd_r)
-        os.close(out_w)
+        child = spawned if spawned is not None else spawn(entry)
+        self.proc = child.proc
         if split_cpus:  # (the daemon; not for a library user's process)
             _split_cpus(self.proc.pid)
-        self._cmd = Pipe(cmd_w, reader=False)
-        self._out = Pipe(out_r, reader=True)
+        self._cmd = Pipe(child.cmd_fd, reader=False)
+        self._out = Pipe(child.out_fd, reader=True)
+        child.cmd_fd = child.out_fd = -1  # (the pipes are this link's now)
         self._send_lock = threading.Lock()
         self._seqs: dict[str, RemoteSeq] = {}  # requests sent and not finished (event loop)
         self._loop = None
@@ -517,9 +531,10 @@ class ProcessLink:
         self._dead: str | None = None
         self._grammars = RemoteGrammars(self.send, self._why_dead)
         self._cmd.send(Start(cfg, logging.getLogger().level, stream_interval_s))
+        tokenizer = _on_thread(load_tokenizer, Path(cfg.target))
         self.limits = self._handshake(load_timeout_s)
         try:
-            self._tokenizer = load_tokenizer(Path(cfg.target))
+            self._tokenizer = tokenizer.result()
         except BaseException:
             self.close()
             raise

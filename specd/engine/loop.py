@@ -15,7 +15,10 @@ to an outlet. The same code in both places means one policy for both:
   interval; a first token, a request's end, new requests and going idle flush at once;
 - **snapshots** (``specd.engine.client.snapshot_of``): at most every 50 ms with the outputs while
   busy, whenever the engine goes idle, on a ``snapshot`` command, and with a heartbeat every 0.25 s
-  while steps emit nothing (long prefills), so the client can tell a busy engine from a stuck one.
+  while steps emit nothing (long prefills), so the client can tell a busy engine from a stuck one;
+- **idle work** (``idle``: the warm-up's row timings, ``specd.engine.warmup.Seeding.step``): while the
+  engine has nothing to do, one short piece at a time instead of sleeping, the inlet read between
+  pieces, until it says it is finished.
 """
 
 from __future__ import annotations
@@ -84,8 +87,18 @@ class EngineLoop:
     wire records to a parent process: ``specd.engine.links.pack_outputs``), called as the step ends.
     Only ``run()``'s thread touches the engine."""
 
-    def __init__(self, engine, inlet, outlet: Callable[[Batch], bool], interval_s: float, pack=None, snapshot=None):
+    def __init__(
+        self,
+        engine,
+        inlet,
+        outlet: Callable[[Batch], bool],
+        interval_s: float,
+        pack=None,
+        snapshot=None,
+        idle: Callable[[], bool] | None = None,
+    ):
         self.engine = engine
+        self.idle = idle  # work for idle moments, one short piece per call (False: finished)
         self.inlet = inlet
         self.outlet = outlet
         self.handoff = HandOff(interval_s)
@@ -109,7 +122,10 @@ class EngineLoop:
                 self._answer_checks()
                 if not self.flush():  # anything held goes out before the loop sleeps
                     return
-                self.inlet.wait(CHECK_WAIT_S if self._checks else IDLE_WAIT_S)
+                if self.idle is None or self._checks:
+                    self.inlet.wait(CHECK_WAIT_S if self._checks else IDLE_WAIT_S)
+                else:
+                    self._idle_piece()
             cmds = self.inlet.take()
             if not self._apply(cmds) or self.inlet.closed:
                 self.flush()
@@ -120,6 +136,18 @@ class EngineLoop:
                 return
             if busy and not self._step():
                 return
+
+    def _idle_piece(self) -> None:
+        """One piece of the idle work (then the inlet is read again: a request waits for one piece at
+        most); a piece that fails is logged and ends the idle work (serving goes on without it)."""
+        assert self.idle is not None
+        try:
+            more = self.idle()
+        except Exception as e:  # noqa: BLE001 - background work never stops the loop
+            log.error("idle work failed (%s: %s); dropped", type(e).__name__, e, exc_info=e)
+            more = False
+        if not more:
+            self.idle = None
 
     def _apply(self, cmds: list) -> bool:
         """Commands in arrival order; False on ``Stop``."""

@@ -83,6 +83,12 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
+        if torch.get_default_device().type == "meta":  # a skeleton (a GGUF load puts real tables in):
+            # shapes only; computing them on the meta device imports torch._dynamo (~1.5 s of CPU)
+            for suffix in ("", "_local") if cfg.rope_local_theta is not None else ("",):
+                for kind in ("cos", "sin"):
+                    self.register_buffer(kind + suffix, torch.empty(max_positions, cfg.head_dim), persistent=False)
+            return
         t = torch.arange(max_positions, dtype=torch.float64)
         sc = cfg.rope_scaling or {}
         if sc.get("rope_type", sc.get("type")) == "longrope":

@@ -5,7 +5,10 @@ Order of events:
 1. listen on ``--host:--port`` (uvicorn + Starlette, ``specd.serving.http_server``): ``/healthz`` 200,
    ``/readyz`` 503 "loading", new requests get ``overloaded``;
 2. load target + draft and run a short warm-up generation (in a worker thread, or in the engine
-   process: ``specd.engine.links.ProcessLink``, ``specd.serving.engine_proc``);
+   process: ``specd.engine.links.ProcessLink``, ``specd.serving.engine_proc``, which ``specd serve``
+   starts before importing this module, ``specd.engine.spawn``); the server's tokenizer loads
+   meanwhile; the row timings that seed the cost model run later, while the engine is idle
+   (``specd.engine.warmup.Seeding``), unless a previous start cached them;
 3. start the engine client (``AsyncEngine``) and gRPC (``--grpc-port``, when ``specd.serving.grpc_server``
    is importable); ``/readyz`` turns 200; systemd gets ``READY=1``;
 4. SIGTERM / SIGINT: ``STOPPING=1``, ``/readyz`` 503 at once, new requests get ``shutting_down``,
@@ -36,7 +39,7 @@ from starlette.routing import WebSocketRoute
 
 from specd.engine.health import DEFAULT_MAX_FAILED_STEPS
 from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S
-from specd.engine.warmup import warm_up
+from specd.engine.warmup import CostCache, warm_up
 from specd.serving import notify
 from specd.serving.asgi import build_app
 from specd.serving.async_engine import AsyncEngine
@@ -85,11 +88,13 @@ def _frontend(args, metrics: Metrics) -> Frontend:
 
 
 class App:
-    """The daemon. ``engine``: an already built Engine (tests); else built from ``args``."""
+    """The daemon. ``engine``: an already built Engine (tests); else built from ``args``, in the engine
+    process ``spawned`` when given (``specd.engine.spawn``: started before the server's imports)."""
 
-    def __init__(self, args, engine=None):
+    def __init__(self, args, engine=None, spawned=None):
         self.args = args
         self._engine = engine
+        self._spawned = spawned
         self.ae: AsyncEngine | None = None
         self.grpc = None
         self.metrics = Metrics(
@@ -220,20 +225,24 @@ class App:
             from specd.engine.links import ProcessLink
             from specd.serving.engine_proc import ENTRY
 
+            spawned, self._spawned = self._spawned, None
             self._link = ProcessLink(
                 engine_config(a),
                 split_cpus=getattr(a, "cpu_split", False),
                 stream_interval_s=stream_interval_s(a),
                 entry=ENTRY,
+                spawned=spawned,
             )
             return self._link
+        from specd.engine.links import ThreadLink
         from specd.model.cpu import set_threads
 
         cfg = engine_config(a)
         set_threads(cfg.threads)
         engine = Engine(cfg)
-        warm_up(engine)
-        return engine
+        seeding = warm_up(engine, defer=True, cache=CostCache.for_engine(engine, cfg.target))
+        # (the row timings run in the engine thread's idle moments, after ready)
+        return ThreadLink(engine, stream_interval_s(a), idle=seeding.step if seeding is not None else None)
 
     async def _watchdog(self, interval: float) -> None:
         """WATCHDOG=1 every interval/2 while loading (bounded by systemd's start timeout) or while the
@@ -327,8 +336,10 @@ class App:
     async def _close_link(self) -> None:
         """An engine process no AsyncEngine took over (startup failed or was interrupted)."""
         link, self._link = self._link, None
-        if link is not None:
-            await asyncio.get_running_loop().run_in_executor(None, link.close)
+        spawned, self._spawned = self._spawned, None
+        for closing in (link, spawned):
+            if closing is not None:
+                await asyncio.get_running_loop().run_in_executor(None, closing.close)
 
     async def main(self) -> int:
         loop = asyncio.get_running_loop()
@@ -366,9 +377,10 @@ class App:
         self.request_stop()
 
 
-def run_serve(args) -> int:
+def run_serve(args, spawned=None) -> int:
+    """``specd serve`` with ``args``; ``spawned``: its engine process, started already."""
     setup_logging(getattr(args, "log_level", "info"))
-    app = App(args)
+    app = App(args, spawned=spawned)
     try:
         import uvloop
 
