@@ -20,6 +20,7 @@ COMMANDS = {
         "tp": ("eval.bench_tp", "tensor parallelism: TP=2 vs TP=1, decode tokens/s and the collectives' cost"),
         "json": ("eval.bench_constrained", "structured outputs on JSONSchemaBench: validity, mask cost, auto vs plain"),
         "scale": ("eval.bench_scale", "1.7-8B random-weight GGUFs: plain decode vs llama.cpp, row costs, the floor"),
+        "startup": ("eval.bench_startup", "specd serve --target FILE: start to /readyz 200, warm and on a first load"),
     },
     "perplexity": {"": ("eval.perplexity", "perplexity of a GGUF on a text as llama-perplexity scores it, and vs it")},
     "accept": {
