@@ -16,7 +16,8 @@ settings are not).
 
 Modes (``--modes``, default both, alternating run by run so a drift in the machine's load hits both):
 
-- ``warm``: specd's per-file cache as a previous start left it (one untimed start first fills it);
+- ``warm``: specd's per-file cache as the checkout's previous start left it (its first-load run just
+  before, or an untimed start where only ``warm`` runs);
 - ``first``: before each run, what specd caches per GGUF file is removed
   (``specd.model.gguf.cached_folders``: the converted config/tokenizer folder, the full conversion
   if any, and the measured row costs the warm-up keeps per file and CPU). The file itself stays in
@@ -149,13 +150,15 @@ def _own_cpu(pid: int) -> float:
 def run(target: Path, modes: list, runs: int, flags: list, repos: list) -> dict:
     """{repo: {mode: medians and runs}} of ``runs`` starts per repo and mode, alternating run by run."""
     out: dict = {repo: {m: [] for m in modes} for repo in repos}
-    if "warm" in modes:
+    order = sorted(modes)  # ("first" before "warm": a checkout's warm start follows its own first load,
+    # not another checkout's, which may keep other things per file)
+    if order == ["warm"]:  # (warm starts remove nothing: one start fills the cache for all of them)
         for repo in repos:
             H.log(f"untimed start (fills the cache): {target.name}, {repo}")
             one_start(target, flags, repo)
     for i in range(runs):
         for repo in repos:
-            for m in modes:
+            for m in order:
                 if m == "first":
                     clear_file_cache(target, repo)
                 r = one_start(target, flags, repo)
