@@ -351,3 +351,21 @@ def test_bench_startup_first_load_removes_what_specd_keeps_for_that_file_only(tm
     removed = clear_file_cache(path, ROOT)
     assert sorted(removed) == sorted(mine) and not any(p.exists() for p in mine)
     assert all(p.exists() for p in kept) and sg.cached_folders(path) == []
+
+
+def test_the_engine_process_heap_is_settled_so_full_collections_skip_the_model():
+    """``settle_heap`` (called by the engine process once its models are loaded) moves every live object
+    to the collector's permanent generation: a later full collection walks only what came after (a
+    fresh process, so this one's collector is left alone)."""
+    code = (
+        "import gc, torch\n"
+        "from specd.engine.links import settle_heap\n"
+        "keep = [torch.zeros(1) for _ in range(20000)] + [{'a': [i]} for i in range(20000)]\n"
+        "before = len(gc.get_objects())\n"
+        "n = settle_heap()\n"
+        "after = len(gc.get_objects())\n"
+        "assert n >= before > 40000 and after < before // 20, (n, before, after)\n"
+        "print('ok', n, before, after)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]

@@ -36,6 +36,7 @@ itself (plain log lines) or a module that sets up its own logs (``specd.serving.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import os
@@ -368,6 +369,15 @@ def _plain_logs(level: int) -> None:
     logging.basicConfig(level=level, stream=sys.stderr)
 
 
+def settle_heap() -> int:
+    """Move every object alive now (the modules, the loaded models' tensors and their Python wrappers: ~370k
+    objects at 1.7B) to the collector's permanent generation: they live as long as the engine process, and a
+    full collection walking them stalled the engine loop (~220 ms at 1.7B, about once a minute of serving 4
+    requests at a time). Returns how many objects are frozen."""
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def serve_child(cmd_fd: int, out_fd: int, setup_logging: Callable[[int], None] = _plain_logs) -> None:
     """The engine process: wait for ``Start``, set up logging (``setup_logging(level)``), load the
     models, answer ``Ready`` (or ``LoadFailed``), then run the engine loop on the pipes."""
@@ -384,6 +394,7 @@ def serve_child(cmd_fd: int, out_fd: int, setup_logging: Callable[[int], None] =
     eng, seeding = _load(start.cfg, out)
     if eng is None:
         return
+    settle_heap()
     outlet = lambda b: _send(out, encode_batch(b))  # noqa: E731
     idle = seeding.step if seeding is not None else None
     EngineLoop(eng, PipeInlet(cmd), outlet, start.stream_interval_s, pack_outputs, idle=idle).run()
