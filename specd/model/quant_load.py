@@ -482,55 +482,21 @@ def _trim() -> None:
 # the file's tensors, mapped ---------------------------------------------------------------------------
 def _tensor_infos(buf, path: Path) -> tuple[list, int]:
     """(name, ggml dims, type, offset) of every tensor in a GGUF header, and where their data starts;
-    the metadata is skipped, not decoded (only general.alignment is read)."""
+    the metadata's arrays are skipped, not decoded (``gguf.read_header(arrays=False)``: ~8 ms for a
+    49k-token vocabulary, where a loop over its items in Python took ~0.2 s)."""
+    import mmap
     import struct
 
     from gguf import GGMLQuantizationType
 
-    from specd.model.gguf import _ARRAY, _SCALARS, _STRING
-
-    pos, align = 8, 32
-
-    def take(fmt):
-        nonlocal pos
-        out = struct.unpack_from("<" + fmt, buf, pos)[0]
-        pos += struct.calcsize("<" + fmt)
-        return out
-
-    def text() -> str:
-        nonlocal pos
-        n = take("Q")
-        pos += n
-        return bytes(buf[pos - n : pos]).decode()
-
-    def skip(kind):
-        nonlocal pos
-        if kind == _STRING:
-            n = take("Q")  # (not pos += take(...): the old pos would be read before take moves it)
-            pos += n
-        elif kind == _ARRAY:
-            item, n = take("I"), take("Q")
-            for _ in range(n):
-                skip(item)
-        else:
-            pos += struct.calcsize("<" + _SCALARS[kind])
+    from specd.model.gguf import read_header
 
     try:
-        n_tensors, n_kv = take("Q"), take("Q")
-        for _ in range(n_kv):
-            key, kind = text(), take("I")
-            if key == "general.alignment" and kind == 4:
-                align = take("I")
-            else:
-                skip(kind)
-        infos = []
-        for _ in range(n_tensors):
-            name = text()
-            dims = [take("Q") for _ in range(take("I"))]
-            infos.append((name, dims, GGMLQuantizationType(take("I")), take("Q")))
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            _, infos, start = read_header(m, arrays=False)
+        return [(name, dims, GGMLQuantizationType(kind), off) for name, dims, kind, off in infos], start
     except (struct.error, ValueError, UnicodeDecodeError) as e:
         raise LoadError(f"{path}: cannot read the GGUF header ({e})") from None
-    return infos, pos + (-pos % align)
 
 
 class TensorFile:
