@@ -231,7 +231,11 @@ class CostCache:
         self.path, self.key = path, key
 
     @classmethod
-    def for_engine(cls, engine, target, widths=ROW_WIDTHS, budget_s: float = SEED_BUDGET_S) -> CostCache:
+    def for_engine(cls, engine, target, widths=ROW_WIDTHS, budget_s: float = SEED_BUDGET_S) -> CostCache | None:
+        """The cache of ``engine``'s row timings; None for a tensor-parallel engine (``warm_up`` seeds
+        none: its target is the ranks' ``ShardedTarget``, no module to key)."""
+        if engine.tp is not None:
+            return None
         return cls(cost_cache_file(target), engine_key(engine, target, widths, budget_s))
 
     def _entries(self) -> dict:
