@@ -3,6 +3,7 @@ grammar forbids are pruned, forced tokens are free drafts, the matcher follows t
 greedy constrained output is the same with every proposer and batch size as plain constrained
 decoding, and every reply is valid under its grammar."""
 
+import itertools
 import json
 
 import pytest
@@ -214,6 +215,10 @@ def test_forced_tokens_are_drafted_and_accepted(shared_pair):
     the grammar proposer's acceptance, not lookup's)."""
     engine = Engine(EngineConfig(target=str(TARGET), draft=str(DRAFT), spec=SpecConfig(adaptive=True)), *shared_pair)
     assert engine.constraints.overlap  # (the default: masks filled during the forward)
+    # every step priced alike (one tick of the policy's clock): the forced drafts' budget must not hang on
+    # this machine's timings of the first steps (with the thread's CPU time, 2 of 5 runs on a busy 2-core
+    # machine drafted only part of the forced run)
+    engine._policy_clock = itertools.count().__next__
     prompts = [engine.tokenizer(s)["input_ids"] for s in STORIES[:2]]
     g = GrammarSpec("choice", ("0123456789012", "x"))
     plain = [s.output_ids for s in _run(engine, prompts, "off", g, "forced-plain")]
