@@ -26,6 +26,28 @@ TARGET = SHARED / "models" / "stories260K"
 DRAFT = SHARED / "models" / "stories260K-draft-1L64"
 
 
+def _kernels_dir() -> Path:
+    from specd.model.errors import cache_dir
+
+    return cache_dir() / "kernels"
+
+
+KERNELS = _kernels_dir()  # the real cache's built CPU kernels (read before any test points SPECD_CACHE_DIR away)
+
+
+def private_cache(tmp_path: Path, monkeypatch) -> Path:
+    """``SPECD_CACHE_DIR`` set to a fresh ``tmp_path/cache`` (models, converted folders, timings) whose
+    ``kernels/`` is the real cache's: the CPU kernel, keyed by its source's hash, is built once, not
+    once per test or subprocess (a build is ~15 s of one core)."""
+    cache = tmp_path / "cache"
+    cache.mkdir(exist_ok=True)
+    KERNELS.mkdir(parents=True, exist_ok=True)
+    if not (cache / "kernels").is_symlink():
+        (cache / "kernels").symlink_to(KERNELS)
+    monkeypatch.setenv("SPECD_CACHE_DIR", str(cache))
+    return cache
+
+
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run slow soak/load tests")
 

@@ -22,6 +22,7 @@ from tokenizers.pre_tokenizers import ByteLevel
 from specd.model import gguf as sg
 from specd.model.builtin import builtin_gguf
 from specd.model.loader import LoadError, load_model, load_tokenizer
+from tests.conftest import private_cache
 from tests.test_model import _our_logits
 
 Q = gguf.GGMLQuantizationType
@@ -234,7 +235,7 @@ def model_gguf(tmp_path: Path, arch: str, qtype=Q.F32, layers: int = 2, **over) 
 
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    private_cache(tmp_path, monkeypatch)
 
 
 def _hf_logits(model_or_path, ids):

@@ -26,6 +26,7 @@ from specd.model.qkernel import kernel, x8_isa
 from specd.model.quant import KQuantLinear, QuantLinear
 from specd.model.quant_load import kq_fields, repack
 from specd.sampling.params import SamplingParams
+from tests.conftest import private_cache
 from tests.test_gguf import hf_model, k_quant_bytes, write_gguf
 from tests.test_quant import _q8_reference
 
@@ -38,7 +39,7 @@ AVX512_VNNI = {"avx512f", "avx512bw", "avx512dq", "avx512_vnni"}
 
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    private_cache(tmp_path, monkeypatch)
 
 
 def _half(v: float) -> np.ndarray:

@@ -27,6 +27,7 @@ from specd.model import gguf as sg
 from specd.model.attention import build_metadata, get_backend
 from specd.model.loader import LoadError, load_model
 from specd.sampling.params import SamplingParams
+from tests.conftest import private_cache
 from tests.test_cpu_attention import _tree_mask
 from tests.test_gguf import MERGES, TOKEN_TYPES, TOKENS
 from tests.test_gguf import gguf_name as GGUF_NAME
@@ -477,7 +478,7 @@ def test_family_gguf_matches_transformers(tmp_path, name, monkeypatch):
     the converted folder, and greedy speculation on the file stays lossless."""
     import gguf
 
-    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    private_cache(tmp_path, monkeypatch)
     path, model = family_gguf(tmp_path, name, gguf.GGMLQuantizationType.F32)
     lm = load_model(path, "cpu", "float32", with_tokenizer=False)
     assert lm.config.architecture == type(model).__name__
@@ -502,7 +503,7 @@ def test_unsupported_architectures_are_one_line_load_errors(tmp_path, monkeypatc
 
     from tests.test_gguf import write_gguf
 
-    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    private_cache(tmp_path, monkeypatch)
     folder, _ = hf_folder(tmp_path, "qwen3")
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "architectures": ["FalconForCausalLM"]}))

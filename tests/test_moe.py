@@ -24,6 +24,7 @@ from specd.model.moe import Expert, SparseMoE
 from specd.model.quant import QuantLinear, set_act_int8
 from specd.model.tp_shard import check_shardable
 from tests import test_model_families as fam
+from tests.conftest import private_cache
 from tests.test_gguf import gguf_name as base_gguf_name
 from tests.test_model_families import (
     TOL,
@@ -342,7 +343,7 @@ def test_moe_gguf_matches_transformers(tmp_path, name, monkeypatch):
     mixture's output is within 2% of its fp32-activation output), and greedy speculation on the file is lossless."""
     import gguf
 
-    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    private_cache(tmp_path, monkeypatch)
     path, model = moe_gguf(tmp_path, name, gguf.GGMLQuantizationType.F32)
     lm = load_model(path, "cpu", "float32", with_tokenizer=False)
     assert lm.config.architecture == type(model).__name__ and lm.config.moe_layers == (0, 1, 2)
@@ -368,7 +369,7 @@ def test_q4_0_experts_keep_their_blocks(tmp_path, monkeypatch):
     per 32 weights): specd (fp32 activations) == transformers on the converted folder within 1e-4."""
     import gguf
 
-    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    private_cache(tmp_path, monkeypatch)
     q4, _ = moe_gguf(tmp_path, "mixtral", gguf.GGMLQuantizationType.Q4_0)
     ref = converted_reference(q4, tmp_path / "q4-folder")
     lm = load_model(q4, "cpu", "float32", with_tokenizer=False, quantization="gguf")
@@ -382,7 +383,7 @@ def test_moe_gguf_metadata_problems_are_one_line_errors(tmp_path, monkeypatch):
     refused in one line naming the key."""
     import gguf
 
-    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    private_cache(tmp_path, monkeypatch)
     cases = {
         "shared experts": {"qwen3moe.expert_shared_count": 1},
         "gating function 2": {"qwen3moe.expert_gating_func": 2},
@@ -422,7 +423,7 @@ def test_unsupported_moe_gguf_architecture_is_a_one_line_error(tmp_path, monkeyp
 
     from tests.test_gguf import write_gguf
 
-    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    private_cache(tmp_path, monkeypatch)
     model = fam.hf_model("llama")
     weights = {k: v.numpy() for k, v in model.state_dict().items()}
     path = write_gguf(tmp_path / "moe.gguf", "qwen2moe", {**model.config.to_dict(), "rope_theta": 1e4}, weights,

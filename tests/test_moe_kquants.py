@@ -26,6 +26,7 @@ from specd.model.moe import SparseMoE, _ExpertSlice, mlp_projections
 from specd.model.qkernel import kernel
 from specd.model.quant import KQuantLinear, QuantLinear, set_act_int8
 from specd.model.quant_load import kq_fields
+from tests.conftest import private_cache
 from tests.test_kquants import _Q8Reference, centered_blocks
 from tests.test_model_families import V, assert_speculation_lossless, engine, prompts, specd_rows, the_tree
 from tests.test_moe import QWEN3_MOE, moe_gguf
@@ -47,7 +48,7 @@ EXPERT_TYPES = {
 
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    private_cache(tmp_path, monkeypatch)
 
 
 def _types(name: str) -> dict:

@@ -19,7 +19,7 @@ from specd.engine.sequence import SpecParams
 from specd.model.loader import LoadError, load_model
 from specd.model.quant import QuantLinear
 from specd.sampling.params import SamplingParams
-from tests.conftest import DRAFT, ROOT, TARGET
+from tests.conftest import DRAFT, ROOT, TARGET, private_cache
 from tests.test_gguf import model_gguf, write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -28,7 +28,7 @@ DEMO = ROOT / "models" / "demo" / "target"
 
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECD_CACHE_DIR", str(tmp_path / "cache"))
+    private_cache(tmp_path, monkeypatch)
 
 
 def _projections(model) -> list:
