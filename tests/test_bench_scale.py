@@ -6,6 +6,7 @@ drafts deeper where rows are cheap, from the first request).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import gguf
@@ -24,12 +25,22 @@ ROWS = (1, 2, 4, 8, 16, 32)
 
 # the files ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_file(tmp_path_factory):
+def builtin_tokenizer():
+    """``bs.tokenizer_fields(49152)``: the built-in model's tokenizer, read once (gguf parses its
+    49152 tokens and merges one by one: seconds)."""
+    return bs.tokenizer_fields(49152)
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory, builtin_tokenizer):
     path = tmp_path_factory.mktemp("scale") / "tiny-f16.gguf"
-    return bs.write_f16(path, bs.SHAPES["tiny"], std=0.02, seed=1)
+    assert bs.SHAPES["tiny"].vocab == 49152
+    with pytest.MonkeyPatch.context() as mp:  # (the fields just read, not read again)
+        mp.setattr(bs, "tokenizer_fields", lambda vocab, src=None: copy.deepcopy(builtin_tokenizer))
+        return bs.write_f16(path, bs.SHAPES["tiny"], std=0.02, seed=1)
 
 
-def test_written_file_has_the_shape_types_and_tokenizer(tiny_file):
+def test_written_file_has_the_shape_types_and_tokenizer(tiny_file, builtin_tokenizer):
     """Every tensor of the plan is in the file with its shape (ggml order: innermost first) and type
     (projections F16, norms F32), the metadata states the shape, and the tokenizer is the built-in's
     (49152 tokens, the same merges and flags)."""
@@ -41,7 +52,7 @@ def test_written_file_has_the_shape_types_and_tokenizer(tiny_file):
     meta = {k: f.contents() for k, f in r.fields.items()}
     assert meta["llama.embedding_length"] == s.hidden and meta["llama.block_count"] == s.layers
     assert meta["llama.attention.head_count_kv"] == s.kv_heads and meta["llama.feed_forward_length"] == s.intermediate
-    src = bs.tokenizer_fields(49152)
+    src = builtin_tokenizer
     assert meta["tokenizer.ggml.tokens"] == src["tokenizer.ggml.tokens"] and len(src["tokenizer.ggml.tokens"]) == 49152
     assert meta["tokenizer.ggml.merges"] == src["tokenizer.ggml.merges"]
     w = next(t for t in r.tensors if t.name == "blk.0.ffn_up.weight").data.astype(np.float32)
@@ -85,9 +96,11 @@ def test_published_parameter_counts():
     assert round(bs.SHAPES["8b"].params / 1e9, 2) == 8.03
 
 
-def test_step_bytes_skip_only_an_untied_embedding_table(tmp_path):
+def test_step_bytes_skip_only_an_untied_embedding_table(tmp_path, monkeypatch):
     """A step reads every tensor but an untied token-embedding table (it reads one row of it); a tied
-    table is the LM head and is read whole."""
+    table is the LM head and is read whole. (The files go without the tokenizer's 49152 strings:
+    only tensors are counted, and writing and parsing those strings took most of this test.)"""
+    monkeypatch.setattr(bs, "tokenizer_fields", lambda vocab, src=None: {})
     tied = bs.Shape("t", 32, 64, 1, 2, 1, 49152, True, 1e4)
     for s in (tied, bs.Shape("u", 32, 64, 1, 2, 1, 49152, False, 1e4)):
         p = bs.write_f16(tmp_path / f"{s.name}.gguf", s)
