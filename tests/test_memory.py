@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from specd.model.qkernel import kernel
+from tests.conftest import private_cache
 
 Q = gguf.GGMLQuantizationType
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +128,7 @@ SLACK = 16 << 20
 
 @pytest.mark.skipif(kernel() is None, reason="no CPU kernel here: the dequantizing fallback keeps other layouts")
 @pytest.mark.parametrize("mix", ["q4_0", "q4_k_m"])
-def test_a_gguf_load_is_resident_like_its_file(tmp_path, mix):
+def test_a_gguf_load_is_resident_like_its_file(tmp_path, mix, monkeypatch):
     """A ~40 MB random Llama file (Q4_0, or Q4_K / Q6_K as llama.cpp's Q4_K_M) in a fresh process,
     the baseline taken after a first tiny load (imports, the kernel, first-call costs): the load
     grows the resident set by at most 1.2x the file, its peak too, and after the KV cache and a
@@ -140,11 +141,8 @@ def test_a_gguf_load_is_resident_like_its_file(tmp_path, mix):
     warm = write_random_llama(tmp_path / "warm.gguf", mix, hidden=256, layers=1, heads=4, kv_heads=2, inter=512,
                               vocab=len(TOKENS))  # fmt: skip
     path = write_random_llama(tmp_path / "m.gguf", mix, vocab=len(TOKENS), **SHAPE)
-    from specd.model.errors import cache_dir
-
-    (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "kernels").symlink_to(cache_dir() / "kernels")  # (the built kernel, not a rebuild)
-    env = {"SPECD_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    cache = private_cache(tmp_path, monkeypatch)  # (the built kernel, not a rebuild)
+    env = {"SPECD_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     cmd = [sys.executable, "-m", "eval.bench_kquants", "rss", str(path), "gguf", "--warm", str(warm), "--kv-mib", "8",
            "--threads", "1"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
