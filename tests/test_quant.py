@@ -332,16 +332,17 @@ def test_half_scales_give_the_fp32_scales_bits(fmt, monkeypatch):
 
 
 @pytest.mark.skipif(kernel() is None, reason="no CPU kernel (or compiler) here")
-def test_the_gemm_timing_driver_still_compiles_against_the_kernel():
-    """``eval/qgemm_rows.cpp`` (docs/benchmarks.md's GEMM-only timings) includes the kernel
-    (``cpu_kernel/kernel.cpp``) and calls ``specd_qgemm_x8``: a signature change there must not leave
-    it silently broken."""
+@pytest.mark.parametrize("driver", ["qgemm_rows.cpp", "kq_rows.cpp"])
+def test_the_gemm_timing_drivers_still_compile_against_the_kernel(driver):
+    """``eval/qgemm_rows.cpp`` and ``eval/kq_rows.cpp`` (docs/benchmarks.md's GEMM-only timings) include
+    the kernel (``cpu_kernel/kernel.cpp``) and call ``specd_qgemm_x8`` / ``gemm_kq``, ``quantize_q8`` and
+    ``code_sums``: a signature change there must not leave them silently broken."""
     import shutil
     import subprocess
     from pathlib import Path
 
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    src = Path(__file__).resolve().parents[1] / "eval" / "qgemm_rows.cpp"
+    src = Path(__file__).resolve().parents[1] / "eval" / driver
     flags = ["-fsyntax-only", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17"]
     r = subprocess.run([cxx, *flags, str(src)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
