@@ -123,7 +123,8 @@ def test_blocks_dequantize_bit_exactly_like_the_gguf_package(kind):
     assert op.parts == ((kind, 37),) and op.out_features == 37 and op.in_features == 768
     assert torch.equal(op.dequantize().view(torch.int32), ref.view(torch.int32))
     ids = torch.tensor([36, 0, 9, 9, 17, 35])
-    assert torch.equal(op.rows(ids).view(torch.int32), ref[ids].view(torch.int32))
+    assert torch.equal(op.rows(ids).view(torch.int32), ref[ids].view(torch.int32))  # the kernel's, where it runs
+    assert torch.equal(op._rows_unpacked(ids).view(torch.int32), ref[ids].view(torch.int32))
     assert torch.equal(op.select(ids).dequantize().view(torch.int32), ref[ids].view(torch.int32))
     block, size = gguf.GGML_QUANT_SIZES[getattr(Q, kind)]
     # the kept bytes per row and 256 weights: the file's, plus dmin unpacked with d (4 bytes; Q6_K 2;
@@ -167,6 +168,28 @@ def test_a_row_does_not_depend_on_the_other_rows(parts):
     alone = torch.cat([op(x[i : i + 1]) for i in range(13)])
     for M in range(1, 14):
         assert torch.equal(op(x[:M]), alone[:M]), M
+
+
+@needs_kernel
+@pytest.mark.parametrize("parts", [MIXED, MIXED_Q8_ALL], ids=["mixed", "mixed+q8_0"])
+def test_the_kernels_row_lookup_gives_the_unpacked_tiles_bits(parts):
+    """An embedding's lookup (``rows``: ``specd_kq_rows``, one row at a time from the kq tiles) gives the
+    bits of the tiles unpacked and dequantized whole, for every row of a projection mixing the kinds
+    (parts' boundaries, the padded last tile), in any order, repeated, and as many rows as a prompt's;
+    an id past the rows is an IndexError, not a read beyond the tiles."""
+    op, ref = _op(parts, 11)
+    assert torch.equal(op.dequantize().view(torch.int32), ref.view(torch.int32))
+    n = op.out_features
+    every = torch.randperm(n, generator=torch.Generator().manual_seed(12))
+    none = torch.tensor([], dtype=torch.int64)
+    for ids in (every, torch.tensor([n - 1, 0, 0, n - 1]), every.repeat(3)[: 2 * n + 5], none):
+        got = op.rows(ids)
+        assert got.shape == (ids.numel(), op.in_features)
+        assert torch.equal(got.view(torch.int32), op._rows_unpacked(ids).view(torch.int32))
+        assert torch.equal(got.view(torch.int32), ref[ids].view(torch.int32))
+    for bad in ([n], [-1], [0, n + 7]):
+        with pytest.raises(IndexError):
+            op.rows(torch.tensor(bad))
 
 
 @needs_kernel

@@ -114,6 +114,8 @@ def kernel() -> ctypes.CDLL | None:
     lib.specd_pack_x8_gguf.restype = None
     lib.specd_pack_kq_gguf.argtypes = [p, i, i, p, i, p]
     lib.specd_pack_kq_gguf.restype = None
+    lib.specd_kq_rows.argtypes = [p, p, i, p, i, p]
+    lib.specd_kq_rows.restype = None
     log.info("quantized CPU kernel: int8-activation GEMMs on %s", ISAS[lib.specd_x8_isa(9)])
     return lib
 
@@ -218,3 +220,13 @@ def apply_bitmask(lib: ctypes.CDLL, logits: torch.Tensor, rows: torch.Tensor, bi
         raise IndexError("apply_bitmask: a row index is out of range")
     lib.specd_apply_bitmask(logits.data_ptr(), logits.stride(0), rows.data_ptr(), rows.numel(), logits.shape[1],
                             bitmask.data_ptr(), bitmask.shape[1])  # fmt: skip
+
+
+def kq_rows(lib: ctypes.CDLL, tiles: torch.Tensor, table: torch.Tensor, K: int, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 rows ``ids`` of a kq-layout weight (``specd_kq_rows``, cpu_kernel/kq_pack.h): ``tiles`` its
+    bytes, ``table`` its tile table (int64, offset << 2 | kind), ``K`` its columns; the bits of
+    ``quant.KQFields.dequantize``. The caller checks the ids (0 <= id < rows)."""
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty((ids.numel(), K), dtype=torch.float32)
+    lib.specd_kq_rows(tiles.data_ptr(), table.data_ptr(), K, ids.data_ptr(), ids.numel(), out.data_ptr())
+    return out

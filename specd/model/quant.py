@@ -547,8 +547,22 @@ class KQuantLinear(QuantLinear):
         return torch.cat([f.dequantize() for _, f in self.fields()])
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 rows ``W[ids]``: only the tiles holding them are unpacked."""
+        """fp32 rows ``W[ids]``: only the tiles holding them are unpacked (on the CPU by the kernel, one
+        row at a time: the same bits)."""
         ids = ids.reshape(-1)
+        dev = self.qweight.device
+        if dev.type == "cpu":
+            from specd.model.qkernel import kernel, kq_rows
+
+            lib = kernel()
+            if lib is not None:
+                if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.out_features):
+                    raise IndexError(f"row ids out of range for {self.out_features} rows")
+                return kq_rows(lib, self.qweight, self.scale, self.in_features, ids)
+        return self._rows_unpacked(ids)
+
+    def _rows_unpacked(self, ids: torch.Tensor) -> torch.Tensor:
+        """``rows`` without the kernel: the tiles holding ``ids`` unpacked and dequantized whole."""
         dev = self.qweight.device
         tiles, inv = torch.unique(ids.to(dev) // 8, return_inverse=True)
         kinds = self.scale[tiles] & 3

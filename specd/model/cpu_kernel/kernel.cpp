@@ -7,6 +7,7 @@
 //   specd_x8_isa                     the instruction set those and the attention use (common.h)
 //   specd_pack_x8_gguf               GGUF Q4_0 / Q4_1 / Q8_0 rows into the x8 layout (a load's repacking)
 //   specd_pack_kq_gguf               GGUF Q4_K / Q5_K / Q6_K / Q8_0 rows into the kq layout (kq_pack.h)
+//   specd_kq_rows                    fp32 rows of a kq-layout weight (an embedding's lookup; kq_pack.h)
 //   specd_attention                  attention over gathered keys (attention*.h, softmax.h, weighted_sums.h)
 //   specd_head_layer / specd_layers  whole decoder layers: norms, RoPE, SiLU, KV writes, paged attention
 //                                    (layer.h)
@@ -139,6 +140,12 @@ void specd_pack_x8_gguf(const uint8_t* raw, int64_t kind, int64_t K, const int64
 // tile's padding rows are written as zeros.
 void specd_pack_kq_gguf(const uint8_t* raw, int64_t kind, int64_t K, const int64_t* rows, int64_t n, uint8_t* out) {
     pack_kq_gguf(raw, kind, K, rows, n, out);
+}
+
+// fp32 rows ids[0 .. n) of a kq-layout weight (w, its tile table, K columns) into out [n, K]:
+// quant.KQFields.dequantize's bits
+void specd_kq_rows(const uint8_t* w, const int64_t* tiles, int64_t K, const int64_t* ids, int64_t n, float* out) {
+    kq_rows(w, tiles, K, ids, n, out);
 }
 
 void specd_attention(const float* q, const float* kv, const float* mask, int64_t B, int64_t KVH, int64_t R,

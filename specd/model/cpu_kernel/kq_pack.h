@@ -142,3 +142,66 @@ static void pack_kq_gguf(const uint8_t* raw, int64_t kind, int64_t K, const int6
         default: pack_kq_tiles<KQ_Q8>(raw, K, rows, n, out); break;
     }
 }
+
+// ---- the way back: fp32 rows of kq tiles (an embedding's lookup) -----------------------------------------
+// Row id of a kq-layout weight (tile table `tiles`, K columns) as fp32: quant.KQFields.dequantize's numbers,
+// the same fp32 steps per weight, (d * sc) * u - dmin * m (Q4_K / Q5_K), (d * sc) * (u - 32) (Q6_K), d * q (Q8_0),
+// with no contraction into an FMA (the attribute: -O3 -mfma would fuse a product and its difference, and the
+// rows must be the torch path's bits). One call per step looks up a token's row or a few: the torch path
+// unpacked each whole 8-row tile through ~40 tensor ops (~0.6-0.8 ms a step at 1.7B).
+template <int KT>
+__attribute__((optimize("fp-contract=off"))) static void kq_row(const uint8_t* t, int c, int64_t K, float* out) {
+    if (KT == KQ_Q8) {
+        for (int64_t b = 0; b < K / 32; b++) {
+            const uint8_t* p = t + b * kq_block_bytes(KQ_Q8);
+            const float d = ld1((const half_t*)(p + 256) + c);
+            for (int v = 0; v < 8; v++)
+                for (int i = 0; i < 4; i++) out[32 * b + 4 * v + i] = (float)(int8_t)p[32 * v + 4 * c + i] * d;
+        }
+        return;
+    }
+    const int64_t bb = kq_block_bytes(KT);
+    for (int64_t s = 0; s < K / 256; s++) {
+        const uint8_t* sb = t + s * kq_sb_bytes(KT);
+        const float d = ld1((const half_t*)sb + c), dmin = ld1((const half_t*)(sb + 16) + c);
+        for (int j = 0; j < 8; j++) {
+            const uint8_t* p = sb + KQ_HDR + j * bb;
+            float* o = out + 256 * s + 32 * j;
+            const uint8_t s1 = p[bb - 16 + c], s2 = p[bb - 8 + c];
+            for (int v = 0; v < 4; v++)
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t byte = p[32 * v + 4 * c + i];
+                    int lo = byte & 15, hi = byte >> 4;
+                    if (KT == 1) {
+                        const uint8_t h = p[128 + 4 * c + i];
+                        lo |= ((h >> v) & 1) << 4, hi |= ((h >> (v + 4)) & 1) << 4;
+                    } else if (KT == 2) {
+                        lo |= ((p[128 + 4 * c + i] >> (2 * v)) & 3) << 4, hi |= ((p[160 + 4 * c + i] >> (2 * v)) & 3) << 4;
+                    }
+                    if (KT == 2) {
+                        const float a = d * (float)(int8_t)s1, b = d * (float)(int8_t)s2;
+                        o[4 * v + i] = a * ((float)lo - 32.0f), o[16 + 4 * v + i] = b * ((float)hi - 32.0f);
+                    } else {
+                        const float a = d * (float)s1, m = dmin * (float)s2;
+                        o[4 * v + i] = a * (float)lo - m, o[16 + 4 * v + i] = a * (float)hi - m;
+                    }
+                }
+        }
+    }
+}
+
+// rows ids[0 .. n) of a kq-layout weight w (tile table tiles, K columns) into out [n, K]
+static void kq_rows(const uint8_t* w, const int64_t* tiles, int64_t K, const int64_t* ids, int64_t n, float* out) {
+#pragma omp parallel for schedule(static) if (n >= 16)
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t e = tiles[ids[r] / 8];
+        const uint8_t* t = w + kq_off(e);
+        const int c = (int)(ids[r] % 8);
+        switch (kq_kind(e)) {
+            case 0: kq_row<0>(t, c, K, out + r * K); break;
+            case 1: kq_row<1>(t, c, K, out + r * K); break;
+            case 2: kq_row<2>(t, c, K, out + r * K); break;
+            default: kq_row<KQ_Q8>(t, c, K, out + r * K);
+        }
+    }
+}
