@@ -369,3 +369,53 @@ def test_the_engine_process_heap_is_settled_so_full_collections_skip_the_model()
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-2000:]
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps (Linux)")
+def test_the_server_process_never_loads_torch_or_xgrammar():
+    """``specd serve``'s server process (the HTTP / gRPC side; the engine steps in its own process)
+    reads requests, renders chat templates and tool prompts, checks grammars through the engine's
+    compiler and parses tool calls: none of it needs torch, which cost it ~200 MB of resident memory
+    and ~0.5 s of its start when a module-level import pulled it in. After serving plain, streamed,
+    logprob, JSON-mode and tool-call requests its memory maps hold no libtorch; the engine process's do.
+    (A GGUF file, as users bring: its tokenizer loads as ``PreTrainedTokenizerFast`` directly. A folder
+    whose tokenizer needs ``AutoTokenizer``, a SentencePiece one, still imports torch through
+    transformers' config classes.)"""
+    import json
+    import urllib.request
+
+    from specd.serving.app import ServerProcess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env.pop("SPECD_API_KEY", None)
+    args = ["--target", str(BUILTIN_GGUF), "--device", "cpu", "--num-blocks", "128", "--port", "0", "--grpc-port", "0"]
+    sp = ServerProcess(args, env=env, cwd=ROOT).start(120)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    bodies = [
+        {"logprobs": True, "top_logprobs": 2},
+        {"stream": True},
+        {"response_format": {"type": "json_object"}},
+        {"tools": [tool], "tool_choice": "required"},
+    ]
+    try:
+        for extra in bodies:
+            chat = [{"role": "user", "content": "hi"}]
+            body = {"model": BUILTIN_GGUF.stem, "messages": chat, "max_tokens": 6, **extra}
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{sp.port}/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"content-type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=60) as r:
+                assert r.status == 200 and r.read(), extra
+        engine_pids = [int(p) for p in Path(f"/proc/{sp.proc.pid}/task/{sp.proc.pid}/children").read_text().split()]
+        assert engine_pids and any(_maps_torch(p) for p in engine_pids)  # (the check can see torch)
+        assert not _maps_torch(sp.proc.pid)
+    finally:
+        sp.proc.kill()
+        sp.proc.wait()

@@ -38,7 +38,6 @@ from typing import Any, Protocol, runtime_checkable
 from specd.engine.commands import Batch, Command, EngineLimits, EngineSnapshot, Submit
 from specd.engine.output import RequestOutput
 from specd.engine.sequence import SpecStats
-from specd.engine.step_graphs import graph_stats
 
 __all__ = ["EngineClient", "EngineLink", "StreamSink", "limits_of", "snapshot_of"]
 
@@ -81,8 +80,15 @@ def snapshot_of(engine, loop_failures: int = 0) -> EngineSnapshot:
         health=engine.health_snapshot(),
         loop_failures=loop_failures,
         time=time.monotonic(),
-        graphs=graph_stats(engine),
+        graphs=_graph_stats(engine),
     )
+
+
+def _graph_stats(engine) -> dict:
+    # (imported here: step_graphs loads torch and the model, which only the engine's side has loaded)
+    from specd.engine.step_graphs import graph_stats
+
+    return graph_stats(engine)
 
 
 @runtime_checkable

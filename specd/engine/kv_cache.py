@@ -9,8 +9,10 @@ kept in an LRU of evictable blocks and counts as free.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (torch loads with the tensors: the server process imports SeqBlocks and never a cache)
+    import torch
 
 
 class BlockPool:
@@ -150,6 +152,8 @@ def zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     2 GiB default CPU budget took 1.5 s of CPU (3 s on a busy core) at every start, and all of it
     resident, where a server uses the blocks its requests reach. The memory is page-aligned and
     stays mapped as long as a tensor views it."""
+    import torch
+
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     import math
@@ -174,6 +178,8 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
     ):
+        import torch
+
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         # [L, 2, NB, BS, KVH, D]
@@ -181,6 +187,8 @@ class KVCache:
 
     @staticmethod
     def bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, dtype) -> int:
+        import torch
+
         return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def new_seq(self) -> SeqBlocks:

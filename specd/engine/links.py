@@ -73,7 +73,8 @@ from specd.engine.output import RequestOutput
 from specd.engine.requests import RequestError
 from specd.engine.sequence import SpecStats
 from specd.engine.spawn import Spawned, spawn
-from specd.model.loader import LoadError, load_tokenizer
+from specd.model.errors import LoadError
+from specd.model.tokenizer_load import load_tokenizer
 
 log = logging.getLogger("specd.engine_link")
 

@@ -4,9 +4,7 @@ text they complete, honouring stop strings (a suffix that may start one is held 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from specd.engine.sequence import Sequence
 
@@ -23,6 +21,10 @@ class RequestOutput:
     logprobs: list | None = None  # with params.logprobs: per token of token_ids, see token_logprobs
 
 
+if TYPE_CHECKING:
+    import torch
+
+
 def token_logprobs(logits: torch.Tensor, rows: list, tokens: list, top: int) -> list:
     """Per emitted token ``tokens[i]`` (predicted by logits row ``rows[i]``): ``(logprob, [(id,
     logprob), ...])``, its log-probability under the target's raw distribution (log-softmax of the
@@ -30,6 +32,8 @@ def token_logprobs(logits: torch.Tensor, rows: list, tokens: list, top: int) -> 
     tokens with theirs, likeliest first."""
     if not tokens:
         return []
+    import torch  # (the engine's: the server process imports this module and never calls this)
+
     dev = logits.device
     lp = torch.log_softmax(logits[torch.tensor(rows, device=dev)].float(), dim=-1)
     chosen = lp.gather(1, torch.tensor(tokens, device=dev)[:, None]).squeeze(1).tolist()

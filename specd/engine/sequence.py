@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import enum
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from specd.engine.detokenizer import IncrementalDetokenizer
 from specd.engine.kv_cache import SeqBlocks
 from specd.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 from specd.speculation.request import SpecParams, SpecState, SpecStats
 
 

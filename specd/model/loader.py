@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ from specd.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from specd.model.errors import LoadError
 from specd.model.llama import NORM_WEIGHTS, LlamaModel, hf_layer_names
 from specd.model.moe import expert_tensors
+from specd.model.tokenizer_load import FAST_AS_IS, load_tokenizer, tokenizer_folder  # noqa: F401 (re-exported)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -225,66 +225,6 @@ def checkpoint_folder(path, progress: bool = False) -> Path:
     from specd.model.gguf import cached_folder, is_gguf_path
 
     return cached_folder(path, progress=progress) if is_gguf_path(path) else path
-
-
-def tokenizer_folder(path) -> Path:
-    """The folder holding a checkpoint's tokenizer: a folder as is; for a GGUF file its cached
-    conversion where there is one already, else its config + tokenizer folder (``cached_folder(
-    weights=False)``: the metadata converted, never the weights; the full conversion writes the
-    whole model dequantized to fp32, 7 GB for a 1.7B file)."""
-    path = Path(path)
-    if path.is_dir():
-        return path
-    from specd.model.gguf import cached_folder, converted_folder, is_gguf_path
-
-    if not is_gguf_path(path):
-        return path
-    return converted_folder(path) or cached_folder(path, weights=False)
-
-
-# config.json model types whose folders' ``PreTrainedTokenizerFast`` (tokenizer_config.json) transformers'
-# AutoTokenizer loads as that class (``TokenizersBackend``) from tokenizer.json, as it is; others (qwen2)
-# it maps to a class of the model type's own (tests/test_tokenizer_load.py checks both against AutoTokenizer)
-FAST_AS_IS = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3")
-
-
-def _fast_as_is(folder: Path) -> bool:
-    """True where ``AutoTokenizer`` would load the folder as ``PreTrainedTokenizerFast`` itself (a
-    converted GGUF file's folder, specd's own models): that class then loads it directly."""
-    try:
-        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return (
-        isinstance(tok_cfg, dict)
-        and tok_cfg.get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend")
-        and "auto_map" not in tok_cfg
-        and model_type in FAST_AS_IS
-        and (folder / "tokenizer.json").is_file()
-    )
-
-
-def load_tokenizer(path: Path):
-    """The tokenizer of a checkpoint folder or GGUF file (``tokenizer_folder``); LoadError if none loads.
-
-    ``AutoTokenizer`` picks the class; where it would pick ``PreTrainedTokenizerFast`` (``_fast_as_is``)
-    that class loads the folder directly: the same tokenizer without what ``AutoTokenizer`` imports on
-    the way (torch, torch.distributed, sympy: ~1.7 s of CPU, twice per ``specd serve`` start)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = tokenizer_folder(path)
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
-        raise LoadError(f"{path}: no tokenizer files (tokenizer.json / tokenizer.model)")
-    try:
-        if _fast_as_is(path):
-            from transformers import PreTrainedTokenizerFast
-
-            return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - turn any tokenizer failure into one line
-        raise LoadError(f"{path}: tokenizer failed to load: {str(e).splitlines()[0]}") from None
 
 
 def load_model(

@@ -39,7 +39,6 @@ from starlette.routing import WebSocketRoute
 
 from specd.engine.health import DEFAULT_MAX_FAILED_STEPS
 from specd.engine.loop import DEFAULT_STREAM_INTERVAL_S
-from specd.engine.warmup import CostCache, warm_up
 from specd.serving import notify
 from specd.serving.asgi import build_app
 from specd.serving.async_engine import AsyncEngine
@@ -212,7 +211,6 @@ class App:
         return await fut
 
     def _load(self):
-        from specd.engine.engine import Engine
         from specd.options import engine_config
 
         a = self.args
@@ -234,7 +232,9 @@ class App:
                 spawned=spawned,
             )
             return self._link
+        from specd.engine.engine import Engine  # (the engine's imports: torch, the model; not in this branch above)
         from specd.engine.links import ThreadLink
+        from specd.engine.warmup import CostCache, warm_up
         from specd.model.cpu import set_threads
 
         cfg = engine_config(a)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from specd.config import REQUEST_MODES, SpecMode
 from specd.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["SpecParams", "SpecStats", "SpecState", "SpecRequest"]
 

@@ -20,17 +20,51 @@ Vocabulary:
   the grammar per ``tool_choice`` (lazy for ``auto``), and the parser to OpenAI ``tool_calls``.
 """
 
-from specd.structured.compiler import CompilerConfig, Grammar, GrammarCompiler
+from typing import TYPE_CHECKING
+
 from specd.structured.errors import GrammarError
 from specd.structured.limits import GrammarLimits
-from specd.structured.masks import apply_bitmask_, full_bitmask, pack, unpack
-from specd.structured.matcher import Matcher
 from specd.structured.request import grammar_spec, response_format_spec, structured_outputs_spec, text_format_spec
 from specd.structured.spec import GrammarSpec
 from specd.structured.tool_parser import ToolCall, ToolCallDelta, ToolCallParser, parse_tool_calls
 from specd.structured.tools import TOOL_CLOSE, TOOL_OPEN, ToolCallSpec, ToolFunction, tools_system_prompt
-from specd.structured.tree import prune_tree, tree_alive, tree_masks
-from specd.structured.vocab import Vocabulary, builtin_vocabulary
+
+# The names on xgrammar and torch load on first use: the server process reads specs, renders tool prompts and
+# parses tool calls but compiles nothing (the engine process does, through its link), and importing xgrammar
+# (which imports torch) cost it ~0.5 s of its start and ~250 MB of resident memory.
+_LAZY = {
+    "CompilerConfig": "compiler",
+    "Grammar": "compiler",
+    "GrammarCompiler": "compiler",
+    "apply_bitmask_": "masks",
+    "full_bitmask": "masks",
+    "pack": "masks",
+    "unpack": "masks",
+    "Matcher": "matcher",
+    "prune_tree": "tree",
+    "tree_alive": "tree",
+    "tree_masks": "tree",
+    "Vocabulary": "vocab",
+    "builtin_vocabulary": "vocab",
+}
+
+if TYPE_CHECKING:
+    from specd.structured.compiler import CompilerConfig, Grammar, GrammarCompiler
+    from specd.structured.masks import apply_bitmask_, full_bitmask, pack, unpack
+    from specd.structured.matcher import Matcher
+    from specd.structured.tree import prune_tree, tree_alive, tree_masks
+    from specd.structured.vocab import Vocabulary, builtin_vocabulary
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"specd.structured.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'specd.structured' has no attribute {name!r}")
+
 
 __all__ = [
     "TOOL_CLOSE",
