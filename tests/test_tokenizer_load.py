@@ -28,6 +28,7 @@ import pytest
 from specd.model import gguf as sg
 from specd.model.builtin import builtin_gguf
 from specd.model.loader import FAST_AS_IS, load_tokenizer
+from specd.model.tokenizer_load import OWN_CLASS
 from tests.test_gguf import model_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,14 +136,15 @@ def _folder(tmp_path: Path, model_type: str) -> Path:
 
 @pytest.mark.parametrize("model_type", [*FAST_AS_IS, "qwen2"])
 def test_direct_load_is_what_autotokenizer_loads(tmp_path, model_type):
-    """Same class, vocabulary, tokens, special tokens and chat template as ``AutoTokenizer``'s; for
-    qwen2, which ``AutoTokenizer`` maps to its own class, ``AutoTokenizer`` is what loads it."""
+    """Same class, vocabulary, tokens, special tokens and chat template as ``AutoTokenizer``'s; qwen2,
+    which ``AutoTokenizer`` maps to a class of its own, loads as that class directly."""
     from transformers import AutoTokenizer
 
     folder = _folder(tmp_path, model_type)
     ours, ref = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
     assert type(ours) is type(ref)
     assert (type(ours).__name__ == "TokenizersBackend") == (model_type in FAST_AS_IS)
+    assert type(ours).__name__ == OWN_CLASS.get(model_type, "TokenizersBackend")
     _same(ours, ref)
     msgs = [{"role": "user", "content": "Name the capital of France."}]
     assert ours.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == ref.apply_chat_template(
@@ -150,14 +152,17 @@ def test_direct_load_is_what_autotokenizer_loads(tmp_path, model_type):
     )
 
 
-def test_direct_load_skips_autotokenizer_and_its_imports(tmp_path):
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_direct_load_skips_autotokenizer_and_its_imports(tmp_path, model_type):
     """A fresh process loading a converted GGUF's tokenizer never imports ``AutoTokenizer``'s module
-    (which pulls in torch.distributed and sympy: ~1.7 s of CPU per process)."""
-    folder = _folder(tmp_path, "llama")
+    (which pulls in torch.distributed and sympy: ~1.7 s of CPU per process) nor torch (the server
+    process of ``specd serve`` loads a tokenizer and no model)."""
+    folder = _folder(tmp_path, model_type)
+    mods = ("transformers.models.auto.tokenization_auto", "sympy", "torch")
     code = (
-        "import sys; from specd.model.loader import load_tokenizer; "
+        "import sys; from specd.model.tokenizer_load import load_tokenizer; "
         f"t = load_tokenizer({str(folder)!r}); assert len(t) == 49152; "
-        "print(sorted(m for m in ('transformers.models.auto.tokenization_auto', 'sympy') if m in sys.modules))"
+        f"print(sorted(m for m in {mods!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -27,43 +27,50 @@ def tokenizer_folder(path) -> Path:
 
 
 # config.json model types whose folders' ``PreTrainedTokenizerFast`` (tokenizer_config.json) transformers'
-# AutoTokenizer loads as that class (``TokenizersBackend``) from tokenizer.json, as it is; others (qwen2)
-# it maps to a class of the model type's own (tests/test_tokenizer_load.py checks both against AutoTokenizer)
+# AutoTokenizer loads as that class (``TokenizersBackend``) from tokenizer.json, as it is; others it maps to a
+# class of the model type's own, loaded here directly too (OWN_CLASS); tests/test_tokenizer_load.py checks
+# both against AutoTokenizer
 FAST_AS_IS = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3")
+OWN_CLASS = {"qwen2": "Qwen2Tokenizer"}
+_FAST_NAMES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
-def _fast_as_is(folder: Path) -> bool:
-    """True where ``AutoTokenizer`` would load the folder as ``PreTrainedTokenizerFast`` itself (a
-    converted GGUF file's folder, specd's own models): that class then loads it directly."""
+def _direct_class(folder: Path) -> str | None:
+    """The transformers class ``AutoTokenizer`` would load the folder as, where that class can load it
+    directly (a converted GGUF file's folder, specd's own models, a checkpoint naming its model type's
+    class): ``PreTrainedTokenizerFast`` or the model type's own; None: ``AutoTokenizer`` decides."""
     try:
         tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
     except (OSError, ValueError, AttributeError):
-        return False
-    return (
-        isinstance(tok_cfg, dict)
-        and tok_cfg.get("tokenizer_class") in ("PreTrainedTokenizerFast", "TokenizersBackend")
-        and "auto_map" not in tok_cfg
-        and model_type in FAST_AS_IS
-        and (folder / "tokenizer.json").is_file()
-    )
+        return None
+    if not isinstance(tok_cfg, dict) or "auto_map" in tok_cfg or not (folder / "tokenizer.json").is_file():
+        return None
+    named = tok_cfg.get("tokenizer_class")
+    if model_type in FAST_AS_IS and named in _FAST_NAMES:
+        return "PreTrainedTokenizerFast"
+    own = OWN_CLASS.get(model_type)
+    if own is not None and named in (*_FAST_NAMES, own, own + "Fast"):
+        return own
+    return None
 
 
 def load_tokenizer(path: Path):
     """The tokenizer of a checkpoint folder or GGUF file (``tokenizer_folder``); LoadError if none loads.
 
-    ``AutoTokenizer`` picks the class; where it would pick ``PreTrainedTokenizerFast`` (``_fast_as_is``)
-    that class loads the folder directly: the same tokenizer without what ``AutoTokenizer`` imports on
-    the way (torch, torch.distributed, sympy: ~1.7 s of CPU, twice per ``specd serve`` start)."""
+    ``AutoTokenizer`` picks the class; where the folder says which (``_direct_class``) that class loads it
+    directly: the same tokenizer without what ``AutoTokenizer`` imports on the way (torch, torch.distributed,
+    sympy: ~1.7 s of CPU, twice per ``specd serve`` start, and torch's ~200 MB in the server process)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = tokenizer_folder(path)
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         raise LoadError(f"{path}: no tokenizer files (tokenizer.json / tokenizer.model)")
     try:
-        if _fast_as_is(path):
-            from transformers import PreTrainedTokenizerFast
+        direct = _direct_class(path)
+        if direct is not None:
+            import transformers
 
-            return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+            return getattr(transformers, direct).from_pretrained(str(path), local_files_only=True)
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
