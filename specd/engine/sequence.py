@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 from specd.engine.detokenizer import IncrementalDetokenizer
 from specd.engine.kv_cache import SeqBlocks
 from specd.sampling.params import SamplingParams
+from specd.speculation.request import SpecParams, SpecState, SpecStats
 
 if TYPE_CHECKING:
     import torch
-from specd.speculation.request import SpecParams, SpecState, SpecStats
 
 
 class Status(enum.Enum):
