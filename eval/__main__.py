@@ -21,6 +21,7 @@ COMMANDS = {
         "json": ("eval.bench_constrained", "structured outputs on JSONSchemaBench: validity, mask cost, auto vs plain"),
         "scale": ("eval.bench_scale", "1.7-8B random-weight GGUFs: plain decode vs llama.cpp, row costs, the floor"),
         "startup": ("eval.bench_startup", "specd serve --target FILE: start to /readyz 200, warm and on a first load"),
+        "served": ("eval.bench_served", "specd serve vs llama-server on one GGUF: one streaming client's decode tok/s"),
     },
     "perplexity": {"": ("eval.perplexity", "perplexity of a GGUF on a text as llama-perplexity scores it, and vs it")},
     "accept": {

@@ -1,0 +1,42 @@
+"""``python -m eval bench served`` (eval/bench_served.py): specd serve vs llama-server as a user runs them.
+The tool itself runs here on the built-in GGUF without llama-server (``--no-llama``): both specd servers
+start, stream every timed request in full and get a rate; the rate's arithmetic and its refusals are
+checked on their own."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from eval import bench_served as S
+from specd.model.builtin import builtin_gguf
+
+
+def test_the_rate_counts_the_tokens_after_the_first_chunk():
+    assert S.decode_rate([10.0, 10.5, 11.0], 11) == pytest.approx(10.0)  # 10 tokens in 1 s
+    for bad in ([], [1.0], [2.0, 2.0]):
+        with pytest.raises(RuntimeError):
+            S.decode_rate(bad, 8)
+
+
+def test_bad_arguments_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        S.parse_args(["--target", str(tmp_path / "none.gguf")])
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        S.parse_args(["--target", str(builtin_gguf()), "--tokens", "1"])
+    assert S.main(["--target", str(builtin_gguf()), "--llama-tools", str(tmp_path)]) == 2
+    assert "make bench-deps" in capsys.readouterr().err
+
+
+def test_specd_servers_stream_every_request_and_get_a_rate(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["--target", str(builtin_gguf()), "--no-llama", "--threads", "1", "--rounds", "1", "--requests", "1"]
+    assert S.main([*argv, "--tokens", "12", "--port", str(port)]) == 0
+    out = capsys.readouterr().out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ") and "tok/s" not in ln]
+    assert len(rows) == 2 and "(defaults)" in rows[0] and "--spec-mode off" in rows[1]
+    assert all(float(r.split("|")[4]) > 0 for r in rows), rows
