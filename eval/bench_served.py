@@ -25,6 +25,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from eval import harness as H
+
 COMMAND = "bench served"
 LLAMA_TOOLS = Path.home() / ".cache" / "specd" / "llama.cpp"
 PROMPT = "The history of the city begins"
@@ -93,12 +95,7 @@ def one_server(cmd: list, port: int, ready: str, body: dict, requests: int, thre
         stream_times(port, {**body, "max_tokens": 16})  # (untimed: first-request work)
         return [decode_rate(stream_times(port, body), body["max_tokens"]) for _ in range(requests)]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        H.end_process(proc, 30)
 
 
 def parse_args(argv=None):

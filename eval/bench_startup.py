@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -131,12 +130,7 @@ def one_start(target: Path, flags: list, repo: Path, timeout: float = 600.0) -> 
                 break
             time.sleep(0.02)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            status = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            status = proc.wait()
+        status = H.end_process(proc, 60)
         reader.join(5)
     return {"ready_s": round(ready, 3), "cpu_s": {k: round(v, 2) for k, v in cpu.items()}, "phases": phases,
             "exit": status}  # fmt: skip

@@ -32,6 +32,7 @@ from eval.harness.clients import (
 from eval.harness.daemons import (
     Daemon,
     clean_env,
+    end_process,
     http_base,
     http_get,
     kv_blocks_used,
@@ -142,6 +143,7 @@ __all__ = [
     "ws_open",
     "Daemon",
     "clean_env",
+    "end_process",
     "http_base",
     "http_get",
     "kv_blocks_used",

@@ -28,6 +28,16 @@ def clean_env() -> dict:
     }
 
 
+def end_process(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    """SIGTERM ``proc``, SIGKILL it if it has not exited after ``timeout`` seconds; its exit status."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 @dataclass
 class Daemon:
     """A running ``specd serve`` on a free loopback port: in this process (``thread``: a
@@ -65,13 +75,7 @@ class Daemon:
         if self.thread is not None:
             self.thread.stop(timeout)
             return None
-        proc = self.process.proc
-        proc.terminate()
-        try:
-            self.exit_status = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            self.exit_status = proc.wait()
+        self.exit_status = end_process(self.process.proc, timeout)
         return self.exit_status
 
 
