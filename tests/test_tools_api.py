@@ -71,6 +71,16 @@ def engine(shared_pair):
 
 
 @pytest.fixture(scope="module")
+def ref(shared_pair):
+    """The reference engine ``_greedy`` steps on the test's thread: not ``engine``, which the module's
+    ``server`` steps on its own loop thread, and whose idle loop would step a request the test added
+    to it too (a grammar waiting to be compiled counts as work): two threads stepping one engine
+    gave a request a second, fresh grammar matcher mid-reply ("token ... is outside the request's
+    grammar", once in a full run)."""
+    return serve_engine(shared_pair, num_blocks=512)
+
+
+@pytest.fixture(scope="module")
 def server(engine):
     from specd.serving.app import ServerThread
 
@@ -129,27 +139,27 @@ def test_parse_with_a_pydantic_model(client, server):
     assert _idle(server)
 
 
-def test_a_json_schema_reply_is_the_engines_greedy_reply_under_the_grammar(client, engine):
+def test_a_json_schema_reply_is_the_engines_greedy_reply_under_the_grammar(client, ref):
     rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET, "strict": True}}
     r = client.chat.completions.create(**_chat(max_tokens=120), response_format=rf)
     text = r.choices[0].message.content
-    assert text == _greedy(engine, {"response_format": rf}, messages=[{"role": "user", "content": PROMPT}])
+    assert text == _greedy(ref, {"response_format": rf}, messages=[{"role": "user", "content": PROMPT}])
     jsonschema.validate(json.loads(text), PET)
     s = client.chat.completions.create(**_chat(max_tokens=120), response_format=rf, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == text
 
 
-def test_json_object_and_vllm_extensions_on_chat_and_completions(client, engine):
+def test_json_object_and_vllm_extensions_on_chat_and_completions(client, ref):
     jo = {"response_format": {"type": "json_object"}}
     r = client.chat.completions.create(**_chat(max_tokens=40), **jo)
     assert r.choices[0].message.content.startswith('{"')  # (the tiny model tells its story inside a string)
-    assert r.choices[0].message.content == _greedy(engine, jo, n=40, messages=[{"role": "user", "content": PROMPT}])
+    assert r.choices[0].message.content == _greedy(ref, jo, n=40, messages=[{"role": "user", "content": PROMPT}])
     r = client.chat.completions.create(**_chat(max_tokens=20), extra_body={"guided_choice": ["yes", "no"]})
     assert r.choices[0].message.content in ("yes", "no") and r.choices[0].finish_reason == "stop"
     r = client.chat.completions.create(**_chat(max_tokens=20), extra_body={"structured_outputs": {"regex": "[a-c]{3}"}})
     assert re.fullmatch("[a-c]{3}", r.choices[0].message.content)
     c = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, extra_body=jo)
-    assert c.choices[0].text == _greedy(engine, jo, n=40, prompt=PROMPT) and c.choices[0].text.startswith('{"')
+    assert c.choices[0].text == _greedy(ref, jo, n=40, prompt=PROMPT) and c.choices[0].text.startswith('{"')
     so = {"structured_outputs": {"choice": ["A", "B"]}}
     c = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, extra_body=so)
     assert c.choices[0].text in ("A", "B")
@@ -187,10 +197,10 @@ def test_a_named_tool_choice_calls_that_function(client):
     assert 0 <= _check_call("t", calls[0].function.arguments)["z"] <= 9
 
 
-def test_auto_leaves_free_text_free(client, engine):
+def test_auto_leaves_free_text_free(client, ref):
     r = client.chat.completions.create(**_chat(max_tokens=24), tools=TOOLS, tool_choice="auto")
     body = {"tools": TOOLS, "tool_choice": "auto"}
-    want = _greedy(engine, body, n=24, messages=[{"role": "user", "content": PROMPT}])
+    want = _greedy(ref, body, n=24, messages=[{"role": "user", "content": PROMPT}])
     assert "<tool_call>" not in want  # (the tiny model tells stories: the lazy grammar never triggers)
     assert r.choices[0].message.content == want and not r.choices[0].message.tool_calls
 
@@ -302,7 +312,7 @@ def test_responses_text_format_json_schema(client):
 
 
 # specd's websocket and gRPC ------------------------------------------------------------------------
-def test_websocket_response_format_and_tools(server, engine):
+def test_websocket_response_format_and_tools(server, ref):
     rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET}}
     with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
         base = {"type": "generate", "messages": [{"role": "user", "content": PROMPT}], "temperature": 0}
@@ -310,7 +320,7 @@ def test_websocket_response_format_and_tools(server, engine):
         deltas, done = ws_collect(ws, "j")
         text = "".join(d["text"] for d in deltas)
         assert done["finish_reason"] == "stop" and text == _greedy(
-            engine, {"response_format": rf}, messages=base["messages"]
+            ref, {"response_format": rf}, messages=base["messages"]
         )
         ws.send(
             orjson.dumps({**base, "id": "t", "max_tokens": 160, "tools": TOOLS, "tool_choice": "required"}).decode()
@@ -421,7 +431,7 @@ def test_a_bad_constraint_is_a_400_before_the_stream_starts(client, server, fiel
     assert _idle(server)
 
 
-def test_the_engine_process_constrains_and_refuses_alike(engine):
+def test_the_engine_process_constrains_and_refuses_alike(ref):
     """The default daemon (an engine process): the engine process checks each grammar for the server
     (``CheckGrammar``: compiled once, there) and constrains the reply."""
     from specd.serving.app import ServerThread
@@ -432,7 +442,7 @@ def test_the_engine_process_constrains_and_refuses_alike(engine):
         rf = {"type": "json_schema", "json_schema": {"name": "pet", "schema": PET}}
         r = c.chat.completions.create(**_chat(max_tokens=120), response_format=rf)
         assert r.choices[0].message.content == _greedy(
-            engine, {"response_format": rf}, messages=[{"role": "user", "content": PROMPT}]
+            ref, {"response_format": rf}, messages=[{"role": "user", "content": PROMPT}]
         )
         r = c.chat.completions.create(**_chat(max_tokens=160), tools=TOOLS, tool_choice="required")
         assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls
