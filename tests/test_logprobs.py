@@ -184,15 +184,18 @@ def test_bad_logprobs_are_400_naming_the_field(server, path, change, param):
     assert st == 400 and got["error"]["param"] == param, got
 
 
-def test_websocket_deltas_carry_logprobs_by_token_id(server, engine):
+def test_websocket_deltas_carry_logprobs_by_token_id(server, shared_pair):
     """specd's own protocol: ``logprobs: N`` in ``generate``; each delta carries, per token id,
-    ``[logprob, [[id, logprob], ...]]``, equal to the engine's own; bad values are refused."""
+    ``[logprob, [[id, logprob], ...]]``, equal to the engine's own; bad values are refused. (The
+    reference is an engine of its own: ``server``'s loop thread steps ``engine`` whenever it has work,
+    a request this test added to it included.)"""
     from conftest import ws_collect
     from websockets.sync.client import connect
 
     from specd.serving.request_build import build_request
 
     msgs = [{"role": "user", "content": "Once upon a time"}]
+    engine = serve_engine(shared_pair, num_blocks=64)
     b = build_request(engine.tokenizer, messages=msgs, max_tokens=12, temperature=0.0, logprobs=3)
     ref = engine.generate([b.prompt_ids], b.params, b.spec)[0]
     with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
