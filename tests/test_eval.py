@@ -12,6 +12,7 @@ report totals, plots and the harness (fast: a few seconds each).
 
 import json
 import shutil
+import time
 
 import pytest
 from conftest import DRAFT, ROOT, TARGET
@@ -267,6 +268,41 @@ def test_step_log_pairs_and_engine_totals(target_lm):
     assert sum(a for _, a in pairs) == seq.stats.accepted_tokens and len(pairs) == seq.stats.steps
     assert all(r.outputs == 1 and r.seconds > 0 for r in log.rows)
     assert log.engine_stats().as_dict() == seq.stats.as_dict()
+
+
+def test_a_followed_step_log_logs_each_step_once_on_the_stepping_thread(target_lm):
+    """StepLog.follow: steps taken by another thread (an in-process server's engine thread) are
+    logged there, each once, before the step returns (a listener on the event loop read requests'
+    stats after later steps had changed them: 3 pairs for 4 steps); ``StepLog.step`` does not log
+    twice; the CPU clock is the stepping thread's."""
+    import threading
+
+    from specd.sampling.params import SamplingParams
+
+    k = 4
+    mode = H.Mode.parse(f"chain:{k}")
+    eng = H.make_engine(mode, target_lm, target_lm)
+    params = SamplingParams(temperature=0.0, max_tokens=4 * (k + 1), ignore_eos=True)
+    ids = list(target_lm.tokenizer(PROMPTS[1])["input_ids"])
+    log = H.StepLog(eng)
+    assert log.follow() is log and log.follow() is log  # (twice: still one wrapper)
+    seq = eng.add_request(ids, params, mode.spec_params())
+    seen, clocks = [], []
+
+    def run():
+        while not seq.finished:
+            before = time.thread_time()
+            eng.step()
+            seen.append(len(log.rows))  # logged before the step returned
+            clocks.append((before, time.thread_time()))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == list(range(1, len(seen) + 1)) and log.take() == [(k, k)] * 4
+    assert all(a <= r.cpu_clock <= b for r, (a, b) in zip(log.rows, clocks, strict=True))
+    seq2 = log.generate(ids, params, mode.spec_params())
+    assert seq2.stats.steps == 4 and log.take() == [(k, k)] * 4 and len(log.rows) == 8
 
 
 def test_in_process_daemon_serves_and_logs_its_steps(target_lm):

@@ -41,7 +41,7 @@ def end_process(proc: subprocess.Popen, timeout: float = 60.0) -> int:
 @dataclass
 class Daemon:
     """A running ``specd serve`` on a free loopback port: in this process (``thread``: a
-    ``ServerThread``; ``engine`` and ``steplog`` its engine and the :class:`StepLog` listening to it)
+    ``ServerThread``; ``engine`` and ``steplog`` its engine and the :class:`StepLog` following its steps)
     or a child process (``process``: a ``ServerProcess``; ``logs`` its stderr lines)."""
 
     port: int
@@ -87,7 +87,7 @@ def start_daemon(
 
     In process (default): an ``Engine`` sharing ``target``/``draft`` when given, warmed up like the
     server's, served by a ``ServerThread`` (log level warning unless FLAGS say otherwise) with a
-    :class:`StepLog` as a step listener. ``child=True``: ``python -m specd serve`` as a child process
+    :class:`StepLog` following its steps. ``child=True``: ``python -m specd serve`` as a child process
     in the repository root, with :func:`clean_env` unless ``env`` is given (log level info: its
     "listening"/"ready" lines are how readiness is seen)."""
     base = ["--port", "0", "--grpc-port", "0"]
@@ -103,10 +103,8 @@ def start_daemon(
 
     args = [*base, "--log-level", "warning", *flags]
     eng = engine_from_flags(args, target, draft, warm=True)
+    steplog = StepLog(eng).follow()  # (before the server's engine thread steps it)
     srv = ServerThread(serve_parser().parse_args(args), eng).start(timeout)
-    steplog = StepLog(eng)
-    assert srv.app.ae is not None  # the engine loop runs once the server is ready
-    srv.app.ae.listeners.append(steplog)
     return Daemon(srv.port, list(flags), thread=srv, engine=eng, steplog=steplog)
 
 

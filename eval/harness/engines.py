@@ -192,6 +192,7 @@ class StepLog:
         self._seen: dict = {}  # request id -> (steps, accepted, drafted per depth) at its last output
         self._taken = 0
         self._stats0 = copy.deepcopy(engine.stats)
+        self._inner_step = None  # the engine's own step while ``follow``-ing it
 
     def __call__(self, outs: list, seconds: float) -> None:
         eng = self.engine
@@ -219,11 +220,26 @@ class StepLog:
 
     def step(self) -> list:
         """One ``engine.step()``, logged; its outputs."""
+        if self._inner_step is not None:  # (``follow``: the engine's step logs itself)
+            return self.engine.step()
+        return self._logged_step(self.engine.step)
+
+    def _logged_step(self, step) -> list:
         t0 = time.perf_counter()
-        outs = self.engine.step()
+        outs = step()
         if outs:
             self(outs, time.perf_counter() - t0)
         return outs
+
+    def follow(self) -> StepLog:
+        """Log every ``engine.step()`` whoever calls it, on the thread that steps (an in-process
+        server's engine thread). A listener on the server's event loop would read each request's
+        live statistics after later steps changed them (a hand-off can carry several steps), and the
+        event loop's CPU clock instead of the engine's."""
+        if self._inner_step is None:
+            inner = self._inner_step = self.engine.step
+            self.engine.step = lambda: self._logged_step(inner)
+        return self
 
     def generate(self, prompt_ids: list, params, spec):
         """``Engine.generate`` for one request, every step logged; the finished ``Sequence``."""
