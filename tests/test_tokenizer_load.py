@@ -152,16 +152,64 @@ def test_direct_load_is_what_autotokenizer_loads(tmp_path, model_type):
     )
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+STORIES = ROOT.parent / "shared" / "models" / "stories260K"  # (a sentencepiece BPE naming LlamaTokenizer)
+_SOURCES = {"stories": STORIES, "mistral7b": SHIPPED / "mistral7b"}
+
+
+def _named_folder(tmp_path: Path, model_type: str, named: str, source: str) -> Path:
+    """A config of ``model_type`` with ``source``'s tokenizer.json (``builtin``: the built-in GGUF's
+    byte-level one) and a tokenizer_config.json naming ``named``."""
+    out = _folder(tmp_path, model_type)
+    if source != "builtin":
+        shutil.copy(_SOURCES[source] / "tokenizer.json", out / "tokenizer.json")
+        (out / "tokenizer_config.json").write_text((_SOURCES[source] / "tokenizer_config.json").read_text())
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps(dict(cfg, tokenizer_class=named)))
+    return out
+
+
+@pytest.mark.parametrize(
+    "model_type, named, source, direct",
+    [
+        ("llama", "LlamaTokenizer", "stories", "LlamaTokenizer"),
+        ("llama", "LlamaTokenizerFast", "mistral7b", "LlamaTokenizer"),
+        ("llama", "LlamaTokenizer", "builtin", None),  # byte-level: AutoTokenizer loads TokenizersBackend
+        ("mistral", "LlamaTokenizer", "mistral7b", "PreTrainedTokenizerFast"),
+        ("mixtral", "LlamaTokenizerFast", "builtin", "PreTrainedTokenizerFast"),
+        ("gemma3_text", "GemmaTokenizerFast", "mistral7b", "GemmaTokenizer"),
+        ("gemma", "GemmaTokenizer", "builtin", "GemmaTokenizer"),
+        ("qwen3", "Qwen2Tokenizer", "builtin", "Qwen2Tokenizer"),
+        ("phi3", "LlamaTokenizer", "mistral7b", None),  # (transformers forces phi3 to TokenizersBackend)
+        ("qwen3", "LlamaTokenizer", "mistral7b", None),
+    ],
+)
+def test_a_named_class_loads_directly_where_autotokenizer_loads_it(tmp_path, model_type, named, source, direct):
+    """A tokenizer_config.json naming its class (Llama-2, Mistral, TinyLlama: ``LlamaTokenizer``; Gemma:
+    ``GemmaTokenizer``) loads directly as the class ``AutoTokenizer`` makes of it for the model type (the
+    same tokenizer); elsewhere ``AutoTokenizer`` decides."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from specd.model.tokenizer_load import _direct_class
+
+    folder = _named_folder(tmp_path, model_type, named, source)
+    assert _direct_class(folder) == direct
+    ours, ref = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+    assert type(ours) is type(ref) and (direct is None or type(ours) is getattr(transformers, direct))
+    _same(ours, ref)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "stories260K"])
 def test_direct_load_skips_autotokenizer_and_its_imports(tmp_path, model_type):
-    """A fresh process loading a converted GGUF's tokenizer never imports ``AutoTokenizer``'s module
-    (which pulls in torch.distributed and sympy: ~1.7 s of CPU per process) nor torch (the server
-    process of ``specd serve`` loads a tokenizer and no model)."""
-    folder = _folder(tmp_path, model_type)
+    """A fresh process loading a converted GGUF's tokenizer, or the shipped stories260K folder's
+    (sentencepiece, naming ``LlamaTokenizer``), never imports ``AutoTokenizer``'s module (which pulls in
+    torch.distributed and sympy: ~1.7 s of CPU per process) nor torch (the server process of ``specd
+    serve`` loads a tokenizer and no model)."""
+    folder, size = (STORIES, 512) if model_type == "stories260K" else (_folder(tmp_path, model_type), 49152)
     mods = ("transformers.models.auto.tokenization_auto", "sympy", "torch")
     code = (
         "import sys; from specd.model.tokenizer_load import load_tokenizer; "
-        f"t = load_tokenizer({str(folder)!r}); assert len(t) == 49152; "
+        f"t = load_tokenizer({str(folder)!r}); assert len(t) == {size}; "
         f"print(sorted(m for m in {mods!r} if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -28,17 +28,27 @@ def tokenizer_folder(path) -> Path:
 
 # config.json model types whose folders' ``PreTrainedTokenizerFast`` (tokenizer_config.json) transformers'
 # AutoTokenizer loads as that class (``TokenizersBackend``) from tokenizer.json, as it is; others it maps to a
-# class of the model type's own, loaded here directly too (OWN_CLASS); tests/test_tokenizer_load.py checks
-# both against AutoTokenizer
+# class of the model type's own, loaded here directly too (OWN_CLASS). A folder naming a class (Llama-2 and
+# TinyLlama checkpoints name ``LlamaTokenizer``, Mistral's too, Gemma's ``GemmaTokenizer``) loads directly as
+# what AutoTokenizer makes of it for the model type: NAMED[model_type] = (the class named, "Fast" or not; the
+# class loaded). tests/test_tokenizer_load.py checks every case against AutoTokenizer.
 FAST_AS_IS = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "phi3")
 OWN_CLASS = {"qwen2": "Qwen2Tokenizer"}
+NAMED = {
+    "llama": ("LlamaTokenizer", "LlamaTokenizer"),  # (a byte-level tokenizer.json: AutoTokenizer decides)
+    "mistral": ("LlamaTokenizer", "PreTrainedTokenizerFast"),
+    "mixtral": ("LlamaTokenizer", "PreTrainedTokenizerFast"),
+    **dict.fromkeys(("qwen3", "qwen3_moe"), ("Qwen2Tokenizer", "Qwen2Tokenizer")),
+    **dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma3_text"), ("GemmaTokenizer", "GemmaTokenizer")),
+}
 _FAST_NAMES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def _direct_class(folder: Path) -> str | None:
     """The transformers class ``AutoTokenizer`` would load the folder as, where that class can load it
     directly (a converted GGUF file's folder, specd's own models, a checkpoint naming its model type's
-    class): ``PreTrainedTokenizerFast`` or the model type's own; None: ``AutoTokenizer`` decides."""
+    class, or a class as NAMED): ``PreTrainedTokenizerFast`` or that class; None: ``AutoTokenizer``
+    decides (among others: a llama folder naming ``LlamaTokenizer`` over a byte-level tokenizer.json)."""
     try:
         tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
@@ -52,7 +62,16 @@ def _direct_class(folder: Path) -> str | None:
     own = OWN_CLASS.get(model_type)
     if own is not None and named in (*_FAST_NAMES, own, own + "Fast"):
         return own
-    return None
+    named_as, loaded_as = NAMED.get(model_type, (None, None))
+    if not isinstance(named, str) or named.removesuffix("Fast") != named_as:
+        return None
+    if loaded_as == "LlamaTokenizer":  # (AutoTokenizer's test for a byte-level tokenizer.json, as it is)
+        try:
+            if '"ByteLevel"' in (folder / "tokenizer.json").read_text(encoding="utf-8"):
+                return None
+        except (OSError, ValueError):
+            return None
+    return loaded_as
 
 
 def load_tokenizer(path: Path):
