@@ -530,9 +530,11 @@ def test_hostile_constraints_are_refused_at_once_and_others_keep_streaming(make_
     import urllib.error
     import urllib.request
 
+    # (the reference before the server: its loop thread steps the engine whenever it has work, a request
+    # generate() added included, and two threads stepping one engine corrupt both requests)
+    ref = engine.generate([engine.tokenizer(PROMPTS[2])["input_ids"]], *_canary_params())[0].output_ids
     srv = make_server(max_message_bytes=4 << 20)
     tasks_before = n_tasks(srv)
-    ref = engine.generate([engine.tokenizer(PROMPTS[2])["input_ids"]], *_canary_params())[0].output_ids
     with connect(f"ws://127.0.0.1:{srv.port}/ws") as canary, connect(f"ws://127.0.0.1:{srv.port}/ws") as ws:
         canary.send(gen("long", PROMPTS[2], 200, ignore_eos=True))
         for i, (fields, code) in enumerate(HOSTILE):
