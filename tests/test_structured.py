@@ -559,7 +559,8 @@ def streamed(text: str, rng: random.Random) -> tuple:
                 assert c.index == len(calls) and c.arguments == ""
                 calls[c.index] = [c.id, c.name, ""]
             calls[c.index][2] += c.arguments
-    assert [list(c) for c in [(x.id, x.name, x.arguments) for x in p.calls]] == list(calls.values())
+    done = [[x.id, x.name, x.arguments] for x in p.calls]
+    assert done == list(calls.values())[: len(done)] and len(calls) - len(done) <= p.cut  # (+ one cut short)
     return content or None, [tuple(v) for v in calls.values()], deltas
 
 
@@ -576,6 +577,16 @@ TEXTS = [
     "x <tool_call>not json</tool_call> y",
     '  <tool_call>\n{"name": "a\\"b", "arguments": {}}\n</tool_call>  tail text  ',
 ]
+CUT = [  # replies cut short (max_tokens): (text, content, [(name, arguments so far)], the last call cut)
+    ('Let me look.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b"', "Let me look.", [("add", '{"a": 1, "b"')],
+     True),
+    (TEXTS[1] + '\n<tool_call>\n{"name": "get_weather", "arguments": {"ci', None,
+     [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"ci')], True),
+    (TEXTS[1][:-4], None, [("add", '{"a": 1, "b": 2}')], True),  # the arguments closed, the tag not
+    ('<tool_call>\n{"name": "add", "arguments": ', None, [("add", "")], True),
+    (TEXTS[1] + "\nHi <tool_call>\n{\"na", "Hi", [("add", '{"a": 1, "b": 2}')], False),  # cut before the name:
+    ("x <tool_call>not json</tool_call> y <tool_", "x <tool_call>not json</tool_call> y <tool_", [], False),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -586,6 +597,37 @@ def test_streamed_tool_calls_reassemble_to_the_non_streamed_parse(text):
         assert (content, calls) == want, seed
         for d in deltas:  # OpenAI's delta shapes: the first of a call names it, the rest carry arguments
             assert set(d) in ({"index", "id", "type", "function"}, {"index", "function"})
+
+
+@pytest.mark.parametrize("text, content, calls, cut", CUT)
+def test_a_reply_cut_inside_a_call_parses_alike_streamed_or_not(text, content, calls, cut):
+    """Cut short inside a call, the non-streamed parse reports what the stream sent: the call last, its
+    arguments as far as they got, ``complete`` False (OpenAI's calls cut by ``max_tokens``); cut before
+    the call's name, nothing of it (the stream sent nothing). The finish reason stays the engine's
+    (``length``; not ``tool_calls`` after a stop string either)."""
+    from specd.serving.openai_routes import tool_finish
+    from specd.serving.protocol import tool_reply
+
+    got_content, got = parse_tool_calls(text, ids=lambda i: f"call_{i}")
+    assert (got_content, [(c.name, c.arguments) for c in got]) == (content, calls)
+    assert [c.complete for c in got] == [True] * (len(calls) - cut) + [False] * cut
+    assert [c.index for c in got] == list(range(len(got)))
+    for seed in range(25):
+        assert streamed(text, random.Random(seed))[:2] == flat((got_content, got)), seed
+    assert tool_finish("length", got) == "length"
+    assert tool_finish("stop", got) == ("stop" if cut or not got else "tool_calls")
+    assert tool_finish("stop", [c for c in got if c.complete], cut=cut) == tool_finish("stop", got)  # (streamed)
+    finish, fields = tool_reply(text, "stop")
+    assert finish == ("stop" if cut or not got else "tool_calls") and fields["content"] == content
+    assert [c["function"]["arguments"] for c in fields["tool_calls"]] == [a for _, a in calls]
+    p = ToolCallParser()
+    p.feed(text)
+    p.finish()
+    assert p.cut == cut
+    # tool_choice required / named: nothing but calls, so text outside them (a tag cut short) is no content
+    assert parse_tool_calls(text, ids=lambda i: f"call_{i}", free_text=False) == (None, got)
+    q = ToolCallParser(ids=lambda i: f"call_{i}", free_text=False)
+    assert [q.feed(text).content, q.finish().content] == ["", ""] and q.calls == [c for c in got if c.complete]
 
 
 def test_the_non_streamed_parse_reads_calls_and_content():

@@ -241,6 +241,31 @@ def test_streamed_tool_call_deltas_reassemble_to_the_non_streamed_reply(client):
     assert len(client.chat.completions.create(**one).choices[0].message.tool_calls) == 1
 
 
+def test_a_reply_cut_inside_a_call_is_the_same_streamed_or_not(client):
+    """``max_tokens`` ending a reply inside a call: the call comes last with its arguments as far as they
+    got, as OpenAI's (``finish_reason`` "length"), the same streamed and not; cut before the call's name,
+    neither reports anything of it (no content from the format's text)."""
+    kw = _chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    full = client.chat.completions.create(**kw, max_tokens=200)
+    (call,) = full.choices[0].message.tool_calls
+    n_full = full.usage.completion_tokens
+    cuts = []
+    for n in (3, *range(n_full - 24, n_full)):
+        r = client.chat.completions.create(**kw, max_tokens=n)
+        m = r.choices[0].message
+        whole = [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        content, streamed, finish = _stream_calls(client, **kw, max_tokens=n)
+        assert r.choices[0].finish_reason == finish == "length" and m.content is None and content is None, n
+        assert [(name, args) for _, _, name, args in streamed] == whole, n
+        assert len(whole) <= 1 and all(name == "w" and call.function.arguments.startswith(a) for name, a in whole)
+        cuts.append(whole[0][1] if whole else None)
+    inside = [a for a in cuts if a and a != call.function.arguments]  # cut inside the arguments
+    assert cuts[0] is None and inside and cuts[-1] == call.function.arguments, cuts  # (the last: the tag cut)
+    for a in inside:
+        with pytest.raises(ValueError):
+            json.loads(a)
+
+
 # Responses API -------------------------------------------------------------------------------------
 def _function_calls(resp) -> list:
     return [o for o in resp.output if o.type == "function_call"]

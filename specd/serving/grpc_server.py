@@ -177,8 +177,9 @@ def _to_engine_args(req: pb.GenerateRequest) -> dict:
     )
 
 
-def _done(seq, finish_reason: str, text: str | None = None) -> pb.Done:
-    """The final message; ``text``: the whole reply, parsed for tool calls (a request with tools)."""
+def _done(seq, finish_reason: str, text: str | None = None, free_text: bool = True) -> pb.Done:
+    """The final message; ``text``: the whole reply, parsed for tool calls (a request with tools;
+    ``free_text``: its ``ToolCallSpec.free_text``)."""
     s = summarize(seq)
     # proto floats have no null: an event that never happened (None) is 0, as is a negative span
     timing = {k: 0.0 if v is None else max(0.0, v) for k, v in s["timing"].items()}
@@ -189,8 +190,8 @@ def _done(seq, finish_reason: str, text: str | None = None) -> pb.Done:
         timing=pb.Timing(**timing),
     )
     if text is not None and finish_reason in ("stop", "length"):
-        content, calls = parse_tool_calls(text)
-        done.finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+        content, calls = parse_tool_calls(text, free_text=free_text)
+        done.finish_reason = "tool_calls" if calls and calls[-1].complete and finish_reason == "stop" else finish_reason
         done.tool_calls.extend(pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
         if content is not None:
             done.content = content
@@ -259,6 +260,7 @@ class SpecdServicer:
             await self._fail(context, e.code, str(e))
         stream = self.ae.generate(built.submit(rid, self._tenant(context)))
         n, parts = 0, ([] if built.tools is not None else None)
+        free = built.tools is None or built.tools.free_text
         try:
             async for out in stream:
                 if out.token_ids or out.text:
@@ -270,7 +272,9 @@ class SpecdServicer:
                     parts.append(out.text)
                 if out.finished:
                     text = "".join(parts) if parts is not None else None
-                    await context.write(pb.GenerateResponse(id=client_id, done=_done(out.seq, out.finish_reason, text)))
+                    await context.write(
+                        pb.GenerateResponse(id=client_id, done=_done(out.seq, out.finish_reason, text, free))
+                    )
                     return
             raise RequestError("internal", "the engine stream ended without finishing the request")
         except RequestError as e:

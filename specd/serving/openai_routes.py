@@ -47,10 +47,11 @@ def _prompt_chars(kw: dict) -> int:
     return len(prompt) if isinstance(prompt, str) else 0
 
 
-def tool_finish(reason: str, calls: list) -> str:
+def tool_finish(reason: str, calls: list, cut: bool = False) -> str:
     """OpenAI's finish reason of a reply parsed for tool calls: ``tool_calls`` when it ended (EOS)
-    with calls, else the engine's."""
-    return F.TOOL_CALLS if calls and reason == "stop" else F.FINISH[reason]
+    with calls, none of them cut short (``cut``, or a last call not ``complete``), else the engine's."""
+    cut = cut or (bool(calls) and not calls[-1].complete)
+    return F.TOOL_CALLS if calls and not cut and reason == "stop" else F.FINISH[reason]
 
 
 def cut_short(reason: str | None) -> APIError | None:
@@ -224,7 +225,7 @@ def _chat_whole(head: tuple, text: str, last, lp, tools) -> dict:
     """The ``chat.completion`` of a finished reply (parsed for tool calls when the request has tools)."""
     if tools is None:
         return F.chat_completion(*head, text, F.FINISH[last.finish_reason], F.usage(last.seq), lp)
-    content, calls = parse_tool_calls(text)
+    content, calls = parse_tool_calls(text, free_text=tools.free_text)
     return F.chat_completion(*head, content, tool_finish(last.finish_reason, calls), F.usage(last.seq), lp, calls)
 
 
@@ -268,7 +269,7 @@ async def _chat_events(
     def chunk(delta, finish=None, lp=None):
         return F.sse(F.chat_chunk(*head, delta, finish, with_usage, lp))
 
-    parser = ToolCallParser() if tools is not None else None
+    parser = ToolCallParser(free_text=tools.free_text) if tools is not None else None
     try:
         yield chunk({"role": "assistant", "content": ""})
         async for out in stream:
@@ -283,8 +284,8 @@ async def _chat_events(
                 if err is not None:
                     yield F.sse(err.body())
                     break
-                calls = parser.calls if parser is not None else []
-                yield chunk({}, tool_finish(out.finish_reason, calls))
+                calls, cut = (parser.calls, parser.cut) if parser is not None else ([], False)
+                yield chunk({}, tool_finish(out.finish_reason, calls, cut))
                 if with_usage:
                     yield F.sse(F.usage_chunk(*head, "chat.completion.chunk", F.usage(out.seq)))
     except RequestError as e:  # the engine failed the request mid-stream

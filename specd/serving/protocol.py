@@ -169,14 +169,15 @@ def _done(rid: str, finish_reason: str, summary: dict, err: tuple | None, extra:
     return orjson.dumps(m)
 
 
-def tool_reply(text: str, finish_reason: str) -> tuple:
+def tool_reply(text: str, finish_reason: str, free_text: bool = True) -> tuple:
     """``(finish_reason, fields)`` of a reply parsed for tool calls: ``content`` (the text outside the
-    calls, None when there is none), ``tool_calls`` (OpenAI's shape) and ``tool_calls`` as the finish
-    reason when it ended (EOS) with calls."""
+    calls, None when there is none), ``tool_calls`` (OpenAI's shape; a call the reply was cut short in
+    last, its arguments as far as they got) and ``tool_calls`` as the finish reason when it ended (EOS)
+    with calls, none cut short. ``free_text``: the request's ``ToolCallSpec.free_text``."""
     from specd.structured import parse_tool_calls
 
-    content, calls = parse_tool_calls(text)
-    if calls and finish_reason == "stop":
+    content, calls = parse_tool_calls(text, free_text=free_text)
+    if calls and calls[-1].complete and finish_reason == "stop":
         finish_reason = "tool_calls"
     return finish_reason, {"content": content, "tool_calls": [c.to_openai() for c in calls]}
 

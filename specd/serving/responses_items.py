@@ -53,7 +53,7 @@ class OutputItems:
 
     def __init__(self, msg_id: str, event, tools=None):
         self.msg_id, self.event = msg_id, event
-        self.parser = ToolCallParser() if tools is not None else None
+        self.parser = ToolCallParser(free_text=tools.free_text) if tools is not None else None
         self.order: list = []  # "message" or a _Call, in the order the items were added
         self.parts: list = []  # the message's text
         self.calls: dict = {}  # call index -> _Call

@@ -83,11 +83,12 @@ class WSServer:
 
 
 class _Req:
-    __slots__ = ("id", "engine_id", "task", "cancelled", "done", "n", "last", "out", "err", "text")
+    __slots__ = ("id", "engine_id", "task", "cancelled", "done", "n", "last", "out", "err", "text", "free_text")
 
     def __init__(self, rid: str, engine_id: str):
         self.id, self.engine_id = rid, engine_id
         self.text: list | None = None  # the reply's text so far, when it is parsed for tool calls
+        self.free_text = True  # (parsed for calls) it may hold text outside them: ToolCallSpec.free_text
         self.task: asyncio.Task | None = None
         self.cancelled = False
         self.done: asyncio.Future | None = None  # set once the final frame is out (admitted requests)
@@ -194,7 +195,7 @@ class Conn:
         """A finished request's ``done`` (with its tool calls parsed when it has tools)."""
         if r.text is None or out.finish_reason not in ("stop", "length"):
             return P.done(r.id, out.seq, out.finish_reason)
-        reason, fields = P.tool_reply("".join(r.text), out.finish_reason)
+        reason, fields = P.tool_reply("".join(r.text), out.finish_reason, r.free_text)
         return P.done(r.id, out.seq, reason, extra=fields)
 
     def _error_done(self, r: _Req, err: BaseException) -> bytes:
@@ -333,6 +334,7 @@ class Conn:
             if req.grammar is not None:
                 await self._check_grammar(ae, req)
                 r.text = [] if req.tools is not None else None
+                r.free_text = req.tools is None or req.tools.free_text
                 if r.cancelled:
                     await self.send(P.done_empty(r.id, "cancelled", len(ids)))
                     return

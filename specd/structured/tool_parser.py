@@ -8,10 +8,13 @@ non-streamed parse:
   ``arguments`` string is the arguments object's text exactly as generated;
 - ``content`` is the text outside calls, without the whitespace at the reply's ends and around
   calls (the newlines of the format); None when nothing is left;
-- text that only looks like a call (no closing tag, not JSON, no ``name`` / ``arguments``) stays
-  content in the non-streamed parse. A grammar-constrained reply never has one; a stream cut short
-  inside a call (``max_tokens``) has streamed that call's start: ``finish()`` then reports it in
-  ``incomplete``.
+- text that only looks like a call (not JSON, no ``name`` / ``arguments``) stays content. A
+  grammar-constrained reply never has one;
+- a reply cut short inside a call (``max_tokens``, a stop string) has streamed that call's start:
+  ``finish()`` reports it in ``incomplete`` (and ``cut``), and the non-streamed parse gives it too, as
+  its last call with the arguments text generated so far and ``complete`` False (OpenAI's calls cut by
+  ``max_tokens``: ``finish_reason`` "length", the arguments not valid JSON yet). A reply cut before the
+  call's name was complete has streamed nothing of it: neither parse reports it, as content or call.
 
 Streaming, as OpenAI sends it: a call's first delta carries ``index``, ``id``, ``type`` and the
 function ``name`` with empty ``arguments``; later deltas carry ``index`` and argument fragments.
@@ -50,12 +53,13 @@ def new_call_id(index: int) -> str:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One complete call: ``arguments`` is JSON text (an object)."""
+    """One call: ``arguments`` is JSON text (an object), or its start where ``complete`` is False."""
 
     index: int
     id: str
     name: str
     arguments: str
+    complete: bool = True  # False: the reply ended inside this call (arguments cut short)
 
     def to_openai(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -105,8 +109,10 @@ def _call(inner: str) -> tuple | None:
     return obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)
 
 
-def parse_tool_calls(text: str, ids: Callable[[int], str] = new_call_id) -> tuple:
-    """``(content or None, [ToolCall])`` of a whole reply (see the module docstring)."""
+def parse_tool_calls(text: str, ids: Callable[[int], str] = new_call_id, free_text: bool = True) -> tuple:
+    """``(content or None, [ToolCall])`` of a whole reply (see the module docstring). ``free_text``
+    False: the reply's grammar allows nothing but calls (``tool_choice`` required or named), so text
+    outside them is the format's (a tag cut short) and content is None."""
     segments: list = []
     calls: list = []
     pos = 0
@@ -117,8 +123,20 @@ def parse_tool_calls(text: str, ids: Callable[[int], str] = new_call_id) -> tupl
         segments.append(text[pos : m.start()])
         calls.append(ToolCall(len(calls), ids(len(calls)), parsed[0], parsed[1]))
         pos = m.end()
-    segments.append(text[pos:])
-    content = "".join(s.strip() for s in segments)
+    tail = text[pos:]
+    k = tail.rfind(TOOL_OPEN)
+    if k >= 0 and TOOL_CLOSE not in tail[k:]:  # the reply ended inside a call: as the stream parses it
+        segments.append(tail[:k])
+        cut = ToolCallParser(ids=lambda i: ids(len(calls) + i))
+        parts = [cut.feed(tail[k:]), cut.finish()]
+        segments.append("".join(d.content for d in parts))
+        pieces = [c for d in parts for c in d.tool_calls]
+        if pieces:
+            args = "".join(c.arguments for c in pieces)
+            calls.append(ToolCall(len(calls), pieces[0].id, pieces[0].name, args, complete=False))
+    else:
+        segments.append(tail)
+    content = "".join(s.strip() for s in segments) if free_text else None
     return content or None, calls
 
 
@@ -158,10 +176,13 @@ def _object_end(text: str, state: list) -> int:
 
 class ToolCallParser:
     """Incremental :func:`parse_tool_calls`: ``feed(text_delta)`` as the reply streams, ``finish()`` at
-    its end; each returns a :class:`ParseDelta`. ``calls`` holds the completed :class:`ToolCall` s."""
+    its end; each returns a :class:`ParseDelta`. ``calls`` holds the completed :class:`ToolCall` s; ``cut``
+    whether the reply ended inside one more, started (its name sent). ``free_text``: as
+    :func:`parse_tool_calls`'."""
 
-    def __init__(self, ids: Callable[[int], str] = new_call_id):
+    def __init__(self, ids: Callable[[int], str] = new_call_id, free_text: bool = True):
         self._ids = ids
+        self._free_text = free_text  # False: no content (as parse_tool_calls)
         self._buf = ""
         self._state = "text"  # text | header | args | tail
         self._skip_ws = True  # at the reply's start and after a call
@@ -171,6 +192,7 @@ class ToolCallParser:
         self._name, self._id = "", ""
         self._args: list = []
         self.calls: list = []
+        self.cut = False  # finish() found the reply inside a call
 
     def feed(self, text: str) -> ParseDelta:
         out = ParseDelta()
@@ -185,10 +207,13 @@ class ToolCallParser:
             self._text(self._buf, out)
         else:
             out.incomplete = True
+            self.cut = self._state != "header"  # (a call was started: its name and id were sent)
         self._buf, self._ws = "", ""
         return out
 
     def _text(self, s: str, out: ParseDelta) -> None:
+        if not self._free_text:
+            return
         if self._skip_ws:
             s = s.lstrip()
             self._skip_ws = not s

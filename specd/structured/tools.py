@@ -89,6 +89,11 @@ class ToolCallSpec:
             return self.functions
         return tuple(f for f in self.functions if f.name == self.name)
 
+    @property
+    def free_text(self) -> bool:
+        """Whether the reply may hold text outside its calls (``auto``; else nothing but calls)."""
+        return self.choice == "auto"
+
     def to_json(self) -> dict:
         fns = [f.to_json() for f in self.functions]
         return {"functions": fns, "choice": self.choice, "name": self.name, "parallel": self.parallel}
