@@ -82,6 +82,10 @@ def _generate_setup(a) -> tuple:
             max_tokens=a.max_tokens,
             stop=tuple(a.stop or ()),
             ignore_eos=a.ignore_eos,
+            min_p=a.min_p,
+            presence_penalty=a.presence_penalty,
+            frequency_penalty=a.frequency_penalty,
+            repetition_penalty=a.repetition_penalty,
         )
     except (LoadError, ValueError) as e:
         raise _CliError(str(e)) from None
@@ -193,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="in (0, 10]; 1 = off")
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append")
     g.add_argument("--ignore-eos", action="store_true")

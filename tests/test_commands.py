@@ -59,19 +59,23 @@ SAMPLES = {
     "ignore_eos": True,
     "logprobs": 2,
     "logit_bias": ((5, -2.0),),
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "repetition_penalty": 1.2,
+    "min_p": 0.1,
 }
 
 
 @dataclasses.dataclass(frozen=True)
-class MinPParams(SamplingParams):
+class TypicalPParams(SamplingParams):
     """A sampling parameter the links and commands have never heard of (test only)."""
 
-    min_p: float = 0.0
+    typical_p: float = 1.0
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0.0 < self.typical_p <= 1.0:
+            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
 
 
 def test_samples_cover_every_sampling_field():
@@ -89,7 +93,7 @@ def _limits() -> EngineLimits:
 def _messages() -> list:
     from specd.config import EngineConfig
 
-    sub = Submit("r1", [3, 4, 5], MinPParams(min_p=0.05, **SAMPLES), SpecParams("tree", 8), "batch", "tenant-x")
+    sub = Submit("r1", [3, 4, 5], TypicalPParams(typical_p=0.05, **SAMPLES), SpecParams("tree", 8), "batch", "tenant-x")
     stats = SpecStats()
     stats.record(4, 2, 1, "draft")
     state = SeqState("batch", SpecParams("chain"), 3, 2, 1.0, 1.5, 2.0, 3.0, 1, "stop", None, 16, stats)
@@ -131,7 +135,7 @@ def test_every_message_round_trips_through_pickle_and_the_pipe_frozen():
         got += reader.read()
     reader.close()
     assert got == msgs
-    assert got[0].params.min_p == 0.05 and type(got[0].params) is MinPParams
+    assert got[0].params.typical_p == 0.05 and type(got[0].params) is TypicalPParams
 
 
 def test_submit_checks_what_it_carries():
@@ -271,7 +275,7 @@ def _check_received(spy: SpyEngine, sub: Submit) -> None:
         sub.request_id,
         sub.tenant,
     )
-    assert type(params) is MinPParams and params == sub.params and params.min_p == 0.05
+    assert type(params) is TypicalPParams and params == sub.params and params.typical_p == 0.05
     assert all(getattr(params, f) == getattr(sub.params, f) for f in SAMPLING_FIELDS)
 
 
@@ -279,7 +283,7 @@ def test_a_submit_reaches_the_engine_unchanged_through_the_thread_link():
     from specd.serving.async_engine import AsyncEngine
 
     spy = SpyEngine(n=3)
-    sub = Submit("t1", [1, 2, 3], MinPParams(min_p=0.05, **SAMPLES), SpecParams("chain", 4), "batch", "k")
+    sub = Submit("t1", [1, 2, 3], TypicalPParams(typical_p=0.05, **SAMPLES), SpecParams("chain", 4), "batch", "k")
 
     async def main():
         ae = AsyncEngine(spy, max_queue=4)
@@ -463,7 +467,7 @@ def test_a_submit_reaches_the_engine_unchanged_through_the_process_link_wire():
     from specd.engine.links import RECORD
 
     spy = SpyEngine(n=2)
-    sub = Submit("p1", [4, 5], MinPParams(min_p=0.05, **SAMPLES), SpecParams("tree", 16), "interactive", "k2")
+    sub = Submit("p1", [4, 5], TypicalPParams(typical_p=0.05, **SAMPLES), SpecParams("tree", 16), "interactive", "k2")
     t, link, pipes = _child_end(spy)
     link.send(sub)
     link.send(Snapshot())

@@ -179,6 +179,23 @@ def test_greedy_stream_matches_engine_generate(ref_engine, daemon, stub, mode):
     assert daemon.engine.kv_blocks_used() == (0, 0)
 
 
+def test_penalties_reach_the_engine(ref_engine, daemon, stub):
+    """presence / frequency / repetition penalties and min_p: the engine's penalized greedy reply; a
+    bad value is INVALID_ARGUMENT naming the field."""
+    kw = {"presence_penalty": 0.5, "frequency_penalty": 1.0, "repetition_penalty": 1.25, "min_p": 0.1}
+    ids = ref_engine.tokenizer(PROMPT)["input_ids"]
+    ref = off_main_thread(ref_engine.generate, [ids], SamplingParams(temperature=0.0, max_tokens=40, **kw))[0]
+    plain = off_main_thread(ref_engine.generate, [ids], SamplingParams(temperature=0.0, max_tokens=40))[0]
+    assert ref.output_ids != plain.output_ids
+    deltas, _ = collect(
+        stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=40, temperature=0.0, **kw), timeout=DEADLINE)
+    )
+    assert [t for d in deltas for t in d.token_ids] == ref.output_ids
+    with pytest.raises(grpc.RpcError) as ei:
+        list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=4, frequency_penalty=-2.5), timeout=DEADLINE))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "frequency_penalty" in ei.value.details()
+
+
 def test_chat_messages_and_stop_strings(daemon, stub):
     tok = daemon.engine.tokenizer
     msgs = [pb.ChatMessage(role="user", content="Once upon a time")]

@@ -26,6 +26,7 @@ MODEL = "stories260K"
 PROMPT = "Once upon a time"
 LONG = "Lily and Tom went to the park. They saw a big tree and a little dog. The dog was happy and ran around. " * 2
 N = 24
+PENALIZED = {"presence_penalty": 0.6, "frequency_penalty": 0.9, "repetition_penalty": 1.2, "min_p": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,7 @@ def reference(engine):
         "chat": _greedy(engine, messages=[{"role": "user", "content": PROMPT}]),
         "prompt": _greedy(engine, prompt=PROMPT),
         "long": _greedy(engine, messages=[{"role": "user", "content": LONG}]),
+        "penalized": _greedy(engine, messages=[{"role": "user", "content": LONG}], **PENALIZED),
     }
 
 
@@ -291,6 +293,35 @@ def test_greedy_text_equal_over_http_both_websockets_and_in_process(server, clie
         final = _until_final(conn)[-1].response
     assert http.choices[0].message.content == "".join(d["text"] for d in deltas) == final.output_text == text
     assert done["usage"]["completion_tokens"] == http.usage.completion_tokens == final.usage.output_tokens
+
+
+def test_penalties_over_http_and_the_websocket_are_the_engines(server, client, reference):
+    """OpenAI's presence / frequency penalties and vLLM's repetition_penalty / min_p reach the engine
+    from every front end: the same greedy reply as in process, unlike the unpenalized one."""
+    text = reference["penalized"][0]
+    assert text != reference["long"][0]
+    messages = [{"role": "user", "content": LONG}]
+    extra = {k: v for k, v in PENALIZED.items() if k in ("repetition_penalty", "min_p")}
+    http = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=N,
+        temperature=0,
+        presence_penalty=PENALIZED["presence_penalty"],
+        frequency_penalty=PENALIZED["frequency_penalty"],
+        extra_body=extra,
+    )
+    with connect(f"ws://127.0.0.1:{server.port}/ws") as ws:
+        gen = {"type": "generate", "id": "p", "messages": messages, "max_tokens": N, "temperature": 0, **PENALIZED}
+        ws.send(orjson.dumps(gen).decode())
+        deltas, _ = ws_collect(ws, "p")
+        ws.send(orjson.dumps({**gen, "id": "bad", "repetition_penalty": 0}).decode())
+        bad = orjson.loads(ws.recv(timeout=30))
+    assert http.choices[0].message.content == "".join(d["text"] for d in deltas) == text
+    assert (bad["type"], bad["code"]) == ("error", "invalid_request") and "repetition_penalty" in bad["message"]
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, presence_penalty=2.5)
+    assert ei.value.body["param"] == "presence_penalty"
 
 
 # refusals: OpenAI's error shape and statuses -------------------------------------------------------------

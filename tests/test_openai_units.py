@@ -36,7 +36,10 @@ def test_chat_body_maps_to_the_shared_request_arguments():
             "seed": 3,
             "stop": "\n",
             "n": 1,
-            "presence_penalty": 0,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.25,
+            "repetition_penalty": 1.1,
+            "min_p": 0.05,
             "stream": True,
             "stream_options": {"include_usage": True},
             "speculation": {"mode": "off"},
@@ -48,6 +51,12 @@ def test_chat_body_maps_to_the_shared_request_arguments():
     assert p.engine["messages"] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
     assert p.engine["max_tokens"] == 7  # max_completion_tokens wins over the older max_tokens
     assert (p.engine["temperature"], p.engine["seed"], p.engine["stop"], p.engine["top_k"]) == (0.0, 3, "\n", 4)
+    assert [p.engine[k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")] == [
+        0.5,
+        -0.25,
+        1.1,
+        0.05,
+    ]
     assert p.engine["speculation"] == {"mode": "off"} and p.stream and p.include_usage
 
 
@@ -72,7 +81,9 @@ def test_chat_body_maps_to_the_shared_request_arguments():
         ({"logprobs": 1}, "logprobs", "invalid_value"),
         ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty", "invalid_value"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+        ({"min_p": -0.1}, "min_p", "invalid_value"),
         ({"logit_bias": {"1": 200}}, "logit_bias", "invalid_value"),
         ({"functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
         ({"function_call": "auto"}, "function_call", "unsupported_parameter"),

@@ -72,10 +72,11 @@ def test_params_validation(kwargs):
 def test_params_valid_edges():
     SamplingParams(top_k=-1)
     SamplingParams(top_k=1, top_p=1e-9, temperature=1e-6, max_tokens=1, seed=2**70)
-    assert sampling_tensors([SamplingParams(temperature=0.5, top_k=3, top_p=0.9)] * 2) == (
+    assert sampling_tensors([SamplingParams(temperature=0.5, top_k=3, top_p=0.9, min_p=0.1)] * 2) == (
         [0.5, 0.5],
         [3, 3],
         [0.9, 0.9],
+        [0.1, 0.1],
     )
 
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specd.sampling.penalties import penalize_
 from specd.sampling.probs import add_logit_bias_
 from specd.sampling.tree import DraftTree
 from specd.speculation.proposal import Proposal
@@ -212,17 +213,23 @@ class Constraints:
             self._worker = None
 
     def apply(self, tp, masks: StepMasks) -> None:
-        """Each request's ``logit_bias`` added to its rows of the step's logits, then forbidden
-        logits := -inf in each constrained request's rows (both before verification: greedy and
-        the rejection sampler see the target as biased and constrained)."""
+        """Each request's ``logit_bias`` added to its rows of the step's logits, its penalties applied
+        to them (each row with the reply as far as its draft path: ``specd.sampling.penalties``), then
+        forbidden logits := -inf in each constrained request's rows (all before verification: greedy
+        and the rejection sampler see the target as biased, penalized and constrained)."""
         rows = masks.resolve()
         self._inflight = None
         if tp.logits is None:
             return
         with torch.inference_mode():  # (the forward's logits are inference tensors)
             for w in tp.work:
-                if w.tree is not None and w.sc.seq.params.logit_bias:
-                    add_logit_bias_(tp.logits, range(w.row0, w.row0 + w.tree.num_nodes), w.sc.seq.params.logit_bias)
+                if w.tree is None:
+                    continue
+                seq = w.sc.seq
+                if seq.params.logit_bias:
+                    add_logit_bias_(tp.logits, range(w.row0, w.row0 + w.tree.num_nodes), seq.params.logit_bias)
+                if seq.params.penalized:
+                    penalize_(tp.logits, w.row0, w.tree, seq.params, seq.prompt_ids, seq.output_ids)
             if not rows:
                 return
             from specd.structured import apply_bitmask_

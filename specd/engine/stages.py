@@ -217,16 +217,22 @@ def _verify_sampled(work: list, logits: torch.Tensor) -> list:
     temp: list[float] = []
     topk: list[int] = []
     topp: list[float] = []
+    minp: list[float] = []
     for w in work:
         p, n = w.sc.seq.params, w.tree.num_nodes
         rows += range(w.row0, w.row0 + n)
         temp += [p.temperature] * n
         topk += [p.top_k] * n
         topp += [p.top_p] * n
+        minp += [p.min_p] * n
     dev = logits.device
     # params stay on the host: logits_to_probs picks its fast path without a device sync
     probs = logits_to_probs(
-        logits[torch.tensor(rows, device=dev)], torch.tensor(temp), torch.tensor(topk), torch.tensor(topp)
+        logits[torch.tensor(rows, device=dev)],
+        torch.tensor(temp),
+        torch.tensor(topk),
+        torch.tensor(topp),
+        torch.tensor(minp),
     )
     dps = []
     for w in work:

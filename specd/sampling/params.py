@@ -22,6 +22,8 @@ MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # alternatives per token with ``logprobs`` (OpenAI's top_logprobs bound)
 MAX_LOGIT_BIAS = 300  # entries of ``logit_bias`` (OpenAI's bound)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's bound)
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,17 @@ class SamplingParams:
                     ``{"50256": -100}``, is accepted and stored as sorted pairs; the engine checks
                     the ids against its vocabulary); speculation verifies against the biased
                     distribution, so output stays that of the target with the bias
+    presence_penalty, frequency_penalty
+                    in [-2, 2] (OpenAI's): subtracted from the logit of every token the reply holds
+                    so far, once (presence) and per occurrence (frequency); 0 = off
+    repetition_penalty
+                    in (0, 10] (vLLM's and Hugging Face's): the logit of every token of the prompt or
+                    the reply so far is divided by it when positive, else multiplied; 1 = off
+    min_p           in [0, 1] (vLLM's): after temperature, tokens less likely than min_p times the
+                    likeliest are dropped (before top-k and top-p); 0 = off
+                    The penalties apply to every row the target verifies, each with the reply as far
+                    as that row's draft path (``specd.sampling.penalties``): speculation verifies
+                    against the penalized distribution, so output stays that of the target with them
     Every refusal is a ValueError naming the field.
     """
 
@@ -61,6 +74,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self):
         t = _real("temperature", self.temperature)
@@ -84,10 +101,28 @@ class SamplingParams:
         object.__setattr__(self, "stop", _stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _real(name, getattr(self, name))
+            if not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {v}")
+            object.__setattr__(self, name, v)
+        r = _real("repetition_penalty", self.repetition_penalty)
+        if not 0 < r <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {r}")
+        m = _real("min_p", self.min_p)
+        if not 0 <= m <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {m}")
+        object.__setattr__(self, "repetition_penalty", r)
+        object.__setattr__(self, "min_p", m)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes the target's logits (``specd.sampling.penalties``)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def _real(name: str, v) -> float:

@@ -32,28 +32,35 @@ __all__ = [
 ]
 
 
-def sampling_tensors(params: Sequence[SamplingParams]) -> tuple[list[float], list[int], list[float]]:
-    """(temperature, top_k, top_p) lists for :func:`logits_to_probs`, one entry per row."""
-    return ([p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params])
+def sampling_tensors(params: Sequence[SamplingParams]) -> tuple[list[float], list[int], list[float], list[float]]:
+    """(temperature, top_k, top_p, min_p) lists for :func:`logits_to_probs`, one entry per row."""
+    return (
+        [p.temperature for p in params],
+        [p.top_k for p in params],
+        [p.top_p for p in params],
+        [p.min_p for p in params],
+    )
 
 
 def _on_host(x) -> bool:
     return not isinstance(x, torch.Tensor) or x.device.type == "cpu"
 
 
-def logits_to_probs(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
-    """Per-row temperature, top-k and top-p, vectorised over rows.
+def logits_to_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p=None) -> torch.Tensor:
+    """Per-row temperature, min-p, top-k and top-p, vectorised over rows.
 
     Args:
       logits       [N, V] float
       temperature  [N] float (tensor or sequence); 0 = greedy row
       top_k        [N] int; 0 / -1 (any value <= 0) or >= V = off
       top_p        [N] float in (0, 1]; 1 = off
+      min_p        [N] float in [0, 1]; 0 = off (None: off for every row)
     Returns:
       probs        [N, V] float32, rows sum to 1
 
-    Order: logits / temperature, then top-k, then top-p on the top-k-renormalised distribution,
-    then renormalise. Top-k keeps exactly k tokens and top-p the smallest set of most likely
+    Order: logits / temperature, then min-p (tokens whose probability is below min_p times the
+    likeliest token's are dropped, as vLLM's), then top-k, then top-p on the top-k-renormalised
+    distribution, then renormalise. Top-k keeps exactly k tokens and top-p the smallest set of most likely
     tokens whose mass is >= top_p (always at least one); both rank tokens by a stable descending
     sort, so ties at a boundary go to the lower token id. A greedy row is the one-hot of
     ``torch.argmax`` of its logits (ties -> lowest index).
@@ -82,6 +89,14 @@ def logits_to_probs(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Te
         if all_greedy:
             return onehot
     scaled = logits / torch.where(greedy, 1.0, temp)[:, None]  # [N, V]
+    if min_p is not None:
+        m_h, m = _row_param(min_p, torch.float32, dev)  # [N]
+        if m.shape[0] != n:
+            raise ValueError(f"need one min_p per row ({n}), got {m.shape[0]}")
+        if _any(m_h, m, lambda x: x > 0):
+            probs = torch.softmax(scaled, dim=-1)  # [N, V]
+            low = probs < m[:, None] * probs.max(dim=-1, keepdim=True).values
+            scaled = scaled.masked_fill(low, float("-inf"))
     use_k = _any(k_h, k, lambda x: (x > 0) & (x < v))
     use_p = _any(p_h, p, lambda x: x < 1)
     if use_k or use_p:

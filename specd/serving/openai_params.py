@@ -13,18 +13,18 @@ Constraints (``engine["grammar"]``, a ``specd.structured.GrammarSpec``): chat's 
 completions' ``response_format`` and vLLM's; responses' ``text.format`` and function ``tools``; a bad
 one is a 400 with the grammar's code naming the field (``grammar_error``). Sampling:
 ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``, ``temperature``, ``top_p``,
-``seed``, ``stop``, ``logit_bias``, ``n`` = 1, plus the extensions ``top_k``, ``stop_token_ids``,
-``ignore_eos``, ``priority`` and ``speculation`` ({mode: auto|off|chain|tree, max_draft_tokens}). Log-probabilities:
+``seed``, ``stop``, ``logit_bias``, ``presence_penalty``, ``frequency_penalty``, ``n`` = 1, plus the
+extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
+``priority`` and ``speculation`` ({mode: auto|off|chain|tree, max_draft_tokens}). Log-probabilities:
 chat ``logprobs: true`` with ``top_logprobs`` 0..20, completions ``logprobs`` 0..20 (the engine's
 ``SamplingParams.logprobs``). Fields that would change the output in ways the engine cannot honour
-(penalties, the deprecated ``functions``, ``n`` > 1, ``echo``, ``best_of``,
+(the deprecated ``functions``, ``n`` > 1, ``echo``, ``best_of``,
 ``suffix``, tools on completions; log-probabilities on ``/v1/responses``) are refused with 400 ``unsupported_parameter``
 rather than silently ignored; unknown fields are ignored.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from specd.engine.requests import SAMPLING_FIELDS, RequestError
@@ -60,15 +60,6 @@ def _bad(param: str, msg: str, code: str = "invalid_value") -> APIError:
 
 def _unsupported(param: str, msg: str) -> APIError:
     return APIError(400, msg, param=param, code="unsupported_parameter")
-
-
-def _number(b: dict, key: str) -> float | None:
-    v = b.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _bad(key, f"'{key}' must be a number, got {v!r}"[:300])
-    return float(v)
 
 
 def _float(v) -> float | None:
@@ -116,9 +107,6 @@ def check_model(body: dict, served: str) -> None:
 
 def _refuse_unsupported(b: dict) -> None:
     """Fields whose effect the engine cannot honour: refused, not ignored."""
-    for key in ("presence_penalty", "frequency_penalty"):
-        if _number(b, key) not in (None, 0.0):
-            raise _unsupported(key, f"'{key}' is not supported (only 0)")
     for key in ("functions", "function_call"):
         if b.get(key):
             raise _unsupported(key, f"'{key}' is not supported (use 'tools' and 'tool_choice')")

@@ -1,0 +1,104 @@
+"""Repetition, frequency and presence penalties on the rows the target verifies for one request.
+
+Every row of a request's draft tree predicts the token after its node, so its penalties count the
+reply as far as that node: the tokens the reply holds (``output``; the pending root among them once
+the reply has begun) plus the draft tokens on the node's path below the root (its ancestors and
+itself). Plain decoding penalizes its one row with the reply so far; after a speculative step
+accepted a path, the next row is penalized with exactly the tokens that row of the tree counted.
+The processed logits of every verified row are those plain decoding would compute at that place,
+bit for bit (the same elementwise float32 operations on the same counts), so greedy output equals
+plain decoding's and the rejection sampler reproduces the penalized distribution.
+
+As vLLM applies them (``vllm/model_executor/layers/utils.py: apply_penalties``), in this order:
+
+- ``repetition_penalty`` r (Hugging Face's ``RepetitionPenaltyLogitsProcessor``, CTRL): a token of
+  the prompt or of the reply so far has its logit divided by r when positive, else multiplied by r;
+- ``frequency_penalty`` f: minus f times the token's count in the reply so far;
+- ``presence_penalty`` p: minus p for a token the reply holds at all.
+
+Worked example: prompt ``[5]``, reply so far ``[7, 7]`` (the root is the second 7), a draft tree
+root -> 9 -> 7. Row 0 counts {7: 2}, row 1 (after 9) {7: 2, 9: 1}, row 2 (after 9, 7) {7: 3, 9: 1};
+with f = 0.5 every row's token 7 loses 0.5 per count, and with r the rows' tokens 5, 7 (and 9 from
+row 1 on) are divided or multiplied by r.
+
+Only the tokens a request has seen are touched: the rows' columns of those tokens are gathered,
+penalized and written back (a few hundred columns, not the vocabulary).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specd.sampling.params import SamplingParams
+from specd.sampling.tree import DraftTree
+
+__all__ = ["penalize_", "penalized_reference"]
+
+
+def penalize_(
+    logits: torch.Tensor, row0: int, tree: DraftTree, params: SamplingParams, prompt: Sequence, output: Sequence
+) -> None:
+    """Penalize ``logits[row0 : row0 + tree.num_nodes]`` (the request's rows, node i at ``row0 + i``)
+    in place for ``params`` (a no-op unless ``params.penalized``). ``prompt`` / ``output``: the
+    request's prompt and reply token ids so far."""
+    if not params.penalized:
+        return
+    nt, vocab = tree.num_nodes, logits.shape[1]
+    dev = logits.device
+    rep = params.repetition_penalty != 1
+    n_out, n_path = len(output), nt - 1
+    seen = torch.tensor([*output, *tree.token_list[1:], *(prompt if rep else ())], dtype=torch.int64)
+    if not len(seen):
+        return
+    cols, idx = seen.unique(return_inverse=True)  # [U] sorted token ids the rows touch; each one's column
+    if int(cols[-1]) >= vocab or int(cols[0]) < 0:
+        raise ValueError(f"token {int(cols[-1])} is outside the logits' {vocab} columns")
+    counts = torch.zeros((nt, len(cols)), dtype=torch.float32)  # [nt, U] the reply's counts per row
+    if n_out:
+        counts += torch.bincount(idx[:n_out], minlength=len(cols)).float()
+    if n_path:  # each draft token counts in its own row and its descendants' rows
+        col = idx[n_out : n_out + n_path].tolist()
+        paths: list[list[int]] = [[]]
+        pairs_r: list[int] = []
+        pairs_c: list[int] = []
+        for i in range(1, nt):
+            p = paths[tree.parent_list[i]] + [col[i - 1]]
+            paths.append(p)
+            pairs_r += [i] * len(p)
+            pairs_c += p
+        counts.index_put_((torch.tensor(pairs_r), torch.tensor(pairs_c)), torch.ones(len(pairs_r)), accumulate=True)
+    rows = torch.arange(row0, row0 + nt, device=dev)[:, None]  # [nt, 1]
+    at = cols.to(dev)[None, :]  # [1, U]
+    sub = logits[rows, at].float()  # [nt, U]
+    counts = counts.to(dev)
+    if rep:
+        hit = counts > 0
+        if len(prompt):
+            in_prompt = torch.zeros(len(cols), dtype=torch.bool)
+            in_prompt[idx[n_out + n_path :]] = True
+            hit |= in_prompt.to(dev)[None, :]
+        r = params.repetition_penalty
+        sub = torch.where(hit, torch.where(sub > 0, sub / r, sub * r), sub)
+    if params.frequency_penalty != 0:
+        sub = sub - params.frequency_penalty * counts
+    if params.presence_penalty != 0:
+        sub = sub - params.presence_penalty * (counts > 0).float()
+    logits[rows, at] = sub.to(logits.dtype)
+
+
+def penalized_reference(logits: torch.Tensor, params: SamplingParams, prompt: Sequence, history: Sequence):
+    """One row [V] penalized the plain way (dense counts of ``history``, the reply so far): the
+    reference :func:`penalize_` is tested against."""
+    out = logits.float().clone()
+    vocab = out.shape[0]
+    counts = torch.bincount(torch.tensor(list(history), dtype=torch.int64), minlength=vocab).float()[:vocab]
+    if params.repetition_penalty != 1:
+        hit = counts > 0
+        if prompt:
+            hit[torch.tensor(list(prompt))] = True
+        r = params.repetition_penalty
+        out = torch.where(hit, torch.where(out > 0, out / r, out * r), out)
+    out = out - params.frequency_penalty * counts
+    return out - params.presence_penalty * (counts > 0).float()
