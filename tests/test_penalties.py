@@ -98,6 +98,27 @@ def test_every_tree_row_is_the_plain_row_of_its_path_bit_for_bit(kw):
     assert torch.equal(off, kept)
 
 
+@pytest.mark.parametrize("kw", PENALTIES)
+def test_a_reduced_vocabulary_is_penalized_in_its_own_columns(kw):
+    """``penalize_rows_`` with ``columns`` (a feature head's reduced vocabulary): each kept token's column
+    gets what the full vocabulary's row gets; tokens without a column are left out."""
+    from specd.sampling.penalties import penalize_rows_
+
+    rng = random.Random(1)
+    params, vocab = SamplingParams(**kw), 60
+    d2t = torch.tensor(sorted(rng.sample(range(vocab), 25)))
+    columns = torch.full((vocab,), -1, dtype=torch.int64)
+    columns[d2t] = torch.arange(len(d2t))
+    for _ in range(10):
+        paths = [[rng.randrange(vocab) for _ in range(rng.randint(0, 4))] for _ in range(4)]
+        prompt, output = [rng.randrange(vocab) for _ in range(9)], [rng.randrange(vocab) for _ in range(12)]
+        full = torch.randn(4, vocab) * 3
+        small = full[:, d2t].clone()
+        penalize_rows_(full, range(4), paths, params, prompt, output)
+        penalize_rows_(small, [0, 1, 2, 3], paths, params, prompt, output, columns)
+        assert torch.equal(small, full[:, d2t])
+
+
 def test_the_reference_is_openais_and_hugging_faces_formula():
     """Presence / frequency: minus p once and f per occurrence in the reply; repetition: HF's
     ``RepetitionPenaltyLogitsProcessor`` over prompt + reply."""
@@ -148,6 +169,24 @@ def test_greedy_with_penalties_is_the_same_with_every_proposer(engine, prompts, 
         if mode in ("chain", "tree"):
             assert sum(s.stats.accepted_tokens for s in seqs) > len(prompts)  # drafts were verified and kept
     assert engine.kv_blocks_used() == (0, 0)
+
+
+def test_the_drafter_drafts_from_the_penalized_distribution(engine, prompts, monkeypatch):
+    """The draft model's rows are penalized as the target's will be (the reply as far as each node):
+    with a repetition penalty its drafts are accepted more often than unpenalized drafts (the same
+    output either way)."""
+    from specd.speculation.drafter import Drafter
+
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, repetition_penalty=1.3)
+
+    def run():
+        seqs = engine.generate(prompts, params, SpecParams(mode="chain"))
+        return [s.output_ids for s in seqs], sum(s.stats.accepted_tokens for s in seqs)
+
+    out, accepted = run()
+    monkeypatch.setattr(Drafter, "_penalize", lambda self, frontier, logits: None)
+    out_plain, accepted_plain = run()
+    assert out == out_plain and accepted > 1.05 * accepted_plain, (accepted, accepted_plain)
 
 
 def test_a_mixed_batch_penalizes_each_request_by_its_own_reply(engine, prompts):

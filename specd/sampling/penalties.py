@@ -34,7 +34,7 @@ import torch
 from specd.sampling.params import SamplingParams
 from specd.sampling.tree import DraftTree
 
-__all__ = ["penalize_", "penalized_reference"]
+__all__ = ["penalize_", "penalize_rows_", "penalized_reference"]
 
 
 def penalize_(
@@ -45,33 +45,49 @@ def penalize_(
     request's prompt and reply token ids so far."""
     if not params.penalized:
         return
-    nt, vocab = tree.num_nodes, logits.shape[1]
-    dev = logits.device
+    paths: list[list[int]] = [[]]  # node i: the draft tokens from below the root down to it
+    for i in range(1, tree.num_nodes):
+        paths.append(paths[tree.parent_list[i]] + [tree.token_list[i]])
+    penalize_rows_(logits, range(row0, row0 + tree.num_nodes), paths, params, prompt, output)
+
+
+def penalize_rows_(
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    paths: Sequence[Sequence[int]],
+    params: SamplingParams,
+    prompt: Sequence,
+    output: Sequence,
+    columns: torch.Tensor | None = None,
+) -> None:
+    """Penalize ``logits[rows[k]]`` in place as the row after the reply ``output + paths[k]``.
+    ``columns`` (a drafter whose logits cover a reduced vocabulary): [target vocabulary] int64, each
+    token's logits column or -1 (tokens without one are not penalized); None: columns are token ids."""
+    if not params.penalized or not len(rows):
+        return
+    vocab = logits.shape[1]
     rep = params.repetition_penalty != 1
-    n_out, n_path = len(output), nt - 1
-    seen = torch.tensor([*output, *tree.token_list[1:], *(prompt if rep else ())], dtype=torch.int64)
+    if columns is not None:
+        output, prompt = _mapped(columns, output), _mapped(columns, prompt if rep else ())
+        paths = [_mapped(columns, p) for p in paths]
+    flat = [t for p in paths for t in p]
+    n_out, n_path = len(output), len(flat)
+    seen = torch.tensor([*output, *flat, *(prompt if rep else ())], dtype=torch.int64)
     if not len(seen):
         return
-    cols, idx = seen.unique(return_inverse=True)  # [U] sorted token ids the rows touch; each one's column
+    cols, idx = seen.unique(return_inverse=True)  # [U] sorted columns the rows touch; each token's
     if int(cols[-1]) >= vocab or int(cols[0]) < 0:
         raise ValueError(f"token {int(cols[-1])} is outside the logits' {vocab} columns")
-    counts = torch.zeros((nt, len(cols)), dtype=torch.float32)  # [nt, U] the reply's counts per row
+    counts = torch.zeros((len(rows), len(cols)), dtype=torch.float32)  # [R, U] the reply's counts per row
     if n_out:
         counts += torch.bincount(idx[:n_out], minlength=len(cols)).float()
-    if n_path:  # each draft token counts in its own row and its descendants' rows
-        col = idx[n_out : n_out + n_path].tolist()
-        paths: list[list[int]] = [[]]
-        pairs_r: list[int] = []
-        pairs_c: list[int] = []
-        for i in range(1, nt):
-            p = paths[tree.parent_list[i]] + [col[i - 1]]
-            paths.append(p)
-            pairs_r += [i] * len(p)
-            pairs_c += p
-        counts.index_put_((torch.tensor(pairs_r), torch.tensor(pairs_c)), torch.ones(len(pairs_r)), accumulate=True)
-    rows = torch.arange(row0, row0 + nt, device=dev)[:, None]  # [nt, 1]
-    at = cols.to(dev)[None, :]  # [1, U]
-    sub = logits[rows, at].float()  # [nt, U]
+    if n_path:  # each path token counts in its row
+        pairs_r = [k for k, p in enumerate(paths) for _ in p]
+        counts.index_put_((torch.tensor(pairs_r), idx[n_out : n_out + n_path]), torch.ones(n_path), accumulate=True)
+    dev = logits.device
+    at_r = torch.as_tensor(list(rows), dtype=torch.int64, device=dev)[:, None]  # [R, 1]
+    at_c = cols.to(dev)[None, :]  # [1, U]
+    sub = logits[at_r, at_c].float()  # [R, U]
     counts = counts.to(dev)
     if rep:
         hit = counts > 0
@@ -85,7 +101,15 @@ def penalize_(
         sub = sub - params.frequency_penalty * counts
     if params.presence_penalty != 0:
         sub = sub - params.presence_penalty * (counts > 0).float()
-    logits[rows, at] = sub.to(logits.dtype)
+    logits[at_r, at_c] = sub.to(logits.dtype)
+
+
+def _mapped(columns: torch.Tensor, ids: Sequence) -> list:
+    """``ids`` as logits columns, those without one left out."""
+    if not len(ids):
+        return []
+    c = columns[torch.as_tensor(list(ids), dtype=torch.int64)]
+    return c[c >= 0].tolist()
 
 
 def penalized_reference(logits: torch.Tensor, params: SamplingParams, prompt: Sequence, history: Sequence):

@@ -36,6 +36,7 @@ import torch
 from specd.config import SpecMode, TreeChoices, static_tree_choices
 from specd.model.attention import build_metadata
 from specd.model.graphs import StepInputs
+from specd.sampling.penalties import penalize_rows_
 from specd.sampling.probs import logits_to_probs
 from specd.sampling.tree import DraftTree
 from specd.speculation.proposal import DraftRequest, Proposal
@@ -132,6 +133,7 @@ class Drafter:
         self.level_time = 0.0
         self.clock = time.perf_counter  # the engine sets its policy clock (thread CPU time on CPU)
         self.graphs = None  # a GraphRunner over graph_step (CUDA graphs; the builder captures it), or None
+        self._cols: tuple | None = None  # (logits width, target id -> column) for penalties (_columns)
 
     def observe(self, seq, proposal: Proposal, accepted_nodes: list[int]) -> None:
         """(The policy learns its acceptance: ``SpecPolicy.observe``.)"""
@@ -293,6 +295,7 @@ class Drafter:
         """Create children for every frontier node; return the (build, node) pairs to feed next."""
         seqs = [b.seq for b, _, _ in frontier]
         logits = torch.stack([lg for _, _, lg in frontier])  # [F, V]
+        self._penalize(frontier, logits)
         all_greedy = not any(b.sampled for b, _, _ in frontier)
         if all_greedy:  # fast path: confidence = softmax at temperature 1, children = top-k
             probs = None
@@ -341,6 +344,36 @@ class Drafter:
                 new.sort(key=lambda j: -b.scores[j])
                 fed_next += [(b, j) for j in new[: sh.topk]]
         return fed_next
+
+    def _penalize(self, frontier, logits: torch.Tensor) -> None:
+        """Each penalized request's frontier rows penalized as the target will penalize the rows
+        verifying them (the reply as far as the node: ``specd.sampling.penalties``), so the drafts
+        follow the penalized target. Any draft distribution keeps the output exact; this one is
+        accepted more often."""
+        groups: dict[int, tuple] = {}
+        for r, (b, i, _) in enumerate(frontier):
+            if b.seq.params.penalized:
+                g = groups.setdefault(id(b), (b, [], []))
+                g[1].append(r)
+                g[2].append([b.tokens[j] for j in b.anc[i][1:]])
+        for b, rows, paths in groups.values():
+            seq = b.seq
+            output = seq.tokens[len(seq.prompt_ids) :]
+            penalize_rows_(logits, rows, paths, seq.params, seq.prompt_ids, output, self._columns(logits.shape[1]))
+
+    def _columns(self, width: int) -> torch.Tensor | None:
+        """Target token id -> this drafter's logits column (-1: none) when they differ, else None."""
+        if self.d2t is None and width >= self.vocab:
+            return None
+        if self._cols is None or self._cols[0] != width:
+            cols = torch.full((self.vocab,), -1, dtype=torch.int64)
+            if self.d2t is None:
+                cols[:width] = torch.arange(width)
+            else:
+                d2t = self.d2t.cpu()
+                cols[d2t] = torch.arange(len(d2t))
+            self._cols = (width, cols)
+        return self._cols[1]
 
     def _num_children(self, b: _Build, i: int) -> int:
         sh = b.shape
