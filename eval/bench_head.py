@@ -5,6 +5,9 @@ prompt, outputs checked identical to plain. Also where a step's time goes for ea
 vs the target's verification forward (the engine's stage timings, thread CPU seconds).
 
     OMP_NUM_THREADS=2 python -m eval accept methods --per-category 2 --max-tokens 128 --threads 2
+
+``--penalties '{"repetition_penalty": 1.1}'``: every request with those penalties (presence, frequency,
+repetition; still greedy, so the methods' outputs are still checked identical).
 """
 
 from __future__ import annotations
@@ -49,7 +52,25 @@ def parse_args(argv=None):
     ap.add_argument("--tree-topk", type=int, default=4)
     ap.add_argument("--tree-depth", type=int, default=6)
     ap.add_argument("--out", default=None, help="folder for results.json and speedup.png")
+    ap.add_argument("--penalties", type=_penalties, default={}, help="JSON: penalty fields of every request")
     return ap.parse_args(argv)
+
+
+PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def _penalties(text: str) -> dict:
+    """``--penalties``: a JSON object of ``SamplingParams`` penalty fields, checked by it."""
+    from specd.sampling.params import SamplingParams
+
+    try:
+        d = json.loads(text)
+        if not isinstance(d, dict) or set(d) - set(PENALTY_FIELDS):
+            raise ValueError(f"an object of {', '.join(PENALTY_FIELDS)}")
+        SamplingParams(**d)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--penalties: {e}") from None
+    return d
 
 
 def build(a) -> dict:
@@ -99,11 +120,11 @@ def _one(eng, ids: list, mode: str, params) -> tuple:
     return s, time.perf_counter() - t0, c["draft"] - d0, c["forward"] - f0, c["step"] - s0
 
 
-def run(engines: dict, by: dict, methods: list, max_tokens: int) -> dict:
+def run(engines: dict, by: dict, methods: list, max_tokens: int, penalties: dict | None = None) -> dict:
     """{category: {method: [tokens, s, steps, accepted, draft CPU s, forward CPU s, step CPU s]}}"""
     from specd.sampling.params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **(penalties or {}))
     res: dict = collections.defaultdict(lambda: {m: [0, 0.0, 0, 0, 0.0, 0.0, 0.0] for m in methods})
     tok = engines["head"].tokenizer
     for cat, qs in by.items():
@@ -156,12 +177,12 @@ def main(argv=None) -> int:
     engines = build(a)
     for e in engines.values():
         warm_up(e)
-    res = run(
-        engines, H.first_turns_by_category(H.SPEC_BENCH, a.categories.split(","), a.per_category), methods, a.max_tokens
-    )
+    by = H.first_turns_by_category(H.SPEC_BENCH, a.categories.split(","), a.per_category)
+    res = run(engines, by, methods, a.max_tokens, a.penalties)
     meta = H.run_meta(COMMAND, argv)
     print(f"`{meta['command']}`; {meta['date']}; commit {meta['git_commit']}; CPU {meta['cpu']}; "
-          f"{a.threads} thread(s); dtype {engines['head'].target.dtype}; {json.dumps(meta['versions'])}\n")  # fmt: skip
+          f"{a.threads} thread(s); dtype {engines['head'].target.dtype}; penalties {json.dumps(a.penalties)}; "
+          f"{json.dumps(meta['versions'])}\n")  # fmt: skip
     print("\n".join(table(res, methods)))
     if a.out:
         out = Path(a.out)

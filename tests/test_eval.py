@@ -378,3 +378,15 @@ def test_every_command_resolves_to_a_tool_that_records_it(capsys):
     assert all(m in text for tools in COMMANDS.values() for m, _ in tools.values())
     assert eval_main(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
     assert eval_main(["--help"]) == 0 and "bench" in capsys.readouterr().out
+
+
+def test_accept_methods_takes_penalties():
+    """``accept methods --penalties JSON``: penalty fields only, checked by SamplingParams."""
+    from eval import bench_head
+
+    a = bench_head.parse_args(["--penalties", '{"repetition_penalty": 1.1, "presence_penalty": 0.5}'])
+    assert a.penalties == {"repetition_penalty": 1.1, "presence_penalty": 0.5}
+    assert bench_head.parse_args([]).penalties == {}
+    for bad in ('{"top_k": 3}', '{"repetition_penalty": 0}', "[1]", "{"):
+        with pytest.raises(SystemExit):
+            bench_head.parse_args(["--penalties", bad])
