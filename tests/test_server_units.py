@@ -40,6 +40,10 @@ def test_parse_generate_defaults_and_fields():
             "ignore_eos": True,
             "logprobs": 2,
             "logit_bias": {"7": -1},
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "repetition_penalty": 1.25,
+            "min_p": 0.05,
             "priority": "batch",
             "speculation": {"mode": "chain", "max_draft_tokens": 4},
             "future_field": 1,
@@ -56,6 +60,10 @@ def test_parse_generate_defaults_and_fields():
         ignore_eos=True,
         logprobs=2,
         logit_bias=((7, -1.0),),
+        presence_penalty=0.5,
+        frequency_penalty=-1.0,
+        repetition_penalty=1.25,
+        min_p=0.05,
     )
     assert (r.spec.mode, r.spec.max_draft_tokens, r.priority) == ("chain", 4, "batch")
     p = r.sampling(prompt_tokens=1, max_model_len=64)
