@@ -65,36 +65,23 @@ def penalize_rows_(
     token's logits column or -1 (tokens without one are not penalized); None: columns are token ids."""
     if not params.penalized or not len(rows):
         return
-    vocab = logits.shape[1]
+    if len(paths) != len(rows):
+        raise ValueError(f"{len(rows)} rows but {len(paths)} paths")
     rep = params.repetition_penalty != 1
     if columns is not None:
-        output, prompt = _mapped(columns, output), _mapped(columns, prompt if rep else ())
+        output, prompt = _mapped(columns, output), _mapped(columns, prompt)
         paths = [_mapped(columns, p) for p in paths]
-    flat = [t for p in paths for t in p]
-    n_out, n_path = len(output), len(flat)
-    seen = torch.tensor([*output, *flat, *(prompt if rep else ())], dtype=torch.int64)
-    if not len(seen):
+    seen = _seen(paths, prompt if rep else (), output, logits.shape[1])
+    if seen is None:
         return
-    cols, idx = seen.unique(return_inverse=True)  # [U] sorted columns the rows touch; each token's
-    if int(cols[-1]) >= vocab or int(cols[0]) < 0:
-        raise ValueError(f"token {int(cols[-1])} is outside the logits' {vocab} columns")
-    counts = torch.zeros((len(rows), len(cols)), dtype=torch.float32)  # [R, U] the reply's counts per row
-    if n_out:
-        counts += torch.bincount(idx[:n_out], minlength=len(cols)).float()
-    if n_path:  # each path token counts in its row
-        pairs_r = [k for k, p in enumerate(paths) for _ in p]
-        counts.index_put_((torch.tensor(pairs_r), idx[n_out : n_out + n_path]), torch.ones(n_path), accumulate=True)
+    cols, counts, in_prompt = seen
     dev = logits.device
     at_r = torch.as_tensor(list(rows), dtype=torch.int64, device=dev)[:, None]  # [R, 1]
     at_c = cols.to(dev)[None, :]  # [1, U]
     sub = logits[at_r, at_c].float()  # [R, U]
     counts = counts.to(dev)
     if rep:
-        hit = counts > 0
-        if len(prompt):
-            in_prompt = torch.zeros(len(cols), dtype=torch.bool)
-            in_prompt[idx[n_out + n_path :]] = True
-            hit |= in_prompt.to(dev)[None, :]
+        hit = (counts > 0) | in_prompt.to(dev)[None, :]
         r = params.repetition_penalty
         sub = torch.where(hit, torch.where(sub > 0, sub / r, sub * r), sub)
     if params.frequency_penalty != 0:
@@ -102,6 +89,29 @@ def penalize_rows_(
     if params.presence_penalty != 0:
         sub = sub - params.presence_penalty * (counts > 0).float()
     logits[at_r, at_c] = sub.to(logits.dtype)
+
+
+def _seen(paths: Sequence[Sequence[int]], prompt: Sequence, output: Sequence, vocab: int) -> tuple | None:
+    """The columns the rows touch (those of ``output``, the paths and ``prompt``; [U] sorted), the
+    reply's count of each per row ([R, U] float32: ``output``'s plus the row's path) and whether the
+    prompt holds it ([U] bool); None when there is none."""
+    flat = [t for p in paths for t in p]
+    n_out, n_path = len(output), len(flat)
+    seen = torch.tensor([*output, *flat, *prompt], dtype=torch.int64)
+    if not len(seen):
+        return None
+    cols, idx = seen.unique(return_inverse=True)
+    if int(cols[-1]) >= vocab or int(cols[0]) < 0:
+        raise ValueError(f"token {int(cols[-1])} is outside the logits' {vocab} columns")
+    counts = torch.zeros((len(paths), len(cols)), dtype=torch.float32)
+    if n_out:
+        counts += torch.bincount(idx[:n_out], minlength=len(cols)).float()
+    if n_path:  # each path token counts in its row
+        pairs_r = [k for k, p in enumerate(paths) for _ in p]
+        counts.index_put_((torch.tensor(pairs_r), idx[n_out : n_out + n_path]), torch.ones(n_path), accumulate=True)
+    in_prompt = torch.zeros(len(cols), dtype=torch.bool)
+    in_prompt[idx[n_out + n_path :]] = True
+    return cols, counts, in_prompt
 
 
 def _mapped(columns: torch.Tensor, ids: Sequence) -> list:
