@@ -324,6 +324,77 @@ def test_penalties_over_http_and_the_websocket_are_the_engines(server, client, r
     assert ei.value.body["param"] == "presence_penalty"
 
 
+# n choices --------------------------------------------------------------------------------------------------
+def test_n_greedy_choices_are_the_greedy_reply(client, server, reference):
+    text, ids = reference["chat"]
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=N, temperature=0, n=3
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2] and all(c.message.content == text for c in r.choices)
+    assert r.usage.completion_tokens == 3 * len(ids) and r.usage.total_tokens == r.usage.prompt_tokens + 3 * len(ids)
+    one = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=N, temperature=0
+    )
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # (the prompt counted once)
+    spec = r.usage.model_extra["speculation"]
+    assert spec["steps"] >= 3 and spec["mean_accepted_length"] == pytest.approx(
+        1 + spec["accepted_tokens"] / spec["steps"], abs=1e-3
+    )
+    assert wait_idle(server)
+
+
+def test_n_sampled_choices_are_the_seeded_requests_streamed_or_not(client, server):
+    """Choice i of a seeded request is the request with seed + i; streamed, the chunks of the choices
+    interleave by ``index`` and reassemble to the same texts, each with its own finish, then one
+    usage chunk (summed) and ``[DONE]`` once."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=1.0)
+    kw["extra_body"] = {"speculation": {"mode": "off"}}  # (a seed's draws depend on what was drafted)
+    whole = client.chat.completions.create(**kw, n=3, seed=11)
+    alone = [client.chat.completions.create(**kw, seed=11 + i).choices[0].message.content for i in range(3)]
+    assert [c.message.content for c in whole.choices] == alone and len(set(alone)) > 1
+    texts, finishes, usage = ["", "", ""], [None] * 3, []
+    for chunk in client.chat.completions.create(
+        **kw, n=3, seed=11, stream=True, stream_options={"include_usage": True}
+    ):
+        if chunk.usage is not None:
+            usage.append(chunk.usage)
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] = c.finish_reason or finishes[c.index]
+    assert texts == alone and finishes == [c.finish_reason for c in whole.choices]
+    assert len(usage) == 1 and usage[0].completion_tokens == whole.usage.completion_tokens
+    body = {k: v for k, v in kw.items() if k != "extra_body"}
+    status, raw, _ = post(server, "/v1/chat/completions", {**body, "n": 2, "stream": True})
+    assert status == 200 and raw.count(b"data: [DONE]") == 1 and raw.rstrip().endswith(b"data: [DONE]")
+    comp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, n=2, logprobs=1)
+    assert [c.index for c in comp.choices] == [0, 1] and comp.choices[0].text == comp.choices[1].text
+    assert all(c.logprobs.text_offset[0] == 0 and len(c.logprobs.tokens) == 6 for c in comp.choices)
+    assert wait_idle(server)
+
+
+def test_a_client_leaving_an_n_stream_cancels_every_choice(server):
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "n": 3, "stream": True, "ignore_eos": True}
+    conn.request("POST", "/v1/completions", orjson.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.read(16).startswith(b"data: ")  # (the first choice chunk has come)
+    conn.sock.close()  # (gone mid-stream: every choice is cancelled and its KV freed)
+    conn.close()
+    assert wait_idle(server)
+
+
+def test_n_out_of_range_is_a_400(client):
+    for n, api in ((0, "chat"), (9, "chat"), (2, "responses")):
+        with pytest.raises(openai.BadRequestError) as ei:
+            if api == "chat":
+                client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=n)
+            else:
+                client.responses.create(model=MODEL, input="x", extra_body={"n": n})
+        assert ei.value.body["param"] == "n"
+
+
 # refusals: OpenAI's error shape and statuses -------------------------------------------------------------
 def test_errors_have_openai_shape_and_status(server, client):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]}
@@ -347,7 +418,7 @@ def test_errors_have_openai_shape_and_status(server, client):
         ({**chat, "temperature": "hot"}, 400, "invalid_value"),
         ({**chat, "temperature": -1}, 400, "invalid_value"),
         ({**chat, "max_tokens": 0}, 400, "invalid_value"),
-        ({**chat, "n": 2}, 400, "unsupported_parameter"),
+        ({**chat, "n": 9}, 400, "invalid_value"),
         ({**chat, "logprobs": True, "top_logprobs": 99}, 400, "invalid_value"),
         ({**chat, "stream_options": {"include_usage": True}}, 400, "invalid_value"),
         ({**chat, "messages": [{"role": "user", "content": "x" * 9000}]}, 413, "request_too_large"),

@@ -77,7 +77,7 @@ def test_chat_body_maps_to_the_shared_request_arguments():
         ({"temperature": float("inf")}, "temperature", "invalid_value"),
         ({"max_tokens": 0}, "max_tokens", "invalid_value"),
         ({"max_tokens": 2.0}, "max_tokens", "invalid_value"),
-        ({"n": 3}, "n", "unsupported_parameter"),
+        ({"n": 9}, "n", "invalid_value"),
         ({"logprobs": 1}, "logprobs", "invalid_value"),
         ({"top_logprobs": 2}, "top_logprobs", "invalid_value"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),

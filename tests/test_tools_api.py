@@ -266,6 +266,32 @@ def test_a_reply_cut_inside_a_call_is_the_same_streamed_or_not(client):
             json.loads(a)
 
 
+def test_n_choices_each_parse_their_own_calls(client):
+    """``n`` = 2 sampled replies to a required tool: each choice its own calls and finish, streamed the
+    same by ``index``."""
+    kw = _chat(max_tokens=120, tools=TOOLS, tool_choice="required", temperature=1.0, seed=3, n=2)
+    kw["extra_body"] = {"speculation": {"mode": "off"}}
+    r = client.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls" and c.message.content is None and c.message.tool_calls
+        for call in c.message.tool_calls:
+            _check_call(call.function.name, call.function.arguments)
+    calls: dict = {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                calls.setdefault((ch.index, d.index), ["", ""])
+                calls[ch.index, d.index][0] += d.function.name or ""
+                calls[ch.index, d.index][1] += d.function.arguments or ""
+    want = {
+        (i, k): [t.function.name, t.function.arguments]
+        for i, c in enumerate(r.choices)
+        for k, t in enumerate(c.message.tool_calls)
+    }
+    assert calls == want
+
+
 # Responses API -------------------------------------------------------------------------------------
 def _function_calls(resp) -> list:
     return [o for o in resp.output if o.type == "function_call"]

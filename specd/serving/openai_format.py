@@ -93,14 +93,21 @@ def chat_completion(
 
 
 def chat_chunk(
-    rid: str, created: int, model: str, delta: dict, finish: str | None, with_usage: bool, logprobs: dict | None = None
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict,
+    finish: str | None,
+    with_usage: bool,
+    logprobs: dict | None = None,
+    index: int = 0,
 ) -> dict:
     c = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         "system_fingerprint": None,
     }
     if with_usage:
@@ -109,23 +116,37 @@ def chat_chunk(
 
 
 def completion(
-    rid: str, created: int, model: str, text: str, finish: str | None, use: dict | None, logprobs: dict | None = None
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish: str | None,
+    use: dict | None,
+    logprobs: dict | None = None,
+    index: int = 0,
 ) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         "usage": use,
         "system_fingerprint": None,
     }
 
 
 def completion_chunk(
-    rid: str, created: int, model: str, text: str, finish: str | None, with_usage: bool, logprobs: dict | None = None
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish: str | None,
+    with_usage: bool,
+    logprobs: dict | None = None,
+    index: int = 0,
 ) -> dict:
-    c = completion(rid, created, model, text, finish, None, logprobs)
+    c = completion(rid, created, model, text, finish, None, logprobs, index)
     if not with_usage:
         del c["usage"]
     return c

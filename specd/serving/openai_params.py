@@ -13,12 +13,13 @@ Constraints (``engine["grammar"]``, a ``specd.structured.GrammarSpec``): chat's 
 completions' ``response_format`` and vLLM's; responses' ``text.format`` and function ``tools``; a bad
 one is a 400 with the grammar's code naming the field (``grammar_error``). Sampling:
 ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``, ``temperature``, ``top_p``,
-``seed``, ``stop``, ``logit_bias``, ``presence_penalty``, ``frequency_penalty``, ``n`` = 1, plus the
+``seed``, ``stop``, ``logit_bias``, ``presence_penalty``, ``frequency_penalty``, ``n`` (1-8 choices on
+chat and completions, each an engine request of its own: seeds ``seed + i``), plus the
 extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
 ``priority`` and ``speculation`` ({mode: auto|off|chain|tree, max_draft_tokens}). Log-probabilities:
 chat ``logprobs: true`` with ``top_logprobs`` 0..20, completions ``logprobs`` 0..20 (the engine's
 ``SamplingParams.logprobs``). Fields that would change the output in ways the engine cannot honour
-(the deprecated ``functions``, ``n`` > 1, ``echo``, ``best_of``,
+(the deprecated ``functions``, ``n`` > 1 on responses, ``echo``, ``best_of``,
 ``suffix``, tools on completions; log-probabilities on ``/v1/responses``) are refused with 400 ``unsupported_parameter``
 rather than silently ignored; unknown fields are ignored.
 """
@@ -37,6 +38,7 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 INPUT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 TEXT_PARTS = {"text", "input_text", "output_text"}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_CHOICES = 8  # ``n`` on chat and completions
 
 
 @dataclass
@@ -47,6 +49,7 @@ class ParsedRequest:
     engine: dict
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices (chat, completions)
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True
@@ -110,8 +113,16 @@ def _refuse_unsupported(b: dict) -> None:
     for key in ("functions", "function_call"):
         if b.get(key):
             raise _unsupported(key, f"'{key}' is not supported (use 'tools' and 'tool_choice')")
-    if _int(b, "n") not in (None, 1):
-        raise _unsupported("n", "only n=1 is supported")
+
+
+def _choices(b: dict) -> int:
+    """``n``: how many choices (1..MAX_CHOICES; each its own engine request)."""
+    n = _int(b, "n")
+    if n is None:
+        return 1
+    if not 1 <= n <= MAX_CHOICES:
+        raise _bad("n", f"'n' must be in [1, {MAX_CHOICES}], got {n}")
+    return n
 
 
 def grammar_error(e) -> APIError:
@@ -240,7 +251,7 @@ def parse_chat(body: dict, served: str) -> ParsedRequest:
     _checked(engine, {**names, "logprobs": "top_logprobs"})
     engine["messages"] = _messages(body.get("messages"), "messages")
     engine["grammar"] = _grammar(body)
-    return ParsedRequest(engine, stream, _stream_options(body, stream))
+    return ParsedRequest(engine, stream, _stream_options(body, stream), n=_choices(body))
 
 
 def _prompt(v) -> dict:
@@ -273,7 +284,7 @@ def parse_completion(body: dict, served: str) -> ParsedRequest:
     _checked(engine, names)
     engine.update(_prompt(body.get("prompt")))
     engine["grammar"] = _grammar(body)
-    return ParsedRequest(engine, stream, _stream_options(body, stream))
+    return ParsedRequest(engine, stream, _stream_options(body, stream), n=_choices(body))
 
 
 def _call_item(m: dict, where: str) -> dict:
@@ -354,6 +365,8 @@ def parse_response(body: dict, served: str) -> ParsedRequest:
     _checked(engine, names)
     engine["messages"] = _response_input(body.get("input"))
     engine["grammar"] = _grammar(body, _response_grammar)
+    if _choices(body) != 1:
+        raise _unsupported("n", "the Responses API has one output (n = 1)")
     p = ParsedRequest(engine, bool(_bool(body, "stream", False)))
     p.instructions = _str(body, "instructions")
     p.previous_response_id = _str(body, "previous_response_id")

@@ -15,6 +15,7 @@ A request cut short by the drain deadline at shutdown ends with a 503 ``shutting
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +29,7 @@ from specd.serving import openai_format as F
 from specd.serving.async_engine import RequestStream
 from specd.serving.frontend import Frontend
 from specd.serving.logprobs import LogprobRenderer, TokenText
+from specd.serving.openai_choices import merged_events, one_response
 from specd.serving.openai_errors import APIError, error_response, from_request_error
 from specd.serving.openai_params import ParsedRequest, grammar_error, parse_chat, parse_completion
 from specd.serving.request_build import build_request, build_request_async, message_chars, tools_of
@@ -198,27 +200,59 @@ class OpenAIFront:
         rid, created = prefix + uuid.uuid4().hex, int(time.time())
         try:
             p, key = await self.prepare(request, parse)
-            stream = await self.start(p.engine, rid, key)
+            streams = await self._start_choices(p, rid, key)
         except APIError as e:
             return self.fail(e)
         except ClientGone:
             return Response(status_code=499)
-        model = self.front.model_name
-        render = self.renderer(p, whole is _chat_whole)
+        head = (rid, created, self.front.model_name)
+        chat = whole is _chat_whole
         tools = tools_of(p.engine.get("grammar"))
         if p.stream:
-            return EventStream(events(stream, (rid, created, model), p.include_usage, render, tools))
+            return EventStream(self._events(events, streams, p, head, chat, tools))
         try:
-            text, last, ids, lps = await until_disconnect(request.receive, collect(stream))
+            got = await until_disconnect(request.receive, asyncio.gather(*map(collect, streams)))
         except ClientGone:
             return Response(status_code=499)  # (nobody reads it)
         except RequestError as e:  # the engine failed the request (or refused its grammar: a 400)
             return self.fail(from_request_error(e))
-        err = cut_short(last.finish_reason)
-        if err is not None:
-            return self.fail(err)
-        lp = render(ids, lps) if render is not None else None
-        return JSONResponse(whole((rid, created, model), text, last, lp, tools))
+        finally:
+            for s in streams:
+                s.close()
+        bodies = []
+        for text, last, ids, lps in got:
+            err = cut_short(last.finish_reason)
+            if err is not None:
+                return self.fail(err)
+            render = self.renderer(p, chat)
+            bodies.append(whole(head, text, last, render(ids, lps) if render is not None else None, tools))
+        return JSONResponse(bodies[0] if len(bodies) == 1 else one_response(bodies))
+
+    def _events(self, events, streams: list, p: ParsedRequest, head: tuple, chat: bool, tools) -> AsyncIterator:
+        """The server-sent events of the request's one stream, or of its ``n`` choices merged."""
+        if len(streams) == 1:
+            return events(streams[0], head, p.include_usage, self.renderer(p, chat), tools)
+        uses: list = []
+        gens = [events(s, head, p.include_usage, self.renderer(p, chat), tools, i, uses) for i, s in enumerate(streams)]
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        return merged_events(gens, head, p.include_usage, obj, uses)
+
+    async def _start_choices(self, p: ParsedRequest, rid: str, key: str | None) -> list:
+        """The request's engine streams: one, or ``p.n`` choices (``openai_choices``); APIError when one
+        is refused (the others are closed)."""
+        if p.n == 1:
+            return [await self.start(p.engine, rid, key)]
+        seed = p.engine.get("seed")
+        streams: list = []
+        try:
+            for i in range(p.n):
+                kw = dict(p.engine, seed=None if seed is None else seed + i)
+                streams.append(await self.start(kw, f"{rid}-{i}", key))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
 
 
 def _chat_whole(head: tuple, text: str, last, lp, tools) -> dict:
@@ -264,10 +298,19 @@ def _step_deltas(out, parser: ToolCallParser | None) -> list:
 
 
 async def _chat_events(
-    stream: RequestStream, head: tuple, with_usage: bool, render: LogprobRenderer | None, tools=None
+    stream: RequestStream,
+    head: tuple,
+    with_usage: bool,
+    render: LogprobRenderer | None,
+    tools=None,
+    choice: int = 0,
+    uses: list | None = None,
 ) -> AsyncIterator:
+    """One choice's chunks (``index`` ``choice``); ``uses`` (one of ``n`` choices: ``openai_choices``):
+    its usage goes there, and no usage chunk or ``[DONE]`` of its own."""
+
     def chunk(delta, finish=None, lp=None):
-        return F.sse(F.chat_chunk(*head, delta, finish, with_usage, lp))
+        return F.sse(F.chat_chunk(*head, delta, finish, with_usage, lp, choice))
 
     parser = ToolCallParser(free_text=tools.free_text) if tools is not None else None
     try:
@@ -286,22 +329,32 @@ async def _chat_events(
                     break
                 calls, cut = (parser.calls, parser.cut) if parser is not None else ([], False)
                 yield chunk({}, tool_finish(out.finish_reason, calls, cut))
-                if with_usage:
+                if uses is not None:
+                    uses.append(F.usage(out.seq))
+                elif with_usage:
                     yield F.sse(F.usage_chunk(*head, "chat.completion.chunk", F.usage(out.seq)))
     except RequestError as e:  # the engine failed the request mid-stream
         yield F.sse(from_request_error(e).body())
     finally:
         stream.close()
-    yield F.DONE
+    if uses is None:
+        yield F.DONE
 
 
 async def _completion_events(
-    stream: RequestStream, head: tuple, with_usage: bool, render: LogprobRenderer | None, tools=None
+    stream: RequestStream,
+    head: tuple,
+    with_usage: bool,
+    render: LogprobRenderer | None,
+    tools=None,
+    choice: int = 0,
+    uses: list | None = None,
 ):
+    """As :func:`_chat_events`, for ``/v1/completions``."""
     rid, created, model = head
 
     def chunk(text, finish=None, lp=None):
-        return F.sse(F.completion_chunk(rid, created, model, text, finish, with_usage, lp))
+        return F.sse(F.completion_chunk(rid, created, model, text, finish, with_usage, lp, choice))
 
     try:
         async for out in stream:
@@ -314,10 +367,13 @@ async def _completion_events(
                     yield F.sse(err.body())
                     break
                 yield chunk("", F.FINISH[out.finish_reason])
-                if with_usage:
+                if uses is not None:
+                    uses.append(F.usage(out.seq))
+                elif with_usage:
                     yield F.sse(F.usage_chunk(rid, created, model, "text_completion", F.usage(out.seq)))
     except RequestError as e:
         yield F.sse(from_request_error(e).body())
     finally:
         stream.close()
-    yield F.DONE
+    if uses is None:
+        yield F.DONE
