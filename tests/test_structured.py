@@ -576,6 +576,7 @@ TEXTS = [
     '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": [1, {"x": "]"}], "b": 2}}\n</tool_call>\n',
     "x <tool_call>not json</tool_call> y",
     '  <tool_call>\n{"name": "a\\"b", "arguments": {}}\n</tool_call>  tail text  ',
+    '<tool_call>\n{"name": "w", "arguments": {"s": "</tool_call> <tool_call> {"}}\n</tool_call> after',
 ]
 CUT = [  # replies cut short (max_tokens): (text, content, [(name, arguments so far)], the last call cut)
     ('Let me look.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b"', "Let me look.", [("add", '{"a": 1, "b"')],
@@ -586,6 +587,10 @@ CUT = [  # replies cut short (max_tokens): (text, content, [(name, arguments so 
     ('<tool_call>\n{"name": "add", "arguments": ', None, [("add", "")], True),
     (TEXTS[1] + "\nHi <tool_call>\n{\"na", "Hi", [("add", '{"a": 1, "b": 2}')], False),  # cut before the name:
     ("x <tool_call>not json</tool_call> y <tool_", "x <tool_call>not json</tool_call> y <tool_", [], False),
+    ('<tool_call>{"name": "w", "arguments": {"text": "use <tool_call> tags', None,  # (tags inside strings)
+     [("w", '{"text": "use <tool_call> tags')], True),
+    ('<tool_call>{"name": "a", "arguments": {"s": "</tool_call> is the tag", "t": 1', None,
+     [("a", '{"s": "</tool_call> is the tag", "t": 1')], True),
 ]  # fmt: skip
 
 

@@ -194,6 +194,11 @@ def test_a_named_class_loads_directly_where_autotokenizer_loads_it(tmp_path, mod
 
     folder = _named_folder(tmp_path, model_type, named, source)
     assert _direct_class(folder) == direct
+    (tmp_path / "tekken").mkdir()
+    (tmp_path / "tekken" / "tekken.json").write_text("{}")  # Mistral's own format: AutoTokenizer decides
+    for f in folder.iterdir():
+        shutil.copy(f, tmp_path / "tekken" / f.name)
+    assert _direct_class(tmp_path / "tekken") is None
     ours, ref = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
     assert type(ours) is type(ref) and (direct is None or type(ours) is getattr(transformers, direct))
     _same(ours, ref)

@@ -14,6 +14,7 @@ its methods.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from dataclasses import dataclass
 
@@ -228,7 +229,10 @@ class StepLog:
         t0 = time.perf_counter()
         outs = step()
         if outs:
-            self(outs, time.perf_counter() - t0)
+            try:
+                self(outs, time.perf_counter() - t0)
+            except Exception:  # noqa: BLE001 - a log that fails never fails the step's requests
+                logging.getLogger("eval").exception("StepLog failed")
         return outs
 
     def follow(self) -> StepLog:
@@ -256,7 +260,8 @@ class StepLog:
 
     def take(self) -> list:
         """The (depth, accepted) pairs verified since the previous ``take()``."""
-        rows, self._taken = self.rows[self._taken :], len(self.rows)
+        n = len(self.rows)  # (once: a followed engine's thread may append meanwhile)
+        rows, self._taken = self.rows[self._taken : n], n
         return [v for r in rows for v in r.verified]
 
     def engine_stats(self):

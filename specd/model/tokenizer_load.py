@@ -56,6 +56,8 @@ def _direct_class(folder: Path) -> str | None:
         return None
     if not isinstance(tok_cfg, dict) or "auto_map" in tok_cfg or not (folder / "tokenizer.json").is_file():
         return None
+    if (folder / "tekken.json").is_file():  # (with mistral_common installed AutoTokenizer loads it instead)
+        return None
     named = tok_cfg.get("tokenizer_class")
     if model_type in FAST_AS_IS and named in _FAST_NAMES:
         return "PreTrainedTokenizerFast"

@@ -76,9 +76,13 @@ def penalize_rows_(
         return
     cols, counts, in_prompt = seen
     dev = logits.device
-    at_r = torch.as_tensor(list(rows), dtype=torch.int64, device=dev)[:, None]  # [R, 1]
-    at_c = cols.to(dev)[None, :]  # [1, U]
-    sub = logits[at_r, at_c].float()  # [R, U]
+    if isinstance(rows, range) and rows.step == 1:
+        block, at_r = logits[rows.start : rows.stop], None  # [R, V] a view
+    else:
+        at_r = torch.as_tensor(list(rows), dtype=torch.int64, device=dev)
+        block = logits.index_select(0, at_r)  # [R, V] a copy, written back below
+    at_c = cols.to(dev)
+    sub = block.index_select(1, at_c).float()  # [R, U]
     counts = counts.to(dev)
     if rep:
         hit = (counts > 0) | in_prompt.to(dev)[None, :]
@@ -88,7 +92,9 @@ def penalize_rows_(
         sub = sub - params.frequency_penalty * counts
     if params.presence_penalty != 0:
         sub = sub - params.presence_penalty * (counts > 0).float()
-    logits[at_r, at_c] = sub.to(logits.dtype)
+    block.index_copy_(1, at_c, sub.to(logits.dtype))
+    if at_r is not None:
+        logits.index_copy_(0, at_r, block)
 
 
 def _seen(paths: Sequence[Sequence[int]], prompt: Sequence, output: Sequence, vocab: int) -> tuple | None:

@@ -8,8 +8,9 @@ non-streamed parse:
   ``arguments`` string is the arguments object's text exactly as generated;
 - ``content`` is the text outside calls, without the whitespace at the reply's ends and around
   calls (the newlines of the format); None when nothing is left;
-- text that only looks like a call (not JSON, no ``name`` / ``arguments``) stays content. A
-  grammar-constrained reply never has one;
+- text that only looks like a call (no ``{"name": "...", "arguments":`` within 512 characters of the
+  tag) stays content. A grammar-constrained reply never has one; tags inside the arguments' JSON
+  strings are the arguments' text;
 - a reply cut short inside a call (``max_tokens``, a stop string) has streamed that call's start:
   ``finish()`` reports it in ``incomplete`` (and ``cut``), and the non-streamed parse gives it too, as
   its last call with the arguments text generated so far and ``complete`` False (OpenAI's calls cut by
@@ -43,7 +44,6 @@ __all__ = ["ParseDelta", "ToolCall", "ToolCallDelta", "ToolCallParser", "new_cal
 
 HEADER_RE = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 MAX_HEADER = 512  # characters after <tool_call> within which the name must have appeared
-CALL_RE = re.compile(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE), re.DOTALL)
 
 
 def new_call_id(index: int) -> str:
@@ -91,52 +91,20 @@ class ParseDelta:
 
 
 # non-streaming -----------------------------------------------------------------------------------
-def _call(inner: str) -> tuple | None:
-    """``(name, arguments text)`` of one call's inner text, or None when it is no call."""
-    try:
-        obj = json.loads(inner)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
-        return None
-    m = HEADER_RE.match(inner)
-    if m is not None:
-        try:
-            _, end = json.JSONDecoder().raw_decode(inner, m.end())
-            return obj["name"], inner[m.end() : end]
-        except ValueError:
-            pass
-    return obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)
-
-
 def parse_tool_calls(text: str, ids: Callable[[int], str] = new_call_id, free_text: bool = True) -> tuple:
-    """``(content or None, [ToolCall])`` of a whole reply (see the module docstring). ``free_text``
-    False: the reply's grammar allows nothing but calls (``tool_choice`` required or named), so text
-    outside them is the format's (a tag cut short) and content is None."""
-    segments: list = []
-    calls: list = []
-    pos = 0
-    for m in CALL_RE.finditer(text):
-        parsed = _call(m.group(1))
-        if parsed is None:
-            continue
-        segments.append(text[pos : m.start()])
-        calls.append(ToolCall(len(calls), ids(len(calls)), parsed[0], parsed[1]))
-        pos = m.end()
-    tail = text[pos:]
-    k = tail.rfind(TOOL_OPEN)
-    if k >= 0 and TOOL_CLOSE not in tail[k:]:  # the reply ended inside a call: as the stream parses it
-        segments.append(tail[:k])
-        cut = ToolCallParser(ids=lambda i: ids(len(calls) + i))
-        parts = [cut.feed(tail[k:]), cut.finish()]
-        segments.append("".join(d.content for d in parts))
-        pieces = [c for d in parts for c in d.tool_calls]
-        if pieces:
-            args = "".join(c.arguments for c in pieces)
-            calls.append(ToolCall(len(calls), pieces[0].id, pieces[0].name, args, complete=False))
-    else:
-        segments.append(tail)
-    content = "".join(s.strip() for s in segments) if free_text else None
+    """``(content or None, [ToolCall])`` of a whole reply (see the module docstring): the stream's parse
+    of it (:class:`ToolCallParser`, fed the whole text), so the two never differ; a call the reply
+    ended inside comes last with ``complete`` False. ``free_text`` False: the reply's grammar allows
+    nothing but calls (``tool_choice`` required or named), so text outside them is the format's (a tag
+    cut short) and content is None."""
+    p = ToolCallParser(ids, free_text)
+    parts = [p.feed(text), p.finish()]
+    content = "".join(d.content for d in parts)
+    calls = list(p.calls)
+    if p.cut:  # (its first piece carries the id and name, the rest argument fragments)
+        pieces = [c for d in parts for c in d.tool_calls if c.index == len(calls)]
+        args = "".join(c.arguments for c in pieces)
+        calls.append(ToolCall(len(calls), pieces[0].id or "", pieces[0].name or "", args, complete=False))
     return content or None, calls
 
 
