@@ -24,6 +24,7 @@ from specd.sampling.penalties import penalize_, penalized_reference
 from specd.sampling.probs import logits_to_probs
 from specd.sampling.tree import DraftTree
 from tests.conftest import DRAFT, TARGET
+from tests.test_constrained import _logits
 from tests.test_spec import _prompts
 from tests.test_spec_sampling import assert_follows
 
@@ -238,17 +239,8 @@ def _penalized_probs(lm, prompt: list, reply: list, params: SamplingParams, top_
 
 
 def _target_probs_logits(lm, tokens: list) -> torch.Tensor:
-    from specd.engine.kv_cache import KVCache
-    from specd.model.attention import build_metadata
-
-    c = lm.config
-    cache = KVCache(c.num_layers, c.num_kv_heads, c.head_dim, 8, 16, torch.float32, torch.device("cpu"))
-    s = cache.new_seq()
-    s.reserve(len(tokens))
-    meta = build_metadata([len(tokens)], [0], [s.blocks], s.slots(0, len(tokens)), 16, torch.device("cpu"))
-    with torch.no_grad():
-        h = lm.model(torch.tensor(tokens), torch.arange(len(tokens)), cache.kv, meta)
-        return lm.model.compute_logits(h[-1:])[0].float()
+    """The target's raw next-token logits after ``tokens`` [V] (tests/test_constrained.py's prefill)."""
+    return _logits(lm, tokens)[0].float()
 
 
 def test_sampled_speculation_follows_the_penalized_distribution(shared_pair):
