@@ -385,6 +385,23 @@ def test_a_client_leaving_an_n_stream_cancels_every_choice(server):
     assert wait_idle(server)
 
 
+def test_a_failed_choice_fails_the_request_and_frees_every_choice(server, engine):
+    """One of ``n`` choices failing in the engine: a 500, the other choices cancelled, nothing held."""
+
+    def hook(stage, seqs):
+        if stage == "commit" and any(s.request_id.endswith("-1") for s in seqs):
+            raise RuntimeError("injected")
+
+    engine.fault_hook = hook
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "n": 3, "ignore_eos": True}
+        status, got, _ = post(server, "/v1/completions", body)
+    finally:
+        engine.fault_hook = None
+    assert status == 500 and got["error"]["message"], got
+    assert wait_idle(server)
+
+
 def test_n_out_of_range_is_a_400(client):
     for n, api in ((0, "chat"), (9, "chat"), (2, "responses")):
         with pytest.raises(openai.BadRequestError) as ei:

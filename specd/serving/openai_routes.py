@@ -79,6 +79,16 @@ async def collect(stream: RequestStream) -> tuple:
     return "".join(parts), last, ids, lps
 
 
+async def _collect_all(streams: list) -> list:
+    """:func:`collect` of every stream; the first failure cancels the others (their streams close)."""
+    tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 class OpenAIFront:
     """The ``/v1`` routes over one ``Frontend`` (``routes()``); ``prepare`` / ``start`` are shared with
     the Responses API."""
@@ -211,7 +221,7 @@ class OpenAIFront:
         if p.stream:
             return EventStream(self._events(events, streams, p, head, chat, tools))
         try:
-            got = await until_disconnect(request.receive, asyncio.gather(*map(collect, streams)))
+            got = await until_disconnect(request.receive, _collect_all(streams))
         except ClientGone:
             return Response(status_code=499)  # (nobody reads it)
         except RequestError as e:  # the engine failed the request (or refused its grammar: a 400)
