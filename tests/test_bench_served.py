@@ -30,10 +30,22 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     assert "make bench-deps" in capsys.readouterr().err
 
 
+def _free_pair() -> int:
+    """A port p with p + 1 free too (the tool's two specd servers use both)."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
 def test_specd_servers_stream_every_request_and_get_a_rate(capsys):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_pair()
     argv = ["--target", str(builtin_gguf()), "--no-llama", "--threads", "1", "--rounds", "1", "--requests", "1"]
     assert S.main([*argv, "--tokens", "12", "--port", str(port)]) == 0
     out = capsys.readouterr().out
