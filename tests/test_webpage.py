@@ -146,11 +146,11 @@ def page_server(engine):  # noqa: F811
         s.stop()
 
 
-def _reference(engine, text, n):  # noqa: F811
+def _reference(engine, text, n, **kw):  # noqa: F811
     from specd.sampling.params import SamplingParams
 
     ids = engine.tokenizer(text)["input_ids"]
-    seq = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=n))[0]
+    seq = engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=n, **kw))[0]
     return engine.output_text(seq)
 
 
@@ -162,6 +162,21 @@ def _open_chat(cdp: CDP, srv):
         f"document.getElementById('temperature').value = '0'; document.getElementById('maxtokens').value = "
         f"'{N_TOK}'; true"
     )
+
+
+def test_the_page_sends_its_repetition_penalty(browser, page_server, engine):  # noqa: F811
+    """The header's repetition penalty goes with each request: the reply is the engine's penalized one."""
+    prompt = PROMPTS[0]
+    want = _reference(engine, prompt, N_TOK, repetition_penalty=1.3)
+    assert want != _reference(engine, prompt, N_TOK)
+    srv = page_server()
+    _open_chat(browser, srv)
+    browser.js("document.getElementById('reppen').value = '1.3'; true")
+    browser.type("#input", prompt)
+    browser.click("#send")
+    browser.wait("(() => { const m = document.querySelector('.msg.assistant');"
+                 " return m && !m.classList.contains('streaming'); })()")  # fmt: skip
+    assert browser.js("document.querySelector('.msg.assistant').firstChild.textContent") == want
 
 
 def test_page_streams_a_reply(browser, page_server, engine):  # noqa: F811
