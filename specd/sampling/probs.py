@@ -90,13 +90,7 @@ def logits_to_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p=None)
             return onehot
     scaled = logits / torch.where(greedy, 1.0, temp)[:, None]  # [N, V]
     if min_p is not None:
-        m_h, m = _row_param(min_p, torch.float32, dev)  # [N]
-        if m.shape[0] != n:
-            raise ValueError(f"need one min_p per row ({n}), got {m.shape[0]}")
-        if _any(m_h, m, lambda x: x > 0):
-            probs = torch.softmax(scaled, dim=-1)  # [N, V]
-            low = probs < m[:, None] * probs.max(dim=-1, keepdim=True).values
-            scaled = scaled.masked_fill(low, float("-inf"))
+        scaled = _min_p(scaled, min_p)
     use_k = _any(k_h, k, lambda x: (x > 0) & (x < v))
     use_p = _any(p_h, p, lambda x: x < 1)
     if use_k or use_p:
@@ -106,6 +100,19 @@ def logits_to_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p=None)
     if onehot is not None:
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs
+
+
+def _min_p(scaled: torch.Tensor, min_p) -> torch.Tensor:
+    """``scaled`` logits [N, V] with the tokens less likely than ``min_p`` [N] times their row's likeliest
+    at -inf (rows with min_p 0 untouched)."""
+    m_h, m = _row_param(min_p, torch.float32, scaled.device)  # [N]
+    if m.shape[0] != scaled.shape[0]:
+        raise ValueError(f"need one min_p per row ({scaled.shape[0]}), got {m.shape[0]}")
+    if not _any(m_h, m, lambda x: x > 0):
+        return scaled
+    probs = torch.softmax(scaled, dim=-1)  # [N, V]
+    low = probs < m[:, None] * probs.max(dim=-1, keepdim=True).values
+    return scaled.masked_fill(low, float("-inf"))
 
 
 def _row_param(x, dtype: torch.dtype, dev: torch.device) -> tuple[torch.Tensor | None, torch.Tensor]:
