@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from specd.config import EngineConfig, SchedulerConfig, SpecConfig
+from specd.config import EngineConfig, SpecConfig
 from specd.engine.engine import Engine
 from specd.engine.sequence import SpecParams
 from specd.sampling.params import SamplingParams
@@ -26,7 +26,7 @@ from specd.sampling.tree import DraftTree
 from tests.conftest import DRAFT, TARGET
 from tests.test_constrained import _logits
 from tests.test_spec import _prompts
-from tests.test_spec_sampling import assert_follows
+from tests.test_spec_sampling import assert_follows, tree_engine
 
 PENALTIES = [
     {"repetition_penalty": 1.3},
@@ -247,16 +247,7 @@ def test_sampled_speculation_follows_the_penalized_distribution(shared_pair):
     """Two sampled tokens per request from a drafting tree (its depth-1 rows are penalized with their
     own draft token): their joint distribution is the penalized, min-p and top-k filtered target's."""
     t, d = shared_pair
-    eng = Engine(
-        EngineConfig(
-            target=str(TARGET),
-            draft=str(DRAFT),
-            spec=SpecConfig(mode="tree", tree_budget=8, tree_topk=3, tree_depth=3, adaptive=False),
-            scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096),
-        ),
-        target=t,
-        draft=d,
-    )
+    eng = tree_engine(t, d)
     prompt = eng.tokenizer("Once upon a time, there was a")["input_ids"]
     kw = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3, "min_p": 0.02}
     top_k = 8

@@ -54,18 +54,23 @@ def assert_follows(joint: dict, outputs: list, tv_bound: float) -> None:
     assert 0.5 * np.abs(obs / n - exp / n).sum() < tv_bound
 
 
-def test_sampled_tree_speculation_matches_target_joint_distribution(shared_pair):
-    t, d = shared_pair
-    eng = Engine(
+def tree_engine(target, draft) -> Engine:
+    """A fixed small drafting tree (8 nodes, 3 children, depth 3) for up to 128 requests at once."""
+    return Engine(
         EngineConfig(
             target=str(TARGET),
             draft=str(DRAFT),
             spec=SpecConfig(mode="tree", tree_budget=8, tree_topk=3, tree_depth=3, adaptive=False),
             scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=4096),
         ),
-        target=t,
-        draft=d,
+        target=target,
+        draft=draft,
     )
+
+
+def test_sampled_tree_speculation_matches_target_joint_distribution(shared_pair):
+    t, d = shared_pair
+    eng = tree_engine(t, d)
     prompt = eng.tokenizer("Once upon a time, there was a")["input_ids"]
     p1 = _target_probs(t, prompt)
     support = torch.nonzero(p1).flatten().tolist()

@@ -22,7 +22,7 @@ from specd.model import invariant
 from specd.model.attention import build_metadata
 from specd.model.graphs import GraphedModel, invariant_tiles
 from specd.model.llama import LlamaModel
-from specd.sampling.probs import logits_to_probs
+from specd.sampling.probs import logits_to_probs, sampling_tensors
 from specd.sampling.tree import DraftTree
 from specd.sampling.verify import AcceptResult, greedy_verify, verify_batch
 from specd.speculation.proposal import Proposal
@@ -213,27 +213,11 @@ def _draft_mode(w: WorkItem) -> str:
 def _verify_sampled(work: list, logits: torch.Tensor) -> list:
     """The rejection sampler over the sampled requests in one vectorised pass (two host
     transfers), each request drawing only from its own generator."""
-    rows: list[int] = []
-    temp: list[float] = []
-    topk: list[int] = []
-    topp: list[float] = []
-    minp: list[float] = []
-    for w in work:
-        p, n = w.sc.seq.params, w.tree.num_nodes
-        rows += range(w.row0, w.row0 + n)
-        temp += [p.temperature] * n
-        topk += [p.top_k] * n
-        topp += [p.top_p] * n
-        minp += [p.min_p] * n
+    rows = [r for w in work for r in range(w.row0, w.row0 + w.tree.num_nodes)]
+    params = [w.sc.seq.params for w in work for _ in range(w.tree.num_nodes)]
     dev = logits.device
     # params stay on the host: logits_to_probs picks its fast path without a device sync
-    probs = logits_to_probs(
-        logits[torch.tensor(rows, device=dev)],
-        torch.tensor(temp),
-        torch.tensor(topk),
-        torch.tensor(topp),
-        torch.tensor(minp),
-    )
+    probs = logits_to_probs(logits[torch.tensor(rows, device=dev)], *map(torch.tensor, sampling_tensors(params)))
     dps = []
     for w in work:
         dp = w.proposal.draft_probs if w.proposal is not None else None
